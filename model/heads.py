@@ -1,0 +1,41 @@
+"""A scalar reward head composed with the GPT-2 body."""
+
+import torch
+import torch.nn as nn
+
+from model.gpt2 import GPT2, GPTConfig, init_gpt2_weights
+
+
+def last_real_index(attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """Column of the last True in each row (B,). cumsum reaches its maximum first at the last real token,
+    whatever padding sits on either side."""
+    return attention_mask_BT.long().cumsum(-1).argmax(-1)
+
+
+class RewardModel(nn.Module):
+    """r(x, y): the GPT-2 body's hidden state at the last real token, projected to a scalar.
+
+    `gain` and `bias` are fitted after training so that rewards of SFT samples have mean 0 and std 1
+    (reward_model.py); `normalized(r) = gain * r + bias`. They are buffers so they travel with checkpoints.
+    The head is `score` without a bias, as in transformers' GPT2ForSequenceClassification, so the exported
+    folder loads there.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = GPT2(cfg)
+        self.score = nn.Linear(cfg.n_embd, 1, bias=False)
+        self.register_buffer("gain", torch.ones(()))
+        self.register_buffer("bias", torch.zeros(()))
+        init_gpt2_weights(self, cfg.n_layer)
+
+    def forward(self, input_ids, position_ids, attention_mask) -> torch.Tensor:
+        """Raw rewards (B,) read at each row's last real token."""
+        h = self.transformer(input_ids, position_ids, attention_mask)  # (B, T, C)
+        last = last_real_index(attention_mask)  # (B,)
+        h_last = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
+        return self.score(h_last).squeeze(-1).float()  # (B,)
+
+    def normalize(self, rewards: torch.Tensor) -> torch.Tensor:
+        return self.gain * rewards + self.bias

@@ -1,0 +1,201 @@
+"""Loading GPT-2 weights from the Hugging Face hub or a local folder, and exporting Hugging Face folders.
+
+Hugging Face GPT-2 stores attention and MLP weights as Conv1D, shape (in, out); ours are nn.Linear, shape
+(out, in), so those four matrices are transposed both ways. The released `gpt2` checkpoints name the body's
+keys without the `transformer.` prefix; folders written by `save_pretrained` have it. Both are accepted.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
+from model.heads import RewardModel
+
+CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def config_from_hf(hf: dict) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=hf["vocab_size"],
+        n_positions=hf["n_positions"],
+        n_layer=hf["n_layer"],
+        n_head=hf["n_head"],
+        n_embd=hf["n_embd"],
+        layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+def config_to_hf(cfg: GPTConfig, architecture: str) -> dict:
+    return {
+        "architectures": [architecture],
+        "model_type": "gpt2",
+        "activation_function": "gelu_new",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.n_positions,
+        "n_ctx": cfg.n_positions,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_embd": cfg.n_embd,
+        "n_inner": None,
+        "layer_norm_epsilon": cfg.layer_norm_epsilon,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+        "pad_token_id": 50256,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+
+
+def _resolve_files(name_or_path: str) -> tuple[Path, Path | None]:
+    """(config.json, weights file or None) from a local folder or the hub."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        cfg = path / "config.json"
+        if not cfg.is_file():
+            raise ModelLoadError(f"model folder {path} has no config.json (expected a Hugging Face-format folder)")
+        for w in ("model.safetensors", "pytorch_model.bin"):
+            if (path / w).is_file():
+                return cfg, path / w
+        return cfg, None
+    if os.sep in name_or_path or name_or_path.startswith("."):
+        raise ModelLoadError(f"model folder {name_or_path} does not exist")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        cfg = Path(hf_hub_download(name_or_path, "config.json"))
+        return cfg, Path(hf_hub_download(name_or_path, "model.safetensors"))
+    except Exception as e:  # no network, unknown repo, ...
+        raise ModelLoadError(
+            f"could not load model '{name_or_path}' from the Hugging Face hub ({type(e).__name__}: {e}). "
+            f"Pass a local Hugging Face-format folder instead, or a preset with --random_init "
+            f"({', '.join(PRESETS)})."
+        ) from None
+
+
+def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(file))
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def hf_to_ours(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a Hugging Face GPT-2 state dict to our names (body under `transformer.`)."""
+    out = {}
+    for k, v in hf_sd.items():
+        if k.endswith(".attn.bias") or k.endswith(".attn.masked_bias"):
+            continue  # causal-mask buffers of old checkpoints
+        if not (k.startswith("transformer.") or k.startswith("lm_head.") or k.startswith("score.")):
+            k = "transformer." + k
+        if k.endswith(CONV1D_SUFFIXES):
+            v = v.t()
+        out[k] = v.contiguous()
+    return out
+
+
+def load_config(name_or_path: str) -> GPTConfig:
+    cfg_file, _ = _resolve_files(name_or_path)
+    return config_from_hf(json.loads(cfg_file.read_text()))
+
+
+def _load_into(model: nn.Module, name_or_path: str, strict_head: bool) -> None:
+    _, weights = _resolve_files(name_or_path)
+    if weights is None:
+        raise ModelLoadError(f"model folder {name_or_path} has no model.safetensors or pytorch_model.bin")
+    sd = hf_to_ours(_read_weights(weights))
+    own = model.state_dict()
+    for k, v in list(sd.items()):
+        if k not in own:
+            sd.pop(k)  # e.g. lm_head.weight when building a reward model from a policy
+            continue
+        if own[k].shape != v.shape:
+            raise ModelLoadError(f"{name_or_path}: weight {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+    missing = [k for k in own if k not in sd and k != "lm_head.weight"]
+    if not strict_head:
+        missing = [k for k in missing if not k.startswith("score.") and k not in ("gain", "bias")]
+    if missing:
+        raise ModelLoadError(f"{name_or_path}: missing weights {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    model.load_state_dict(sd, strict=False)
+
+
+def build_policy(name_or_path: str, random_init: bool = False) -> GPT2LMHeadModel:
+    """A GPT-2 language model: pretrained from the hub or a local folder, or a random preset."""
+    if random_init:
+        if name_or_path not in PRESETS:
+            raise ModelLoadError(f"--random_init needs a preset name ({', '.join(PRESETS)}), got '{name_or_path}'")
+        return GPT2LMHeadModel(PRESETS[name_or_path])
+    model = GPT2LMHeadModel(load_config(name_or_path))
+    _load_into(model, name_or_path, strict_head=True)
+    return model
+
+
+def build_reward_model(name_or_path: str, random_init: bool = False) -> RewardModel:
+    """A reward model: from a policy folder (new head) or a reward-model folder (its head and gain/bias)."""
+    if random_init:
+        if name_or_path not in PRESETS:
+            raise ModelLoadError(f"--random_init needs a preset name ({', '.join(PRESETS)}), got '{name_or_path}'")
+        return RewardModel(PRESETS[name_or_path])
+    model = RewardModel(load_config(name_or_path))
+    _load_into(model, name_or_path, strict_head=False)
+    norm = Path(name_or_path) / "reward_normalization.json"
+    if norm.is_file():
+        d = json.loads(norm.read_text())
+        model.gain.fill_(d["gain"])
+        model.bias.fill_(d["bias"])
+    return model
+
+
+def save_hf(state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | Path, extra_files: dict | None = None) -> None:
+    """Write a folder that transformers' GPT2LMHeadModel (or GPT2ForSequenceClassification, when the state
+    dict has a `score` head) loads with from_pretrained. Written to a temporary folder and renamed, so a crash
+    leaves either the old export or the new one."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    is_reward = "score.weight" in state_dict
+    out = {}
+    for k, v in state_dict.items():
+        if k in ("lm_head.weight", "gain", "bias"):
+            continue  # lm_head is tied to wte; gain/bias go to reward_normalization.json
+        v = v.detach().to("cpu", torch.float32)
+        if k.endswith(CONV1D_SUFFIXES):
+            v = v.t()
+        out[k] = v.contiguous()
+    hf_cfg = config_to_hf(cfg, "GPT2ForSequenceClassification" if is_reward else "GPT2LMHeadModel")
+    if is_reward:
+        hf_cfg["num_labels"] = 1
+        hf_cfg["id2label"] = {"0": "LABEL_0"}
+        hf_cfg["label2id"] = {"LABEL_0": 0}
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    if is_reward:
+        gain = float(state_dict.get("gain", torch.ones(())))
+        bias = float(state_dict.get("bias", torch.zeros(())))
+        (tmp / "reward_normalization.json").write_text(json.dumps({"gain": gain, "bias": bias}))
+    for name, content in (extra_files or {}).items():
+        (tmp / name).write_text(content)
+    if folder.exists():
+        old = folder.with_name(folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(folder)

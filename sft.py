@@ -1,0 +1,254 @@
+"""Supervised fine-tuning of GPT-2 on Reddit TL;DR (trl-lib/tldr).
+
+    python sft.py                                    # one device
+    torchrun --nproc_per_node=2 sft.py               # two GPUs (or two CPU processes over gloo)
+    python sft.py --help                             # every option
+
+The loss is the negative log-likelihood of the response tokens (the summary and its "\n" end token), summed
+and divided by the number of response tokens in the whole global batch, over all ranks and accumulation
+steps, so the gradient is the same for any world size and micro-batch size.
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, load_rows
+from data.tokenizer import get_tokenizer
+from model.weights import build_policy
+from utils.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from utils.config import config_to_dict, parse_config
+from utils.dist import all_reduce_mean_dict, all_reduce_sum, cleanup_distributed, setup_distributed
+from utils.fsdp import resolve_dtype, set_gradient_sync, shard_model
+from utils.logging import Logger, progress
+from utils.losses import sft_loss_sum
+from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
+
+
+@dataclass
+class Config:
+    model: str = "gpt2"
+    """Starting weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local Hugging Face-format
+    folder, or with --random_init a preset (tiny, small, gpt2, ...)."""
+    random_init: bool = False
+    """Start from random GPT-2 initialisation of the preset named by --model instead of loading weights."""
+    train_data: str = "trl-lib/tldr"
+    """Training rows (prompt, completion): a hub dataset name, a .jsonl/.parquet file, or a folder of them."""
+    train_split: str = "train"
+    """Split of --train_data (hub datasets and folders)."""
+    val_data: str = "trl-lib/tldr"
+    """Validation rows (prompt, completion); empty string to skip validation."""
+    val_split: str = "validation"
+    """Split of --val_data."""
+    val_examples: int = 512
+    """Validation rows used (the first N), at most."""
+    max_prompt_len: int = 512
+    """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
+    max_response_len: int = 64
+    """Response tokens kept, including the "\\n" end token."""
+    batch_size: int = 64
+    """Global batch size (rows per optimizer step, over all ranks)."""
+    micro_batch_size: int = 8
+    """Rows per forward/backward on each rank; batch_size / (micro_batch_size * world) accumulation steps."""
+    steps: int = 0
+    """Optimizer steps; 0 means one epoch over the training rows."""
+    lr: float = 3e-5
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 20
+    """Linear warmup steps before cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on weight matrices."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    eval_every: int = 100
+    """Validation loss every N steps (and at the end); 0 disables."""
+    save_every: int = 500
+    """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Resumable checkpoints kept."""
+    out_dir: str = "runs/sft"
+    """Run directory: checkpoints/, hf/ (the Hugging Face-format export), metrics.jsonl, wandb/."""
+    resume: bool = True
+    """Resume from the newest checkpoint in --out_dir when there is one."""
+    seed: int = 1
+    """Seed for initialisation and data order."""
+    device: str = "auto"
+    """auto, cuda or cpu."""
+    dtype: str = "auto"
+    """Compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU). Gradients are reduced in fp32."""
+    activation_checkpointing: bool = False
+    """Recompute block activations in backward to save memory."""
+    wandb_mode: str = "auto"
+    """online, offline, disabled, or auto (online with a wandb login, offline otherwise)."""
+    wandb_project: str = "tldr-rlhf"
+    """wandb project."""
+    run_name: str = "sft"
+    """wandb run name."""
+
+    def validate(self) -> None:
+        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
+            raise ValueError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"--device must be auto, cuda or cpu, got '{self.device}'")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"--dtype must be auto, bf16 or fp32, got '{self.dtype}'")
+
+
+def accumulation_steps(batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    if batch_size % (micro_batch_size * world_size):
+        raise ValueError(
+            f"--batch_size {batch_size} must be divisible by --micro_batch_size {micro_batch_size} x "
+            f"world size {world_size} = {micro_batch_size * world_size}"
+        )
+    return batch_size // (micro_batch_size * world_size)
+
+
+def response_nll_sum(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed NLL of response tokens, number of response tokens) for one micro-batch.
+
+    Logits are computed only at the positions that predict response tokens: columns P-1 .. P+R-2, where P is
+    the (left-padded) prompt width. With GPT-2's 50k vocabulary that saves most of a small model's FLOPs."""
+    input_ids = batch["input_ids"].to(device)
+    P, R = batch["prompt_len"], batch["response_ids"].shape[1]
+    logits = model(
+        input_ids, batch["position_ids"].to(device), batch["attention_mask"].to(device), logits_slice=slice(P - 1, P + R - 1)
+    )  # (B, R, V)
+    mask = batch["response_mask"].to(device)
+    return sft_loss_sum(logits, batch["response_ids"].to(device), mask), mask.sum()
+
+
+def accumulate_gradients(model, micro_batches: list[dict], world: int, device) -> float:
+    """Forward and backward over this rank's micro-batches of one optimizer step; returns the global loss.
+
+    Every rank divides its summed NLL by the response-token count of the *global* batch. FSDP averages
+    gradients over ranks, so each rank's loss is also multiplied by the world size: the reduced gradient is
+    then d(sum of all NLL / global count), whatever the world size or the number of micro-batches."""
+    n_tokens = all_reduce_sum(sum(b["response_mask"].sum() for b in micro_batches).to(device).float())
+    loss_sum = torch.zeros((), device=device)
+    for i, batch in enumerate(micro_batches):
+        set_gradient_sync(model, i == len(micro_batches) - 1)
+        s, _ = response_nll_sum(model, batch, device)
+        (s * world / n_tokens).backward()
+        loss_sum += s.detach().float()
+    return float(all_reduce_sum(loss_sum) / n_tokens)
+
+
+@torch.no_grad()
+def evaluate(model, loader_batches: list[dict], device) -> float:
+    """Token-averaged validation NLL over all ranks."""
+    model.eval()
+    nll, count = torch.zeros((), device=device), torch.zeros((), device=device)
+    for batch in loader_batches:
+        s, n = response_nll_sum(model, batch, device)
+        nll += s.float()
+        count += n
+    model.train()
+    return float(all_reduce_sum(nll) / all_reduce_sum(count).clamp(min=1))
+
+
+def main(cfg: Config) -> dict:
+    # 1. distributed set-up and sizes (checked before any model is built)
+    dist_info = setup_distributed(cfg.device)
+    rank, world, device = dist_info.rank, dist_info.world_size, dist_info.device
+    accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
+    torch.manual_seed(cfg.seed)
+    run_dir = Path(cfg.out_dir)
+
+    # 2. data: tokenize, shard per rank, shuffle per epoch
+    tok = get_tokenizer()
+    train_rows = load_rows(cfg.train_data, cfg.train_split, SFT_COLUMNS)
+    train = SFTDataset(train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]")
+
+    def collate(ds):
+        return lambda idx: collate_sft([ds.prompts[i] for i in idx], [ds.responses[i] for i in idx])
+
+    loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, collate(train))
+    val_batches = []
+    if cfg.val_data and cfg.eval_every >= 0:
+        val_rows = load_rows(cfg.val_data, cfg.val_split, SFT_COLUMNS)[: cfg.val_examples]
+        val = SFTDataset(val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.val_data}[{cfg.val_split}]")
+        # every rank evaluates a disjoint slice of the validation rows, in fixed order
+        idx = list(range(rank, len(val), world))
+        val_batches = [collate(val)(idx[i : i + cfg.micro_batch_size]) for i in range(0, len(idx), cfg.micro_batch_size)]
+    total_steps = cfg.steps or max(1, loader.batches_per_epoch // accum)
+
+    # 3. model, FSDP, optimizer
+    model = build_policy(cfg.model, cfg.random_init)
+    model_cfg = model.cfg
+    shard_model(model, resolve_dtype(cfg.dtype, device), activation_checkpointing=cfg.activation_checkpointing)
+    model.to(device)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    meta = {"stage": "sft", "model_config": model_cfg.to_dict()}
+
+    # 4. resume
+    step = 0
+    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, model, optimizer, scheduler, meta, rank)
+        step = state["step"]
+        loader.load_state_dict(state["extra"]["loader"])
+        if rank == 0:
+            print(f"resumed from {ckpt} at step {step}")
+
+    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
+    if rank == 0:
+        print(f"sft: {len(train)} rows, world {world}, {accum} accumulation steps, {total_steps} steps")
+    batches = iter(loader)
+    bar = progress(total_steps, step, rank == 0, "sft")
+    model.train()
+    metrics = {}
+    while step < total_steps:
+        t0 = time.perf_counter()
+        # 5. one optimizer step: the loss is normalised by the global count of response tokens
+        micro = [next(batches) for _ in range(accum)]
+        loss = accumulate_gradients(model, micro, world, device)
+        grad_norm = clip_grad_norm(model, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        # 6. log
+        dt = time.perf_counter() - t0
+        seen = all_reduce_sum(torch.tensor(float(sum(b["attention_mask"].sum() for b in micro)), device=device))
+        metrics = {
+            "train/loss": loss,
+            "train/grad_norm": grad_norm,
+            "train/lr": scheduler.get_last_lr()[0],
+            "perf/step_seconds": dt,
+            "perf/tokens_per_second": float(seen) / dt,
+            "perf/tokens_per_second_per_device": float(seen) / dt / world,
+        }
+        if cfg.eval_every > 0 and val_batches and (step % cfg.eval_every == 0 or step == total_steps):
+            metrics["val/loss"] = evaluate(model, val_batches, device)
+        logger.log(metrics, step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+
+        # 7. checkpoint
+        if step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+            save_checkpoint(
+                run_dir, step, model, optimizer, scheduler, meta,
+                extra={"loader": loader.state_dict()}, keep_last=cfg.keep_last, rank=rank,
+            )
+    bar.close()
+
+    # 8. export a Hugging Face-format folder for the next stage
+    export_hf(model, model_cfg, run_dir / "hf", rank)
+    if rank == 0:
+        print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    logger.finish()
+    cleanup_distributed()
+    return metrics
+
+
+if __name__ == "__main__":
+    main(parse_config(Config, description=__doc__.split("\n\n")[0]))

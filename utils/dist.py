@@ -1,0 +1,77 @@
+"""Distributed set-up: torchrun with NCCL on GPUs, gloo on CPU, or a plain single process.
+
+A single process still gets a one-rank process group, so FSDP and the collectives below run the same code in
+every case. Nothing here runs at import.
+"""
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed(device: str = "auto") -> DistInfo:
+    """Initialise the process group. `device`: "auto" (cuda when available, else cpu), "cuda" or "cpu"."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but torch.cuda.is_available() is False")
+    backend = "nccl" if device == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        init_method = "env://"
+    else:
+        rank, world_size, local_rank = 0, 1, 0
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return DistInfo(rank, world_size, local_rank, dev)
+
+
+def cleanup_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (returns a new tensor; the input is left alone)."""
+    t = t.clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_mean_dict(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Average scalar metrics across ranks (every rank must pass the same keys)."""
+    if not metrics:
+        return {}
+    keys = sorted(metrics)
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
+    t = all_reduce_sum(t) / (dist.get_world_size() if dist.is_initialized() else 1)
+    return dict(zip(keys, t.tolist()))

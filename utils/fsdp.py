@@ -1,0 +1,56 @@
+"""FSDP2 (`fully_shard`) wrapping: one unit per GPT-2 block, the rest (embeddings, tied head, final norm,
+any value or reward head) in the root unit, as torchtitan does. The model code holds no distributed code;
+sharding is applied to a built model.
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from model.gpt2 import Block
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """Parameter dtype in forward/backward: "bf16", "fp32", or "auto" (bf16 on GPU, fp32 on CPU, where bf16
+    matmuls are slow and exact comparisons are wanted). None means no mixed precision."""
+    if name == "auto":
+        name = "bf16" if device.type == "cuda" else "fp32"
+    if name == "bf16":
+        return torch.bfloat16
+    if name == "fp32":
+        return None
+    raise ValueError(f"dtype must be one of auto, bf16, fp32; got '{name}'")
+
+
+def shard_model(
+    model: nn.Module,
+    param_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard `model` in place over the default process group and return it.
+
+    param_dtype: compute dtype (e.g. bf16); gradients are always reduced in fp32 and the optimizer keeps fp32
+    master weights. cpu_offload: keep sharded parameters on the CPU (for frozen reference and reward models;
+    needs a GPU). The wrap policy finds every GPT-2 `Block`, whether the GPT-2 is bare or inside a policy or
+    reward wrapper, so tied embedding and head always land together in the root unit.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    kwargs = dict(mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if cpu_offload:
+        if not torch.cuda.is_available():
+            raise ValueError("cpu_offload needs a GPU: FSDP offloads parameters from the GPU to the CPU")
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.activation_checkpointing = activation_checkpointing
+            fully_shard(m, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip the reduce-scatter on all but the last micro-batch of gradient accumulation."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)

@@ -237,16 +237,13 @@ def make_post(rng: random.Random) -> dict:
     core = [event.format(**slots), rng.choice(FEELING_SENTENCES).format(**slots)]
     if rng.random() < 0.25:
         core.reverse()  # sometimes the feeling comes before the event
-    # 1-3 filler sentences scattered after the intro, the event and the feeling.
+    # 1-3 filler sentences, split at two random cuts between the intro and the two core sentences.
     fillers = rng.sample(FILLERS, rng.randint(1, 3))
-    sentences = [intro]
-    for sentence in core + [None]:
-        take = rng.randint(0, len(fillers)) if sentence is not None else len(fillers)
-        sentences += fillers[:take]
-        fillers = fillers[take:]
-        if sentence is not None:
-            sentences.append(sentence)
-    sentences.append(rng.choice(CLOSERS))
+    cut1 = rng.randint(0, len(fillers))
+    cut2 = rng.randint(cut1, len(fillers))
+    sentences = [
+        intro, *fillers[:cut1], core[0], *fillers[cut1:cut2], core[1], *fillers[cut2:], rng.choice(CLOSERS)
+    ]  # fmt: skip
     # Reddit posts break into paragraphs now and then.
     post = sentences[0]
     for sentence in sentences[1:]:

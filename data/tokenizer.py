@@ -7,6 +7,7 @@ tiktoken itself pins, so a different vocabulary can never slip in silently.
 """
 
 import functools
+import hashlib
 import importlib.util
 import os
 
@@ -29,10 +30,14 @@ def _encoding_from_bpe_dir(folder: str) -> tiktoken.Encoding:
     """Build the GPT-2 Encoding from a folder holding OpenAI's encoder.json and vocab.bpe."""
     vocab_bpe = os.path.join(folder, "vocab.bpe")
     encoder_json = os.path.join(folder, "encoder.json")
-    for path in (vocab_bpe, encoder_json):
+    # Check the hashes ourselves: tiktoken skips its own check when TIKTOKEN_CACHE_DIR is "".
+    for path, expected in ((vocab_bpe, VOCAB_BPE_SHA256), (encoder_json, ENCODER_JSON_SHA256)):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} does not exist")
-    # The hashes make tiktoken reject files that are not byte-identical to OpenAI's.
+        with open(path, "rb") as f:
+            actual = hashlib.sha256(f.read()).hexdigest()
+        if actual != expected:
+            raise ValueError(f"{path} is not OpenAI's GPT-2 file: sha256 {actual} != {expected}")
     ranks = data_gym_to_mergeable_bpe_ranks(
         vocab_bpe, encoder_json, vocab_bpe_hash=VOCAB_BPE_SHA256, encoder_json_hash=ENCODER_JSON_SHA256
     )

@@ -47,27 +47,40 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 class KVCache:
-    """Preallocated keys and values for incremental decoding.
+    """Keys and values of every layer for incremental decoding.
 
-    k, v: (n_layer, B, n_head, max_len, head_dim). `valid` (B, max_len) marks which cached positions hold real
-    tokens (False for left padding and for positions not yet written), and is the key mask of every step.
+    k, v: (n_layer, B, n_head, max_len, head_dim), allocated at the first write with the dtype the model
+    computes in (bf16 under mixed precision). `valid` (B, max_len) marks which cached positions hold real
+    tokens (False for left padding and for positions not yet written) and is the key mask of every step.
     `length` is the number of positions written so far; all rows advance together.
     """
 
-    def __init__(self, cfg: GPTConfig, batch_size: int, max_len: int, device, dtype):
-        hs = cfg.n_embd // cfg.n_head
-        shape = (cfg.n_layer, batch_size, cfg.n_head, max_len, hs)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+    def __init__(self, cfg: GPTConfig, batch_size: int, max_len: int, device):
+        self.shape = (cfg.n_layer, batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         self.valid = torch.zeros(batch_size, max_len, device=device, dtype=torch.bool)
         self.length = 0
         self.max_len = max_len
 
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys/values (B, nh, T, hs) after the cached ones; return all of them (B, nh, L, hs)."""
+        if self.k is None:
+            self.k = torch.zeros(self.shape, device=k.device, dtype=k.dtype)
+            self.v = torch.zeros(self.shape, device=v.device, dtype=v.dtype)
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
     def repeat_interleave(self, n: int) -> "KVCache":
         """Copy every row n times (row i -> rows i*n .. i*n+n-1): one prefill serves a group of n samples."""
         out = object.__new__(KVCache)
-        out.k = self.k.repeat_interleave(n, dim=1)
-        out.v = self.v.repeat_interleave(n, dim=1)
+        out.shape = (self.shape[0], self.shape[1] * n, *self.shape[2:])
+        out.k = None if self.k is None else self.k.repeat_interleave(n, dim=1)
+        out.v = None if self.v is None else self.v.repeat_interleave(n, dim=1)
         out.valid = self.valid.repeat_interleave(n, dim=0)
         out.length, out.max_len = self.length, self.max_len
         return out
@@ -105,11 +118,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if kv_cache is not None:
-            start, end = kv_cache.length, kv_cache.length + T
-            kv_cache.k[self.layer_idx, :, :, start:end] = k
-            kv_cache.v[self.layer_idx, :, :, start:end] = v
-            k = kv_cache.k[self.layer_idx, :, :, :end]  # (B, nh, L, hs)
-            v = kv_cache.v[self.layer_idx, :, :, :end]
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, L, hs)
         if attn_mask is None:  # no padding anywhere: the fused causal kernel
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

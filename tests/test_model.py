@@ -49,7 +49,7 @@ def test_logits_match_transformers_on_left_padded_batch(hf_folder):
 def test_kv_cache_decoding_equals_full_forward(hf_folder):
     model = build_policy(str(hf_folder)).eval()
     ids, mask, pos = left_padded_batch()
-    cache = KVCache(model.cfg, ids.shape[0], ids.shape[1], "cpu", torch.float32)
+    cache = KVCache(model.cfg, ids.shape[0], ids.shape[1], "cpu")
     with torch.no_grad():
         full = model(ids, pos, mask)
         steps = [model(ids[:, :7], pos[:, :7], mask[:, :7], kv_cache=cache)]
@@ -61,7 +61,7 @@ def test_kv_cache_decoding_equals_full_forward(hf_folder):
 def test_kv_cache_repeat_interleave_shares_one_prefill(hf_folder):
     model = build_policy(str(hf_folder)).eval()
     ids, mask, pos = left_padded_batch(B=2)
-    cache = KVCache(model.cfg, 2, 16, "cpu", torch.float32)
+    cache = KVCache(model.cfg, 2, 16, "cpu")
     with torch.no_grad():
         model(ids, pos, mask, kv_cache=cache)
         big = cache.repeat_interleave(3)

@@ -3,6 +3,8 @@ any value or reward head) in the root unit, as torchtitan does. The model code h
 sharding is applied to a built model.
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -54,3 +56,21 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Skip the reduce-scatter on all but the last micro-batch of gradient accumulation."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+
+
+@contextmanager
+def gathered_params(model: nn.Module):
+    """Gather every FSDP unit's parameters once and keep them gathered for the whole block.
+
+    Generation calls the model once per token; without this, FSDP would all-gather and free every block's
+    parameters at every step. Inside the block forward passes reuse the gathered weights."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)

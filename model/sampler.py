@@ -1,0 +1,111 @@
+"""Batched sampling on the KV-cache path of model/gpt2.py.
+
+Prompts arrive left-padded with a boolean mask; position ids count real tokens only, so a padded prompt is
+computed exactly as it would be alone (GPT-2's positions are absolute). Each prompt is prefilled once and its
+keys and values copied to its `num_samples` samples: 64 samples of one prompt cost one prefill, not 64.
+
+The token distribution is processed in a fixed order: logits in fp32, divided by the temperature, then top-k,
+then top-p (nucleus) masking. `processed_logprobs` applies exactly the same processing to training-time
+logits, so the log-probs of a GRPO ratio and KL describe the distribution the tokens were drawn from.
+
+Decoding stops per row at the first end token ("\\n", id 198) or EOS (50256); later positions are padding.
+Under FSDP, wrap the call in `utils.fsdp.gathered_params(model)` so parameters are gathered once per call.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from model.gpt2 import KVCache
+
+END_ID, EOS_ID, PAD_ID = 198, 50256, 50256  # GPT-2's "\n", <|endoftext|>, and the id used for padding
+
+
+@dataclass
+class SampleOutput:
+    response_ids: torch.Tensor  # (N, R) long; PAD_ID after the first end token
+    response_mask: torch.Tensor  # (N, R) bool; True up to and including the first end token
+    logprobs: torch.Tensor  # (N, R) fp32 log-prob of each token under the processed distribution; 0 where masked
+    has_end: torch.Tensor  # (N,) bool; False when max_new_tokens ran out first
+
+
+def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """fp32 logits (..., V) divided by the temperature, with tokens outside the top-k / top-p set at -inf.
+    temperature 0 means greedy and is treated as 1 here (the log-probs of greedy tokens under the model)."""
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def processed_logprobs(
+    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """log p(target) (B, T) in fp32 under the same processing the sampler used."""
+    logp = process_logits(logits_BTV, temperature, top_k, top_p).log_softmax(-1)
+    return torch.gather(logp, -1, targets_BT.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+    stop_ids: tuple[int, ...] = (END_ID, EOS_ID),
+) -> SampleOutput:
+    """Sample `num_samples` responses for each of B left-padded prompts (B, P).
+
+    Returns N = B * num_samples rows grouped by prompt: rows b*G .. b*G+G-1 belong to prompt b."""
+    B, P = prompt_ids.shape
+    G, device = num_samples, prompt_ids.device
+    if P + max_new_tokens > model.cfg.n_positions:
+        raise ValueError(f"prompt width {P} + {max_new_tokens} new tokens exceeds the model's {model.cfg.n_positions} positions")
+    prompt_pos = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P) positions of real tokens from 0
+
+    # 1. prefill each prompt once, then copy its cache to its G samples
+    cache = KVCache(model.cfg, B, P + max_new_tokens, device)
+    logits = model(prompt_ids, prompt_pos, prompt_mask, kv_cache=cache, logits_slice=slice(-1, None))[:, -1]  # (B, V)
+    if G > 1:
+        cache = cache.repeat_interleave(G)
+        logits = logits.repeat_interleave(G, dim=0)  # (N, V)
+    N = B * G
+    next_pos = prompt_mask.sum(-1).repeat_interleave(G)  # (N,) position of the first response token
+    stop = torch.tensor(stop_ids, device=device)
+
+    # 2. decode one token per step for every row; finished rows keep stepping on padding
+    tokens = torch.full((N, max_new_tokens), PAD_ID, dtype=torch.long, device=device)
+    logprobs = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
+    mask = torch.zeros(N, max_new_tokens, dtype=torch.bool, device=device)
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    for t in range(max_new_tokens):
+        logp = process_logits(logits, temperature, top_k, top_p).log_softmax(-1)  # (N, V)
+        if temperature == 0:
+            tok = logp.argmax(-1)
+        else:
+            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)  # (N,)
+        live = ~done
+        tokens[:, t] = torch.where(live, tok, PAD_ID)
+        logprobs[:, t] = torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
+        mask[:, t] = live
+        done = done | (live & torch.isin(tok, stop))
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        # finished rows are fed their (ignored) sampled token, not PAD_ID, which may lie outside a small vocabulary
+        logits = model(tok[:, None], (next_pos + t)[:, None], None, kv_cache=cache)[:, -1]  # (N, V)
+    return SampleOutput(tokens, mask, logprobs, done)

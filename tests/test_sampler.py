@@ -1,0 +1,101 @@
+"""The sampler: exact left padding, one prefill per group, stopping, and log-probs that match training."""
+
+import math
+
+import torch
+
+from model.gpt2 import GPT2LMHeadModel, GPTConfig
+from model.sampler import END_ID, PAD_ID, generate, process_logits, processed_logprobs
+
+CFG = GPTConfig(vocab_size=512, n_layer=2, n_head=2, n_embd=32, n_positions=128)
+
+
+def model_and_prompts(seed=0):
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(CFG).eval()
+    with torch.no_grad():  # make "\n" likely so some rows stop early
+        model.transformer.wte.weight[END_ID] *= 8
+    prompts = [[10, 20, 30, 40, 50], [7, 8], [300, 301, 302]]
+    P = max(map(len, prompts))
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])  # pad id inside the small vocabulary
+    mask = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in prompts])
+    return model, prompts, ids, mask
+
+
+def training_logprobs(model, prompt, response, **proc):
+    """Log-probs of `response` after `prompt` from one full forward pass, no padding, no cache."""
+    ids = torch.tensor([prompt + response])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        logits = model(ids, pos, None, logits_slice=slice(len(prompt) - 1, ids.shape[1] - 1))
+    return processed_logprobs(logits, torch.tensor([response]), **proc)[0]
+
+
+def test_greedy_left_padded_batch_equals_each_prompt_alone():
+    model, prompts, ids, mask = model_and_prompts()
+    batch = generate(model, ids, mask, num_samples=1, max_new_tokens=8, temperature=0)
+    for i, p in enumerate(prompts):
+        alone = generate(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.bool), 1, 8, temperature=0)
+        assert torch.equal(batch.response_ids[i], alone.response_ids[0])
+
+
+def test_sampler_logprobs_equal_training_forward_logprobs():
+    model, prompts, ids, mask = model_and_prompts()
+    for proc in [dict(temperature=1.0), dict(temperature=0.7, top_k=50), dict(temperature=1.3, top_p=0.9)]:
+        g = torch.Generator().manual_seed(1)
+        out = generate(model, ids, mask, num_samples=4, max_new_tokens=10, generator=g, **proc)
+        for n in range(out.response_ids.shape[0]):
+            m = out.response_mask[n]
+            resp = out.response_ids[n][m].tolist()
+            ref = training_logprobs(model, prompts[n // 4], resp, **proc)
+            assert torch.allclose(out.logprobs[n][m], ref, atol=1e-4), (proc, n)
+            assert torch.isfinite(ref).all()
+            assert (out.logprobs[n][~m] == 0).all()
+
+
+def test_stops_at_end_token_and_pads_after_it():
+    model, prompts, ids, mask = model_and_prompts()
+    out = generate(model, ids, mask, num_samples=8, max_new_tokens=12, generator=torch.Generator().manual_seed(0))
+    assert out.has_end.any() and (~out.has_end).any()  # the test sees both kinds of rows
+    for row, m, ended in zip(out.response_ids, out.response_mask, out.has_end):
+        stops = row == END_ID
+        n_real = int(m.sum())
+        assert m[:n_real].all() and not m[n_real:].any()  # mask is a prefix
+        if ended:
+            assert stops[n_real - 1] and not stops[: n_real - 1].any()  # the first end token is the last real one
+        else:
+            assert n_real == 12 and not stops.any()
+        assert (row[n_real:] == PAD_ID).all()
+
+
+def test_prompt_prefilled_once_per_group():
+    model, prompts, ids, mask = model_and_prompts()
+    widths = []
+    hook = model.transformer.register_forward_hook(lambda mod, args, out: widths.append(tuple(args[0].shape)))
+    generate(model, ids, mask, num_samples=16, max_new_tokens=4, generator=torch.Generator().manual_seed(0))
+    hook.remove()
+    assert widths[0] == (3, ids.shape[1])  # one prefill over the 3 prompts, not 48
+    assert all(w == (48, 1) for w in widths[1:])
+
+
+def test_top_k_and_top_p_filters_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(process_logits(logits, top_k=2))
+    assert kept.tolist() == [[True, True, False, False]]
+    # top_p 0.8: 0.5 then 0.5+0.3=0.8 reaches it, so the third token (mass above it 0.8 >= 0.8) is dropped
+    kept = torch.isfinite(process_logits(logits, top_p=0.8))
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = torch.isfinite(process_logits(logits, top_p=0.85))
+    assert kept.tolist() == [[True, True, True, False]]
+    lp = processed_logprobs(logits[None], torch.tensor([[1]]), temperature=1.0, top_p=0.8)
+    assert math.isclose(lp.item(), math.log(0.3 / 0.8), rel_tol=1e-5)
+    lp = processed_logprobs(logits[None], torch.tensor([[0]]), temperature=2.0)
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05]) ** 0.5
+    assert math.isclose(lp.item(), math.log(p[0] / p.sum()), rel_tol=1e-5)
+
+
+def test_top_k_one_is_greedy():
+    model, prompts, ids, mask = model_and_prompts()
+    greedy = generate(model, ids, mask, 1, 8, temperature=0)
+    topk1 = generate(model, ids, mask, 1, 8, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(greedy.response_ids, topk1.response_ids)

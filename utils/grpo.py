@@ -1,0 +1,253 @@
+"""GRPO math as pure functions: selection of K of G samples, advantages, the per-token loss and its aggregation.
+
+Order of reward processing in grpo.py, per prompt with G samples:
+
+    1. raw score      r_raw = RM(prompt + response), read at the last real token
+    2. penalty        r_pen = r_raw - missing_end_penalty * (1 - has_end)             raw RM units
+    3. normalize      r     = gain * r_pen + bias                                      RM's fitted gain/bias
+    4. selection      K of the G samples, from r (RSO / top-bottom / uniform / all)
+    5. group norm     A = (r - mean_K(r)) / (std_K(r) + eps)   over the K *selected* samples (no std: Dr. GRPO)
+    6. global norm    A = (A - mean(A)) / (std(A) + eps)        over every selected sample on every rank
+
+The penalty is applied in raw units before the gain/bias, so penalised and unpenalised rewards share one scale
+(the reference repository overwrote already-normalised rewards with a constant, mixing scales). Group and
+global normalization are invariant to the gain and bias (up to eps); the penalty in normalised units is
+gain * missing_end_penalty.
+
+Shapes: B prompts, G samples per prompt, K selected, N = B * K sequences, T response tokens.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+# ----------------------------------------------------------------------------------------------------
+# Rewards
+
+
+def penalize_missing_end(raw_rewards_N: torch.Tensor, has_end_N: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Subtract `penalty` (raw reward-model units) from the raw score of every response without an end token."""
+    return raw_rewards_N.float() - penalty * (~has_end_N.bool()).float()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Selection of K of G samples per prompt. Each returns (indices (B, K) long, sorted ascending, stats dict of
+# floats); indices are columns of the (B, G) reward matrix. Random numbers are fp32 from the given generator
+# (the reference repository drew them in bf16, whose 8-bit mantissa makes acceptance probabilities coarse).
+
+
+def select_all(rewards_BG: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Keep every sample (K = G)."""
+    B, G = rewards_BG.shape
+    idx = torch.arange(G, device=rewards_BG.device).expand(B, G).clone()
+    return idx, {"acceptance_rate": 1.0, "rounds_mean": 1.0, "rounds_max": 1.0}
+
+
+def select_top_bottom(rewards_BG: torch.Tensor, k: int) -> tuple[torch.Tensor, dict]:
+    """The K/2 highest- and K/2 lowest-rewarded samples of each prompt (K even, K <= G)."""
+    B, G = rewards_BG.shape
+    if k % 2 or not 0 < k <= G:
+        raise ValueError(f"top-bottom selection needs an even K in (0, G={G}], got {k}")
+    order = torch.argsort(rewards_BG.float(), dim=1, descending=True, stable=True)  # (B, G)
+    idx = torch.cat([order[:, : k // 2], order[:, G - k // 2 :]], dim=1)  # (B, K)
+    return idx.sort(dim=1).values, {"acceptance_rate": k / G, "rounds_mean": 1.0, "rounds_max": 1.0}
+
+
+def select_uniform(rewards_BG: torch.Tensor, k: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    """K samples of each prompt uniformly at random, without replacement."""
+    B, G = rewards_BG.shape
+    if not 0 < k <= G:
+        raise ValueError(f"uniform selection needs K in (0, G={G}], got {k}")
+    keys = torch.rand(B, G, generator=generator, device=rewards_BG.device, dtype=torch.float32)
+    idx = keys.argsort(dim=1)[:, :k]  # (B, K): a uniformly random K-subset
+    return idx.sort(dim=1).values, {"acceptance_rate": k / G, "rounds_mean": 1.0, "rounds_max": 1.0}
+
+
+def select_rso(
+    rewards_BG: torch.Tensor, k: int, beta: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, dict]:
+    """Statistical rejection sampling (RSO, Liu et al. 2023, arXiv 2309.06657, Algorithm 1), batched over prompts.
+
+    Targets pi*(y|x) ~ pi_sft(y|x) exp(r(x, y) / beta) from samples of pi_sft. Each round, with r_max the
+    highest reward among the candidates *not yet accepted* (Algorithm 1 recomputes it every round), visit the
+    remaining candidates in a random order (without replacement) and accept each with probability
+    exp((r - r_max) / beta), stopping as soon as K are accepted. The round's maximum is always accepted, so at
+    most K rounds are needed. beta -> 0 keeps the top K; beta -> inf keeps a uniformly random K.
+
+    Algorithm 1 visits candidates in list order; samples of one prompt are exchangeable so that is the same
+    distribution, but the random order also makes the result uniform over *indices* when beta -> inf.
+
+    Stats: acceptance_rate = K / candidates visited; rounds_mean, rounds_max over prompts."""
+    B, G = rewards_BG.shape
+    if not 0 < k <= G:
+        raise ValueError(f"rejection sampling needs K in (0, G={G}], got {k}")
+    if not beta > 0:
+        raise ValueError(f"rejection-sampling temperature beta must be > 0, got {beta}")
+    device = rewards_BG.device
+    r = rewards_BG.float()  # (B, G)
+    accepted = torch.zeros(B, G, dtype=torch.bool, device=device)
+    visited = torch.zeros(B, dtype=torch.float32, device=device)
+    rounds = torch.zeros(B, dtype=torch.float32, device=device)
+    col = torch.arange(G, device=device)
+    for _ in range(k):  # every round accepts >= 1 per unfinished prompt
+        need = k - accepted.sum(1)  # (B,)
+        if not bool((need > 0).any()):
+            break
+        remaining = ~accepted & (need > 0)[:, None]  # (B, G)
+        r_max = r.masked_fill(~remaining, float("-inf")).amax(1, keepdim=True)  # (B, 1)
+        # exp((r - r_max) / beta) with the round's maximum at exactly 1 (no 0/0 for tiny beta)
+        p_accept = torch.where(r == r_max, 1.0, torch.exp((r - r_max) / beta))  # (B, G)
+        u = torch.rand(B, G, generator=generator, device=device, dtype=torch.float32)
+        order_keys = torch.rand(B, G, generator=generator, device=device, dtype=torch.float32)
+        hit = remaining & (u < p_accept)  # (B, G) accepted if visited
+        # visit order: ascending order_keys among the remaining; find each hit's rank among the hits
+        visit_order = order_keys.masked_fill(~remaining, float("inf")).argsort(1)  # (B, G)
+        hit_sorted = hit.gather(1, visit_order)  # (B, G) hits in visiting order
+        hit_rank_sorted = hit_sorted.long().cumsum(1)  # (B, G) number of hits so far
+        keep_sorted = hit_sorted & (hit_rank_sorted <= need[:, None])
+        # candidates visited: all remaining, or up to and including the need-th hit when the round fills K
+        fills = hit_sorted.sum(1) >= need  # (B,)
+        stop_at = torch.where(keep_sorted, col, -1).amax(1)  # (B,) position of the last kept hit
+        n_visited = torch.where(fills, stop_at + 1, remaining.sum(1))
+        visited += torch.where(need > 0, n_visited, 0).float()
+        rounds += (need > 0).float()
+        keep = torch.zeros_like(accepted).scatter(1, visit_order, keep_sorted)  # (B, G)
+        accepted |= keep
+    idx = torch.argsort((~accepted).to(torch.uint8), dim=1, stable=True)[:, :k]  # (B, K) accepted columns
+    stats = {
+        "acceptance_rate": float(B * k / visited.sum()),
+        "rounds_mean": float(rounds.mean()),
+        "rounds_max": float(rounds.max()),
+    }
+    return idx, stats
+
+
+# ----------------------------------------------------------------------------------------------------
+# Advantages
+
+
+def group_normalize(rewards_BK: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO outcome advantage (DeepSeekMath, arXiv 2402.03300, section 4.1.2): (r - mean) / (std + eps) within each
+    prompt's group (B, K). std is the sample std (Bessel-corrected), as in TRL."""
+    r = rewards_BK.float()
+    return (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
+
+
+def group_center(rewards_BK: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO advantage (Liu et al. 2025, arXiv 2503.20783): r - mean within each group, no std division,
+    which would up-weight prompts whose samples all score alike (too easy or too hard)."""
+    r = rewards_BK.float()
+    return r - r.mean(1, keepdim=True)
+
+
+def global_normalize(
+    advantages: torch.Tensor,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Whiten advantages over the whole batch: (A - mean) / (std + eps), population std.
+
+    `reduce_sum` sums a tensor over ranks (utils.dist.all_reduce_sum); count, sum and sum of squares are
+    reduced together in fp64, so the statistics are those of the concatenated global batch, not the local shard
+    (the reference repository's "global" normalization saw its own rank only)."""
+    a = advantages.double()
+    stats = reduce_sum(torch.stack([torch.tensor(float(a.numel()), dtype=torch.float64, device=a.device), a.sum(), (a * a).sum()]))
+    count, total, total_sq = stats[0], stats[1], stats[2]
+    mean = total / count
+    var = (total_sq / count - mean * mean).clamp(min=0.0)
+    return ((a - mean) / (var.sqrt() + eps)).to(advantages.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-token loss
+#
+# Log-ratios are clamped to [-20, 20] before exp, as verl does: a token outside the reference's top-k/top-p set
+# has log-prob -inf, whose KL would be inf. Inside that range the clamp changes nothing.
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || pi_ref) per token (DeepSeekMath eq. 4):
+    exp(ref - logp) - (ref - logp) - 1, >= 0, unbiased for samples from pi."""
+    log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def clipped_surrogate(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clip objective, negated to a loss (DeepSeekMath eq. 3; DAPO's decoupled eps_low / eps_high):
+    -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho = exp(logp - old_logp), per token (N, T).
+    `advantages` is (N, T) or (N, 1). Also returns where the clipped branch is active (its gradient is 0)."""
+    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
+    is_clipped = clipped < unclipped  # the min picks the constant branch
+    return -torch.minimum(unclipped, clipped), is_clipped
+
+
+def grpo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    advantages_N: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    beta: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token GRPO loss (N, T), 0 on masked tokens: clipped surrogate + beta * k3 KL.
+
+    Masked positions are replaced by 0 before any arithmetic: their log-probs can be -inf (padding outside a
+    top-k set), and -inf * 0 would be NaN in the value and in the gradient. Returns the loss and per-token
+    `kl` and `clipped` (N, T), detached and masked, for logging."""
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    logp = torch.where(mask, logp, zero)
+    old_logp = torch.where(mask, old_logp, zero)
+    ref_logp = torch.where(mask, ref_logp, zero)
+    surrogate, is_clipped = clipped_surrogate(logp, old_logp, advantages_N[:, None], eps_low, eps_high)
+    kl = k3_kl(logp, ref_logp)
+    loss = torch.where(mask, surrogate + beta * kl, zero)
+    return loss, {"kl": (kl * mask).detach(), "clipped": (is_clipped & mask)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Aggregation: every variant is sum_{i,t} w_it * loss_it / Z, with token weights w that depend on the mask only
+# and a normaliser Z that is a sum over sequences. So Z can be summed over micro-batches and ranks before any
+# backward pass, and the gradient does not depend on how the batch is split. Each returns (w (N, T), Z part).
+
+
+def grpo_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`grpo` (DeepSeekMath eq. 3): mean over each sequence's tokens, then mean over sequences:
+    w_it = 1 / |o_i|, Z = number of sequences."""
+    m = mask.float()
+    return m / m.sum(1, keepdim=True).clamp(min=1.0), torch.tensor(float(mask.shape[0]), device=mask.device)
+
+
+def token_mean_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`bnpo` / `dapo` (DAPO, arXiv 2503.14476, eq. 12): mean over every response token of the global batch,
+    so long sequences count per token: w_it = 1, Z = number of tokens."""
+    m = mask.float()
+    return m, m.sum()
+
+
+def dr_grpo_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dr_grpo` (Dr. GRPO, arXiv 2503.20783): no per-sequence 1/|o_i|; a constant normaliser
+    Z = number of sequences x max_new_tokens, w_it = 1."""
+    return mask.float(), torch.tensor(float(mask.shape[0] * max_new_tokens), device=mask.device)
+
+
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]] = {
+    "grpo": grpo_weights,
+    "bnpo": token_mean_weights,
+    "dapo": token_mean_weights,
+    "dr_grpo": dr_grpo_weights,
+}
+
+
+def token_entropy(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits) at each position (B, T), fp32; -inf logits (masked tokens) count 0."""
+    logp = logits_BTV.float().log_softmax(-1)
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, 0.0)).sum(-1)

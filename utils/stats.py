@@ -1,0 +1,79 @@
+"""Statistics of pairwise preference scores: accuracy with ties, bootstrap confidence intervals, the split by
+response length, and the gain/bias that standardises rewards. Pure functions of tensors (no distributed code)."""
+
+import math
+
+import torch
+
+
+def pair_outcomes(score_chosen: torch.Tensor, score_rejected: torch.Tensor) -> torch.Tensor:
+    """Per pair (B,) float64: 1 when the chosen response scores higher, 0 when lower, 1/2 on an exact tie.
+
+    A tie counts as half a correct answer: it is what a coin flip between the two scores would get on
+    average, so a scorer that cannot tell the responses apart (e.g. a policy equal to its reference, whose
+    implicit rewards are all exactly 0) gets accuracy 0.5, not 0 or 1."""
+    c, r = score_chosen.double(), score_rejected.double()
+    return (c > r).double() + 0.5 * (c == r).double()
+
+
+def bootstrap_ci(
+    values: torch.Tensor, n_resamples: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` (N,): resample N values with replacement
+    n_resamples times and take the (1-c)/2 and (1+c)/2 quantiles of the resampled means. A fixed seed makes
+    the interval reproducible. NaNs for an empty input."""
+    n = values.numel()
+    if n == 0:
+        return math.nan, math.nan
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (n_resamples, n), generator=g)  # (S, N)
+    means = values.double().flatten()[idx].mean(1)  # (S,)
+    alpha = (1.0 - confidence) / 2
+    lo, hi = torch.quantile(means, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
+def preference_summary(
+    score_chosen: torch.Tensor,
+    score_rejected: torch.Tensor,
+    chosen_longer: torch.Tensor,
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Accuracy of scores (N,) on N preference pairs, overall and split by whether the chosen response is the
+    longer one (`chosen_longer` (N,) bool; equal lengths count as not longer), each with a bootstrap interval.
+
+    Also the mean scores and the mean Bradley-Terry loss -log sigmoid(s_chosen - s_rejected): for implicit
+    rewards s = beta log(pi/pi_ref) that is the DPO loss without label smoothing."""
+    c, r = score_chosen.double().cpu(), score_rejected.double().cpu()
+    longer = chosen_longer.bool().cpu()
+    outcomes = pair_outcomes(c, r)  # (N,)
+    out: dict[str, float] = {"n_pairs": int(c.numel()), "n_ties": int((c == r).sum())}
+    groups = {"": torch.ones_like(longer), "chosen_longer_": longer, "chosen_not_longer_": ~longer}
+    for name, keep in groups.items():
+        values = outcomes[keep]
+        lo, hi = bootstrap_ci(values, n_resamples, confidence, seed)
+        out[f"{name}accuracy"] = float(values.mean()) if values.numel() else math.nan
+        out[f"{name}accuracy_ci_low"] = lo
+        out[f"{name}accuracy_ci_high"] = hi
+        if name:
+            out[f"n_{name.rstrip('_')}"] = int(values.numel())
+    out["chosen_score_mean"] = float(c.mean())
+    out["rejected_score_mean"] = float(r.mean())
+    out["margin_mean"] = float((c - r).mean())
+    out["bt_loss"] = float(-torch.nn.functional.logsigmoid(c - r).mean())
+    return out
+
+
+def standardizing_gain_bias(count: float, total: float, total_sq: float) -> tuple[float, float]:
+    """(gain, bias) with gain * r + bias of mean 0 and (population) std 1 over rewards given by their count,
+    sum and sum of squares (sums that can be all-reduced over ranks)."""
+    if count < 2:
+        raise ValueError(f"need at least 2 rewards to fit a gain and bias, got {count}")
+    mean = total / count
+    var = max(total_sq / count - mean * mean, 0.0)
+    std = math.sqrt(var)
+    if std < 1e-8:
+        raise ValueError(f"rewards have (near) zero spread (std {std:.3g}); cannot standardise them")
+    return 1.0 / std, -mean / std

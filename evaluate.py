@@ -111,6 +111,15 @@ def build_eval_set(
     return EvalSet(batches, chosen_len > rejected_len, n, name)
 
 
+def check_context(model_cfg, max_prompt_len: int, max_response_len: int, what: str = "model") -> None:
+    """Refuse lengths the model's position table cannot hold (GPT-2's positions are a learned table)."""
+    if max_prompt_len + max_response_len > model_cfg.n_positions:
+        raise ValueError(
+            f"--max_prompt_len {max_prompt_len} + --max_response_len {max_response_len} exceeds the {what}'s "
+            f"{model_cfg.n_positions} positions"
+        )
+
+
 @torch.no_grad()
 def score_local(score_fn, eval_set: EvalSet, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Score this rank's pairs with score_fn(batch) -> (2B,): (pair_index (n,), chosen (n,), rejected (n,))."""
@@ -286,12 +295,16 @@ def main(cfg: Config) -> dict:
 
     # 3. models and scores
     if cfg.reward_model:
-        model = shard_model(build_reward_model(cfg.reward_model), dtype).to(device)
+        model = build_reward_model(cfg.reward_model)
+        check_context(model.cfg, cfg.max_prompt_len, cfg.max_response_len, "reward model")
+        model = shard_model(model, dtype).to(device)
         results = evaluate_reward_model(model, eval_set, device, cfg.bootstrap_samples, cfg.seed)
         title = f"reward model {cfg.reward_model} on {name}"
     else:
-        policy = shard_model(build_policy(cfg.policy), dtype).to(device)
-        reference = shard_model(build_policy(cfg.reference), dtype).to(device)
+        policy, reference = build_policy(cfg.policy), build_policy(cfg.reference)
+        check_context(policy.cfg, cfg.max_prompt_len, cfg.max_response_len, "policy")
+        check_context(reference.cfg, cfg.max_prompt_len, cfg.max_response_len, "reference")
+        policy, reference = shard_model(policy, dtype).to(device), shard_model(reference, dtype).to(device)
         results = evaluate_policy(policy, reference, eval_set, cfg.beta, device, cfg.bootstrap_samples, cfg.seed)
         title = f"policy {cfg.policy} vs reference {cfg.reference} (beta {cfg.beta}) on {name}"
 

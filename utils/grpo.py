@@ -31,16 +31,24 @@ def penalize_missing_end(raw_rewards_N: torch.Tensor, has_end_N: torch.Tensor, p
 
 
 # ----------------------------------------------------------------------------------------------------
-# Selection of K of G samples per prompt. Each returns (indices (B, K) long, sorted ascending, stats dict of
-# floats); indices are columns of the (B, G) reward matrix. Random numbers are fp32 from the given generator
+# Selection of K of G samples per prompt. Each returns (indices (B, K) long, sorted ascending, stats) where
+# indices are columns of the (B, G) reward matrix and stats holds per-prompt (B,) tensors: "visited" (candidates
+# examined; acceptance rate = K / visited) and "rounds" (passes over the candidates), so callers can reduce
+# them over ranks. Random numbers are fp32 from the given generator
 # (the reference repository drew them in bf16, whose 8-bit mantissa makes acceptance probabilities coarse).
+
+
+def _one_pass(rewards_BG: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Stats of a selection that looks at every candidate once."""
+    B, G = rewards_BG.shape
+    return {"visited": torch.full((B,), float(G), device=rewards_BG.device), "rounds": torch.ones(B, device=rewards_BG.device)}
 
 
 def select_all(rewards_BG: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Keep every sample (K = G)."""
     B, G = rewards_BG.shape
     idx = torch.arange(G, device=rewards_BG.device).expand(B, G).clone()
-    return idx, {"acceptance_rate": 1.0, "rounds_mean": 1.0, "rounds_max": 1.0}
+    return idx, _one_pass(rewards_BG)
 
 
 def select_top_bottom(rewards_BG: torch.Tensor, k: int) -> tuple[torch.Tensor, dict]:
@@ -50,7 +58,7 @@ def select_top_bottom(rewards_BG: torch.Tensor, k: int) -> tuple[torch.Tensor, d
         raise ValueError(f"top-bottom selection needs an even K in (0, G={G}], got {k}")
     order = torch.argsort(rewards_BG.float(), dim=1, descending=True, stable=True)  # (B, G)
     idx = torch.cat([order[:, : k // 2], order[:, G - k // 2 :]], dim=1)  # (B, K)
-    return idx.sort(dim=1).values, {"acceptance_rate": k / G, "rounds_mean": 1.0, "rounds_max": 1.0}
+    return idx.sort(dim=1).values, _one_pass(rewards_BG)
 
 
 def select_uniform(rewards_BG: torch.Tensor, k: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
@@ -60,7 +68,7 @@ def select_uniform(rewards_BG: torch.Tensor, k: int, generator: torch.Generator 
         raise ValueError(f"uniform selection needs K in (0, G={G}], got {k}")
     keys = torch.rand(B, G, generator=generator, device=rewards_BG.device, dtype=torch.float32)
     idx = keys.argsort(dim=1)[:, :k]  # (B, K): a uniformly random K-subset
-    return idx.sort(dim=1).values, {"acceptance_rate": k / G, "rounds_mean": 1.0, "rounds_max": 1.0}
+    return idx.sort(dim=1).values, _one_pass(rewards_BG)
 
 
 def select_rso(
@@ -77,7 +85,7 @@ def select_rso(
     Algorithm 1 visits candidates in list order; samples of one prompt are exchangeable so that is the same
     distribution, but the random order also makes the result uniform over *indices* when beta -> inf.
 
-    Stats: acceptance_rate = K / candidates visited; rounds_mean, rounds_max over prompts."""
+    Stats per prompt: candidates visited (one uniform draw each) and rounds used."""
     B, G = rewards_BG.shape
     if not 0 < k <= G:
         raise ValueError(f"rejection sampling needs K in (0, G={G}], got {k}")
@@ -114,12 +122,7 @@ def select_rso(
         keep = torch.zeros_like(accepted).scatter(1, visit_order, keep_sorted)  # (B, G)
         accepted |= keep
     idx = torch.argsort((~accepted).to(torch.uint8), dim=1, stable=True)[:, :k]  # (B, K) accepted columns
-    stats = {
-        "acceptance_rate": float(B * k / visited.sum()),
-        "rounds_mean": float(rounds.mean()),
-        "rounds_max": float(rounds.max()),
-    }
-    return idx, stats
+    return idx, {"visited": visited, "rounds": rounds}
 
 
 # ----------------------------------------------------------------------------------------------------

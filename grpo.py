@@ -1,0 +1,666 @@
+"""GRPO: Group Relative Policy Optimization of a GPT-2 policy against a reward model on Reddit TL;DR prompts.
+
+    torchrun --nproc_per_node=2 grpo.py                              # policy runs/sft/hf, reward model runs/rm/hf
+    python grpo.py --policy runs/sft/hf --reward_model runs/rm/hf    # one device
+    python grpo.py --help                                            # every option (grouped in docs/grpo.md)
+
+One step (DeepSeekMath, arXiv 2402.03300, section 4), as the numbered stages of main():
+
+    1. sample prompts     prompts_per_step prompts, split over ranks
+    2. generate           G = num_samples responses per prompt; the prompt's KV cache is shared by its group
+    3. score              reward model on prompt + response; penalty for no end token in raw RM units; gain/bias
+    4. select             K = num_kept of G per prompt (RSO rejection sampling at temperature beta_rs, ...)
+    5. advantages         group normalization over the K selected, then over the whole batch across ranks
+    6. reference          log-probs of the selected responses under the frozen reference policy
+    7. update             clipped ratio + beta * k3 KL, response tokens only, loss / global normaliser, mu epochs
+    8. log, evaluate, checkpoint
+
+The math (selection, advantages, loss, aggregation) lives in utils/grpo.py, one pure function per variant.
+Sampling and selection draw from a torch.Generator seeded from (seed, step, rank), so a resumed run repeats
+the same samples and losses bit for bit.
+"""
+
+import copy
+import hashlib
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, PromptDataset, ShardedLoader, load_rows, pad_prompts
+from data.tokenizer import get_tokenizer
+from evaluate import build_eval_set, evaluate_policy, policy_logps
+from model.sampler import SampleOutput, generate, process_logits, processed_logprobs
+from model.weights import build_policy, build_reward_model
+from utils.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from utils.config import config_to_dict, parse_config
+from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
+from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
+from utils.grpo import (
+    AGGREGATIONS,
+    global_normalize,
+    group_center,
+    group_normalize,
+    grpo_token_loss,
+    penalize_missing_end,
+    select_all,
+    select_rso,
+    select_top_bottom,
+    select_uniform,
+    token_entropy,
+)
+from utils.logging import Logger, progress
+from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
+
+
+@dataclass
+class Config:
+    # --- models
+    policy: str = "runs/sft/hf"
+    """Starting policy, also the frozen reference: a Hugging Face-format folder (sft.py's hf/), a hub name, or
+    with --policy_random_init a preset (tiny, small, gpt2, ...)."""
+    policy_random_init: bool = False
+    """Random GPT-2 initialisation of the preset named by --policy (tests and smoke runs)."""
+    reward_model: str = "runs/rm/hf"
+    """Reward model: reward_model.py's hf/ folder (its gain/bias come from reward_normalization.json), or with
+    --reward_random_init a preset."""
+    reward_random_init: bool = False
+    """Random reward model of the preset named by --reward_model, gain 1 and bias 0 (tests and smoke runs)."""
+    cpu_offload: bool = False
+    """Keep the frozen reference and reward model's sharded parameters on the CPU between uses (needs a GPU)."""
+    # --- data
+    train_data: str = "trl-lib/tldr"
+    """Training prompts (column prompt): a hub dataset name, a .jsonl/.parquet file, or a folder of them."""
+    train_split: str = "train"
+    """Split of --train_data (hub datasets and folders)."""
+    val_data: str = "trl-lib/tldr"
+    """Validation prompts for the reward of greedy/sampled summaries; empty string to skip."""
+    val_split: str = "validation"
+    """Split of --val_data."""
+    pref_data: str = "trl-lib/tldr-preference"
+    """Preference pairs for the implicit-reward accuracy (evaluate.py); empty string to skip."""
+    pref_split: str = "validation"
+    """Split of --pref_data."""
+    max_prompt_len: int = 512
+    """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
+    # --- sampling
+    num_samples: int = 64
+    """G: responses sampled per prompt."""
+    max_new_tokens: int = 53
+    """Response tokens sampled at most, the end token included."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); the ratio's and KL's log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 disables. The loss's log-probs use the same masking."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables. The loss's log-probs use the same masking."""
+    gen_prompts: int = 16
+    """Prompts per generation call on each rank (x num_samples sequences in the KV cache)."""
+    # --- rewards and selection
+    missing_end_penalty: float = 1.0
+    """Subtracted from the *raw* reward-model score of a response without an end token, before the gain/bias
+    normalization (so gain * penalty in normalized units)."""
+    selection: Literal["rso", "top_bottom", "uniform", "all"] = "rso"
+    """How K of the G samples are kept: rso (RSO rejection sampling, arXiv 2309.06657), top_bottom (the K/2 best
+    and K/2 worst), uniform (K at random), all (K = G)."""
+    num_kept: int = 8
+    """K: samples kept per prompt for the update (ignored by --selection all)."""
+    beta_rs: float = 2.0
+    """RSO temperature: acceptance probability exp((r - r_max) / beta_rs) on normalized rewards."""
+    # --- advantages
+    scale_by_std: bool = True
+    """Divide by the group's std in group normalization; false gives Dr. GRPO's r - mean (arXiv 2503.20783)."""
+    global_norm: bool = True
+    """After group normalization, whiten the advantages over the whole batch across all ranks."""
+    # --- loss
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
+    """Aggregation: grpo (per-sequence mean, then mean over sequences), bnpo/dapo (mean over all tokens),
+    dr_grpo (sum / (sequences x max_new_tokens)); every normaliser is global over ranks and micro-batches."""
+    eps_low: float = 0.2
+    """Clip the ratio below at 1 - eps_low."""
+    eps_high: float = 0.2
+    """Clip the ratio above at 1 + eps_high (DAPO's clip-higher uses 0.28)."""
+    beta: float = 0.04
+    """Weight of the k3 KL to the reference policy (also the beta of the implicit reward in evaluation)."""
+    policy_epochs: int = 1
+    """mu: optimizer steps over each batch. 1: the old log-probs are the detached current ones (ratio 1)."""
+    # --- optimisation
+    prompts_per_step: int = 256
+    """Global prompts per step, over all ranks (x num_kept sequences in the update)."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward of the policy and reference on each rank."""
+    score_micro_batch_size: int = 128
+    """Sequences per reward-model forward on each rank."""
+    steps: int = 0
+    """GRPO steps; 0 means one epoch over the training prompts."""
+    lr: float = 3e-6
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 10
+    """Linear warmup (optimizer steps) before cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on weight matrices."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    # --- evaluation and logging
+    eval_every: int = 50
+    """Evaluate every N steps, before the first and after the last; 0 only after the last; -1 never."""
+    eval_prompts: int = 256
+    """Validation prompts whose summaries the reward model scores (the first N)."""
+    eval_greedy: bool = True
+    """Greedy summaries in evaluation; false samples at --temperature / --top_p / --top_k."""
+    pref_pairs: int = 512
+    """Preference pairs for the implicit-reward accuracy (the first N); 0 for all."""
+    pref_max_response_len: int = 64
+    """Tokens kept of each preference response, the end token included."""
+    table_every: int = 20
+    """Log a table of sample responses every N steps; 0 disables."""
+    table_prompts: int = 2
+    """Prompts (with all their selected samples) in each table, from rank 0."""
+    # --- run
+    save_every: int = 50
+    """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Resumable checkpoints kept."""
+    out_dir: str = "runs/grpo"
+    """Run directory: checkpoints/, hf/ (the Hugging Face-format export), metrics.jsonl, tables, wandb/."""
+    resume: bool = True
+    """Resume from the newest checkpoint in --out_dir when there is one."""
+    seed: int = 1
+    """Seed of data order, sampling and selection (streams derived from seed, step and rank)."""
+    device: str = "auto"
+    """auto, cuda or cpu."""
+    dtype: str = "auto"
+    """Compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU). Gradients are reduced in fp32."""
+    activation_checkpointing: bool = False
+    """Recompute block activations in backward to save memory."""
+    wandb_mode: str = "auto"
+    """online, offline, disabled, or auto (online with a wandb login, offline otherwise)."""
+    wandb_project: str = "tldr-rlhf"
+    """wandb project."""
+    run_name: str = "grpo"
+    """wandb run name."""
+
+    @property
+    def kept(self) -> int:
+        """K actually kept per prompt."""
+        return self.num_samples if self.selection == "all" else self.num_kept
+
+    def validate(self) -> None:
+        for name in (
+            "num_samples", "num_kept", "max_new_tokens", "max_prompt_len", "gen_prompts", "prompts_per_step",
+            "micro_batch_size", "score_micro_batch_size", "policy_epochs", "pref_max_response_len", "table_prompts",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.kept > self.num_samples:
+            raise ValueError(f"--num_kept {self.num_kept} exceeds --num_samples {self.num_samples}")
+        if self.selection == "top_bottom" and self.kept % 2:
+            raise ValueError(f"--selection top_bottom needs an even --num_kept, got {self.num_kept}")
+        if self.selection == "rso" and not self.beta_rs > 0:
+            raise ValueError(f"--beta_rs must be > 0, got {self.beta_rs}")
+        if self.kept < 2 and self.scale_by_std:
+            raise ValueError("group normalization with std scaling needs at least 2 kept samples per prompt")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0 for training (greedy evaluation: --eval_greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"--top_p must be in (0, 1] and --top_k >= 0, got {self.top_p}, {self.top_k}")
+        if self.eps_low < 0 or self.eps_high < 0 or self.beta < 0:
+            raise ValueError("--eps_low, --eps_high and --beta must be >= 0")
+        if self.steps < 0 or self.eval_prompts < 0 or self.pref_pairs < 0:
+            raise ValueError("--steps, --eval_prompts and --pref_pairs must be >= 0")
+        if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
+            raise ValueError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"--device must be auto, cuda or cpu, got '{self.device}'")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"--dtype must be auto, bf16 or fp32, got '{self.dtype}'")
+
+
+def per_rank_sizes(cfg: Config, world: int) -> tuple[int, int]:
+    """(prompts per rank, training micro-batches per rank), with exact-division checks."""
+    if cfg.prompts_per_step % world:
+        raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by the world size {world}")
+    prompts = cfg.prompts_per_step // world
+    if (prompts * cfg.kept) % cfg.micro_batch_size:
+        raise ValueError(
+            f"{prompts} prompts per rank x {cfg.kept} kept samples = {prompts * cfg.kept} sequences must be divisible "
+            f"by --micro_batch_size {cfg.micro_batch_size}"
+        )
+    return prompts, prompts * cfg.kept // cfg.micro_batch_size
+
+
+def stream_seed(*parts) -> int:
+    """A 63-bit seed from (seed, step, rank, stream name): independent streams that a resumed run can rebuild."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rows: left-padded prompt + right-padded response, the layout of data.tldr.collate_sft
+
+
+def prompt_response_rows(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
+) -> dict:
+    """collate_sft's layout from tensors: prompts (n, P) left-padded, responses (n, R) right-padded.
+
+    Columns that are padding in every row are dropped first (leading prompt columns, trailing response columns),
+    so a micro-batch is only as wide as its own longest prompt and response. Position ids count real tokens
+    from 0 (GPT-2's positions are absolute, so left padding must not shift them)."""
+    first = int(prompt_mask.any(0).long().argmax())  # first column where some prompt has a real token
+    width = int(response_mask.any(0).sum())  # right padding: columns with some real response token
+    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
+    response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (n, P'+R')
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # (n, P'+R')
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1) * attention_mask  # (n, P'+R')
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "prompt_len": prompt_ids.shape[1],
+    }
+
+
+def response_logits(model, batch: dict) -> torch.Tensor:
+    """Logits (n, R, V) at the columns P-1 .. P+R-2 that predict the response tokens."""
+    P, R = batch["prompt_len"], batch["response_ids"].shape[1]
+    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], logits_slice=slice(P - 1, P + R - 1))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stages
+
+
+@torch.no_grad()
+def rollout(policy, prompt_ids, prompt_mask, cfg: Config, num_samples: int, generator, greedy: bool = False) -> SampleOutput:
+    """Generate num_samples responses per prompt in calls of cfg.gen_prompts prompts, parameters gathered once.
+    Returns (B * num_samples, max_new_tokens) tensors grouped by prompt."""
+    was_training = policy.training
+    policy.eval()
+    parts = []
+    with gathered_params(policy):
+        for s in range(0, prompt_ids.shape[0], cfg.gen_prompts):
+            ids, mask = prompt_ids[s : s + cfg.gen_prompts], prompt_mask[s : s + cfg.gen_prompts]
+            first = int(mask.any(0).long().argmax())  # this chunk's own left padding only
+            parts.append(generate(
+                policy, ids[:, first:], mask[:, first:], num_samples, cfg.max_new_tokens,
+                temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
+            ))
+    policy.train(was_training)
+    return SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in ("response_ids", "response_mask", "logprobs", "has_end")))
+
+
+@torch.no_grad()
+def score(reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: int, micro: int) -> torch.Tensor:
+    """Raw reward-model score (N,) of every prompt + response row, read at the row's last real token: the end token,
+    or the last sampled token when the response ran out of tokens. Row n belongs to prompt n // group."""
+    N = samples.response_ids.shape[0]
+    scores = []
+    with gathered_params(reward_model):
+        for s in range(0, N, micro):
+            rows = torch.arange(s, min(s + micro, N), device=prompt_ids.device)
+            batch = prompt_response_rows(
+                prompt_ids[rows // group], prompt_mask[rows // group], samples.response_ids[rows], samples.response_mask[rows]
+            )
+            scores.append(reward_model(batch["input_ids"], batch["position_ids"], batch["attention_mask"]))
+    return torch.cat(scores).float()
+
+
+def select(rewards_BG: torch.Tensor, cfg: Config, generator) -> tuple[torch.Tensor, dict]:
+    """Indices (B, K) of the kept samples and per-prompt stats (visited candidates, rounds)."""
+    if cfg.selection == "rso":
+        return select_rso(rewards_BG, cfg.kept, cfg.beta_rs, generator)
+    if cfg.selection == "top_bottom":
+        return select_top_bottom(rewards_BG, cfg.kept)
+    if cfg.selection == "uniform":
+        return select_uniform(rewards_BG, cfg.kept, generator)
+    return select_all(rewards_BG)
+
+
+def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_N: torch.Tensor, advantages_N, group, micro):
+    """Micro-batches of the selected rows: prompt + response layout, plus advantages and the sampler's log-probs."""
+    batches = []
+    for s in range(0, rows_N.shape[0], micro):
+        rows = rows_N[s : s + micro]
+        batch = prompt_response_rows(
+            prompt_ids[rows // group], prompt_mask[rows // group], samples.response_ids[rows], samples.response_mask[rows]
+        )
+        batch["advantages"] = advantages_N[s : s + micro]
+        batch["sampler_logprobs"] = samples.logprobs[rows][:, : batch["response_ids"].shape[1]]
+        batches.append(batch)
+    return batches
+
+
+@torch.no_grad()
+def add_logprobs(model, batches: list[dict], key: str, cfg: Config, gather: bool) -> None:
+    """batch[key] = processed log-probs (n, R) of the responses under `model` (no gradient). `gather`: keep the
+    parameters gathered over all micro-batches (a frozen model); otherwise FSDP's per-block gathers (the policy,
+    whose training forward this must match)."""
+    with gathered_params(model) if gather else nullcontext():
+        for batch in batches:
+            logits = response_logits(model, batch)
+            batch[key] = processed_logprobs(logits, batch["response_ids"], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+
+
+def policy_update(policy, optimizer, scheduler, batches: list[dict], cfg: Config, world: int, device) -> dict:
+    """cfg.policy_epochs optimizer steps over this rank's micro-batches; returns global metrics.
+
+    Every aggregation is sum(w * loss) / Z with token weights w from the mask and a normaliser Z summed over
+    micro-batches and ranks before any backward (utils/grpo.py). FSDP averages gradients over ranks, so each
+    rank's loss is multiplied by the world size: the reduced gradient is that of the global loss, for any world
+    size and micro-batch size."""
+    weigh = AGGREGATIONS[cfg.loss_type]
+    weights = [weigh(b["response_mask"], cfg.max_new_tokens) for b in batches]
+    normaliser = all_reduce_sum(sum(z for _, z in weights).to(device).double()).float()
+    # sums over epochs: loss, kl, clipped tokens, entropy, |logp - sampler logp|, response tokens; grad norm
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    grad_norm = 0.0
+    for epoch in range(cfg.policy_epochs):
+        for i, (batch, (w, _)) in enumerate(zip(batches, weights)):
+            set_gradient_sync(policy, i == len(batches) - 1)
+            mask = batch["response_mask"]
+            logits = response_logits(policy, batch)  # (n, R, V)
+            logp = processed_logprobs(logits, batch["response_ids"], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+            # mu = 1: old = current, detached, so the ratio is 1 in value and d ratio = d logp (trl PR #2565)
+            old = logp.detach() if cfg.policy_epochs == 1 else batch["old_logprobs"]
+            loss_NT, stats = grpo_token_loss(
+                logp, old, batch["ref_logprobs"], batch["advantages"], mask, cfg.eps_low, cfg.eps_high, cfg.beta
+            )
+            loss = (w * loss_NT).sum()
+            (loss * world / normaliser).backward()
+            with torch.no_grad():
+                entropy = token_entropy(process_logits(logits.detach(), cfg.temperature, cfg.top_k, cfg.top_p))
+                gap = torch.where(mask, (logp.detach() - batch["sampler_logprobs"]).abs(), 0.0)
+                sums += torch.stack([
+                    loss.detach().double(), stats["kl"].sum().double(), stats["clipped"].sum().double(),
+                    (entropy * mask).sum().double(), gap.sum().double(), mask.sum().double(),
+                ])
+        grad_norm += clip_grad_norm(policy, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    loss, kl, clipped, entropy, gap, tokens = all_reduce_sum(sums).tolist()
+    mu = cfg.policy_epochs
+    return {
+        "train/loss": loss / float(normaliser) / mu,
+        "train/kl": kl / tokens,
+        "train/clip_fraction": clipped / tokens,
+        "train/entropy": entropy / tokens,
+        "train/logprob_gap_to_sampler": gap / tokens,
+        "train/grad_norm": grad_norm / mu,
+        "train/lr": scheduler.get_last_lr()[0],
+    }
+
+
+def global_mean_std(x: torch.Tensor) -> tuple[float, float]:
+    """Mean and population std of x over all ranks."""
+    x = x.double().flatten()
+    n, s, sq = all_reduce_sum(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x.sum(), (x * x).sum()])).tolist()
+    mean = s / n
+    return mean, max(sq / n - mean * mean, 0.0) ** 0.5
+
+
+def all_reduce_max(x: float, device) -> float:
+    t = torch.tensor(x, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+@torch.no_grad()
+def evaluate_summaries(policy, reward_model, prompt_ids, prompt_mask, cfg: Config, step: int, rank: int, device) -> dict:
+    """Mean reward-model score of one greedy (or sampled) summary per validation prompt, over all ranks."""
+    generator = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, step, rank, "eval"))
+    samples = rollout(policy, prompt_ids, prompt_mask, cfg, 1, generator, greedy=cfg.eval_greedy)
+    was = reward_model.training
+    reward_model.eval()
+    raw = score(reward_model, prompt_ids, prompt_mask, samples, 1, cfg.score_micro_batch_size)
+    reward_model.train(was)
+    normalized = reward_model.normalize(raw)
+    penalized = reward_model.normalize(penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty))
+    n, r, rp, end, length = all_reduce_sum(torch.stack([
+        torch.tensor(float(raw.numel()), device=device, dtype=torch.float64), normalized.double().sum(), penalized.double().sum(),
+        samples.has_end.double().sum(), samples.response_mask.double().sum(),
+    ])).tolist()
+    return {
+        "eval/reward": r / n, "eval/reward_penalized": rp / n, "eval/end_fraction": end / n,
+        "eval/response_length": length / n,
+    }
+
+
+class StageTimer:
+    """Wall-clock seconds per named stage; synchronises the GPU so a stage is charged for its own kernels."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds[name] += time.perf_counter() - t0
+
+
+def sample_table(tok, prompts: list[list[int]], samples: SampleOutput, rows_BK, raw, rewards, advantages, cfg: Config) -> list[list]:
+    """Rows of the sample table: the first cfg.table_prompts prompts of this rank with their selected samples."""
+    table = []
+    for b in range(min(cfg.table_prompts, rows_BK.shape[0])):
+        for j, n in enumerate(rows_BK[b].tolist()):
+            ids = samples.response_ids[n][samples.response_mask[n]].tolist()
+            table.append([
+                tok.decode(prompts[b]), tok.decode(ids), float(raw[n]), float(rewards[n]),
+                float(advantages[b * rows_BK.shape[1] + j]), bool(samples.has_end[n]),
+            ])
+    return table
+
+
+def freeze(model):
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def main(cfg: Config) -> dict:
+    # 0. distributed set-up and sizes (checked before any model is built)
+    dist_info = setup_distributed(cfg.device)
+    rank, world, device = dist_info.rank, dist_info.world_size, dist_info.device
+    prompts_per_rank, n_micro = per_rank_sizes(cfg, world)
+    G, K = cfg.num_samples, cfg.kept
+    torch.manual_seed(cfg.seed)
+    run_dir = Path(cfg.out_dir)
+    dtype = resolve_dtype(cfg.dtype, device)
+
+    # data: training prompts sharded per rank; validation prompts and preference pairs split over ranks
+    tok = get_tokenizer()
+    train_rows = load_rows(cfg.train_data, cfg.train_split, PROMPT_COLUMNS)
+    train = PromptDataset(train_rows, tok, cfg.max_prompt_len, name=f"{cfg.train_data}[{cfg.train_split}]")
+    loader = ShardedLoader(len(train), prompts_per_rank, rank, world, cfg.seed, collate=lambda idx: idx)
+    total_steps = cfg.steps or loader.batches_per_epoch
+    val_prompts = pref_set = None
+    if cfg.val_data and cfg.eval_every >= 0 and cfg.eval_prompts > 0:
+        val_rows = load_rows(cfg.val_data, cfg.val_split, PROMPT_COLUMNS)[: cfg.eval_prompts]
+        per_rank = len(val_rows) // world  # the same number on every rank: the evaluation ends in collectives
+        if per_rank == 0:
+            raise ValueError(f"{len(val_rows)} validation prompts cannot be split over {world} ranks")
+        val_rows = val_rows[rank * per_rank : (rank + 1) * per_rank]
+        val = PromptDataset(val_rows, tok, cfg.max_prompt_len, name=f"{cfg.val_data}[{cfg.val_split}]")
+        val_prompts = tuple(t.to(device) for t in pad_prompts(val.prompts))
+    if cfg.pref_data and cfg.eval_every >= 0:
+        pref_rows = load_rows(cfg.pref_data, cfg.pref_split, PREF_COLUMNS)
+        pref_rows = pref_rows[: cfg.pref_pairs] if cfg.pref_pairs else pref_rows
+        pref_set = build_eval_set(
+            pref_rows, tok, cfg.max_prompt_len, cfg.pref_max_response_len, cfg.micro_batch_size, rank, world,
+            name=f"{cfg.pref_data}[{cfg.pref_split}]",
+        )
+
+    # models: the policy (trained), its frozen copy as reference, the frozen reward model; all FSDP-sharded
+    policy = build_policy(cfg.policy, cfg.policy_random_init)
+    model_cfg = policy.cfg
+    if cfg.max_prompt_len + cfg.max_new_tokens > model_cfg.n_positions:
+        raise ValueError(
+            f"--max_prompt_len {cfg.max_prompt_len} + --max_new_tokens {cfg.max_new_tokens} exceeds the policy's "
+            f"{model_cfg.n_positions} positions"
+        )
+    reference = freeze(copy.deepcopy(policy))  # before any update: the starting weights, random init included
+    reward_model = freeze(build_reward_model(cfg.reward_model, cfg.reward_random_init))
+    shard_model(policy, dtype, activation_checkpointing=cfg.activation_checkpointing)
+    policy.to(device)
+    for frozen in (reference, reward_model):
+        shard_model(frozen, dtype, cpu_offload=cfg.cpu_offload)
+        if not cfg.cpu_offload:
+            frozen.to(device)
+    optimizer = build_optimizer(policy, cfg.lr, cfg.weight_decay)
+    scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps * cfg.policy_epochs, cfg.min_lr_ratio)
+    meta = {"stage": "grpo", "model_config": model_cfg.to_dict()}
+
+    # resume
+    step = 0
+    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, policy, optimizer, scheduler, meta, rank)
+        step = state["step"]
+        loader.load_state_dict(state["extra"]["loader"])
+        if rank == 0:
+            print(f"resumed from {ckpt} at step {step}")
+
+    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
+    if rank == 0:
+        print(
+            f"grpo: {len(train)} prompts, world {world}, {prompts_per_rank} prompts x {G} samples -> {K} kept per rank, "
+            f"{n_micro} micro-batches, {total_steps} steps"
+        )
+    ref_pref_logps = policy_logps(reference, pref_set, device) if pref_set is not None else None
+
+    def evaluate_now(step: int) -> dict:
+        out = {}
+        if val_prompts is not None:
+            out.update(evaluate_summaries(policy, reward_model, *val_prompts, cfg, step, rank, device))
+        if pref_set is not None:
+            pref = evaluate_policy(policy, ref_pref_logps, pref_set, cfg.beta, device)
+            out.update({f"eval/pref_{k}": v for k, v in pref.items()})
+        return out
+
+    if step == 0 and cfg.eval_every > 0:
+        logger.log(evaluate_now(0), 0)
+    batches_iter = iter(loader)
+    bar = progress(total_steps, step, rank == 0, "grpo")
+    policy.train()
+    metrics: dict = {}
+    while step < total_steps:
+        timer = StageTimer(device)
+        t_step = time.perf_counter()
+        generator = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, step, rank, "rollout"))
+
+        # 1. sample prompts (this rank's slice of the global batch)
+        with timer("sample"):
+            prompts = [train.prompts[i] for i in next(batches_iter)]
+            prompt_ids, prompt_mask = (t.to(device) for t in pad_prompts(prompts))  # (B, P) left-padded
+
+        # 2. generate G responses per prompt; rows b*G .. b*G+G-1 belong to prompt b
+        with timer("generate"):
+            samples = rollout(policy, prompt_ids, prompt_mask, cfg, G, generator)  # (N, max_new_tokens), N = B*G
+
+        # 3. score: raw RM score -> minus the penalty (raw units) without an end token -> RM gain/bias
+        with timer("score"):
+            raw = score(reward_model, prompt_ids, prompt_mask, samples, G, cfg.score_micro_batch_size)  # (N,)
+            rewards = reward_model.normalize(penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty))
+
+        # 4. select K of G per prompt, from the normalized rewards
+        with timer("select"):
+            idx_BK, rs = select(rewards.view(-1, G), cfg, generator)  # (B, K) columns of each group
+            rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]  # (B, K) rows of N
+            rows_N = rows_BK.flatten()  # (B*K,)
+
+        # 5. advantages: group normalization over the *selected* samples, then over the global batch
+            rewards_BK = rewards[rows_BK]  # (B, K)
+            advantages = (group_normalize(rewards_BK) if cfg.scale_by_std else group_center(rewards_BK)).flatten()
+            if cfg.global_norm:
+                advantages = global_normalize(advantages, all_reduce_sum)
+            batches = build_training_batches(prompt_ids, prompt_mask, samples, rows_N, advantages, G, cfg.micro_batch_size)
+
+        # 6. reference log-probs (frozen, parameters gathered once); with mu > 1 also the old policy's, from the
+        #    training forward so ratio 1 at the first update is exact
+        with timer("reference"):
+            add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
+            if cfg.policy_epochs > 1:
+                add_logprobs(policy, batches, "old_logprobs", cfg, gather=False)
+
+        # 7. update the policy
+        with timer("update"):
+            metrics = policy_update(policy, optimizer, scheduler, batches, cfg, world, device)
+        step += 1
+
+        # 8. log
+        step_seconds = time.perf_counter() - t_step
+        raw_mean, raw_std = global_mean_std(raw)
+        reward_mean, reward_std = global_mean_std(rewards)
+        kept_mean, kept_std = global_mean_std(rewards_BK)
+        n_prompts, visited, rounds, ended, generated, kept_len, train_tokens = all_reduce_sum(torch.stack([
+            torch.tensor(float(idx_BK.shape[0]), dtype=torch.float64, device=device), rs["visited"].double().sum(),
+            rs["rounds"].double().sum(), samples.has_end.double().sum(), samples.response_mask.double().sum(),
+            samples.response_mask[rows_N].double().sum(), sum(b["attention_mask"].sum() for b in batches).double(),
+        ])).tolist()
+        n_samples = n_prompts * G
+        metrics.update({
+            "reward/raw_mean": raw_mean, "reward/raw_std": raw_std,
+            "reward/mean": reward_mean, "reward/std": reward_std,
+            "reward/selected_mean": kept_mean, "reward/selected_std": kept_std,
+            "rs/acceptance_rate": n_prompts * K / visited,
+            "rs/rounds_mean": rounds / n_prompts,
+            "rs/rounds_max": all_reduce_max(float(rs["rounds"].max()), device),
+            "rs/pool_reward_mean": reward_mean, "rs/pool_reward_std": reward_std,
+            "rs/selected_reward_mean": kept_mean, "rs/selected_reward_std": kept_std,
+            "sample/end_fraction": ended / n_samples,
+            "sample/response_length": generated / n_samples,
+            "sample/selected_response_length": kept_len / (n_prompts * K),
+            "perf/step_seconds": step_seconds,
+            "perf/generate_tokens_per_second": generated / timer.seconds["generate"],
+            "perf/tokens_per_second": generated / step_seconds,
+            "perf/tokens_per_second_per_device": generated / step_seconds / world,
+            "perf/update_tokens_per_second": train_tokens * cfg.policy_epochs / timer.seconds["update"],
+        })
+        for name, seconds in timer.seconds.items():
+            metrics[f"perf/{name}_seconds"] = seconds
+            metrics[f"perf/{name}_share"] = seconds / step_seconds
+        if cfg.eval_every >= 0 and (step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)):
+            metrics.update(evaluate_now(step))
+        logger.log(metrics, step)
+        if cfg.table_every > 0 and step % cfg.table_every == 0:
+            table = sample_table(tok, prompts, samples, rows_BK, raw, rewards, advantages, cfg)
+            logger.table("samples", ["prompt", "response", "reward_raw", "reward", "advantage", "has_end"], table, step)
+        bar.update(1)
+        bar.set_postfix(reward=f"{reward_mean:.3f}", kl=f"{metrics['train/kl']:.4f}")
+
+        # checkpoint
+        if step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+            save_checkpoint(
+                run_dir, step, policy, optimizer, scheduler, meta,
+                extra={"loader": loader.state_dict()}, keep_last=cfg.keep_last, rank=rank,
+            )
+    bar.close()
+
+    # export a Hugging Face-format folder
+    export_hf(policy, model_cfg, run_dir / "hf", rank)
+    if rank == 0:
+        print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    logger.finish()
+    cleanup_distributed()
+    return metrics
+
+
+if __name__ == "__main__":
+    main(parse_config(Config, description=__doc__.split("\n\n")[0]))

@@ -1,0 +1,112 @@
+"""Run under 1 or 2 processes: GRPO's global advantage normalization and one update's loss and gradients.
+
+    python tests/scripts/grpo_dist.py OUT.pt MICRO_BATCH_SIZE
+
+The global batch is fixed: 4 prompts x 4 samples. Rank r takes a contiguous slice of whole prompts (group
+normalization needs a prompt's samples on one rank) and splits it into micro-batches of MICRO_BATCH_SIZE rows.
+Rank 0 saves, per loss type, the loss and the full gradients, plus the globally normalized advantages of an
+uneven split of a fixed vector (5 values on rank 0, the rest on rank 1).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from data.tldr import pad_prompts  # noqa: E402
+from grpo import Config, add_logprobs, build_training_batches, freeze, policy_update  # noqa: E402
+from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
+from model.sampler import SampleOutput  # noqa: E402
+from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402
+from utils.fsdp import shard_model  # noqa: E402
+from utils.grpo import global_normalize, group_normalize  # noqa: E402
+
+VOCAB, PROMPTS, G, R = 512, 4, 4, 6
+
+
+class GradRecorder:
+    """Stands in for the optimizer: keeps the full gradients instead of stepping."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = {n: p.grad.full_tensor().clone() for n, p in self.model.named_parameters()}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+class ConstantLR:
+    def step(self):
+        pass
+
+    def get_last_lr(self):
+        return [0.0]
+
+
+def fixed_rollout(seed=0):
+    """Prompts of different lengths, responses of different lengths (some without an end token), rewards."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(PROMPTS)]
+    N = PROMPTS * G
+    lengths = torch.randint(1, R + 1, (N,), generator=g)
+    mask = torch.arange(R)[None] < lengths[:, None]  # (N, R)
+    ids = torch.where(mask, torch.randint(0, VOCAB, (N, R), generator=g), 0)
+    samples = SampleOutput(ids, mask, -torch.rand(N, R, generator=g) * mask, lengths < R)
+    rewards = torch.randn(N, generator=g)
+    return prompts, samples, rewards
+
+
+def main(out: str, micro: int):
+    info = setup_distributed("cpu")
+    rank, world = info.rank, info.world_size
+    results = {}
+
+    # 1. global normalization of an uneven split
+    values = torch.randn(16, generator=torch.Generator().manual_seed(1))
+    mine = values if world == 1 else (values[:5] if rank == 0 else values[5:])
+    parts = [None] * world
+    normalized = global_normalize(mine, all_reduce_sum)
+    if world > 1:
+        dist.all_gather_object(parts, normalized)
+    else:
+        parts = [normalized]
+    results["global_norm"] = torch.cat(parts)
+
+    # 2. one update's loss and gradients, per loss type
+    torch.manual_seed(0)
+    cfg_model = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, n_positions=64)
+    policy = GPT2LMHeadModel(cfg_model)
+    reference = freeze(GPT2LMHeadModel(cfg_model))  # another random model, so the KL term is not zero
+    shard_model(policy)
+    shard_model(reference)
+    prompts, samples, rewards = fixed_rollout()
+    per_rank = PROMPTS // world
+    p0 = rank * per_rank
+    rows = slice(p0 * G, (p0 + per_rank) * G)
+    local = SampleOutput(*(getattr(samples, f)[rows] for f in ("response_ids", "response_mask", "logprobs", "has_end")))
+    prompt_ids, prompt_mask = pad_prompts(prompts[p0 : p0 + per_rank], pad_id=0)  # pads inside the small vocabulary
+    advantages = global_normalize(group_normalize(rewards[rows].view(per_rank, G)).flatten(), all_reduce_sum)
+    rows_N = torch.arange(per_rank * G)
+    for loss_type in ("grpo", "bnpo", "dr_grpo"):
+        cfg = Config(
+            loss_type=loss_type, temperature=0.9, beta=0.1, eps_low=0.2, eps_high=0.28, max_new_tokens=R,
+            micro_batch_size=micro, grad_clip=0.0,
+        )
+        batches = build_training_batches(prompt_ids, prompt_mask, local, rows_N, advantages, G, micro)
+        add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
+        recorder = GradRecorder(policy)
+        metrics = policy_update(policy, recorder, ConstantLR(), batches, cfg, world, info.device)
+        assert all(p.grad is None for p in reference.parameters())
+        results[loss_type] = {"loss": metrics["train/loss"], "kl": metrics["train/kl"], "grads": recorder.grads}
+    if rank == 0:
+        torch.save(results, out)
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

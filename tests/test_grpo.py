@@ -1,0 +1,166 @@
+"""grpo.py: row layout, a frozen reference, world-size and micro-batch invariance over two gloo processes, and a
+two-process end-to-end run that changes every parameter and resumes exactly."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from data.tldr import collate_sft, pad_prompts
+from grpo import Config, add_logprobs, build_training_batches, freeze, policy_update, prompt_response_rows
+from model.gpt2 import GPT2LMHeadModel, GPTConfig
+from model.sampler import END_ID, SampleOutput
+from model.weights import build_policy, save_hf
+from tests.conftest import run_script
+from utils.config import parse_config
+from utils.grpo import global_normalize
+from utils.optim import build_optimizer, build_scheduler
+
+
+def test_rows_from_sampler_tensors_equal_collate_sft():
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12]]
+    responses = [[1, 2, END_ID], [3], [4, 5]]
+    # as the sampler leaves them: one extra column of padding everywhere, masks marking the real tokens
+    prompt_ids, prompt_mask = pad_prompts([[0] * 0 + p for p in prompts])
+    prompt_ids = torch.cat([torch.full((3, 1), 50256), prompt_ids], 1)
+    prompt_mask = torch.cat([torch.zeros(3, 1, dtype=torch.bool), prompt_mask], 1)
+    response_ids = torch.full((3, 5), 50256)
+    response_mask = torch.zeros(3, 5, dtype=torch.bool)
+    for i, r in enumerate(responses):
+        response_ids[i, : len(r)] = torch.tensor(r)
+        response_mask[i, : len(r)] = True
+    ours = prompt_response_rows(prompt_ids, prompt_mask, response_ids, response_mask)
+    ref = collate_sft(prompts, responses)
+    assert ours["prompt_len"] == ref["prompt_len"] == 4
+    for key in ("input_ids", "attention_mask", "position_ids", "response_ids", "response_mask"):
+        assert torch.equal(ours[key], ref[key]), key
+
+
+def tiny_rollout(G=4, R=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids, prompt_mask = pad_prompts([[11, 12, 13], [14, 15]])
+    N = 2 * G
+    lengths = torch.randint(1, R + 1, (N,), generator=g)
+    mask = torch.arange(R)[None] < lengths[:, None]
+    ids = torch.where(mask, torch.randint(0, 256, (N, R), generator=g), 50256)
+    return prompt_ids, prompt_mask, SampleOutput(ids, mask, torch.zeros(N, R), lengths < R)
+
+
+def test_update_trains_the_policy_and_leaves_the_frozen_reference_alone():
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32))
+    reference = freeze(GPT2LMHeadModel(policy.cfg))
+    before_ref = {k: v.clone() for k, v in reference.state_dict().items()}
+    before_policy = {k: v.clone() for k, v in policy.state_dict().items()}
+    prompt_ids, prompt_mask, samples = tiny_rollout()
+    advantages = global_normalize(torch.randn(8, generator=torch.Generator().manual_seed(1)))
+    cfg = Config(max_new_tokens=5, micro_batch_size=4, beta=0.1, lr=1e-2, warmup_steps=1)
+    batches = build_training_batches(prompt_ids, prompt_mask, samples, torch.arange(8), advantages, 4, 4)
+    add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
+    assert not any(b["ref_logprobs"].requires_grad for b in batches)
+    optimizer = build_optimizer(policy, cfg.lr, 0.0)
+    assert all(p.requires_grad for group in optimizer.param_groups for p in group["params"])
+    metrics = policy_update(policy, optimizer, build_scheduler(optimizer, 1, 10), batches, cfg, 1, torch.device("cpu"))
+    assert all(p.grad is None for p in reference.parameters())
+    assert all(torch.equal(v, before_ref[k]) for k, v in reference.state_dict().items())
+    assert all(not torch.equal(v, before_policy[k]) for k, v in policy.state_dict().items())
+    assert metrics["train/kl"] > 0 and metrics["train/clip_fraction"] == 0.0  # mu = 1: ratio exactly 1
+
+
+def test_config_rejects_inconsistent_options():
+    for argv in (["--selection", "top_bottom", "--num_kept", "3"], ["--num_kept", "65"], ["--temperature", "0"]):
+        with pytest.raises(SystemExit):
+            parse_config(Config, argv)
+    assert parse_config(Config, ["--selection", "all"]).kept == 64
+
+
+@pytest.mark.slow
+def test_global_normalization_and_gradients_do_not_depend_on_world_size_or_micro_batches(tmp_path):
+    results = {}
+    for nproc, micro in [(1, 8), (2, 4), (2, 1)]:
+        out = tmp_path / f"{nproc}_{micro}.pt"
+        run_script(["tests/scripts/grpo_dist.py", str(out), str(micro)], nproc=nproc)
+        results[(nproc, micro)] = torch.load(out)
+    ref = results[(1, 8)]
+    values = torch.randn(16, generator=torch.Generator().manual_seed(1))  # the script's vector
+    assert torch.allclose(ref["global_norm"], global_normalize(values), atol=1e-6)
+    local_only = torch.cat([global_normalize(values[:5]), global_normalize(values[5:])])
+    assert not torch.allclose(local_only, ref["global_norm"], atol=1e-2)  # what per-rank normalization gives
+    for key, r in results.items():
+        assert torch.allclose(r["global_norm"], ref["global_norm"], atol=1e-6), key
+        for loss_type in ("grpo", "bnpo", "dr_grpo"):
+            assert abs(r[loss_type]["loss"] - ref[loss_type]["loss"]) < 1e-6, (key, loss_type)
+            assert abs(r[loss_type]["kl"] - ref[loss_type]["kl"]) < 1e-6, (key, loss_type)
+            for name, g in ref[loss_type]["grads"].items():
+                assert torch.allclose(r[loss_type]["grads"][name], g, atol=1e-7, rtol=1e-4), (key, loss_type, name)
+    grads = {t: torch.cat([g.flatten() for g in ref[t]["grads"].values()]) for t in ("grpo", "bnpo", "dr_grpo")}
+    assert not torch.allclose(grads["grpo"], grads["bnpo"])  # the variants do differ on ragged lengths
+
+
+# ----------------------------------------------------------------------------------------------------
+# End to end
+
+
+def write_prompt_rows(prompts_path, pref_path, n=48, seed=0):
+    """TL;DR-shaped prompt rows and preference pairs made up on the spot."""
+    rng = random.Random(seed)
+    words = "cat dog car house job money friend sister brother school game phone rent boss date trip".split()
+    with open(prompts_path, "w") as f, open(pref_path, "w") as g:
+        for _ in range(n):
+            post = " ".join(rng.choice(words) for _ in range(rng.randint(10, 40)))
+            prompt = f"SUBREDDIT: r/{rng.choice(words)}\n\nTITLE: {rng.choice(words)} {rng.choice(words)}\n\nPOST: {post}\n\nTL;DR:"
+            chosen, rejected = (" " + " ".join(rng.choice(words) for _ in range(rng.randint(2, 6))) for _ in range(2))
+            f.write(json.dumps({"prompt": prompt, "completion": chosen}) + "\n")
+            g.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+def test_two_process_grpo_trains_every_parameter_and_resumes_exactly(tmp_path):
+    prompts, pref = tmp_path / "prompts.jsonl", tmp_path / "pref.jsonl"
+    write_prompt_rows(prompts, pref)
+    torch.manual_seed(0)
+    start = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128))
+    with torch.no_grad():  # make "\n" likely, so responses end at different lengths and some hit the limit
+        start.transformer.wte.weight[END_ID] *= 12
+    save_hf(start.state_dict(), start.cfg, tmp_path / "policy")
+    run = tmp_path / "run"
+    args = [
+        "grpo.py", "--policy", str(tmp_path / "policy"), "--reward_model", "tiny", "--reward_random_init", "true",
+        "--train_data", str(prompts), "--val_data", str(prompts), "--pref_data", str(pref), "--pref_pairs", "8",
+        "--eval_prompts", "4", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "12",
+        "--max_prompt_len", "64", "--prompts_per_step", "4", "--micro_batch_size", "4", "--steps", "4",
+        "--lr", "1e-3", "--warmup_steps", "1", "--beta", "0.1", "--eval_every", "4", "--save_every", "2",
+        "--keep_last", "5", "--table_every", "2", "--wandb_mode", "disabled", "--out_dir", str(run),
+    ]
+    run_script(args, nproc=2)
+    full = read_metrics(run)
+    assert [m["step"] for m in full] == [0, 1, 2, 3, 4]
+    assert "eval/reward" in full[0] and "eval/pref_accuracy" in full[-1]
+    train = full[1:]
+    assert all(0 < m["sample/end_fraction"] < 1 for m in train), [m["sample/end_fraction"] for m in train]
+    assert train[0]["train/kl"] == 0.0 and train[-1]["train/kl"] > 0  # the policy moves away from the reference
+    assert all(0 < m["rs/acceptance_rate"] <= 1 and m["rs/rounds_max"] >= 1 for m in train)
+    assert (run / "samples.jsonl").is_file()
+
+    trained = build_policy(str(run / "hf")).state_dict()
+    initial = build_policy(str(tmp_path / "policy")).state_dict()
+    unchanged = [k for k in initial if torch.equal(initial[k], trained[k])]
+    assert not unchanged, unchanged
+
+    # Pretend the run died after step 2: keep the step-2 checkpoint and the metrics up to step 2, then resume.
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    (run / "checkpoints" / "latest").write_text("step_00000002")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in full[:3]))
+    run_script(args, nproc=2)
+    resumed = read_metrics(run)
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4]
+    for a, b in zip(full[3:], resumed[3:]):
+        for key in ("train/loss", "train/grad_norm", "train/kl", "reward/mean", "rs/acceptance_rate", "eval/reward"):
+            if key in a:
+                assert a[key] == b[key], (key, a[key], b[key])  # bit-exact

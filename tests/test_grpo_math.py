@@ -1,0 +1,266 @@
+"""utils/grpo.py: selection, advantages, the per-token loss and the aggregation variants, against values worked
+by hand, an independent loop implementation of RSO Algorithm 1, and invariances."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from utils.grpo import (
+    AGGREGATIONS,
+    clipped_surrogate,
+    dr_grpo_weights,
+    global_normalize,
+    group_center,
+    group_normalize,
+    grpo_token_loss,
+    grpo_weights,
+    k3_kl,
+    penalize_missing_end,
+    select_all,
+    select_rso,
+    select_top_bottom,
+    select_uniform,
+    token_entropy,
+    token_mean_weights,
+)
+
+
+def aggregate(loss, mask, name, max_new_tokens=6):
+    w, z = AGGREGATIONS[name](mask, max_new_tokens)
+    return (w * loss).sum() / z
+
+
+def ragged_mask(lengths, T):
+    return torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rewards and selection
+
+
+def test_penalty_is_subtracted_in_raw_units():
+    raw = torch.tensor([1.5, -0.5, 2.0])
+    has_end = torch.tensor([True, False, False])
+    assert torch.equal(penalize_missing_end(raw, has_end, 1.0), torch.tensor([1.5, -1.5, 1.0]))
+
+
+def test_rso_with_tiny_beta_keeps_the_top_k():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(50, 16, generator=g)
+    idx, stats = select_rso(rewards, 4, beta=1e-6, generator=g)
+    top = rewards.topk(4, dim=1).indices.sort(dim=1).values
+    assert torch.equal(idx, top)
+    # one acceptance (the remaining maximum) per round: rounds 1-3 visit all 16 + 15 + 14 remaining candidates,
+    # round 4 stops at its maximum, somewhere among the last 13
+    assert (stats["rounds"] == 4).all()
+    assert ((stats["visited"] > 45) & (stats["visited"] <= 45 + 13)).all()
+    assert stats["visited"].float().std() > 0  # where round 4 meets the maximum varies
+
+
+def test_rso_with_huge_beta_is_uniform_over_indices():
+    g = torch.Generator().manual_seed(1)
+    B, G, K = 4000, 8, 2
+    rewards = torch.arange(G, dtype=torch.float32).expand(B, G)  # same order in every row: bias would show
+    idx, stats = select_rso(rewards, K, beta=1e9, generator=g)
+    assert (stats["rounds"] == 1).all() and (stats["visited"] == K).all()  # every visit accepted
+    counts = torch.zeros(G).index_add_(0, idx.flatten(), torch.ones(B * K))
+    expected = B * K / G  # 1000 per index; binomial sd ~ 29
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 24.3, counts  # chi-square with 7 d.o.f.: p = 0.001
+    assert (idx[:, 0] != idx[:, 1]).all()  # without replacement
+
+
+def rso_loop(rewards, k, beta, rng):
+    """Algorithm 1 of arXiv 2309.06657 as written in the paper (dict of candidates, one uniform per visit)."""
+    candidates = dict(enumerate(rewards))
+    order = list(candidates)
+    rng.shuffle(order)  # exchangeable samples: a random list order is the paper's setting
+    candidates = {c: candidates[c] for c in order}
+    accepted = []
+    while len(accepted) < k:
+        max_reward = max(candidates.values())
+        to_remove = []
+        for c, r in candidates.items():
+            if rng.random() >= math.exp((r - max_reward) / beta):
+                continue
+            accepted.append(c)
+            to_remove.append(c)
+            if len(accepted) == k:
+                break
+        for c in to_remove:
+            candidates.pop(c)
+    return accepted
+
+
+def test_rso_matches_the_paper_algorithm_in_distribution():
+    rewards = [0.0, 0.3, -1.0, 1.2, 0.8, -0.4]
+    K, beta, trials = 3, 1.0, 6000
+    rng = random.Random(0)
+    loop_counts = torch.zeros(len(rewards))
+    for _ in range(trials):
+        for c in rso_loop(rewards, K, beta, rng):
+            loop_counts[c] += 1
+    g = torch.Generator().manual_seed(0)
+    idx, _ = select_rso(torch.tensor(rewards).expand(trials, -1), K, beta, generator=g)
+    ours = torch.zeros(len(rewards)).index_add_(0, idx.flatten(), torch.ones(trials * K))
+    p_loop, p_ours = loop_counts / trials, ours / trials  # inclusion probabilities
+    assert (p_loop - p_ours).abs().max() < 0.035, (p_loop, p_ours)  # ~5 sd of a difference of two estimates
+    # the best is in unless K fill before it is visited; the worst rarely
+    assert p_ours[3] > 0.9 and p_ours[2] < 0.25
+
+
+def test_top_bottom_uniform_and_all():
+    rewards = torch.tensor([[0.5, -2.0, 3.0, 1.0, 0.0, -1.0]])
+    idx, _ = select_top_bottom(rewards, 4)
+    # columns by reward: 2 (3.0), 3 (1.0), 0 (0.5), 4 (0.0), 5 (-1.0), 1 (-2.0)
+    assert idx.tolist() == [[1, 2, 3, 5]]
+    idx, _ = select_top_bottom(rewards, 2)
+    assert idx.tolist() == [[1, 2]]
+    with pytest.raises(ValueError):
+        select_top_bottom(rewards, 3)
+    assert select_all(rewards)[0].tolist() == [[0, 1, 2, 3, 4, 5]]
+    g = torch.Generator().manual_seed(0)
+    B = 3000
+    idx, _ = select_uniform(torch.zeros(B, 6), 3, generator=g)
+    assert all(len(set(row)) == 3 for row in idx.tolist())
+    freq = torch.zeros(6).index_add_(0, idx.flatten(), torch.ones(B * 3)) / B
+    assert (freq - 0.5).abs().max() < 0.04
+
+
+# ----------------------------------------------------------------------------------------------------
+# Advantages
+
+
+def test_group_normalization_by_hand():
+    r = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 5.0, 5.0, 5.0]])
+    std = math.sqrt(((1.5**2) * 2 + (0.5**2) * 2) / 3)  # Bessel-corrected: 1.2910
+    a = group_normalize(r, eps=0.0 + 1e-4)
+    expected = torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (std + 1e-4)
+    assert torch.allclose(a[0], expected, atol=1e-6)
+    assert torch.equal(a[1], torch.zeros(4))  # identical rewards carry no signal
+    assert torch.equal(group_center(r), torch.tensor([[-1.5, -0.5, 0.5, 1.5], [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_global_normalization_by_hand():
+    a = torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3, population var (4 + 1 + 0 + 9) / 4 = 3.5
+    out = global_normalize(a, eps=0.0)
+    assert torch.allclose(out, (a - 3.0) / math.sqrt(3.5), atol=1e-6)
+    # a reduce_sum that doubles the statistics (as two identical ranks would) changes nothing
+    assert torch.allclose(global_normalize(a, reduce_sum=lambda t: 2 * t, eps=0.0), out, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-token loss
+
+
+def test_k3_kl_by_hand_and_its_expectation_is_the_exact_kl():
+    assert float(k3_kl(torch.tensor(-1.0), torch.tensor(-1.0))) == 0.0
+    x = 0.7  # ref - logp
+    assert float(k3_kl(torch.tensor(0.0), torch.tensor(x))) == pytest.approx(math.exp(x) - x - 1)
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(10, generator=g).log_softmax(0)
+    ref = torch.randn(10, generator=g).log_softmax(0)
+    expected_k3 = (logp.exp() * k3_kl(logp, ref)).sum()  # E_{y ~ pi}[k3]
+    kl = (logp.exp() * (logp - ref)).sum()
+    assert float(expected_k3) == pytest.approx(float(kl), rel=1e-5)
+
+
+def test_loss_at_ratio_one_is_the_kl_in_value_and_the_policy_gradient_in_gradient():
+    """trl PR #2565: with old = logp.detach() the ratio is 1, so the surrogate's value is -A (summing to 0 over
+    zero-mean advantages) while its gradient is -A * grad logp, the REINFORCE gradient."""
+    g = torch.Generator().manual_seed(0)
+    N, T, beta = 6, 5, 0.1
+    mask = ragged_mask([5, 2, 3, 1, 4, 5], T)
+    logp = (-torch.rand(N, T, generator=g) * 3).requires_grad_()
+    ref = -torch.rand(N, T, generator=g) * 3
+    adv = global_normalize(torch.randn(N, generator=g))  # mean exactly ~0 over sequences
+    for name in AGGREGATIONS:
+        loss, _ = grpo_token_loss(logp, logp.detach(), ref, adv, mask, 0.2, 0.2, beta)
+        total = aggregate(loss, mask, name)
+        kl_term = aggregate(beta * k3_kl(logp, ref) * mask, mask, name)
+        pg_term = aggregate(-adv[:, None] * logp * mask, mask, name)
+        (grad,) = torch.autograd.grad(total, logp)
+        (expected,) = torch.autograd.grad(pg_term + kl_term, logp)
+        assert torch.allclose(grad, expected, atol=1e-7), name
+        if name == "grpo":  # per-sequence means: the advantage part of the value is -mean(A) = 0
+            assert float(total.detach()) == pytest.approx(float(kl_term.detach()), abs=1e-6)
+    # without a KL term the value is zero and the gradient is pure policy gradient
+    loss, _ = grpo_token_loss(logp, logp.detach(), ref, adv, mask, 0.2, 0.2, 0.0)
+    assert abs(float(aggregate(loss, mask, "grpo").detach())) < 1e-6
+
+
+def test_clipping_zeroes_the_gradient_outside_the_range_only():
+    eps_low, eps_high = 0.2, 0.28
+    ratios = torch.tensor([0.7, 0.9, 1.0, 1.25, 1.35, 0.7, 0.9, 1.25, 1.35])
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0])
+    logp = ratios.log().clone().requires_grad_()
+    old = torch.zeros(9)
+    loss, is_clipped = clipped_surrogate(logp, old, adv, eps_low, eps_high)
+    loss.sum().backward()
+    # A > 0 clips above 1 + eps_high (1.35); A < 0 clips below 1 - eps_low (0.7). 1.25 is inside with eps_high 0.28
+    clipped = torch.tensor([False, False, False, False, True, True, False, False, False])
+    assert torch.equal(is_clipped, clipped)
+    assert torch.equal(logp.grad == 0, clipped)
+    assert torch.allclose(logp.grad[~clipped], -(ratios * adv)[~clipped])  # d(-rho A)/dlogp = -rho A
+    assert torch.allclose(loss[clipped], -torch.tensor([1.28, -0.8]))  # the clipped value, constant
+
+
+def test_masked_tokens_get_no_gradient_even_with_infinite_logprobs():
+    mask = ragged_mask([3, 1], 4)
+    logp = torch.tensor([[-1.0, -2.0, -0.5, float("-inf")], [-1.5, float("-inf"), -3.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.2, -1.0, -0.7, -2.0], [-1.0, -1.0, float("-inf"), -1.0]])
+    loss, stats = grpo_token_loss(logp, logp.detach(), ref, torch.tensor([1.0, -1.0]), mask, 0.2, 0.2, 0.1)
+    total = aggregate(loss, mask, "bnpo")
+    total.backward()
+    assert torch.isfinite(total) and torch.isfinite(logp.grad).all()
+    assert (logp.grad[~mask] == 0).all() and (logp.grad[mask] != 0).all()
+    assert (stats["kl"][~mask] == 0).all()
+
+
+def test_aggregations_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = ragged_mask([3, 1], 3)
+    assert float(aggregate(loss, mask, "grpo")) == pytest.approx(((1 + 2 + 3) / 3 + 4 / 1) / 2)  # 3.0
+    assert float(aggregate(loss, mask, "bnpo")) == pytest.approx((1 + 2 + 3 + 4) / 4)  # 2.5
+    assert float(aggregate(loss, mask, "dapo")) == pytest.approx(2.5)
+    assert float(aggregate(loss, mask, "dr_grpo", max_new_tokens=5)) == pytest.approx(10 / (2 * 5))
+    assert AGGREGATIONS["grpo"] is grpo_weights and AGGREGATIONS["dr_grpo"] is dr_grpo_weights
+    assert AGGREGATIONS["bnpo"] is token_mean_weights
+
+
+@pytest.mark.parametrize("name", sorted(AGGREGATIONS))
+def test_aggregations_do_not_depend_on_the_micro_batch_split(name):
+    g = torch.Generator().manual_seed(0)
+    N, T = 8, 7
+    mask = ragged_mask([7, 1, 3, 5, 2, 7, 4, 6], T)
+    logp = (-torch.rand(N, T, generator=g) * 2).requires_grad_()
+    ref = -torch.rand(N, T, generator=g) * 2
+    old = logp.detach() + 0.1 * torch.randn(N, T, generator=g)
+    adv = torch.randn(N, generator=g)
+
+    def split_loss(sizes):
+        # the normaliser is summed over all micro-batches first, then each micro-batch adds sum(w * loss) / Z
+        parts = torch.split(torch.arange(N), sizes)
+        z = sum(AGGREGATIONS[name](mask[p], T)[1] for p in parts)
+        total = 0.0
+        for p in parts:
+            loss, _ = grpo_token_loss(logp[p], old[p], ref[p], adv[p], mask[p], 0.2, 0.28, 0.05)
+            total = total + (AGGREGATIONS[name](mask[p], T)[0] * loss).sum() / z
+        (grad,) = torch.autograd.grad(total, logp)
+        return total.detach(), grad
+
+    full_value, full_grad = split_loss([8])
+    for sizes in ([4, 4], [1, 3, 2, 2], [1] * 8):
+        value, grad = split_loss(sizes)
+        assert torch.allclose(value, full_value, atol=1e-6), sizes
+        assert torch.allclose(grad, full_grad, atol=1e-7), sizes
+
+
+def test_token_entropy():
+    V = 16
+    assert torch.allclose(token_entropy(torch.zeros(2, 3, V)), torch.full((2, 3), math.log(V)))
+    logits = torch.zeros(1, 1, V)
+    logits[..., 4:] = float("-inf")  # a top-k mask: 4 tokens left
+    assert float(token_entropy(logits)) == pytest.approx(math.log(4))

@@ -1,0 +1,303 @@
+"""Reward model, DPO and preference evaluation: statistics worked by hand, gradient plumbing, and short two-process
+runs on tiny random models (every trained parameter changes, the loss falls on fixed pairs, resume is exact)."""
+
+import copy
+import json
+import math
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dpo
+import reward_model
+from data.tldr import collate_pairs, load_rows, PREF_COLUMNS
+from data.tokenizer import get_tokenizer
+from evaluate import build_eval_set, evaluate_reward_model, gather_pair_scores
+from model.gpt2 import GPT2LMHeadModel, GPTConfig
+from model.heads import RewardModel
+from model.weights import build_reward_model, save_hf
+from tests.conftest import run_script, shared_file
+from utils.config import parse_config
+from utils.stats import bootstrap_ci, pair_outcomes, preference_summary, standardizing_gain_bias
+
+LOG2 = math.log(2.0)
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data and models made up on the spot
+
+
+def write_pref_rows(path, n=48, seed=0):
+    """TL;DR-shaped preference rows with a learnable signal: chosen summaries end with a "good" word, rejected
+    ones with a "bad" word."""
+    rng = random.Random(seed)
+    words = "cat dog car house job money friend sister brother school game phone rent boss date trip".split()
+    good, bad = "happy great love kind calm".split(), "angry awful hate rude sad".split()
+    with open(path, "w") as f:
+        for _ in range(n):
+            post = " ".join(rng.choice(words) for _ in range(rng.randint(10, 40)))
+            prompt = f"SUBREDDIT: r/{rng.choice(words)}\n\nTITLE: {rng.choice(words)} {rng.choice(words)}\n\nPOST: {post}\n\nTL;DR:"
+            chosen = " " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) + " " + rng.choice(good)
+            rejected = " " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) + " " + rng.choice(bad)
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    return path
+
+
+def random_pairs(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def seq(lo, hi):
+        return torch.randint(0, 50000, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    return [seq(3, 9) for _ in range(n)], [seq(1, 6) + [198] for _ in range(n)], [seq(1, 6) + [198] for _ in range(n)]
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def changed_and_unchanged(before_folder, after_folder):
+    before = load_file(str(before_folder / "model.safetensors"))
+    after = load_file(str(after_folder / "model.safetensors"))
+    assert before.keys() == after.keys()
+    return [k for k in before if torch.equal(before[k], after[k])]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Statistics
+
+
+def test_ties_count_half():
+    chosen = torch.tensor([2.0, 1.0, 0.5, 3.0])
+    rejected = torch.tensor([1.0, 1.0, 0.7, 3.0])
+    assert pair_outcomes(chosen, rejected).tolist() == [1.0, 0.5, 0.0, 0.5]
+    s = preference_summary(chosen, rejected, torch.tensor([True, False, False, True]), n_resamples=200)
+    assert s["accuracy"] == pytest.approx(2.0 / 4)
+    assert s["n_ties"] == 2 and s["n_pairs"] == 4
+    assert s["chosen_longer_accuracy"] == pytest.approx(0.75)  # pairs 0 (win) and 3 (tie)
+    assert s["chosen_not_longer_accuracy"] == pytest.approx(0.25)  # pairs 1 (tie) and 2 (loss)
+    assert s["n_chosen_longer"] == 2 and s["n_chosen_not_longer"] == 2
+    assert s["margin_mean"] == pytest.approx((1.0 + 0.0 - 0.2 + 0.0) / 4)
+    assert s["bt_loss"] == pytest.approx(sum(math.log1p(math.exp(-m)) for m in (1.0, 0.0, -0.2, 0.0)) / 4)
+
+
+def test_bootstrap_ci_brackets_the_accuracy_and_is_reproducible():
+    g = torch.Generator().manual_seed(0)
+    outcomes = (torch.rand(400, generator=g) < 0.62).double()
+    acc = outcomes.mean().item()
+    lo, hi = bootstrap_ci(outcomes, n_resamples=2000, seed=0)
+    assert lo < acc < hi
+    # normal approximation of a proportion: half-width 1.96 sqrt(p(1-p)/n) = 0.0476 here
+    half = 1.96 * math.sqrt(acc * (1 - acc) / 400)
+    assert (hi - lo) / 2 == pytest.approx(half, rel=0.15)
+    assert bootstrap_ci(outcomes, n_resamples=2000, seed=0) == (lo, hi)
+    assert bootstrap_ci(torch.full((50,), 0.5)) == (0.5, 0.5)  # all ties: no spread
+    assert all(math.isnan(x) for x in bootstrap_ci(torch.zeros(0)))
+
+
+def test_standardizing_gain_bias_gives_mean_0_std_1():
+    r = torch.tensor([1.0, 2.0, 4.0, 9.0], dtype=torch.float64)
+    gain, bias = standardizing_gain_bias(len(r), r.sum().item(), (r * r).sum().item())
+    z = gain * r + bias
+    assert z.mean().item() == pytest.approx(0.0, abs=1e-12)
+    assert z.std(unbiased=False).item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="spread"):
+        standardizing_gain_bias(3, 6.0, 12.0)  # all rewards 2
+
+
+def test_eval_set_slices_are_disjoint_equal_sized_and_gather_in_order(tmp_path):
+    rows = load_rows(str(write_pref_rows(tmp_path / "p.jsonl", n=7)), "validation", PREF_COLUMNS)
+    tok = get_tokenizer()
+    sets = [build_eval_set(rows, tok, 64, 16, 3, rank, 2) for rank in range(2)]
+    # rank 0: pairs 0 2 4 6; rank 1: 1 3 5 and one padding pair; the same number of forward passes each
+    assert [len(s.batches) for s in sets] == [2, 2]
+    index = [torch.cat([b["pair_index"] for b in s.batches]).tolist() for s in sets]
+    assert index == [[0, 2, 4, 6], [1, 3, 5, -1]]
+    # a single process "gathers" its own rows: padding dropped, sorted back into pair order
+    idx = torch.tensor([3, -1, 0, 2, 1])
+    c, r = gather_pair_scores(idx, idx.double() * 10, -idx.double(), 4)
+    assert c.tolist() == [0.0, 10.0, 20.0, 30.0] and r.tolist() == [0.0, -1.0, -2.0, -3.0]
+    with pytest.raises(RuntimeError, match="exactly once"):
+        gather_pair_scores(torch.tensor([0, 0]), torch.zeros(2), torch.zeros(2), 2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gradients (one process, no FSDP)
+
+
+def test_frozen_reference_receives_no_gradient():
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(TINY)
+    reference = copy.deepcopy(policy)  # requires_grad left True on purpose: only torch.no_grad protects it
+    batch = collate_pairs(*random_pairs(3))
+    losses, stats = dpo.pair_losses(policy, reference, batch, dpo.preference_loss_fn(dpo.Config()), 0.1, "cpu")
+    assert torch.allclose(losses, torch.full((3,), LOG2))  # policy == reference: zero margin
+    assert stats[1].item() == 1.5  # accuracy: three ties count 1/2 each
+    losses.sum().backward()
+    assert all(p.grad is None for p in reference.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
+
+
+def test_loss_choice_and_offload_needs_gpu():
+    z, h = torch.zeros(2), torch.tensor([1.0, -2.0])
+    ipo = dpo.preference_loss_fn(dpo.Config(loss="ipo", beta=0.5))
+    assert torch.allclose(ipo(h, z, z, z), torch.tensor([0.0, 9.0]))  # (h - 1)^2
+    smooth = dpo.preference_loss_fn(dpo.Config(beta=1.0, label_smoothing=0.25))
+    assert smooth(h, z, z, z)[0].item() == pytest.approx(math.log1p(math.exp(-1.0)) + 0.25, abs=1e-6)
+    with pytest.raises(SystemExit):
+        parse_config(dpo.Config, ["--loss", "ipo", "--label_smoothing", "0.1"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            parse_config(dpo.Config, ["--reference_cpu_offload", "true"])
+
+
+@pytest.mark.parametrize("stage", ["reward_model", "dpo"])
+def test_gradient_does_not_depend_on_micro_batch_size(stage):
+    prompts, chosen, rejected = random_pairs(4, seed=1)
+    grads, metrics = [], []
+    for sizes in ([4], [1, 3], [2, 2]):
+        torch.manual_seed(0)
+        model = RewardModel(TINY) if stage == "reward_model" else GPT2LMHeadModel(TINY)
+        if stage == "dpo":  # a reference that differs from the policy, so margins are not zero
+            reference = GPT2LMHeadModel(TINY).requires_grad_(False)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        micro = [collate_pairs(prompts[s : s + n], chosen[s : s + n], rejected[s : s + n]) for s, n in zip(starts, sizes)]
+        if stage == "reward_model":
+            m = reward_model.accumulate_gradients(model, micro, 1, 4, "cpu")
+        else:
+            loss_fn = dpo.preference_loss_fn(dpo.Config(beta=0.5))
+            m = dpo.accumulate_gradients(model, reference, micro, 1, 4, loss_fn, 0.5, "cpu")
+        metrics.append(m)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for m, g in zip(metrics[1:], grads[1:]):
+        for k, v in metrics[0].items():
+            assert m[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+        for n, ref in grads[0].items():
+            assert torch.allclose(g[n], ref, rtol=1e-4, atol=1e-7), n
+    assert metrics[0]["train/loss"] > 0.1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation on real TL;DR comparisons
+
+
+def test_evaluate_reward_model_on_real_pairs_two_processes(tmp_path):
+    data = shared_file("tldr-preference-validation-sample.jsonl")
+    torch.manual_seed(0)
+    rm = RewardModel(TINY)
+    folder = tmp_path / "rm"
+    save_hf(rm.state_dict(), rm.cfg, folder)
+    out = tmp_path / "eval"
+    run_script([
+        "evaluate.py", "--reward_model", str(folder), "--data", str(data), "--max_pairs", "64",
+        "--max_prompt_len", "96", "--max_response_len", "32", "--micro_batch_size", "5", "--out_dir", str(out), "--wandb_mode", "disabled",
+    ], nproc=2)
+    res = json.loads((out / "preference_eval.json").read_text())["results"]
+    assert res["n_pairs"] == 64 and res["n_chosen_longer"] + res["n_chosen_not_longer"] == 64
+    for key in ("", "chosen_longer_", "chosen_not_longer_"):
+        assert res[f"{key}accuracy_ci_low"] <= res[f"{key}accuracy"] <= res[f"{key}accuracy_ci_high"]
+    assert res["accuracy"] * 64 == pytest.approx(round(res["accuracy"] * 128) / 2)  # a multiple of 1/128
+    assert (res["n_chosen_longer"] * res["chosen_longer_accuracy"] + res["n_chosen_not_longer"] * res["chosen_not_longer_accuracy"]) == pytest.approx(64 * res["accuracy"])
+    logged = read_metrics(out)[0]
+    assert logged["eval/accuracy"] == res["accuracy"] and logged["eval/n_pairs"] == 64
+    # the same scores in this process, unsharded and in one slice: the gather put every pair back in place
+    rows = load_rows(str(data), "validation", PREF_COLUMNS)[:64]
+    local = evaluate_reward_model(build_reward_model(str(folder)), build_eval_set(rows, get_tokenizer(), 96, 32, 8, 0, 1), "cpu")
+    assert local["accuracy"] == res["accuracy"]
+    assert local["n_chosen_longer"] == res["n_chosen_longer"]
+    assert local["chosen_score_mean"] == pytest.approx(res["chosen_score_mean"], abs=1e-5)
+    assert local["bt_loss"] == pytest.approx(res["bt_loss"], abs=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Two-process training runs
+
+
+def common_args(data, run, steps):
+    return [
+        "--train_data", str(data), "--val_data", str(data), "--val_pairs", "16", "--steps", str(steps),
+        "--batch_size", "8", "--micro_batch_size", "2", "--warmup_steps", "1", "--max_prompt_len", "64",
+        "--max_response_len", "16", "--wandb_mode", "disabled", "--out_dir", str(run),
+    ]
+
+
+@pytest.mark.slow
+def test_two_process_reward_model_learns_normalizes_and_resumes_exactly(tmp_path):
+    data = write_pref_rows(tmp_path / "pairs.jsonl")
+    torch.manual_seed(0)
+    init, policy = tmp_path / "init_rm", tmp_path / "policy"
+    rm = RewardModel(TINY)
+    save_hf(rm.state_dict(), rm.cfg, init)
+    pol = GPT2LMHeadModel(TINY)
+    save_hf(pol.state_dict(), pol.cfg, policy)
+    run = tmp_path / "run"
+    args = ["reward_model.py", "--model", str(init), "--sft_policy", str(policy), "--lr", "3e-3", "--eval_every", "6",
+            "--save_every", "3", "--keep_last", "5", "--norm_prompts", "6", "--norm_samples_per_prompt", "2",
+            "--norm_batch_size", "2", *common_args(data, run, 6)]
+    run_script(args, nproc=2)
+    full = read_metrics(run)
+    assert [m["step"] for m in full] == [0, 1, 2, 3, 4, 5, 6, 6]
+    # the same 16 validation pairs before and after training: the loss falls
+    assert full[6]["val/bt_loss"] < full[0]["val/bt_loss"] - 0.02
+    assert changed_and_unchanged(init, run / "hf") == []  # every trained tensor moved, the score head included
+    norm, saved = full[7], json.loads((run / "hf" / "reward_normalization.json").read_text())
+    assert norm["norm/samples"] == 12  # 6 prompts x 2 samples; the padding prompt of each rank is not counted
+    assert saved["gain"] == pytest.approx(1 / norm["norm/raw_std"], rel=1e-5)
+    assert saved["bias"] == pytest.approx(-norm["norm/raw_mean"] / norm["norm/raw_std"], rel=1e-5)
+    assert build_reward_model(str(run / "hf")).gain.item() == pytest.approx(saved["gain"])
+
+    # pretend the run died after step 3: keep the step-3 checkpoint and the metrics up to step 3
+    shutil.rmtree(run / "checkpoints" / "step_00000006")
+    (run / "checkpoints" / "latest").write_text("step_00000003")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in full[:4]))
+    run_script(args, nproc=2)
+    resumed = read_metrics(run)
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4, 5, 6, 6]
+    for a, b in zip(full[4:7], resumed[4:7]):
+        assert (a["train/loss"], a["train/grad_norm"], a["train/accuracy"]) == (b["train/loss"], b["train/grad_norm"], b["train/accuracy"])
+    assert resumed[6]["val/accuracy"] == full[6]["val/accuracy"]
+    assert json.loads((run / "hf" / "reward_normalization.json").read_text()) == saved
+
+
+@pytest.mark.slow
+def test_two_process_dpo_starts_at_log2_learns_and_evaluates(tmp_path):
+    data = write_pref_rows(tmp_path / "pairs.jsonl")
+    torch.manual_seed(0)
+    init = tmp_path / "sft"
+    pol = GPT2LMHeadModel(TINY)
+    save_hf(pol.state_dict(), pol.cfg, init)
+    run = tmp_path / "run"
+    run_script(["dpo.py", "--model", str(init), "--lr", "2e-3", "--eval_every", "5", "--label_smoothing", "0.1",
+                *common_args(data, run, 5)], nproc=2)
+    m = read_metrics(run)
+    assert [x["step"] for x in m] == [0, 1, 2, 3, 4, 5]
+    # the policy starts equal to its reference: every implicit reward is 0, every pair a tie
+    assert m[0]["val/bt_loss"] == pytest.approx(LOG2, abs=1e-6) and m[0]["val/n_ties"] == 16
+    assert m[1]["train/loss"] == pytest.approx(LOG2, abs=1e-6) and m[1]["train/accuracy"] == 0.5
+    assert m[5]["val/bt_loss"] < LOG2 - 0.05 and m[5]["train/loss"] < m[1]["train/loss"]
+    assert m[5]["train/reward_margin"] > 0
+    assert changed_and_unchanged(init, run / "hf") == []
+
+    # the stand-alone evaluation of the export against its reference agrees with the last validation
+    run_script(["evaluate.py", "--policy", str(run / "hf"), "--reference", str(init), "--data", str(data),
+                "--max_pairs", "16", "--max_prompt_len", "64", "--max_response_len", "16", "--out_dir", str(tmp_path / "eval"),
+                "--wandb_mode", "disabled"])
+    res = json.loads((tmp_path / "eval" / "preference_eval.json").read_text())["results"]
+    assert res["accuracy"] == m[5]["val/accuracy"]
+    assert res["bt_loss"] == pytest.approx(m[5]["val/bt_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_ipo_one_process_starts_at_its_target_and_learns(tmp_path):
+    data = write_pref_rows(tmp_path / "pairs.jsonl", n=16)
+    run = tmp_path / "run"
+    run_script(["dpo.py", "--model", "tiny", "--random_init", "true", "--loss", "ipo", "--beta", "0.5", "--lr", "1e-3",
+                "--overfit_batch", "true", "--eval_every", "0", *common_args(data, run, 4), "--val_data", ""])
+    m = read_metrics(run)
+    assert [x["step"] for x in m] == [1, 2, 3, 4]
+    assert m[0]["train/loss"] == pytest.approx(1.0, abs=1e-6)  # h = 0: (0 - 1/(2 * 0.5))^2
+    assert m[-1]["train/loss"] < 0.9

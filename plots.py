@@ -1,0 +1,92 @@
+"""Pictures for the README: the pipeline diagram and the demo's curves, drawn from metrics.jsonl files.
+
+    python plots.py --run runs/demo --out assets
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import FancyBboxPatch  # noqa: E402
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def pipeline_diagram(out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    ax.set_xlim(0, 11.3)
+    ax.set_ylim(-0.3, 3.2)
+    ax.axis("off")
+    boxes = {
+        "sft": (0.2, 1.2, "SFT\nsft.py\ntrl-lib/tldr"),
+        "rm": (3.0, 2.1, "reward model\nreward_model.py\nBradley-Terry, gain/bias"),
+        "dpo": (3.0, 0.2, "DPO baseline\ndpo.py\nfrozen SFT reference"),
+        "grpo": (6.2, 1.2, "GRPO\ngrpo.py\nG=64 -> K=8 (RSO)\ngroup + global norm"),
+        "eval": (9.0, 1.2, "preference\naccuracy\nevaluate.py"),
+    }
+    for x, y, text in boxes.values():
+        ax.add_patch(FancyBboxPatch((x, y), 2.0, 0.95, boxstyle="round,pad=0.05", fc="#eef3fb", ec="#35589a"))
+        ax.text(x + 1.0, y + 0.47, text, ha="center", va="center", fontsize=8.5)
+    arrows = [((2.25, 1.7), (3.0, 2.5)), ((2.25, 1.6), (3.0, 0.7)), ((2.25, 1.65), (6.2, 1.65)),
+              ((5.05, 2.5), (6.2, 1.95)), ((5.05, 0.7), (9.0, 1.4)), ((8.25, 1.65), (9.0, 1.65)), ((5.05, 2.55), (9.0, 1.95))]
+    for (x0, y0), (x1, y1) in arrows:
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="->", color="#35589a"))
+    ax.text(0.2, -0.25, "each stage exports a Hugging Face-format folder that the next one loads", fontsize=8, color="#555")
+    fig.savefig(out, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+def demo_curves(run: Path, out: Path) -> None:
+    """GRPO: reward-model (proxy) score and gold reward of samples against KL; reward model: accuracy."""
+    grpo = read_metrics(run / "grpo" / "metrics.jsonl")
+    rm = read_metrics(run / "rm" / "metrics.jsonl")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    rows = [m for m in grpo if "train/kl" in m]
+    if rows:
+        kl = [m["train/kl"] for m in rows]
+        if any("reward/raw_mean" in m for m in rows):
+            a.plot(kl, [m.get("reward/raw_mean", float("nan")) for m in rows], "o-", ms=3, label="reward model (proxy)")
+        if any("reward/gold_mean" in m for m in rows):
+            a.plot(kl, [m.get("reward/gold_mean", float("nan")) for m in rows], "s-", ms=3, label="gold reward")
+        a.set_xlabel("KL(policy || reference) per token")
+        a.set_ylabel("mean reward of samples")
+        a.legend()
+    a.set_title("GRPO on the synthetic task")
+    acc = [(m["step"], m[k]) for m in rm for k in ("train/accuracy", "val/accuracy") if k in m]
+    for key, style in (("train/accuracy", "-"), ("val/accuracy", "o-")):
+        pts = [(m["step"], m[key]) for m in rm if key in m]
+        if pts:
+            b.plot(*zip(*pts), style, ms=4, label=key)
+    if acc:
+        b.axhline(0.5, color="#999", lw=0.8, ls="--")
+        b.legend()
+    b.set_xlabel("step")
+    b.set_ylabel("preference accuracy")
+    b.set_title("reward model")
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", default="runs/demo", help="demo run directory")
+    p.add_argument("--out", default="assets", help="folder for the PNGs")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pipeline_diagram(out / "pipeline.png")
+    demo_curves(Path(args.run), out / "demo_curves.png")
+    print(f"wrote {out / 'pipeline.png'} and {out / 'demo_curves.png'}")
+
+
+if __name__ == "__main__":
+    main()

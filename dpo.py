@@ -250,7 +250,8 @@ def main(cfg: Config) -> dict:
         val = evaluate_policy(policy, ref_val, val_set, cfg.beta, device)
         logger.log({f"val/{k}": v for k, v in val.items()}, step=0)
     batches = iter(loader)
-    fixed = [next(batches) for _ in range(accum)] if cfg.overfit_batch else None
+    # --overfit_batch: always the first global batch of epoch 0, drawn without moving the loader (so resume is exact)
+    fixed = [collate(loader.batch_indices(0, i)) for i in range(accum)] if cfg.overfit_batch else None
     bar = progress(total_steps, step, rank == 0, "dpo")
     policy.train()
     metrics = {}

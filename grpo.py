@@ -22,6 +22,7 @@ the same samples and losses bit for bit.
 
 import copy
 import hashlib
+import importlib
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, PromptDataset, ShardedLoader, load_rows, pad_prompts
-from data.tokenizer import get_tokenizer
+from data.tokenizer import END_ID, get_tokenizer
 from evaluate import build_eval_set, evaluate_policy, policy_logps
 from model.sampler import SampleOutput, generate, process_logits, processed_logprobs
 from model.weights import build_policy, build_reward_model
@@ -159,6 +160,9 @@ class Config:
     """Preference pairs for the implicit-reward accuracy (the first N); 0 for all."""
     pref_max_response_len: int = 64
     """Tokens kept of each preference response, the end token included."""
+    gold_reward_fn: str = ""
+    """Optional "module:function" of (prompt text, response text) -> float, logged (never trained on) as
+    reward/gold_mean over every step's samples, e.g. data.synthetic:gold_reward for the embedded task."""
     table_every: int = 20
     """Log a table of sample responses every N steps; 0 disables."""
     table_prompts: int = 2
@@ -208,7 +212,7 @@ class Config:
         if self.kept < 2 and self.scale_by_std:
             raise ValueError("group normalization with std scaling needs at least 2 kept samples per prompt")
         if not self.temperature > 0:
-            raise ValueError(f"--temperature must be > 0 for training (greedy evaluation: --eval_greedy), got {self.temperature}")
+            raise ValueError(f"--temperature must be > 0 (greedy evaluation: --eval_greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError(f"--top_p must be in (0, 1] and --top_k >= 0, got {self.top_p}, {self.top_k}")
         if self.eps_low < 0 or self.eps_high < 0 or self.beta < 0:
@@ -296,7 +300,8 @@ def rollout(policy, prompt_ids, prompt_mask, cfg: Config, num_samples: int, gene
                 temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
             ))
     policy.train(was_training)
-    return SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in ("response_ids", "response_mask", "logprobs", "has_end")))
+    fields = ("response_ids", "response_mask", "logprobs", "has_end")
+    return SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
 
 
 @torch.no_grad()
@@ -361,8 +366,9 @@ def policy_update(policy, optimizer, scheduler, batches: list[dict], cfg: Config
     weigh = AGGREGATIONS[cfg.loss_type]
     weights = [weigh(b["response_mask"], cfg.max_new_tokens) for b in batches]
     normaliser = all_reduce_sum(sum(z for _, z in weights).to(device).double()).float()
-    # sums over epochs: loss, kl, clipped tokens, entropy, |logp - sampler logp|, response tokens; grad norm
-    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    # sums over epochs: loss, kl, clipped tokens, entropy, |logp - sampler logp|, tokens outside the top-k/top-p
+    # set of the training forward, response tokens
+    sums = torch.zeros(7, dtype=torch.float64, device=device)
     grad_norm = 0.0
     for epoch in range(cfg.policy_epochs):
         for i, (batch, (w, _)) in enumerate(zip(batches, weights)):
@@ -379,16 +385,18 @@ def policy_update(policy, optimizer, scheduler, batches: list[dict], cfg: Config
             (loss * world / normaliser).backward()
             with torch.no_grad():
                 entropy = token_entropy(process_logits(logits.detach(), cfg.temperature, cfg.top_k, cfg.top_p))
-                gap = torch.where(mask, (logp.detach() - batch["sampler_logprobs"]).abs(), 0.0)
+                in_support = mask & torch.isfinite(logp)
+                gap = torch.where(in_support, (logp.detach() - batch["sampler_logprobs"]).abs(), 0.0)
                 sums += torch.stack([
                     loss.detach().double(), stats["kl"].sum().double(), stats["clipped"].sum().double(),
-                    (entropy * mask).sum().double(), gap.sum().double(), mask.sum().double(),
+                    (entropy * mask).sum().double(), gap.sum().double(), (mask & ~in_support).sum().double(),
+                    mask.sum().double(),
                 ])
         grad_norm += clip_grad_norm(policy, cfg.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    loss, kl, clipped, entropy, gap, tokens = all_reduce_sum(sums).tolist()
+    loss, kl, clipped, entropy, gap, outside, tokens = all_reduce_sum(sums).tolist()
     mu = cfg.policy_epochs
     return {
         "train/loss": loss / float(normaliser) / mu,
@@ -396,6 +404,7 @@ def policy_update(policy, optimizer, scheduler, batches: list[dict], cfg: Config
         "train/clip_fraction": clipped / tokens,
         "train/entropy": entropy / tokens,
         "train/logprob_gap_to_sampler": gap / tokens,
+        "train/outside_top_k_p_fraction": outside / tokens,
         "train/grad_norm": grad_norm / mu,
         "train/lr": scheduler.get_last_lr()[0],
     }
@@ -404,7 +413,8 @@ def policy_update(policy, optimizer, scheduler, batches: list[dict], cfg: Config
 def global_mean_std(x: torch.Tensor) -> tuple[float, float]:
     """Mean and population std of x over all ranks."""
     x = x.double().flatten()
-    n, s, sq = all_reduce_sum(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x.sum(), (x * x).sum()])).tolist()
+    count = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+    n, s, sq = all_reduce_sum(torch.stack([count, x.sum(), (x * x).sum()])).tolist()
     mean = s / n
     return mean, max(sq / n - mean * mean, 0.0) ** 0.5
 
@@ -421,15 +431,13 @@ def evaluate_summaries(policy, reward_model, prompt_ids, prompt_mask, cfg: Confi
     """Mean reward-model score of one greedy (or sampled) summary per validation prompt, over all ranks."""
     generator = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, step, rank, "eval"))
     samples = rollout(policy, prompt_ids, prompt_mask, cfg, 1, generator, greedy=cfg.eval_greedy)
-    was = reward_model.training
-    reward_model.eval()
     raw = score(reward_model, prompt_ids, prompt_mask, samples, 1, cfg.score_micro_batch_size)
-    reward_model.train(was)
     normalized = reward_model.normalize(raw)
     penalized = reward_model.normalize(penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty))
+    count = torch.tensor(float(raw.numel()), device=device, dtype=torch.float64)
     n, r, rp, end, length = all_reduce_sum(torch.stack([
-        torch.tensor(float(raw.numel()), device=device, dtype=torch.float64), normalized.double().sum(), penalized.double().sum(),
-        samples.has_end.double().sum(), samples.response_mask.double().sum(),
+        count, normalized.double().sum(), penalized.double().sum(), samples.has_end.double().sum(),
+        samples.response_mask.double().sum(),
     ])).tolist()
     return {
         "eval/reward": r / n, "eval/reward_penalized": rp / n, "eval/end_fraction": end / n,
@@ -455,7 +463,7 @@ class StageTimer:
         self.seconds[name] += time.perf_counter() - t0
 
 
-def sample_table(tok, prompts: list[list[int]], samples: SampleOutput, rows_BK, raw, rewards, advantages, cfg: Config) -> list[list]:
+def sample_table(tok, prompts, samples: SampleOutput, rows_BK, raw, rewards, advantages, cfg: Config) -> list[list]:
     """Rows of the sample table: the first cfg.table_prompts prompts of this rank with their selected samples."""
     table = []
     for b in range(min(cfg.table_prompts, rows_BK.shape[0])):
@@ -468,6 +476,29 @@ def sample_table(tok, prompts: list[list[int]], samples: SampleOutput, rows_BK, 
     return table
 
 
+def load_function(path: str):
+    """The function named by "module:function", with a clear error when it cannot be found."""
+    module_name, _, name = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"cannot load function '{path}' (expected module:function): {e}") from None
+    if not callable(fn):
+        raise ValueError(f"'{path}' is not callable")
+    return fn
+
+
+def decode_responses(tok, samples: SampleOutput) -> list[str]:
+    """Response texts as generated: up to and including the first end token; a stop at EOS reads as "\n"."""
+    texts = []
+    for ids, mask, ended in zip(samples.response_ids.tolist(), samples.response_mask.tolist(), samples.has_end.tolist()):
+        ids = [t for t, m in zip(ids, mask) if m]
+        if ended and ids[-1] != END_ID:
+            ids = ids[:-1] + [END_ID]
+        texts.append(tok.decode(ids))
+    return texts
+
+
 def freeze(model):
     for p in model.parameters():
         p.requires_grad_(False)
@@ -475,7 +506,7 @@ def freeze(model):
 
 
 def main(cfg: Config) -> dict:
-    # 0. distributed set-up and sizes (checked before any model is built)
+    # set-up: distributed, sizes (checked before any model is built)
     dist_info = setup_distributed(cfg.device)
     rank, world, device = dist_info.rank, dist_info.world_size, dist_info.device
     prompts_per_rank, n_micro = per_rank_sizes(cfg, world)
@@ -483,8 +514,9 @@ def main(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.out_dir)
     dtype = resolve_dtype(cfg.dtype, device)
+    gold_reward = load_function(cfg.gold_reward_fn) if cfg.gold_reward_fn else None
 
-    # data: training prompts sharded per rank; validation prompts and preference pairs split over ranks
+    # set-up: data; training prompts sharded per rank; validation prompts and preference pairs split over ranks
     tok = get_tokenizer()
     train_rows = load_rows(cfg.train_data, cfg.train_split, PROMPT_COLUMNS)
     train = PromptDataset(train_rows, tok, cfg.max_prompt_len, name=f"{cfg.train_data}[{cfg.train_split}]")
@@ -507,7 +539,7 @@ def main(cfg: Config) -> dict:
             name=f"{cfg.pref_data}[{cfg.pref_split}]",
         )
 
-    # models: the policy (trained), its frozen copy as reference, the frozen reward model; all FSDP-sharded
+    # set-up: models; the policy (trained), its frozen copy as reference, the frozen reward model; all FSDP-sharded
     policy = build_policy(cfg.policy, cfg.policy_random_init)
     model_cfg = policy.cfg
     if cfg.max_prompt_len + cfg.max_new_tokens > model_cfg.n_positions:
@@ -527,7 +559,7 @@ def main(cfg: Config) -> dict:
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps * cfg.policy_epochs, cfg.min_lr_ratio)
     meta = {"stage": "grpo", "model_config": model_cfg.to_dict()}
 
-    # resume
+    # set-up: resume
     step = 0
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is not None:
@@ -567,7 +599,8 @@ def main(cfg: Config) -> dict:
 
         # 1. sample prompts (this rank's slice of the global batch)
         with timer("sample"):
-            prompts = [train.prompts[i] for i in next(batches_iter)]
+            prompt_index = next(batches_iter)
+            prompts = [train.prompts[i] for i in prompt_index]
             prompt_ids, prompt_mask = (t.to(device) for t in pad_prompts(prompts))  # (B, P) left-padded
 
         # 2. generate G responses per prompt; rows b*G .. b*G+G-1 belong to prompt b
@@ -585,9 +618,10 @@ def main(cfg: Config) -> dict:
             rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]  # (B, K) rows of N
             rows_N = rows_BK.flatten()  # (B*K,)
 
-        # 5. advantages: group normalization over the *selected* samples, then over the global batch
+        # 5. advantages: group normalization over the *selected* samples, then over the global batch (all ranks)
+        with timer("advantages"):
             rewards_BK = rewards[rows_BK]  # (B, K)
-            advantages = (group_normalize(rewards_BK) if cfg.scale_by_std else group_center(rewards_BK)).flatten()
+            advantages = (group_normalize(rewards_BK) if cfg.scale_by_std else group_center(rewards_BK)).flatten()  # (B*K,)
             if cfg.global_norm:
                 advantages = global_normalize(advantages, all_reduce_sum)
             batches = build_training_batches(prompt_ids, prompt_mask, samples, rows_N, advantages, G, cfg.micro_batch_size)
@@ -633,6 +667,12 @@ def main(cfg: Config) -> dict:
             "perf/tokens_per_second_per_device": generated / step_seconds / world,
             "perf/update_tokens_per_second": train_tokens * cfg.policy_epochs / timer.seconds["update"],
         })
+        if gold_reward is not None:  # a monitored reward, e.g. the synthetic task's gold reward
+            texts = decode_responses(tok, samples)
+            gold = torch.tensor(
+                [float(gold_reward(train.texts[prompt_index[n // G]], t)) for n, t in enumerate(texts)], device=device
+            )  # (N,)
+            metrics["reward/gold_mean"], metrics["reward/gold_std"] = global_mean_std(gold)
         for name, seconds in timer.seconds.items():
             metrics[f"perf/{name}_seconds"] = seconds
             metrics[f"perf/{name}_share"] = seconds / step_seconds
@@ -645,7 +685,7 @@ def main(cfg: Config) -> dict:
         bar.update(1)
         bar.set_postfix(reward=f"{reward_mean:.3f}", kl=f"{metrics['train/kl']:.4f}")
 
-        # checkpoint
+        # 9. checkpoint
         if step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
             save_checkpoint(
                 run_dir, step, policy, optimizer, scheduler, meta,
@@ -653,7 +693,7 @@ def main(cfg: Config) -> dict:
             )
     bar.close()
 
-    # export a Hugging Face-format folder
+    # 10. export a Hugging Face-format folder
     export_hf(policy, model_cfg, run_dir / "hf", rank)
     if rank == 0:
         print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))

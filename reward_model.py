@@ -263,7 +263,8 @@ def main(cfg: Config) -> dict:
     if val_set is not None and step == 0 and cfg.eval_every > 0:
         logger.log({f"val/{k}": v for k, v in evaluate_reward_model(model, val_set, device).items()}, step=0)
     batches = iter(loader)
-    fixed = [next(batches) for _ in range(accum)] if cfg.overfit_batch else None
+    # --overfit_batch: always the first global batch of epoch 0, drawn without moving the loader (so resume is exact)
+    fixed = [collate(loader.batch_indices(0, i)) for i in range(accum)] if cfg.overfit_batch else None
     bar = progress(total_steps, step, rank == 0, "reward model")
     model.train()
     metrics = {}

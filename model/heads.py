@@ -35,7 +35,7 @@ class RewardModel(nn.Module):
         h = self.transformer(input_ids, position_ids, attention_mask)  # (B, T, C)
         last = last_real_index(attention_mask)  # (B,)
         h_last = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
-        return self.score(h_last).squeeze(-1).float()  # (B,)
+        return self.score(h_last).squeeze(-1).to(torch.float32, copy=True)  # (B,), a new tensor (not a view)
 
     def normalize(self, rewards: torch.Tensor) -> torch.Tensor:
         return self.gain * rewards + self.bias

@@ -219,6 +219,20 @@ def test_masked_tokens_get_no_gradient_even_with_infinite_logprobs():
     assert (stats["kl"][~mask] == 0).all()
 
 
+def test_tokens_outside_a_top_k_set_give_a_bounded_loss_and_finite_gradient():
+    """-inf log-probs of *response* tokens (outside the reference's or the updated policy's top-k / top-p set)."""
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    inf = float("-inf")
+    logp = torch.tensor([[-1.0, inf, -2.0, inf]], requires_grad=True)
+    old = torch.tensor([[-1.0, -0.5, inf, inf]])
+    ref = torch.tensor([[inf, -1.0, -2.0, inf]])
+    loss, stats = grpo_token_loss(logp, old, ref, torch.tensor([1.0]), mask, 0.2, 0.2, 0.1)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
+    assert stats["kl"].max() <= 10.0 and stats["kl"][0, 3] == 0.0  # excluded by both: no divergence
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 3] == 0  # floored: no gradient through -inf
+
+
 def test_aggregations_by_hand():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = ragged_mask([3, 1], 3)

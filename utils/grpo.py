@@ -41,7 +41,8 @@ def penalize_missing_end(raw_rewards_N: torch.Tensor, has_end_N: torch.Tensor, p
 def _one_pass(rewards_BG: torch.Tensor) -> dict[str, torch.Tensor]:
     """Stats of a selection that looks at every candidate once."""
     B, G = rewards_BG.shape
-    return {"visited": torch.full((B,), float(G), device=rewards_BG.device), "rounds": torch.ones(B, device=rewards_BG.device)}
+    device = rewards_BG.device
+    return {"visited": torch.full((B,), float(G), device=device), "rounds": torch.ones(B, device=device)}
 
 
 def select_all(rewards_BG: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -154,7 +155,8 @@ def global_normalize(
     reduced together in fp64, so the statistics are those of the concatenated global batch, not the local shard
     (the reference repository's "global" normalization saw its own rank only)."""
     a = advantages.double()
-    stats = reduce_sum(torch.stack([torch.tensor(float(a.numel()), dtype=torch.float64, device=a.device), a.sum(), (a * a).sum()]))
+    count = torch.tensor(float(a.numel()), dtype=torch.float64, device=a.device)
+    stats = reduce_sum(torch.stack([count, a.sum(), (a * a).sum()]))
     count, total, total_sq = stats[0], stats[1], stats[2]
     mean = total / count
     var = (total_sq / count - mean * mean).clamp(min=0.0)
@@ -164,17 +166,22 @@ def global_normalize(
 # ----------------------------------------------------------------------------------------------------
 # Per-token loss
 #
-# Log-ratios are clamped to [-20, 20] before exp, as verl does: a token outside the reference's top-k/top-p set
-# has log-prob -inf, whose KL would be inf. Inside that range the clamp changes nothing.
+# With top-k / top-p the processed log-prob of a token outside the kept set is -inf: the reference may not keep a
+# token the policy sampled, and after an update (mu > 1) or from bf16 noise at the edge of the set, neither may the
+# policy. -inf - (-inf) is NaN, so log-probs are floored at LOGPROB_FLOOR (no gradient flows through a floored
+# value), log-ratios are clamped to [-20, 20] before exp and the k3 KL to at most 10 per token, as verl does
+# ("low_var_kl"). Without top-k / top-p none of these bounds is reached in practice.
 
+LOGPROB_FLOOR = -1e4
 LOG_RATIO_CLAMP = 20.0
+KL_CLAMP = 10.0
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || pi_ref) per token (DeepSeekMath eq. 4):
-    exp(ref - logp) - (ref - logp) - 1, >= 0, unbiased for samples from pi."""
+    exp(ref - logp) - (ref - logp) - 1, >= 0, unbiased for samples from pi; clamped at KL_CLAMP."""
     log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.exp(log_ratio) - log_ratio - 1.0
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=KL_CLAMP)
 
 
 def clipped_surrogate(
@@ -203,12 +210,13 @@ def grpo_token_loss(
     """Per-token GRPO loss (N, T), 0 on masked tokens: clipped surrogate + beta * k3 KL.
 
     Masked positions are replaced by 0 before any arithmetic: their log-probs can be -inf (padding outside a
-    top-k set), and -inf * 0 would be NaN in the value and in the gradient. Returns the loss and per-token
-    `kl` and `clipped` (N, T), detached and masked, for logging."""
+    top-k set), and -inf * 0 would be NaN in the value and in the gradient. Response tokens outside a top-k /
+    top-p set are floored (see above). Returns the loss and per-token `kl` and `clipped` (N, T), detached and
+    masked, for logging."""
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    logp = torch.where(mask, logp, zero)
-    old_logp = torch.where(mask, old_logp, zero)
-    ref_logp = torch.where(mask, ref_logp, zero)
+    logp = torch.where(mask, logp, zero).clamp(min=LOGPROB_FLOOR)
+    old_logp = torch.where(mask, old_logp, zero).clamp(min=LOGPROB_FLOOR)
+    ref_logp = torch.where(mask, ref_logp, zero).clamp(min=LOGPROB_FLOOR)
     surrogate, is_clipped = clipped_surrogate(logp, old_logp, advantages_N[:, None], eps_low, eps_high)
     kl = k3_kl(logp, ref_logp)
     loss = torch.where(mask, surrogate + beta * kl, zero)

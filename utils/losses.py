@@ -11,7 +11,8 @@ def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperatu
     logits = logits_BTV.float()
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.gather(logits.log_softmax(-1), -1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    # the target's logit minus the logsumexp: no (B, T, V) log-softmax tensor is materialised
+    return torch.gather(logits, -1, targets_BT.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def sft_loss_sum(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,8 @@ class ConstantLR:
 def fixed_rollout(seed=0):
     """Prompts of different lengths, responses of different lengths (some without an end token), rewards."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(PROMPTS)]
+    prompt_lengths = torch.randint(3, 9, (PROMPTS,), generator=g).tolist()
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in prompt_lengths]
     N = PROMPTS * G
     lengths = torch.randint(1, R + 1, (N,), generator=g)
     mask = torch.arange(R)[None] < lengths[:, None]  # (N, R)

@@ -67,6 +67,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic task and of every stage")
     p.add_argument("--model", default="tiny", help="GPT-2 preset trained from random initialisation")
     p.add_argument("--sft_steps", type=int, default=150, help="SFT optimizer steps")
+    p.add_argument("--rm_steps", type=int, default=60, help="reward-model optimizer steps")
+    p.add_argument("--dpo_steps", type=int, default=60, help="DPO optimizer steps")
+    p.add_argument("--grpo_steps", type=int, default=30, help="GRPO steps")
+    p.add_argument("--assets", default="assets", help="folder for the pipeline diagram and the demo's curves")
     p.add_argument("--wandb_mode", default="auto", help="online, offline, disabled, or auto")
     args = p.parse_args()
 
@@ -87,16 +91,64 @@ def main() -> None:
         "max_response_len": 32, "out_dir": out / "sft", "run_name": "demo-sft", **common,
     }, args.nproc)
 
-    # 3. what each stage learned, measured with the gold reward
+    # 3. reward model on the preference pairs, normalised on samples of the SFT policy
+    run_stage("reward_model.py", {
+        "model": out / "sft" / "hf", "train_data": paths["preference_train"], "val_data": paths["preference_validation"],
+        "val_pairs": 256, "steps": args.rm_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 1e-3,
+        "warmup_steps": 5, "eval_every": 10, "save_every": 0, "max_prompt_len": 192, "max_response_len": 32,
+        "norm_prompts": 64, "norm_samples_per_prompt": 4, "out_dir": out / "rm", "run_name": "demo-rm", **common,
+    }, args.nproc)
+
+    # 4. DPO from the SFT policy against a frozen copy of it
+    run_stage("dpo.py", {
+        "model": out / "sft" / "hf", "train_data": paths["preference_train"], "val_data": paths["preference_validation"],
+        "val_pairs": 256, "steps": args.dpo_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 5e-4,
+        "beta": 0.1, "warmup_steps": 5, "eval_every": 20, "save_every": 0, "max_prompt_len": 192,
+        "max_response_len": 32, "out_dir": out / "dpo", "run_name": "demo-dpo", **common,
+    }, args.nproc)
+
+    # 5. GRPO from the SFT policy against the reward model; the gold reward is only watched, never trained on
+    run_stage("grpo.py", {
+        "policy": out / "sft" / "hf", "reward_model": out / "rm" / "hf", "train_data": paths["prompts_train"],
+        "val_data": paths["sft_validation"], "pref_data": paths["preference_validation"], "pref_pairs": 256,
+        "eval_prompts": 64, "num_samples": 16, "num_kept": 8, "max_new_tokens": 24, "max_prompt_len": 192,
+        "prompts_per_step": 16, "micro_batch_size": 64, "steps": args.grpo_steps, "lr": 5e-4, "warmup_steps": 3,
+        "beta": 0.04, "eval_every": 10, "save_every": 0, "table_every": 10,
+        "gold_reward_fn": "data.synthetic:gold_reward", "out_dir": out / "grpo", "run_name": "demo-grpo", **common,
+    }, args.nproc)
+
+    # 6. what each stage learned: gold reward of sampled summaries on held-out prompts, preference accuracy
+    def gold(stage: str) -> float:
+        return gold_reward_of_samples(out / stage / "hf", paths["sft_validation"], 128, 4, 24, args.seed)
+
+    def last(stage: str, key: str) -> float:
+        rows = [json.loads(line) for line in open(out / stage / "metrics.jsonl")]
+        return [r[key] for r in rows if key in r][-1]
+
+    grpo_rows = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
+    tail = [r for r in grpo_rows if "train/kl" in r][-5:]  # the last five steps
     summary = {
-        "sft_gold_reward": gold_reward_of_samples(out / "sft" / "hf", paths["sft_validation"], 128, 4, 32, args.seed),
+        "rm_accuracy": last("rm", "val/accuracy"),
+        "dpo_accuracy": last("dpo", "val/accuracy"),
+        "sft_gold_reward": gold("sft"),
+        "dpo_gold_reward": gold("dpo"),
+        "grpo_gold_reward": gold("grpo"),
+        "grpo_kl": sum(r["train/kl"] for r in tail) / len(tail),
+        "grpo_proxy_reward": sum(r["reward/mean"] for r in tail) / len(tail),
+        "grpo_pref_accuracy": last("grpo", "eval/pref_accuracy"),
         "seconds": time.time() - t0,
     }
+    from plots import demo_curves, pipeline_diagram
+
+    assets = Path(args.assets)
+    assets.mkdir(parents=True, exist_ok=True)
+    pipeline_diagram(assets / "pipeline.png")
+    demo_curves(out, assets / "demo_curves.png")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n| metric | value |\n|---|---|")
     for k, v in summary.items():
         print(f"| {k} | {v:.4f} |")
-    print(f"\nwrote {out / 'summary.json'}")
+    print(f"\nwrote {out / 'summary.json'}, {assets / 'pipeline.png'}, {assets / 'demo_curves.png'}")
 
 
 if __name__ == "__main__":

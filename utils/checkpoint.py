@@ -264,10 +264,14 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, me
     path = Path(path)
     state = _load_state(path)
     check_meta(path, state["meta"], meta)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
+    try:
+        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+    except (RuntimeError, KeyError, ValueError) as e:  # written by other code, or edited
+        raise CheckpointError(f"checkpoint {path} does not fit this run's model and optimizer ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0]})") from None
     rngs = state["rng"]
     world = dist.get_world_size() if dist.is_initialized() else 1
     if len(rngs) == world:

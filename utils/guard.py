@@ -34,6 +34,7 @@ from data.tokenizer import TokenizerError
 from model.weights import ModelLoadError
 from utils.checkpoint import CheckpointError
 from utils.config import ConfigError, print_error
+from utils.logging import close_progress_bars, say
 
 EXIT_BAD_INPUT = 2
 EXIT_NUMERICAL = 3
@@ -68,6 +69,7 @@ def exit_on_error():
 
 
 def _exit(message: str, code: int) -> None:
+    close_progress_bars()
     print_error(message)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -105,7 +107,7 @@ class StopSignal:
         name = signal.Signals(signum).name
         if self.received is None:
             self.received = name
-            print(f"received {name}: finishing this step, then saving a checkpoint and exiting", file=sys.stderr, flush=True)
+            say(f"received {name}: finishing this step, then saving a checkpoint and exiting")
         if self.count >= 3:
             self.__exit__()
             signal.raise_signal(signum)
@@ -149,7 +151,7 @@ class NonFiniteGuard:
         self.consecutive += 1
         if self.consecutive >= self.max_consecutive_skips:
             raise NumericalError(f"{where}; {self.consecutive} steps in a row were non-finite and skipped, stopping")
-        print(f"warning: {where}; step skipped (--on_nonfinite skip)", file=sys.stderr, flush=True)
+        say(f"warning: {where}; step skipped (--on_nonfinite skip)")
         return False
 
 

@@ -4,6 +4,7 @@ tests and plots read, and tqdm progress bars."""
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -90,6 +91,17 @@ class Logger:
 
 def _jsonable(v) -> bool:
     return isinstance(v, (int, str, bool)) or (isinstance(v, float) and math.isfinite(v))
+
+
+def say(message: str) -> None:
+    """A line to stderr that does not collide with a live progress bar (tqdm clears and redraws it)."""
+    tqdm.write(message, file=sys.stderr)
+
+
+def close_progress_bars() -> None:
+    """Close every live bar so that what is printed next starts on a line of its own."""
+    for bar in list(getattr(tqdm, "_instances", [])):
+        bar.close()
 
 
 def progress(total: int, initial: int, enabled: bool, desc: str):

@@ -175,7 +175,8 @@ class Config:
     """Resumable checkpoints kept (the best one is kept as well)."""
     best_metric: str = "eval/reward"
     """Evaluation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned);
-    a new best is saved when it appears. Empty disables."""
+    a new best is saved when it appears. Empty disables. The default needs the summary evaluation (--val_data);
+    without it, eval/pref_accuracy (or nothing, without --pref_data either)."""
     best_mode: Literal["min", "max"] = "max"
     """min: a lower --best_metric is better; max: a higher one."""
     out_dir: str = "runs/grpo"
@@ -622,6 +623,9 @@ def main(cfg: Config) -> dict:
             out.update({f"eval/pref_{k}": v for k, v in pref.items()})
         return out
 
+    best_metric = cfg.best_metric
+    if best_metric == "eval/reward" and val_prompts is None:  # the default, without the summary evaluation
+        best_metric = "eval/pref_accuracy" if pref_set is not None else ""
     if step == 0 and cfg.eval_every > 0:
         logger.log(evaluate_now(0), 0)
     batches_iter = iter(loader)
@@ -727,7 +731,7 @@ def main(cfg: Config) -> dict:
             bar.set_postfix(reward=f"{reward_mean:.3f}", kl=f"{metrics['train/kl']:.4f}")
 
             # 9. checkpoint: on schedule, at the end, at a new best evaluation metric, or when a signal came
-            best, improved = update_best(best, metrics, cfg.best_metric, cfg.best_mode, step)
+            best, improved = update_best(best, metrics, best_metric, cfg.best_mode, step)
             stopping = stop.requested(device)
             if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
                 save_checkpoint(

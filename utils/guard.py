@@ -22,6 +22,7 @@ tokenizer), 3 numerical fault (non-finite loss or gradient norm, a reward model 
 130 interrupted before training started. A real bug keeps its traceback.
 """
 
+import math
 import signal
 import sys
 from contextlib import contextmanager
@@ -65,7 +66,8 @@ def exit_on_error():
     except NumericalError as e:
         _exit(str(e), EXIT_NUMERICAL)
     except KeyboardInterrupt:
-        _exit("interrupted before training started (nothing to save)", EXIT_INTERRUPTED)
+        _exit("interrupted outside the training loop (start-up or export); the newest checkpoint, if any, is intact",
+              EXIT_INTERRUPTED)
 
 
 def _exit(message: str, code: int) -> None:
@@ -135,7 +137,7 @@ class NonFiniteGuard:
 
     def ok(self, step: int, values: dict[str, float]) -> bool:
         """True when every value is finite on every rank (a collective)."""
-        bad = _all_ranks_max([0.0 if torch.isfinite(torch.tensor(float(v))) else 1.0 for v in values.values()], self.device)
+        bad = _all_ranks_max([0.0 if math.isfinite(float(v)) else 1.0 for v in values.values()], self.device)
         names = [k for k, b in zip(values, bad) if b > 0]
         if not names:
             self.consecutive = 0

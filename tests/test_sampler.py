@@ -5,7 +5,7 @@ import math
 import torch
 
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
-from model.sampler import END_ID, PAD_ID, generate, process_logits, processed_logprobs
+from model.sampler import END_ID, PAD_ID, generate, process_logits, processed_logprobs, sample_tokens
 
 CFG = GPTConfig(vocab_size=512, n_layer=2, n_head=2, n_embd=32, n_positions=128)
 
@@ -13,8 +13,10 @@ CFG = GPTConfig(vocab_size=512, n_layer=2, n_head=2, n_embd=32, n_positions=128)
 def model_and_prompts(seed=0):
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(CFG).eval()
-    with torch.no_grad():  # make "\n" likely so some rows stop early
-        model.transformer.wte.weight[END_ID] *= 8
+    with torch.no_grad():  # make "\n" likely (logit about 2 above the rest) so some rows stop early
+        v = torch.nn.functional.normalize(torch.randn(CFG.n_embd), dim=0)
+        model.transformer.ln_f.bias.copy_(v)
+        model.transformer.wte.weight[END_ID] = 2.0 * v
     prompts = [[10, 20, 30, 40, 50], [7, 8], [300, 301, 302]]
     P = max(map(len, prompts))
     ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])  # pad id inside the small vocabulary
@@ -99,3 +101,33 @@ def test_top_k_one_is_greedy():
     greedy = generate(model, ids, mask, 1, 8, temperature=0)
     topk1 = generate(model, ids, mask, 1, 8, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(3))
     assert torch.equal(greedy.response_ids, topk1.response_ids)
+
+
+def test_sample_tokens_matches_the_distribution_and_never_draws_zero_probability():
+    # V = 1000 is not a multiple of the block, so the short last block is exercised; a third of the tokens
+    # have probability 0 (as outside top-k / top-p), and the others span six orders of magnitude.
+    g = torch.Generator().manual_seed(0)
+    V, N = 1000, 200_000
+    logits = torch.randn(V, generator=g) * 3
+    logits[torch.randperm(V, generator=g)[: V // 3]] = float("-inf")
+    logp = logits.log_softmax(-1)
+    tok = sample_tokens(logp.expand(N, V), torch.Generator().manual_seed(1), block=64)
+    counts = torch.bincount(tok, minlength=V).double()
+    assert counts[logits == float("-inf")].sum() == 0
+    expected = logp.exp().double() * N
+    # Pearson chi-square over tokens expected at least 5 times, against its mean (= dof) + 5 sd
+    big = expected >= 5
+    chi2 = ((counts[big] - expected[big]) ** 2 / expected[big]).sum()
+    dof = int(big.sum()) - 1
+    assert chi2 < dof + 5 * math.sqrt(2 * dof), (chi2, dof)
+    # rows are independent: a batch of different distributions, each a point mass on its own token
+    point = torch.full((5, V), float("-inf"))
+    point[torch.arange(5), torch.tensor([0, 63, 64, 999, 500])] = 0.0
+    assert sample_tokens(point, g, block=64).tolist() == [0, 63, 64, 999, 500]
+
+
+def test_sample_tokens_is_deterministic_given_the_generator():
+    logp = torch.randn(8, 300).log_softmax(-1)
+    a = sample_tokens(logp, torch.Generator().manual_seed(3))
+    b = sample_tokens(logp, torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)

@@ -4,6 +4,8 @@ A single process still gets a one-rank process group, so FSDP and the collective
 every case. Nothing here runs at import.
 """
 
+import atexit
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -54,12 +56,27 @@ def setup_distributed(device: str = "auto") -> DistInfo:
         dev = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        atexit.register(_release_process_group)
     return DistInfo(rank, world_size, local_rank, dev)
 
 
 def cleanup_distributed() -> None:
+    """Tear the process group down; the barrier keeps a fast rank from closing gloo
+    sockets while a slow one still talks (which aborts the slow one)."""
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _release_process_group() -> None:
+    """At exit, while the interpreter is still whole: destroy the group if the script did not, and collect the
+    cycles (FSDP modules, device meshes) that keep gloo's worker threads alive. A gloo thread destroyed during
+    interpreter finalization aborts the process (SIGABRT, "terminate called without an active exception")."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

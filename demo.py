@@ -13,6 +13,7 @@ written to runs/demo/summary.json.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +25,9 @@ ROOT = Path(__file__).resolve().parent
 
 
 def run_stage(script: str, args: dict, nproc: int) -> None:
+    # Every demo stage starts from scratch: its folder under --out is the demo's own, and the scripts refuse
+    # --resume false on top of existing checkpoints (they would be overwritten).
+    shutil.rmtree(args["out_dir"], ignore_errors=True)
     cmd = [sys.executable, script] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", script]
     for k, v in args.items():
         cmd += [f"--{k}", str(v)]

@@ -25,13 +25,14 @@ import torch
 
 from data.tldr import PREF_COLUMNS, PreferenceDataset, ShardedLoader, collate_pairs, load_rows
 from data.tokenizer import get_tokenizer
-from evaluate import build_eval_set, check_context, evaluate_policy, policy_logps, response_logprobs
-from model.weights import build_policy
+from evaluate import build_eval_set, evaluate_policy, policy_logps, response_logprobs
+from model.weights import build_policy, model_config
 from sft import accumulation_steps
-from utils.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
-from utils.config import config_to_dict, parse_config
+from utils.checkpoint import export_hf, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
+from utils.config import ConfigError, check_context, config_to_dict, parse_config, require_nonempty
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
 from utils.fsdp import resolve_dtype, set_gradient_sync, shard_model
+from utils.guard import NonFiniteGuard, StopSignal, exit_on_error
 from utils.logging import Logger, progress
 from utils.losses import dpo_loss, ipo_loss
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -90,11 +91,21 @@ class Config:
     save_every: int = 500
     """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
     keep_last: int = 2
-    """Resumable checkpoints kept."""
+    """Resumable checkpoints kept (the best one is kept as well)."""
+    best_metric: str = "val/accuracy"
+    """Validation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned);
+    a new best is saved when it appears. Empty disables."""
+    best_mode: Literal["min", "max"] = "max"
+    """min: a lower --best_metric is better; max: a higher one."""
     out_dir: str = "runs/dpo"
     """Run directory: checkpoints/, hf/ (the Hugging Face-format export), metrics.jsonl, wandb/."""
     resume: bool = True
-    """Resume from the newest checkpoint in --out_dir when there is one."""
+    """Resume from the newest checkpoint in --out_dir when there is one (false refuses to start over on top of one)."""
+    resume_from: str = ""
+    """Start from this checkpoint (a checkpoint folder, or another run directory) when --out_dir has none yet."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient norm: stop (nothing is stepped or saved; the newest checkpoint is the last
+    good state) or skip the step (no optimizer or scheduler step; its batch is dropped)."""
     seed: int = 1
     """Seed for data order (and initialisation with --random_init)."""
     device: str = "auto"
@@ -115,27 +126,31 @@ class Config:
     """wandb run name."""
 
     def validate(self) -> None:
-        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len"):
+        require_nonempty(self, "model", "train_data", "out_dir")
+        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len", "keep_last"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
+        for name in ("val_pairs", "steps", "save_every", "grad_clip", "warmup_steps", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.beta <= 0:
-            raise ValueError(f"--beta must be positive, got {self.beta}")
+            raise ConfigError(f"--beta must be positive, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+            raise ConfigError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.reference_cpu_offload and (self.device == "cpu" or not torch.cuda.is_available()):
-            raise ValueError("--reference_cpu_offload needs a GPU (FSDP offloads shards from GPU to CPU memory); "
-                             "on CPU leave it false: the reference already lives in CPU memory")
+            raise ConfigError("--reference_cpu_offload needs a GPU (FSDP offloads shards from GPU to CPU memory); "
+                              "on CPU leave it false: the reference already lives in CPU memory")
         if self.label_smoothing and self.loss != "sigmoid":
-            raise ValueError("--label_smoothing applies to --loss sigmoid only")
-        if self.val_pairs < 0 or self.steps < 0:
-            raise ValueError("--val_pairs and --steps must be >= 0")
+            raise ConfigError("--label_smoothing applies to --loss sigmoid only")
         if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
-            raise ValueError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
+            raise ConfigError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
         if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"--device must be auto, cuda or cpu, got '{self.device}'")
+            raise ConfigError(f"--device must be auto, cuda or cpu, got '{self.device}'")
         for name in ("dtype", "reference_dtype"):
             if getattr(self, name) not in ("auto", "bf16", "fp32"):
-                raise ValueError(f"--{name} must be auto, bf16 or fp32, got '{getattr(self, name)}'")
+                raise ConfigError(f"--{name} must be auto, bf16 or fp32, got '{getattr(self, name)}'")
 
 
 def preference_loss_fn(cfg: Config):
@@ -185,12 +200,19 @@ def accumulate_gradients(policy, reference, micro_batches: list[dict], world: in
 
 
 def main(cfg: Config) -> dict:
-    # 1. distributed set-up and sizes (checked before any model is built)
+    # 1. distributed set-up and every check that needs no data and no weights: sizes, the models' configs, the run
+    #    directory and the checkpoint to resume from (all before any model is built or put on a GPU)
     dist_info = setup_distributed(cfg.device)
     rank, world, device = dist_info.rank, dist_info.world_size, dist_info.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
-    torch.manual_seed(cfg.seed)
+    model_cfg = model_config(cfg.model, cfg.random_init)
+    check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "policy")
+    if cfg.reference:
+        check_context(model_config(cfg.reference), cfg.max_prompt_len, cfg.max_response_len, "reference")
+    meta = {"stage": "dpo", "model_config": model_cfg.to_dict()}
     run_dir = Path(cfg.out_dir)
+    ckpt = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
+    torch.manual_seed(cfg.seed)
 
     # 2. data: tokenize, shard per rank, shuffle per epoch; validation pairs split disjointly over ranks
     tok = get_tokenizer()
@@ -214,8 +236,6 @@ def main(cfg: Config) -> dict:
     # 3. policy and frozen reference (copied before sharding, so a random init is shared), FSDP, optimizer
     policy = build_policy(cfg.model, cfg.random_init)
     reference = build_policy(cfg.reference) if cfg.reference else copy.deepcopy(policy)
-    check_context(policy.cfg, cfg.max_prompt_len, cfg.max_response_len, "policy")
-    check_context(reference.cfg, cfg.max_prompt_len, cfg.max_response_len, "reference")
     reference.requires_grad_(False)
     reference.eval()
     ref_dtype = resolve_dtype(cfg.reference_dtype, device)
@@ -224,25 +244,22 @@ def main(cfg: Config) -> dict:
     shard_model(reference, None, cpu_offload=cfg.reference_cpu_offload)
     if not cfg.reference_cpu_offload:
         reference.to(device)
-    model_cfg = policy.cfg
     shard_model(policy, resolve_dtype(cfg.dtype, device), activation_checkpointing=cfg.activation_checkpointing)
     policy.to(device)
     optimizer = build_optimizer(policy, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    meta = {"stage": "dpo", "model_config": model_cfg.to_dict()}
     loss_fn = preference_loss_fn(cfg)
 
-    # 4. resume
-    step = 0
-    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    # 4. resume: weights, optimizer, schedule, every rank's RNG, data position, best validation so far
+    step, best = 0, None
     if ckpt is not None:
         state = load_checkpoint(ckpt, policy, optimizer, scheduler, meta, rank)
-        step = state["step"]
-        loader.load_state_dict(state["extra"]["loader"])
+        step, best = state["step"], state["extra"].get("best")
+        restore_loader(loader, ckpt, state["extra"])
         if rank == 0:
             print(f"resumed from {ckpt} at step {step}")
 
-    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
+    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0, resume_step=step)
     if rank == 0:
         print(f"dpo ({cfg.loss}, beta {cfg.beta}): {len(train)} pairs, world {world}, {accum} accumulation steps, {total_steps} steps")
     ref_val = policy_logps(reference, val_set, device) if val_set is not None else None  # the reference never changes
@@ -255,49 +272,67 @@ def main(cfg: Config) -> dict:
     bar = progress(total_steps, step, rank == 0, "dpo")
     policy.train()
     metrics = {}
-    while step < total_steps:
-        t0 = time.perf_counter()
-        # 5. one optimizer step: per-pair loss summed / global number of pairs
-        micro = fixed or [next(batches) for _ in range(accum)]
-        metrics = accumulate_gradients(policy, reference, micro, world, cfg.batch_size, loss_fn, cfg.beta, device)
-        metrics["train/grad_norm"] = clip_grad_norm(policy, cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
+    guard = NonFiniteGuard("dpo", cfg.on_nonfinite, device)
+    stopping = False
+    with StopSignal() as stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
+        while step < total_steps:
+            t0 = time.perf_counter()
+            # 5. one optimizer step: per-pair loss summed / global number of pairs; a non-finite loss or gradient
+            #    norm stops the run, or skips the step (--on_nonfinite)
+            micro = fixed or [next(batches) for _ in range(accum)]
+            metrics = accumulate_gradients(policy, reference, micro, world, cfg.batch_size, loss_fn, cfg.beta, device)
+            metrics["train/grad_norm"] = clip_grad_norm(policy, cfg.grad_clip)
+            finite = guard.ok(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
+            if finite:
+                optimizer.step()
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
-        # 6. log; validation accuracy of the implicit reward with its bootstrap interval
-        dt = time.perf_counter() - t0
-        seen = all_reduce_sum(torch.tensor(float(sum(b["attention_mask"].sum() for b in micro)), device=device))
-        metrics.update({
-            "train/lr": scheduler.get_last_lr()[0],
-            "perf/step_seconds": dt,
-            "perf/tokens_per_second": float(seen) / dt,
-            "perf/tokens_per_second_per_device": float(seen) / dt / world,
-        })
-        if val_set is not None and (step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)):
-            val = evaluate_policy(policy, ref_val, val_set, cfg.beta, device)
-            metrics.update({f"val/{k}": v for k, v in val.items()})
-        logger.log(metrics, step)
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.3f}")
+            # 6. log; validation accuracy of the implicit reward with its bootstrap interval
+            dt = time.perf_counter() - t0
+            seen = all_reduce_sum(torch.tensor(float(sum(b["attention_mask"].sum() for b in micro)), device=device))
+            metrics.update({
+                "train/lr": scheduler.get_last_lr()[0],
+                "train/skipped": float(not finite),
+                "perf/step_seconds": dt,
+                "perf/tokens_per_second": float(seen) / dt,
+                "perf/tokens_per_second_per_device": float(seen) / dt / world,
+            })
+            if val_set is not None and (step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)):
+                val = evaluate_policy(policy, ref_val, val_set, cfg.beta, device)
+                metrics.update({f"val/{k}": v for k, v in val.items()})
+            logger.log(metrics, step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.3f}")
 
-        # 7. checkpoint (the policy only: the reference is rebuilt from --model / --reference)
-        if step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-            save_checkpoint(
-                run_dir, step, policy, optimizer, scheduler, meta,
-                extra={"loader": loader.state_dict()}, keep_last=cfg.keep_last, rank=rank,
-            )
+            # 7. checkpoint (the policy only: the reference is rebuilt from --model / --reference): on schedule, at
+            #    the end, at a new best validation metric, or when a signal came
+            best, improved = update_best(best, metrics, cfg.best_metric, cfg.best_mode, step)
+            stopping = stop.requested(device)
+            if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+                save_checkpoint(
+                    run_dir, step, policy, optimizer, scheduler, meta, extra={"loader": loader.state_dict(), "best": best},
+                    keep_last=cfg.keep_last, rank=rank, best=best if improved else None,
+                )
+            if stopping:
+                break
     bar.close()
 
-    # 8. export a Hugging Face-format folder
-    export_hf(policy, model_cfg, run_dir / "hf", rank)
-    if rank == 0:
-        print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    # 8. export a Hugging Face-format folder (not after a signal: the run is not finished)
+    if stopping:
+        if rank == 0:
+            print(f"stopped by {stop.received or 'a signal on another rank'} after step {step}; checkpoint saved in "
+                  f"{run_dir / 'checkpoints'}; rerun the same command to continue")
+    else:
+        export_hf(policy, model_cfg, run_dir / "hf", rank)
+        if rank == 0:
+            print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     logger.finish()
     cleanup_distributed()
     return metrics
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, description=__doc__.split("\n\n")[0]))
+    with exit_on_error():
+        main(parse_config(Config, description=__doc__.split("\n\n")[0]))

@@ -27,10 +27,11 @@ import torch.nn as nn
 
 from data.tldr import PREF_COLUMNS, PreferenceDataset, collate_pairs, encode_response, load_rows
 from data.tokenizer import get_tokenizer
-from model.weights import build_policy, build_reward_model
-from utils.config import config_to_dict, parse_config
+from model.weights import build_policy, build_reward_model, model_config
+from utils.config import ConfigError, check_context, config_to_dict, parse_config
 from utils.dist import cleanup_distributed, setup_distributed
 from utils.fsdp import resolve_dtype, shard_model
+from utils.guard import exit_on_error
 from utils.logging import Logger
 from utils.losses import sequence_logprobs
 from utils.stats import preference_summary
@@ -109,15 +110,6 @@ def build_eval_set(
         batch["pair_index"] = torch.tensor(index, dtype=torch.long)
         batches.append(batch)
     return EvalSet(batches, chosen_len > rejected_len, n, name)
-
-
-def check_context(model_cfg, max_prompt_len: int, max_response_len: int, what: str = "model") -> None:
-    """Refuse lengths the model's position table cannot hold (GPT-2's positions are a learned table)."""
-    if max_prompt_len + max_response_len > model_cfg.n_positions:
-        raise ValueError(
-            f"--max_prompt_len {max_prompt_len} + --max_response_len {max_response_len} exceeds the {what}'s "
-            f"{model_cfg.n_positions} positions"
-        )
 
 
 @torch.no_grad()
@@ -267,25 +259,28 @@ class Config:
 
     def validate(self) -> None:
         if bool(self.reward_model) == bool(self.policy):
-            raise ValueError("give exactly one of --reward_model or --policy")
+            raise ConfigError("give exactly one of --reward_model or --policy")
         if self.policy and not self.reference:
-            raise ValueError("--policy needs --reference (the implicit reward is beta * log pi/pi_ref)")
+            raise ConfigError("--policy needs --reference (the implicit reward is beta * log pi/pi_ref)")
         if self.reference and not self.policy:
-            raise ValueError("--reference is only used with --policy")
+            raise ConfigError("--reference is only used with --policy")
         for name in ("micro_batch_size", "max_prompt_len", "max_response_len", "bootstrap_samples"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
         if self.max_pairs < 0:
-            raise ValueError(f"--max_pairs must be >= 0, got {self.max_pairs}")
+            raise ConfigError(f"--max_pairs must be >= 0, got {self.max_pairs}")
         if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
-            raise ValueError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
+            raise ConfigError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
 
 
 def main(cfg: Config) -> dict:
-    # 1. distributed set-up
+    # 1. distributed set-up; the models' configs and context lengths (before data is tokenized or models are built)
     info = setup_distributed(cfg.device)
     rank, world, device = info.rank, info.world_size, info.device
     dtype = resolve_dtype(cfg.dtype, device)
+    for what, name in (("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)):
+        if name:
+            check_context(model_config(name), cfg.max_prompt_len, cfg.max_response_len, what)
 
     # 2. data: this rank's disjoint slice of the pairs
     rows = load_rows(cfg.data, cfg.split, PREF_COLUMNS)
@@ -296,14 +291,11 @@ def main(cfg: Config) -> dict:
     # 3. models and scores
     if cfg.reward_model:
         model = build_reward_model(cfg.reward_model)
-        check_context(model.cfg, cfg.max_prompt_len, cfg.max_response_len, "reward model")
         model = shard_model(model, dtype).to(device)
         results = evaluate_reward_model(model, eval_set, device, cfg.bootstrap_samples, cfg.seed)
         title = f"reward model {cfg.reward_model} on {name}"
     else:
         policy, reference = build_policy(cfg.policy), build_policy(cfg.reference)
-        check_context(policy.cfg, cfg.max_prompt_len, cfg.max_response_len, "policy")
-        check_context(reference.cfg, cfg.max_prompt_len, cfg.max_response_len, "reference")
         policy, reference = shard_model(policy, dtype).to(device), shard_model(reference, dtype).to(device)
         results = evaluate_policy(policy, reference, eval_set, cfg.beta, device, cfg.bootstrap_samples, cfg.seed)
         title = f"policy {cfg.policy} vs reference {cfg.reference} (beta {cfg.beta}) on {name}"
@@ -324,4 +316,5 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, description=__doc__.split("\n\n")[0]))
+    with exit_on_error():
+        main(parse_config(Config, description=__doc__.split("\n\n")[0]))

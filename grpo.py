@@ -33,13 +33,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, PromptDataset, ShardedLoader, load_rows, pad_prompts
+from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, DataError, PromptDataset, ShardedLoader, load_rows, pad_prompts
 from data.tokenizer import END_ID, get_tokenizer
 from evaluate import build_eval_set, evaluate_policy, policy_logps
 from model.sampler import SampleOutput, generate, process_logits, processed_logprobs
-from model.weights import build_policy, build_reward_model
-from utils.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
-from utils.config import config_to_dict, parse_config
+from model.weights import build_policy, build_reward_model, model_config
+from utils.checkpoint import export_hf, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
+from utils.config import ConfigError, check_context, config_to_dict, parse_config, require_nonempty
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
 from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
 from utils.grpo import (
@@ -55,6 +55,7 @@ from utils.grpo import (
     select_uniform,
     token_entropy,
 )
+from utils.guard import NonFiniteGuard, StopSignal, check_rewards, exit_on_error
 from utils.logging import Logger, progress
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -171,11 +172,23 @@ class Config:
     save_every: int = 50
     """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
     keep_last: int = 2
-    """Resumable checkpoints kept."""
+    """Resumable checkpoints kept (the best one is kept as well)."""
+    best_metric: str = "eval/reward"
+    """Evaluation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned);
+    a new best is saved when it appears. Empty disables. The default needs the summary evaluation (--val_data);
+    without it, eval/pref_accuracy (or nothing, without --pref_data either)."""
+    best_mode: Literal["min", "max"] = "max"
+    """min: a lower --best_metric is better; max: a higher one."""
     out_dir: str = "runs/grpo"
     """Run directory: checkpoints/, hf/ (the Hugging Face-format export), metrics.jsonl, tables, wandb/."""
     resume: bool = True
-    """Resume from the newest checkpoint in --out_dir when there is one."""
+    """Resume from the newest checkpoint in --out_dir when there is one (false refuses to start over on top of one)."""
+    resume_from: str = ""
+    """Start from this checkpoint (a checkpoint folder, or another run directory) when --out_dir has none yet."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient norm: stop (nothing is stepped or saved; the newest checkpoint is the last
+    good state) or skip the optimizer step (no scheduler step either). Reward-model scores that are NaN or
+    constant always stop the run."""
     seed: int = 1
     """Seed of data order, sampling and selection (streams derived from seed, step and rank)."""
     device: str = "auto"
@@ -197,43 +210,53 @@ class Config:
         return self.num_samples if self.selection == "all" else self.num_kept
 
     def validate(self) -> None:
+        require_nonempty(self, "policy", "reward_model", "train_data", "out_dir")
+        for name in ("save_every", "grad_clip", "warmup_steps", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
         for name in (
             "num_samples", "num_kept", "max_new_tokens", "max_prompt_len", "gen_prompts", "prompts_per_step",
             "micro_batch_size", "score_micro_batch_size", "policy_epochs", "pref_max_response_len", "table_prompts",
+            "keep_last",
         ):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
         if self.kept > self.num_samples:
-            raise ValueError(f"--num_kept {self.num_kept} exceeds --num_samples {self.num_samples}")
+            raise ConfigError(
+                f"--num_kept {self.num_kept} exceeds --num_samples {self.num_samples}: the group of samples per prompt "
+                f"must be at least as large as the number kept from it"
+            )
         if self.selection == "top_bottom" and self.kept % 2:
-            raise ValueError(f"--selection top_bottom needs an even --num_kept, got {self.num_kept}")
+            raise ConfigError(f"--selection top_bottom needs an even --num_kept, got {self.num_kept}")
         if self.selection == "rso" and not self.beta_rs > 0:
-            raise ValueError(f"--beta_rs must be > 0, got {self.beta_rs}")
+            raise ConfigError(f"--beta_rs must be > 0, got {self.beta_rs}")
         if self.kept < 2 and self.scale_by_std:
-            raise ValueError("group normalization with std scaling needs at least 2 kept samples per prompt")
+            raise ConfigError("group normalization with std scaling needs at least 2 kept samples per prompt")
         if not self.temperature > 0:
-            raise ValueError(f"--temperature must be > 0 (greedy evaluation: --eval_greedy), got {self.temperature}")
+            raise ConfigError(f"--temperature must be > 0 (greedy evaluation: --eval_greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"--top_p must be in (0, 1] and --top_k >= 0, got {self.top_p}, {self.top_k}")
+            raise ConfigError(f"--top_p must be in (0, 1] and --top_k >= 0, got {self.top_p}, {self.top_k}")
         if self.eps_low < 0 or self.eps_high < 0 or self.beta < 0:
-            raise ValueError("--eps_low, --eps_high and --beta must be >= 0")
+            raise ConfigError("--eps_low, --eps_high and --beta must be >= 0")
         if self.steps < 0 or self.eval_prompts < 0 or self.pref_pairs < 0:
-            raise ValueError("--steps, --eval_prompts and --pref_pairs must be >= 0")
+            raise ConfigError("--steps, --eval_prompts and --pref_pairs must be >= 0")
         if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
-            raise ValueError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
+            raise ConfigError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
         if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"--device must be auto, cuda or cpu, got '{self.device}'")
+            raise ConfigError(f"--device must be auto, cuda or cpu, got '{self.device}'")
         if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"--dtype must be auto, bf16 or fp32, got '{self.dtype}'")
+            raise ConfigError(f"--dtype must be auto, bf16 or fp32, got '{self.dtype}'")
 
 
 def per_rank_sizes(cfg: Config, world: int) -> tuple[int, int]:
     """(prompts per rank, training micro-batches per rank), with exact-division checks."""
     if cfg.prompts_per_step % world:
-        raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by the world size {world}")
+        raise ConfigError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by the world size {world}")
     prompts = cfg.prompts_per_step // world
     if (prompts * cfg.kept) % cfg.micro_batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"{prompts} prompts per rank x {cfg.kept} kept samples = {prompts * cfg.kept} sequences must be divisible "
             f"by --micro_batch_size {cfg.micro_batch_size}"
         )
@@ -356,8 +379,12 @@ def add_logprobs(model, batches: list[dict], key: str, cfg: Config, gather: bool
             batch[key] = processed_logprobs(logits, batch["response_ids"], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
 
 
-def policy_update(policy, optimizer, scheduler, batches: list[dict], cfg: Config, world: int, device) -> dict:
-    """cfg.policy_epochs optimizer steps over this rank's micro-batches; returns global metrics.
+def policy_update(
+    policy, optimizer, scheduler, batches: list[dict], cfg: Config, world: int, device,
+    guard: NonFiniteGuard | None = None, step: int = 0,
+) -> dict:
+    """cfg.policy_epochs optimizer steps over this rank's micro-batches; returns global metrics. `guard` checks each
+    epoch's loss and gradient norm before its optimizer step (stop, or skip that optimizer and scheduler step).
 
     Every aggregation is sum(w * loss) / Z with token weights w from the mask and a normaliser Z summed over
     micro-batches and ranks before any backward (utils/grpo.py). FSDP averages gradients over ranks, so each
@@ -369,8 +396,9 @@ def policy_update(policy, optimizer, scheduler, batches: list[dict], cfg: Config
     # sums over epochs: loss, kl, clipped tokens, entropy, |logp - sampler logp|, tokens outside the top-k/top-p
     # set of the training forward, response tokens
     sums = torch.zeros(7, dtype=torch.float64, device=device)
-    grad_norm = 0.0
+    grad_norm, skipped = 0.0, 0
     for epoch in range(cfg.policy_epochs):
+        epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
         for i, (batch, (w, _)) in enumerate(zip(batches, weights)):
             set_gradient_sync(policy, i == len(batches) - 1)
             mask = batch["response_mask"]
@@ -383,6 +411,7 @@ def policy_update(policy, optimizer, scheduler, batches: list[dict], cfg: Config
             )
             loss = (w * loss_NT).sum()
             (loss * world / normaliser).backward()
+            epoch_loss += loss.detach().double()
             with torch.no_grad():
                 entropy = token_entropy(process_logits(logits.detach(), cfg.temperature, cfg.top_k, cfg.top_p))
                 in_support = mask & torch.isfinite(logp)
@@ -392,9 +421,13 @@ def policy_update(policy, optimizer, scheduler, batches: list[dict], cfg: Config
                     (entropy * mask).sum().double(), gap.sum().double(), (mask & ~in_support).sum().double(),
                     mask.sum().double(),
                 ])
-        grad_norm += clip_grad_norm(policy, cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
+        epoch_grad_norm = clip_grad_norm(policy, cfg.grad_clip)
+        grad_norm += epoch_grad_norm
+        if guard is None or guard.ok(step, {"train/loss": float(epoch_loss), "train/grad_norm": epoch_grad_norm}):
+            optimizer.step()
+            scheduler.step()
+        else:
+            skipped += 1
         optimizer.zero_grad(set_to_none=True)
     loss, kl, clipped, entropy, gap, outside, tokens = all_reduce_sum(sums).tolist()
     mu = cfg.policy_epochs
@@ -407,6 +440,7 @@ def policy_update(policy, optimizer, scheduler, batches: list[dict], cfg: Config
         "train/outside_top_k_p_fraction": outside / tokens,
         "train/grad_norm": grad_norm / mu,
         "train/lr": scheduler.get_last_lr()[0],
+        "train/skipped": skipped / mu,
     }
 
 
@@ -482,9 +516,9 @@ def load_function(path: str):
     try:
         fn = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"cannot load function '{path}' (expected module:function): {e}") from None
+        raise ConfigError(f"--gold_reward_fn: cannot load function '{path}' (expected module:function): {e}") from None
     if not callable(fn):
-        raise ValueError(f"'{path}' is not callable")
+        raise ConfigError(f"--gold_reward_fn: '{path}' is not callable")
     return fn
 
 
@@ -506,15 +540,24 @@ def freeze(model):
 
 
 def main(cfg: Config) -> dict:
-    # set-up: distributed, sizes (checked before any model is built)
+    # set-up: distributed, and every check that needs no data and no weights: sizes, the models' configs and context
+    # lengths, the run directory and the checkpoint to resume from (all before any model is built or put on a GPU)
     dist_info = setup_distributed(cfg.device)
     rank, world, device = dist_info.rank, dist_info.world_size, dist_info.device
     prompts_per_rank, n_micro = per_rank_sizes(cfg, world)
     G, K = cfg.num_samples, cfg.kept
-    torch.manual_seed(cfg.seed)
-    run_dir = Path(cfg.out_dir)
-    dtype = resolve_dtype(cfg.dtype, device)
     gold_reward = load_function(cfg.gold_reward_fn) if cfg.gold_reward_fn else None
+    model_cfg = model_config(cfg.policy, cfg.policy_random_init)
+    check_context(model_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "policy")
+    if cfg.pref_data and cfg.eval_every >= 0:
+        check_context(model_cfg, cfg.max_prompt_len, cfg.pref_max_response_len, "policy")
+    rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init)
+    check_context(rm_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "reward model")
+    meta = {"stage": "grpo", "model_config": model_cfg.to_dict()}
+    run_dir = Path(cfg.out_dir)
+    ckpt = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
+    torch.manual_seed(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, device)
 
     # set-up: data; training prompts sharded per rank; validation prompts and preference pairs split over ranks
     tok = get_tokenizer()
@@ -527,7 +570,8 @@ def main(cfg: Config) -> dict:
         val_rows = load_rows(cfg.val_data, cfg.val_split, PROMPT_COLUMNS)[: cfg.eval_prompts]
         per_rank = len(val_rows) // world  # the same number on every rank: the evaluation ends in collectives
         if per_rank == 0:
-            raise ValueError(f"{len(val_rows)} validation prompts cannot be split over {world} ranks")
+            raise DataError(f"{cfg.val_data}[{cfg.val_split}]: {len(val_rows)} validation prompts cannot be split over "
+                            f"{world} ranks; use more rows, or --eval_prompts 0 to skip the summary evaluation")
         val_rows = val_rows[rank * per_rank : (rank + 1) * per_rank]
         val = PromptDataset(val_rows, tok, cfg.max_prompt_len, name=f"{cfg.val_data}[{cfg.val_split}]")
         val_prompts = tuple(t.to(device) for t in pad_prompts(val.prompts))
@@ -541,12 +585,6 @@ def main(cfg: Config) -> dict:
 
     # set-up: models; the policy (trained), its frozen copy as reference, the frozen reward model; all FSDP-sharded
     policy = build_policy(cfg.policy, cfg.policy_random_init)
-    model_cfg = policy.cfg
-    if cfg.max_prompt_len + cfg.max_new_tokens > model_cfg.n_positions:
-        raise ValueError(
-            f"--max_prompt_len {cfg.max_prompt_len} + --max_new_tokens {cfg.max_new_tokens} exceeds the policy's "
-            f"{model_cfg.n_positions} positions"
-        )
     reference = freeze(copy.deepcopy(policy))  # before any update: the starting weights, random init included
     reward_model = freeze(build_reward_model(cfg.reward_model, cfg.reward_random_init))
     shard_model(policy, dtype, activation_checkpointing=cfg.activation_checkpointing)
@@ -557,19 +595,18 @@ def main(cfg: Config) -> dict:
             frozen.to(device)
     optimizer = build_optimizer(policy, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps * cfg.policy_epochs, cfg.min_lr_ratio)
-    meta = {"stage": "grpo", "model_config": model_cfg.to_dict()}
 
-    # set-up: resume
-    step = 0
-    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    # set-up: resume: weights, optimizer, schedule, every rank's RNG, data position, best evaluation so far (sampling
+    # and selection streams are rebuilt from (seed, step, rank))
+    step, best = 0, None
     if ckpt is not None:
         state = load_checkpoint(ckpt, policy, optimizer, scheduler, meta, rank)
-        step = state["step"]
-        loader.load_state_dict(state["extra"]["loader"])
+        step, best = state["step"], state["extra"].get("best")
+        restore_loader(loader, ckpt, state["extra"])
         if rank == 0:
             print(f"resumed from {ckpt} at step {step}")
 
-    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
+    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0, resume_step=step)
     if rank == 0:
         print(
             f"grpo: {len(train)} prompts, world {world}, {prompts_per_rank} prompts x {G} samples -> {K} kept per rank, "
@@ -586,121 +623,139 @@ def main(cfg: Config) -> dict:
             out.update({f"eval/pref_{k}": v for k, v in pref.items()})
         return out
 
+    best_metric = cfg.best_metric
+    if best_metric == "eval/reward" and val_prompts is None:  # the default, without the summary evaluation
+        best_metric = "eval/pref_accuracy" if pref_set is not None else ""
     if step == 0 and cfg.eval_every > 0:
         logger.log(evaluate_now(0), 0)
     batches_iter = iter(loader)
     bar = progress(total_steps, step, rank == 0, "grpo")
     policy.train()
     metrics: dict = {}
-    while step < total_steps:
-        timer = StageTimer(device)
-        t_step = time.perf_counter()
-        generator = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, step, rank, "rollout"))
+    guard = NonFiniteGuard("grpo", cfg.on_nonfinite, device)
+    stopping = False
+    with StopSignal() as stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
+        while step < total_steps:
+            timer = StageTimer(device)
+            t_step = time.perf_counter()
+            generator = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, step, rank, "rollout"))
 
-        # 1. sample prompts (this rank's slice of the global batch)
-        with timer("sample"):
-            prompt_index = next(batches_iter)
-            prompts = [train.prompts[i] for i in prompt_index]
-            prompt_ids, prompt_mask = (t.to(device) for t in pad_prompts(prompts))  # (B, P) left-padded
+            # 1. sample prompts (this rank's slice of the global batch)
+            with timer("sample"):
+                prompt_index = next(batches_iter)
+                prompts = [train.prompts[i] for i in prompt_index]
+                prompt_ids, prompt_mask = (t.to(device) for t in pad_prompts(prompts))  # (B, P) left-padded
 
-        # 2. generate G responses per prompt; rows b*G .. b*G+G-1 belong to prompt b
-        with timer("generate"):
-            samples = rollout(policy, prompt_ids, prompt_mask, cfg, G, generator)  # (N, max_new_tokens), N = B*G
+            # 2. generate G responses per prompt; rows b*G .. b*G+G-1 belong to prompt b
+            with timer("generate"):
+                samples = rollout(policy, prompt_ids, prompt_mask, cfg, G, generator)  # (N, max_new_tokens), N = B*G
 
-        # 3. score: raw RM score -> minus the penalty (raw units) without an end token -> RM gain/bias
-        with timer("score"):
-            raw = score(reward_model, prompt_ids, prompt_mask, samples, G, cfg.score_micro_batch_size)  # (N,)
-            rewards = reward_model.normalize(penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty))
+            # 3. score: raw RM score -> minus the penalty (raw units) without an end token -> RM gain/bias. A reward
+            #    model returning NaN, or one score for every sample of every rank, stops the run here.
+            with timer("score"):
+                raw = score(reward_model, prompt_ids, prompt_mask, samples, G, cfg.score_micro_batch_size)  # (N,)
+                check_rewards(raw, "grpo", step + 1, device)
+                rewards = reward_model.normalize(penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty))
 
-        # 4. select K of G per prompt, from the normalized rewards
-        with timer("select"):
-            idx_BK, rs = select(rewards.view(-1, G), cfg, generator)  # (B, K) columns of each group
-            rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]  # (B, K) rows of N
-            rows_N = rows_BK.flatten()  # (B*K,)
+            # 4. select K of G per prompt, from the normalized rewards
+            with timer("select"):
+                idx_BK, rs = select(rewards.view(-1, G), cfg, generator)  # (B, K) columns of each group
+                rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]  # (B, K) rows of N
+                rows_N = rows_BK.flatten()  # (B*K,)
 
-        # 5. advantages: group normalization over the *selected* samples, then over the global batch (all ranks)
-        with timer("advantages"):
-            rewards_BK = rewards[rows_BK]  # (B, K)
-            advantages = (group_normalize(rewards_BK) if cfg.scale_by_std else group_center(rewards_BK)).flatten()  # (B*K,)
-            if cfg.global_norm:
-                advantages = global_normalize(advantages, all_reduce_sum)
-            batches = build_training_batches(prompt_ids, prompt_mask, samples, rows_N, advantages, G, cfg.micro_batch_size)
+            # 5. advantages: group normalization over the *selected* samples, then over the global batch (all ranks)
+            with timer("advantages"):
+                rewards_BK = rewards[rows_BK]  # (B, K)
+                advantages = (group_normalize(rewards_BK) if cfg.scale_by_std else group_center(rewards_BK)).flatten()  # (B*K,)
+                if cfg.global_norm:
+                    advantages = global_normalize(advantages, all_reduce_sum)
+                batches = build_training_batches(prompt_ids, prompt_mask, samples, rows_N, advantages, G, cfg.micro_batch_size)
 
-        # 6. reference log-probs (frozen, parameters gathered once); with mu > 1 also the old policy's, from the
-        #    training forward so ratio 1 at the first update is exact
-        with timer("reference"):
-            add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
-            if cfg.policy_epochs > 1:
-                add_logprobs(policy, batches, "old_logprobs", cfg, gather=False)
+            # 6. reference log-probs (frozen, parameters gathered once); with mu > 1 also the old policy's, from the
+            #    training forward so ratio 1 at the first update is exact
+            with timer("reference"):
+                add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
+                if cfg.policy_epochs > 1:
+                    add_logprobs(policy, batches, "old_logprobs", cfg, gather=False)
 
-        # 7. update the policy
-        with timer("update"):
-            metrics = policy_update(policy, optimizer, scheduler, batches, cfg, world, device)
-        step += 1
+            # 7. update the policy; a non-finite loss or gradient norm stops the run, or skips the optimizer step
+            with timer("update"):
+                metrics = policy_update(policy, optimizer, scheduler, batches, cfg, world, device, guard, step + 1)
+            step += 1
 
-        # 8. log
-        step_seconds = time.perf_counter() - t_step
-        raw_mean, raw_std = global_mean_std(raw)
-        reward_mean, reward_std = global_mean_std(rewards)
-        kept_mean, kept_std = global_mean_std(rewards_BK)
-        n_prompts, visited, rounds, ended, generated, kept_len, train_tokens = all_reduce_sum(torch.stack([
-            torch.tensor(float(idx_BK.shape[0]), dtype=torch.float64, device=device), rs["visited"].double().sum(),
-            rs["rounds"].double().sum(), samples.has_end.double().sum(), samples.response_mask.double().sum(),
-            samples.response_mask[rows_N].double().sum(), sum(b["attention_mask"].sum() for b in batches).double(),
-        ])).tolist()
-        n_samples = n_prompts * G
-        metrics.update({
-            "reward/raw_mean": raw_mean, "reward/raw_std": raw_std,
-            "reward/mean": reward_mean, "reward/std": reward_std,
-            "reward/selected_mean": kept_mean, "reward/selected_std": kept_std,
-            "rs/acceptance_rate": n_prompts * K / visited,
-            "rs/rounds_mean": rounds / n_prompts,
-            "rs/rounds_max": all_reduce_max(float(rs["rounds"].max()), device),
-            "rs/pool_reward_mean": reward_mean, "rs/pool_reward_std": reward_std,
-            "rs/selected_reward_mean": kept_mean, "rs/selected_reward_std": kept_std,
-            "sample/end_fraction": ended / n_samples,
-            "sample/response_length": generated / n_samples,
-            "sample/selected_response_length": kept_len / (n_prompts * K),
-            "perf/step_seconds": step_seconds,
-            "perf/generate_tokens_per_second": generated / timer.seconds["generate"],
-            "perf/tokens_per_second": generated / step_seconds,
-            "perf/tokens_per_second_per_device": generated / step_seconds / world,
-            "perf/update_tokens_per_second": train_tokens * cfg.policy_epochs / timer.seconds["update"],
-        })
-        if gold_reward is not None:  # a monitored reward, e.g. the synthetic task's gold reward
-            texts = decode_responses(tok, samples)
-            gold = torch.tensor(
-                [float(gold_reward(train.texts[prompt_index[n // G]], t)) for n, t in enumerate(texts)], device=device
-            )  # (N,)
-            metrics["reward/gold_mean"], metrics["reward/gold_std"] = global_mean_std(gold)
-        for name, seconds in timer.seconds.items():
-            metrics[f"perf/{name}_seconds"] = seconds
-            metrics[f"perf/{name}_share"] = seconds / step_seconds
-        if cfg.eval_every >= 0 and (step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)):
-            metrics.update(evaluate_now(step))
-        logger.log(metrics, step)
-        if cfg.table_every > 0 and step % cfg.table_every == 0:
-            table = sample_table(tok, prompts, samples, rows_BK, raw, rewards, advantages, cfg)
-            logger.table("samples", ["prompt", "response", "reward_raw", "reward", "advantage", "has_end"], table, step)
-        bar.update(1)
-        bar.set_postfix(reward=f"{reward_mean:.3f}", kl=f"{metrics['train/kl']:.4f}")
+            # 8. log
+            step_seconds = time.perf_counter() - t_step
+            raw_mean, raw_std = global_mean_std(raw)
+            reward_mean, reward_std = global_mean_std(rewards)
+            kept_mean, kept_std = global_mean_std(rewards_BK)
+            n_prompts, visited, rounds, ended, generated, kept_len, train_tokens = all_reduce_sum(torch.stack([
+                torch.tensor(float(idx_BK.shape[0]), dtype=torch.float64, device=device), rs["visited"].double().sum(),
+                rs["rounds"].double().sum(), samples.has_end.double().sum(), samples.response_mask.double().sum(),
+                samples.response_mask[rows_N].double().sum(), sum(b["attention_mask"].sum() for b in batches).double(),
+            ])).tolist()
+            n_samples = n_prompts * G
+            metrics.update({
+                "reward/raw_mean": raw_mean, "reward/raw_std": raw_std,
+                "reward/mean": reward_mean, "reward/std": reward_std,
+                "reward/selected_mean": kept_mean, "reward/selected_std": kept_std,
+                "rs/acceptance_rate": n_prompts * K / visited,
+                "rs/rounds_mean": rounds / n_prompts,
+                "rs/rounds_max": all_reduce_max(float(rs["rounds"].max()), device),
+                "rs/pool_reward_mean": reward_mean, "rs/pool_reward_std": reward_std,
+                "rs/selected_reward_mean": kept_mean, "rs/selected_reward_std": kept_std,
+                "sample/end_fraction": ended / n_samples,
+                "sample/response_length": generated / n_samples,
+                "sample/selected_response_length": kept_len / (n_prompts * K),
+                "perf/step_seconds": step_seconds,
+                "perf/generate_tokens_per_second": generated / timer.seconds["generate"],
+                "perf/tokens_per_second": generated / step_seconds,
+                "perf/tokens_per_second_per_device": generated / step_seconds / world,
+                "perf/update_tokens_per_second": train_tokens * cfg.policy_epochs / timer.seconds["update"],
+            })
+            if gold_reward is not None:  # a monitored reward, e.g. the synthetic task's gold reward
+                texts = decode_responses(tok, samples)
+                gold = torch.tensor(
+                    [float(gold_reward(train.texts[prompt_index[n // G]], t)) for n, t in enumerate(texts)], device=device
+                )  # (N,)
+                metrics["reward/gold_mean"], metrics["reward/gold_std"] = global_mean_std(gold)
+            for name, seconds in timer.seconds.items():
+                metrics[f"perf/{name}_seconds"] = seconds
+                metrics[f"perf/{name}_share"] = seconds / step_seconds
+            if cfg.eval_every >= 0 and (step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)):
+                metrics.update(evaluate_now(step))
+            logger.log(metrics, step)
+            if cfg.table_every > 0 and step % cfg.table_every == 0:
+                table = sample_table(tok, prompts, samples, rows_BK, raw, rewards, advantages, cfg)
+                logger.table("samples", ["prompt", "response", "reward_raw", "reward", "advantage", "has_end"], table, step)
+            bar.update(1)
+            bar.set_postfix(reward=f"{reward_mean:.3f}", kl=f"{metrics['train/kl']:.4f}")
 
-        # 9. checkpoint
-        if step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-            save_checkpoint(
-                run_dir, step, policy, optimizer, scheduler, meta,
-                extra={"loader": loader.state_dict()}, keep_last=cfg.keep_last, rank=rank,
-            )
+            # 9. checkpoint: on schedule, at the end, at a new best evaluation metric, or when a signal came
+            best, improved = update_best(best, metrics, best_metric, cfg.best_mode, step)
+            stopping = stop.requested(device)
+            if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+                save_checkpoint(
+                    run_dir, step, policy, optimizer, scheduler, meta, extra={"loader": loader.state_dict(), "best": best},
+                    keep_last=cfg.keep_last, rank=rank, best=best if improved else None,
+                )
+            if stopping:
+                break
     bar.close()
 
-    # 10. export a Hugging Face-format folder
-    export_hf(policy, model_cfg, run_dir / "hf", rank)
-    if rank == 0:
-        print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    # 10. export a Hugging Face-format folder (not after a signal: the run is not finished)
+    if stopping:
+        if rank == 0:
+            print(f"stopped by {stop.received or 'a signal on another rank'} after step {step}; checkpoint saved in "
+                  f"{run_dir / 'checkpoints'}; rerun the same command to continue")
+    else:
+        export_hf(policy, model_cfg, run_dir / "hf", rank)
+        if rank == 0:
+            print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     logger.finish()
     cleanup_distributed()
     return metrics
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, description=__doc__.split("\n\n")[0]))
+    with exit_on_error():
+        main(parse_config(Config, description=__doc__.split("\n\n")[0]))

@@ -19,19 +19,21 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from data.tldr import PREF_COLUMNS, PreferenceDataset, PromptDataset, ShardedLoader, collate_pairs, load_rows, pad_prompts
 from data.tokenizer import get_tokenizer
-from evaluate import build_eval_set, check_context, evaluate_reward_model, reward_scores
+from evaluate import build_eval_set, evaluate_reward_model, reward_scores
 from model.sampler import generate
-from model.weights import build_policy, build_reward_model
+from model.weights import build_policy, build_reward_model, model_config
 from sft import accumulation_steps
-from utils.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
-from utils.config import config_to_dict, parse_config
+from utils.checkpoint import export_hf, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
+from utils.config import ConfigError, check_context, config_to_dict, parse_config, require_nonempty
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
 from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
+from utils.guard import NonFiniteGuard, StopSignal, check_rewards, exit_on_error
 from utils.logging import Logger, progress
 from utils.losses import bradley_terry_loss
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -82,7 +84,12 @@ class Config:
     save_every: int = 500
     """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
     keep_last: int = 2
-    """Resumable checkpoints kept."""
+    """Resumable checkpoints kept (the best one is kept as well)."""
+    best_metric: str = "val/accuracy"
+    """Validation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned);
+    a new best is saved when it appears. Empty disables."""
+    best_mode: Literal["min", "max"] = "max"
+    """min: a lower --best_metric is better; max: a higher one."""
     sft_policy: str = ""
     """Policy whose samples fit the reward normalisation: an SFT export folder or hub name; empty: --model
     (with --random_init, a random policy of that preset)."""
@@ -97,7 +104,12 @@ class Config:
     out_dir: str = "runs/rm"
     """Run directory: checkpoints/, hf/ (the Hugging Face-format export), metrics.jsonl, wandb/."""
     resume: bool = True
-    """Resume from the newest checkpoint in --out_dir when there is one."""
+    """Resume from the newest checkpoint in --out_dir when there is one (false refuses to start over on top of one)."""
+    resume_from: str = ""
+    """Start from this checkpoint (a checkpoint folder, or another run directory) when --out_dir has none yet."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient norm: stop (nothing is stepped or saved; the newest checkpoint is the last
+    good state) or skip the step (no optimizer or scheduler step; its batch is dropped)."""
     seed: int = 1
     """Seed for the head's initialisation, data order and normalisation samples."""
     device: str = "auto"
@@ -114,19 +126,24 @@ class Config:
     """wandb run name."""
 
     def validate(self) -> None:
-        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len", "norm_samples_per_prompt", "norm_batch_size"):
+        require_nonempty(self, "model", "train_data", "out_dir")
+        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len", "norm_samples_per_prompt",
+                     "norm_batch_size", "keep_last"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
-        if self.norm_prompts < 0 or self.val_pairs < 0 or self.steps < 0:
-            raise ValueError("--norm_prompts, --val_pairs and --steps must be >= 0")
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
+        for name in ("norm_prompts", "val_pairs", "steps", "save_every", "grad_clip", "warmup_steps", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.norm_prompts == 1 and self.norm_samples_per_prompt == 1:
-            raise ValueError("the normalisation needs at least 2 samples (--norm_prompts x --norm_samples_per_prompt)")
+            raise ConfigError("the normalisation needs at least 2 samples (--norm_prompts x --norm_samples_per_prompt)")
         if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
-            raise ValueError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
+            raise ConfigError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
         if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"--device must be auto, cuda or cpu, got '{self.device}'")
+            raise ConfigError(f"--device must be auto, cuda or cpu, got '{self.device}'")
         if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"--dtype must be auto, bf16 or fp32, got '{self.dtype}'")
+            raise ConfigError(f"--dtype must be auto, bf16 or fp32, got '{self.dtype}'")
 
 
 def accumulate_gradients(model, micro_batches: list[dict], world: int, n_pairs: int, device) -> dict[str, float]:
@@ -162,9 +179,12 @@ def normalization_prompts(rows: list[dict[str, str]], n: int, seed: int) -> list
 
 
 @torch.no_grad()
-def fit_normalization(reward_model, policy, prompts: list[list[int]], cfg: Config, rank: int, world: int, device) -> dict:
+def fit_normalization(
+    reward_model, policy, prompts: list[list[int]], cfg: Config, rank: int, world: int, device, step: int = 0
+) -> dict:
     """Sample cfg.norm_samples_per_prompt responses per prompt from `policy`, score them with `reward_model`,
-    and set its gain and bias so those rewards have mean 0 and (population) std 1 over all ranks.
+    and set its gain and bias so those rewards have mean 0 and (population) std 1 over all ranks. Rewards that
+    are NaN or all equal stop the run (a gain cannot be fitted; `step` is named in the message).
 
     Rank r takes a contiguous slice of the prompts, padded with copies of prompt 0 (whose rewards are not
     counted) so every rank runs the same number of FSDP forward passes."""
@@ -174,6 +194,7 @@ def fit_normalization(reward_model, policy, prompts: list[list[int]], cfg: Confi
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank)
     reward_model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # count, sum, sum of squares, responses with an end
+    counted = []  # this rank's rewards of real prompts, for the NaN / constant check
     for start in range(0, per_rank, cfg.norm_batch_size):
         index = mine[start : start + cfg.norm_batch_size]
         valid = torch.tensor([i < len(prompts) for i in index], device=device).repeat_interleave(G)  # (N,)
@@ -194,7 +215,9 @@ def fit_normalization(reward_model, policy, prompts: list[list[int]], cfg: Confi
             for i in range(0, input_ids.shape[0], rows)
         ]).double()  # (N,)
         v = valid.double()
+        counted.append(rewards[valid])
         sums += torch.stack([v.sum(), (rewards * v).sum(), (rewards * rewards * v).sum(), (out.has_end.double() * v).sum()])
+    check_rewards(torch.cat(counted), "reward_model (normalisation samples)", step, device)
     count, total, total_sq, n_end = all_reduce_sum(sums).tolist()
     gain, bias = standardizing_gain_bias(count, total, total_sq)
     reward_model.gain.fill_(gain)
@@ -208,12 +231,22 @@ def fit_normalization(reward_model, policy, prompts: list[list[int]], cfg: Confi
 
 
 def main(cfg: Config) -> dict:
-    # 1. distributed set-up and sizes (checked before any model is built)
+    # 1. distributed set-up and every check that needs no data and no weights: sizes, the models' configs (the
+    #    normalisation's SFT policy too, so a wrong folder fails now and not after training), the run directory and
+    #    the checkpoint to resume from (all before any model is built or put on a GPU)
     dist_info = setup_distributed(cfg.device)
     rank, world, device = dist_info.rank, dist_info.world_size, dist_info.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
-    torch.manual_seed(cfg.seed)
+    model_cfg = model_config(cfg.model, cfg.random_init)
+    check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "reward model")
+    policy_name = cfg.sft_policy or cfg.model
+    if cfg.norm_prompts > 0:
+        policy_random_init = cfg.random_init and not cfg.sft_policy
+        check_context(model_config(policy_name, policy_random_init), cfg.max_prompt_len, cfg.max_response_len, "SFT policy")
+    meta = {"stage": "reward_model", "model_config": model_cfg.to_dict()}
     run_dir = Path(cfg.out_dir)
+    ckpt = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
+    torch.manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, device)
 
     # 2. data: tokenize, shard per rank, shuffle per epoch; validation pairs split disjointly over ranks
@@ -239,25 +272,21 @@ def main(cfg: Config) -> dict:
     model = build_reward_model(cfg.model, cfg.random_init)
     model.gain.fill_(1.0)
     model.bias.fill_(0.0)
-    model_cfg = model.cfg
-    check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "reward model")
     shard_model(model, dtype, activation_checkpointing=cfg.activation_checkpointing)
     model.to(device)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    meta = {"stage": "reward_model", "model_config": model_cfg.to_dict()}
 
-    # 4. resume
-    step = 0
-    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    # 4. resume: weights, optimizer, schedule, every rank's RNG, data position, best validation so far
+    step, best = 0, None
     if ckpt is not None:
         state = load_checkpoint(ckpt, model, optimizer, scheduler, meta, rank)
-        step = state["step"]
-        loader.load_state_dict(state["extra"]["loader"])
+        step, best = state["step"], state["extra"].get("best")
+        restore_loader(loader, ckpt, state["extra"])
         if rank == 0:
             print(f"resumed from {ckpt} at step {step}")
 
-    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
+    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0, resume_step=step)
     if rank == 0:
         print(f"reward model: {len(train)} pairs, world {world}, {accum} accumulation steps, {total_steps} steps")
     if val_set is not None and step == 0 and cfg.eval_every > 0:
@@ -268,51 +297,67 @@ def main(cfg: Config) -> dict:
     bar = progress(total_steps, step, rank == 0, "reward model")
     model.train()
     metrics = {}
-    while step < total_steps:
-        t0 = time.perf_counter()
-        # 5. one optimizer step: Bradley-Terry loss summed over pairs / global number of pairs
-        micro = fixed or [next(batches) for _ in range(accum)]
-        metrics = accumulate_gradients(model, micro, world, cfg.batch_size, device)
-        metrics["train/grad_norm"] = clip_grad_norm(model, cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
+    guard = NonFiniteGuard("reward_model", cfg.on_nonfinite, device)
+    stopping = False
+    with StopSignal() as stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
+        while step < total_steps:
+            t0 = time.perf_counter()
+            # 5. one optimizer step: Bradley-Terry loss summed over pairs / global number of pairs; a non-finite loss
+            #    or gradient norm stops the run, or skips the step (--on_nonfinite)
+            micro = fixed or [next(batches) for _ in range(accum)]
+            metrics = accumulate_gradients(model, micro, world, cfg.batch_size, device)
+            metrics["train/grad_norm"] = clip_grad_norm(model, cfg.grad_clip)
+            finite = guard.ok(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
+            if finite:
+                optimizer.step()
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
-        # 6. log; validation accuracy with its bootstrap interval
-        dt = time.perf_counter() - t0
-        seen = all_reduce_sum(torch.tensor(float(sum(b["attention_mask"].sum() for b in micro)), device=device))
-        metrics.update({
-            "train/lr": scheduler.get_last_lr()[0],
-            "perf/step_seconds": dt,
-            "perf/tokens_per_second": float(seen) / dt,
-            "perf/tokens_per_second_per_device": float(seen) / dt / world,
-        })
-        if val_set is not None and (step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)):
-            val = evaluate_reward_model(model, val_set, device)
-            metrics.update({f"val/{k}": v for k, v in val.items()})
-        logger.log(metrics, step)
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.3f}")
+            # 6. log; validation accuracy with its bootstrap interval
+            dt = time.perf_counter() - t0
+            seen = all_reduce_sum(torch.tensor(float(sum(b["attention_mask"].sum() for b in micro)), device=device))
+            metrics.update({
+                "train/lr": scheduler.get_last_lr()[0],
+                "train/skipped": float(not finite),
+                "perf/step_seconds": dt,
+                "perf/tokens_per_second": float(seen) / dt,
+                "perf/tokens_per_second_per_device": float(seen) / dt / world,
+            })
+            if val_set is not None and (step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)):
+                val = evaluate_reward_model(model, val_set, device)
+                metrics.update({f"val/{k}": v for k, v in val.items()})
+            logger.log(metrics, step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.3f}")
 
-        # 7. checkpoint
-        if step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-            save_checkpoint(
-                run_dir, step, model, optimizer, scheduler, meta,
-                extra={"loader": loader.state_dict()}, keep_last=cfg.keep_last, rank=rank,
-            )
+            # 7. checkpoint: on schedule, at the end, at a new best validation metric, or when a signal came
+            best, improved = update_best(best, metrics, cfg.best_metric, cfg.best_mode, step)
+            stopping = stop.requested(device)
+            if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+                save_checkpoint(
+                    run_dir, step, model, optimizer, scheduler, meta, extra={"loader": loader.state_dict(), "best": best},
+                    keep_last=cfg.keep_last, rank=rank, best=best if improved else None,
+                )
+            if stopping:
+                break
     bar.close()
+    if stopping:  # the run is not finished: no normalisation, no export
+        if rank == 0:
+            print(f"stopped by {stop.received or 'a signal on another rank'} after step {step}; checkpoint saved in "
+                  f"{run_dir / 'checkpoints'}; rerun the same command to continue")
+        logger.finish()
+        cleanup_distributed()
+        return metrics
 
     # 8. reward normalisation on samples of the SFT policy (GRPO reads gain * r + bias)
     if cfg.norm_prompts > 0:
-        policy_name = cfg.sft_policy or cfg.model
         policy = build_policy(policy_name, cfg.random_init and not cfg.sft_policy)
-        check_context(policy.cfg, cfg.max_prompt_len, cfg.max_response_len, "SFT policy")
         shard_model(policy, dtype)
         policy.to(device)
         prompt_rows = normalization_prompts(train_rows, cfg.norm_prompts, cfg.seed)
         prompts = PromptDataset(prompt_rows, tok, cfg.max_prompt_len, name="normalisation prompts").prompts
-        norm = fit_normalization(model, policy, prompts, cfg, rank, world, device)
+        norm = fit_normalization(model, policy, prompts, cfg, rank, world, device, step)
         del policy
         logger.log(norm, step)
         metrics.update(norm)
@@ -330,4 +375,5 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, description=__doc__.split("\n\n")[0]))
+    with exit_on_error():
+        main(parse_config(Config, description=__doc__.split("\n\n")[0]))

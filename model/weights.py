@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
+from utils.hub import hub_unreachable
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -70,27 +71,35 @@ def _resolve_files(name_or_path: str) -> tuple[Path, Path | None]:
             if (path / w).is_file():
                 return cfg, path / w
         return cfg, None
+    if path.exists():
+        raise ModelLoadError(f"model path {path} is a file; expected a Hugging Face-format folder (config.json and weights)")
     if os.sep in name_or_path or name_or_path.startswith("."):
-        raise ModelLoadError(f"model folder {name_or_path} does not exist")
+        raise ModelLoadError(f"model folder {name_or_path} does not exist (expected a Hugging Face-format folder)")
+    # No network: read the local Hugging Face cache only, at once, instead of ~25 s of retries.
+    offline = hub_unreachable()
     try:
         from huggingface_hub import hf_hub_download
 
-        cfg = Path(hf_hub_download(name_or_path, "config.json"))
-        return cfg, Path(hf_hub_download(name_or_path, "model.safetensors"))
+        cfg = Path(hf_hub_download(name_or_path, "config.json", local_files_only=offline is not None))
+        return cfg, Path(hf_hub_download(name_or_path, "model.safetensors", local_files_only=offline is not None))
     except Exception as e:  # no network, unknown repo, ...
+        why = f"no network: {offline}, and it is not in the local Hugging Face cache" if offline else f"{type(e).__name__}: {e}"
         raise ModelLoadError(
-            f"could not load model '{name_or_path}' from the Hugging Face hub ({type(e).__name__}: {e}). "
+            f"could not load model '{name_or_path}' from the Hugging Face hub ({why}). "
             f"Pass a local Hugging Face-format folder instead, or a preset with --random_init "
             f"({', '.join(PRESETS)})."
         ) from None
 
 
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        return load_file(str(file))
-    return torch.load(file, map_location="cpu", weights_only=True)
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or not a weights file
+        raise ModelLoadError(f"cannot read weights file {file} ({type(e).__name__}: {e})") from None
 
 
 def hf_to_ours(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -109,7 +118,23 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_config(name_or_path: str) -> GPTConfig:
     cfg_file, _ = _resolve_files(name_or_path)
-    return config_from_hf(json.loads(cfg_file.read_text()))
+    try:
+        return config_from_hf(json.loads(cfg_file.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{cfg_file} is not a GPT-2 config.json ({type(e).__name__}: {e})") from None
+
+
+def model_config(name_or_path: str, random_init: bool = False) -> GPTConfig:
+    """The GPTConfig that build_policy / build_reward_model would build, without reading any weights: scripts call
+    it first, so a wrong model name or folder fails before data is tokenized or anything is put on a GPU."""
+    if random_init:
+        if name_or_path not in PRESETS:
+            raise ModelLoadError(f"--random_init needs a preset name ({', '.join(PRESETS)}), got '{name_or_path}'")
+        return PRESETS[name_or_path]
+    cfg_file, weights = _resolve_files(name_or_path)
+    if weights is None:
+        raise ModelLoadError(f"model folder {name_or_path} has no model.safetensors or pytorch_model.bin")
+    return load_config(name_or_path)
 
 
 def _load_into(model: nn.Module, name_or_path: str, strict_head: bool) -> None:

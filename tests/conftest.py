@@ -49,3 +49,86 @@ def tiny_cfg():
 
 def requires_gpu():
     return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Killing runs part-way (crash-safe resume tests)
+
+
+def script_command(args: list[str], nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", *args,
+    ]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (torchrun starts its workers in sessions of their own, so killing torchrun's
+    process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def checkpoint_step(run_dir: Path) -> int:
+    """Step of the checkpoint `latest` names, 0 when there is none."""
+    try:
+        return int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def run_and_interrupt(args: list[str], run_dir: Path, min_step: int, sig: int, nproc: int = 1, timeout: int = 300,
+                      whole_tree: bool = True) -> tuple[int, str]:
+    """Start a script, wait until it has saved a checkpoint of step >= min_step, send `sig` (to the launcher and,
+    with whole_tree, to every worker: a node failure; without, to the launcher alone: torchrun forwards SIGTERM as
+    a scheduler's preemption does), and wait for it to end. Returns (exit code, stdout + stderr)."""
+    import signal
+    import time
+
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    log = run_dir.with_name(run_dir.name + f".{signal.Signals(sig).name}.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(script_command(args, nproc), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline = time.monotonic() + timeout
+        try:
+            while checkpoint_step(run_dir) < min_step:
+                if proc.poll() is not None:
+                    raise AssertionError(f"ended ({proc.returncode}) before a step-{min_step} checkpoint:\n{log.read_text()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no step-{min_step} checkpoint within {timeout} s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.02)
+            targets = [proc.pid] + (descendants(proc.pid) if whole_tree else [])
+            for pid in reversed(targets):  # workers first
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                for pid in [proc.pid, *descendants(proc.pid)]:
+                    os.kill(pid, 9)
+                proc.wait()
+    return code, log.read_text()
+
+
+def assert_same_metrics(full: list[dict], resumed: list[dict], keys: tuple[str, ...], context: str = "") -> None:
+    """The resumed run's metrics.jsonl reads as the uninterrupted run's: same steps, and bit-identical values."""
+    assert [m["step"] for m in resumed] == [m["step"] for m in full], context
+    for a, b in zip(full, resumed):
+        for key in keys:
+            assert a.get(key) == b.get(key), (context, a["step"], key, a.get(key), b.get(key))

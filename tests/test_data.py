@@ -407,6 +407,7 @@ def test_hub_source(monkeypatch):
         raise ConnectionError("offline")
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr("data.tldr.hub_unreachable", lambda: None)  # the fake hub above is "online"
     assert load_rows("trl-lib/tldr", "train", SFT_COLUMNS) == [{"prompt": GOOD["prompt"], "completion": " s"}]
     with pytest.raises(DataError, match=r"'trl-lib/tldr-preference' split 'validation'.*offline"):
         load_rows("trl-lib/tldr-preference", "validation", PREF_COLUMNS)
@@ -464,7 +465,7 @@ def test_loader_resume_continues_identically():
     loader = index_loader(23, 4, seed=11)
     head = take(loader, 7)
     state = loader.state_dict()
-    assert state == {"epoch": 1, "batch_in_epoch": 2}  # position of the next batch
+    assert state == {"epoch": 1, "batch_in_epoch": 2, "n_examples": 23, "global_batch": 4}  # the next batch
     resumed = index_loader(23, 4, seed=11)
     resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a round trip through JSON
     assert head + take(resumed, 5) == expected
@@ -490,4 +491,4 @@ def test_loader_with_sft_collate(tok):
     expected = collate_sft([ds.prompts[i] for i in idx], [ds.responses[i] for i in idx])
     assert batch.keys() == expected.keys()
     assert all(torch.equal(batch[k], expected[k]) for k in ("input_ids", "position_ids"))
-    assert loader.state_dict() == {"epoch": 1, "batch_in_epoch": 0}
+    assert loader.state_dict() == {"epoch": 1, "batch_in_epoch": 0, "n_examples": 6, "global_batch": 6}

@@ -1,11 +1,15 @@
-"""Two-process FSDP over gloo: loss normalisation and an end-to-end SFT run that resumes exactly."""
+"""Two-process FSDP over gloo: loss normalisation, and an end-to-end SFT run killed (SIGKILL) and preempted (SIGTERM)
+part-way that resumes exactly."""
 
 import json
+import random
+import re
+import signal
 
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -42,31 +46,42 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-def test_two_process_sft_lowers_loss_saves_and_resumes_exactly(tmp_path):
+def test_two_process_sft_lowers_loss_and_resumes_exactly_after_sigkill_and_sigterm(tmp_path):
     data = tmp_path / "rows.jsonl"
     write_rows(data)
-    run = tmp_path / "run"
-    args = [
-        "sft.py", "--model", "tiny", "--random_init", "true", "--train_data", str(data), "--val_data", str(data),
-        "--val_examples", "16", "--steps", "6", "--batch_size", "8", "--micro_batch_size", "2", "--lr", "3e-3",
-        "--warmup_steps", "1", "--eval_every", "6", "--save_every", "3", "--keep_last", "5",
-        "--max_prompt_len", "64", "--wandb_mode", "disabled", "--out_dir", str(run),
-    ]
-    run_script(args, nproc=2)
-    full = read_metrics(run)
+
+    def args(run):
+        return [
+            "sft.py", "--model", "tiny", "--random_init", "true", "--train_data", str(data), "--val_data", str(data),
+            "--val_examples", "16", "--steps", "6", "--batch_size", "8", "--micro_batch_size", "2", "--lr", "3e-3",
+            "--warmup_steps", "1", "--eval_every", "2", "--save_every", "1", "--keep_last", "2",
+            "--max_prompt_len", "64", "--wandb_mode", "disabled", "--out_dir", str(run),
+        ]
+
+    full_run = tmp_path / "full"
+    run_script(args(full_run), nproc=2)
+    full = read_metrics(full_run)
     assert [m["step"] for m in full] == [1, 2, 3, 4, 5, 6]
     assert full[-1]["train/loss"] < full[0]["train/loss"] - 0.05
-    assert (run / "hf" / "model.safetensors").is_file()
+    assert (full_run / "hf" / "model.safetensors").is_file()
+    # keep_last 2 plus the best validation loss (which is the newest here: the loss falls)
+    assert sorted(p.name for p in (full_run / "checkpoints").glob("step_*")) == ["step_00000005", "step_00000006"]
+    assert json.loads((full_run / "checkpoints" / "best.json").read_text())["value"] == full[-1]["val/loss"]
 
-    # Pretend the run died after step 3: keep only the step-3 checkpoint and the first three metrics lines.
-    import shutil
-
-    shutil.rmtree(run / "checkpoints" / "step_00000006")
-    (run / "checkpoints" / "latest").write_text("step_00000003")
-    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in full[:3]))
-    run_script(args, nproc=2)
-    resumed = read_metrics(run)
-    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
-    for a, b in zip(full[3:], resumed[3:]):
-        assert a["train/loss"] == b["train/loss"], (a, b)  # bit-exact
-        assert a["train/grad_norm"] == b["train/grad_norm"]
+    # 1. SIGKILL every process (torchrun and both workers) once a checkpoint of a random step exists, mid-step or
+    #    mid-save; 2. rerun the same command, and SIGTERM torchrun (a preemption: it forwards the signal to the
+    #    workers, which finish the step, save and exit); 3. rerun it to the end. The metrics must equal the
+    #    uninterrupted run's to the last bit.
+    run = tmp_path / "run"
+    kill_at = random.randint(1, 3)
+    code, _ = run_and_interrupt(args(run), run, kill_at, signal.SIGKILL, nproc=2)
+    assert code != 0
+    killed_at = checkpoint_step(run)
+    assert not (run / "hf").exists()
+    code, out = run_and_interrupt(args(run), run, killed_at + 1, signal.SIGTERM, nproc=2, whole_tree=False)
+    stopped = re.search(r"stopped by SIGTERM after step (\d+)", out)
+    assert stopped and int(stopped.group(1)) == checkpoint_step(run), out[-3000:]
+    assert "Traceback" not in out.split("stopped by SIGTERM")[0], out[-3000:]  # torchrun's own report may follow
+    run_script(args(run), nproc=2)
+    context = f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at}), SIGTERM after step {stopped.group(1)}"
+    assert_same_metrics(full, read_metrics(run), ("train/loss", "train/grad_norm", "train/lr", "val/loss"), context)

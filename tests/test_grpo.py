@@ -3,7 +3,7 @@ two-process end-to-end run that changes every parameter and resumes exactly."""
 
 import json
 import random
-import shutil
+import signal
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from grpo import Config, add_logprobs, build_training_batches, freeze, policy_up
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.sampler import END_ID, SampleOutput
 from model.weights import build_policy, save_hf
-from tests.conftest import run_script
+from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script
 from utils.config import parse_config
 from utils.grpo import global_normalize
 from utils.optim import build_optimizer, build_scheduler
@@ -121,7 +121,7 @@ def read_metrics(run_dir):
 
 
 @pytest.mark.slow
-def test_two_process_grpo_trains_every_parameter_and_resumes_exactly(tmp_path):
+def test_two_process_grpo_trains_every_parameter_and_resumes_exactly_after_sigkill(tmp_path):
     prompts, pref = tmp_path / "prompts.jsonl", tmp_path / "pref.jsonl"
     write_prompt_rows(prompts, pref)
     torch.manual_seed(0)
@@ -134,17 +134,20 @@ def test_two_process_grpo_trains_every_parameter_and_resumes_exactly(tmp_path):
         start.transformer.ln_f.bias.copy_(3 * direction)
         start.transformer.wte.weight[END_ID] = 2.2 * direction
     save_hf(start.state_dict(), start.cfg, tmp_path / "policy")
-    run = tmp_path / "run"
-    args = [
-        "grpo.py", "--policy", str(tmp_path / "policy"), "--reward_model", "tiny", "--reward_random_init", "true",
-        "--train_data", str(prompts), "--val_data", str(prompts), "--pref_data", str(pref), "--pref_pairs", "8",
-        "--eval_prompts", "4", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "12",
-        "--max_prompt_len", "64", "--prompts_per_step", "4", "--micro_batch_size", "4", "--steps", "4",
-        "--lr", "1e-3", "--warmup_steps", "1", "--beta", "0.1", "--eval_every", "4", "--save_every", "2",
-        "--keep_last", "5", "--table_every", "2", "--wandb_mode", "disabled", "--out_dir", str(run),
-    ]
-    run_script(args, nproc=2)
-    full = read_metrics(run)
+    full_run = tmp_path / "full"
+
+    def args(run):
+        return [
+            "grpo.py", "--policy", str(tmp_path / "policy"), "--reward_model", "tiny", "--reward_random_init", "true",
+            "--train_data", str(prompts), "--val_data", str(prompts), "--pref_data", str(pref), "--pref_pairs", "8",
+            "--eval_prompts", "4", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "12",
+            "--max_prompt_len", "64", "--prompts_per_step", "4", "--micro_batch_size", "4", "--steps", "4",
+            "--lr", "1e-3", "--warmup_steps", "1", "--beta", "0.1", "--eval_every", "2", "--save_every", "1",
+            "--keep_last", "2", "--table_every", "1", "--wandb_mode", "disabled", "--out_dir", str(run),
+        ]
+
+    run_script(args(full_run), nproc=2)
+    full = read_metrics(full_run)
     assert [m["step"] for m in full] == [0, 1, 2, 3, 4]
     assert "eval/reward" in full[0] and "eval/pref_accuracy" in full[-1]
     train = full[1:]
@@ -154,21 +157,24 @@ def test_two_process_grpo_trains_every_parameter_and_resumes_exactly(tmp_path):
     assert train[-1]["reward/mean"] > train[0]["reward/mean"]
     assert train[0]["train/kl"] == 0.0 and train[-1]["train/kl"] > 0  # the policy moves away from the reference
     assert all(0 < m["rs/acceptance_rate"] <= 1 and m["rs/rounds_max"] >= 1 for m in train)
-    assert (run / "samples.jsonl").is_file()
+    assert (full_run / "samples.jsonl").is_file()
 
-    trained = build_policy(str(run / "hf")).state_dict()
+    trained = build_policy(str(full_run / "hf")).state_dict()
     initial = build_policy(str(tmp_path / "policy")).state_dict()
     unchanged = [k for k in initial if torch.equal(initial[k], trained[k])]
     assert not unchanged, unchanged
 
-    # Pretend the run died after step 2: keep the step-2 checkpoint and the metrics up to step 2, then resume.
-    shutil.rmtree(run / "checkpoints" / "step_00000004")
-    (run / "checkpoints" / "latest").write_text("step_00000002")
-    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in full[:3]))
-    run_script(args, nproc=2)
-    resumed = read_metrics(run)
-    assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4]
-    for a, b in zip(full[3:], resumed[3:]):
-        for key in ("train/loss", "train/grad_norm", "train/kl", "reward/mean", "rs/acceptance_rate", "eval/reward"):
-            if key in a:
-                assert a[key] == b[key], (key, a[key], b[key])  # bit-exact
+    # SIGKILL torchrun and both workers once a checkpoint of a random step exists (the kill lands mid-step or mid-save),
+    # then rerun the same command: samples, selection, rewards, losses and evaluations equal the uninterrupted run's
+    # to the last bit, and the sample tables read as one run.
+    run = tmp_path / "run"
+    kill_at = random.randint(1, 2)
+    code, _ = run_and_interrupt(args(run), run, kill_at, signal.SIGKILL, nproc=2)
+    assert code != 0
+    killed_at = checkpoint_step(run)
+    run_script(args(run), nproc=2)
+    keys = ("train/loss", "train/grad_norm", "train/kl", "reward/raw_mean", "reward/mean", "rs/acceptance_rate",
+            "sample/response_length", "eval/reward", "eval/pref_accuracy")
+    assert_same_metrics(full, read_metrics(run), keys, f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at})")
+    tables = [(run_dir / "samples.jsonl").read_text() for run_dir in (full_run, run)]
+    assert tables[0] == tables[1]

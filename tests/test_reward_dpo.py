@@ -5,7 +5,8 @@ import copy
 import json
 import math
 import random
-import shutil
+import re
+import signal
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from evaluate import build_eval_set, evaluate_reward_model, gather_pair_scores
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import build_reward_model, save_hf
-from tests.conftest import run_script, shared_file
+from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script, shared_file
 from utils.config import parse_config
 from utils.stats import bootstrap_ci, pair_outcomes, preference_summary, standardizing_gain_bias
 
@@ -256,28 +257,30 @@ def test_two_process_reward_model_fits_a_fixed_batch_and_normalizes(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_reward_model_resumes_exactly(tmp_path):
+def test_two_process_reward_model_resumes_exactly_after_sigkill(tmp_path):
     data = write_pref_rows(tmp_path / "pairs.jsonl")
     init, policy = tiny_folders(tmp_path)
-    run = tmp_path / "run"
-    args = ["reward_model.py", "--model", str(init), "--sft_policy", str(policy), "--lr", "1e-3", "--eval_every", "6",
-            "--save_every", "3", "--keep_last", "5", "--norm_prompts", "4", "--norm_samples_per_prompt", "2",
-            *common_args(data, run, 6)]
-    run_script(args, nproc=2)
-    full = read_metrics(run)
-    assert [m["step"] for m in full] == [0, 1, 2, 3, 4, 5, 6, 6]
-    saved = json.loads((run / "hf" / "reward_normalization.json").read_text())
 
-    # pretend the run died after step 3: keep the step-3 checkpoint and the metrics up to step 3
-    shutil.rmtree(run / "checkpoints" / "step_00000006")
-    (run / "checkpoints" / "latest").write_text("step_00000003")
-    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in full[:4]))
-    run_script(args, nproc=2)
-    resumed = read_metrics(run)
-    assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4, 5, 6, 6]
-    for a, b in zip(full[4:], resumed[4:]):  # bit-exact: same data order, weights, optimizer state and samples
-        for k in ("train/loss", "train/grad_norm", "train/accuracy", "val/accuracy", "val/bt_loss", "norm/gain"):
-            assert a.get(k) == b.get(k), k
+    def args(run):
+        return ["reward_model.py", "--model", str(init), "--sft_policy", str(policy), "--lr", "1e-3", "--eval_every", "3",
+                "--save_every", "1", "--keep_last", "2", "--norm_prompts", "4", "--norm_samples_per_prompt", "2",
+                *common_args(data, run, 6)]
+
+    run_script(args(tmp_path / "full"), nproc=2)
+    full = read_metrics(tmp_path / "full")
+    assert [m["step"] for m in full] == [0, 1, 2, 3, 4, 5, 6, 6]
+    saved = json.loads((tmp_path / "full" / "hf" / "reward_normalization.json").read_text())
+
+    # SIGKILL torchrun and both workers once a checkpoint of a random step exists (possibly the last one, while the
+    # normalisation runs), then rerun the same command to the end
+    run = tmp_path / "run"
+    kill_at = random.randint(1, 5)
+    code, _ = run_and_interrupt(args(run), run, kill_at, signal.SIGKILL, nproc=2)
+    assert code != 0
+    killed_at = checkpoint_step(run)
+    run_script(args(run), nproc=2)
+    keys = ("train/loss", "train/grad_norm", "train/accuracy", "val/accuracy", "val/bt_loss", "norm/gain", "norm/bias")
+    assert_same_metrics(full, read_metrics(run), keys, f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at})")
     assert json.loads((run / "hf" / "reward_normalization.json").read_text()) == saved
 
 
@@ -319,3 +322,32 @@ def test_ipo_one_process_starts_at_its_target_and_learns(tmp_path):
     assert [x["step"] for x in m] == [1, 2, 3, 4]
     assert m[0]["train/loss"] == pytest.approx(1.0, abs=1e-6)  # h = 0: (0 - 1/(2 * 0.5))^2
     assert m[-1]["train/loss"] < 0.9
+
+
+@pytest.mark.slow
+def test_dpo_resumes_exactly_after_sigkill_and_exits_cleanly_on_sigterm(tmp_path):
+    data = write_pref_rows(tmp_path / "pairs.jsonl", n=32)
+
+    def args(run):
+        return ["dpo.py", "--model", "tiny", "--random_init", "true", "--lr", "2e-3", "--eval_every", "2",
+                "--save_every", "1", "--keep_last", "1", *common_args(data, run, 6)]
+
+    run_script(args(tmp_path / "full"))
+    full = read_metrics(tmp_path / "full")
+    assert [m["step"] for m in full] == [0, 1, 2, 3, 4, 5, 6]
+
+    # SIGKILL at a random checkpoint; rerun and SIGTERM it (one process: it saves and exits with code 0, no
+    # traceback); rerun to the end: the metrics equal the uninterrupted run's to the last bit
+    run = tmp_path / "run"
+    kill_at = random.randint(1, 3)
+    code, _ = run_and_interrupt(args(run), run, kill_at, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    killed_at = checkpoint_step(run)
+    code, out = run_and_interrupt(args(run), run, killed_at + 1, signal.SIGTERM)
+    assert code == 0 and "Traceback" not in out, out[-3000:]
+    stopped = re.search(r"stopped by SIGTERM after step (\d+)", out)
+    assert stopped and int(stopped.group(1)) == checkpoint_step(run), out[-3000:]
+    run_script(args(run))
+    keys = ("train/loss", "train/grad_norm", "train/accuracy", "train/lr", "val/accuracy", "val/bt_loss")
+    context = f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at}), SIGTERM after step {stopped.group(1)}"
+    assert_same_metrics(full, read_metrics(run), keys, context)

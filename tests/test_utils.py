@@ -65,3 +65,110 @@ def test_logger_writes_metrics_in_every_wandb_mode(tmp_path, mode):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert rows == [{"step": 3, "loss": 1.5}]
     assert (tmp_path / "wandb").exists() == (mode == "offline")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints, metrics files and the data position under crashes (the end-to-end kill tests are in
+# test_distributed.py, test_grpo.py and test_reward_dpo.py)
+
+
+def tiny_training_state(seed=0):
+    import torch
+
+    from model.gpt2 import GPT2LMHeadModel, GPTConfig
+    from utils.optim import build_optimizer, build_scheduler
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPTConfig(vocab_size=64, n_positions=16, n_layer=1, n_head=2, n_embd=8))
+    optimizer = build_optimizer(model, 1e-2, 0.0)
+    scheduler = build_scheduler(optimizer, 1, 10)
+    sum(p.square().sum() for p in model.parameters()).backward()
+    optimizer.step()
+    scheduler.step()
+    return model, optimizer, scheduler, {"stage": "test", "model_config": model.cfg.to_dict()}
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    import torch
+
+    from utils import checkpoint
+    from utils.checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+
+    model, optimizer, scheduler, meta = tiny_training_state()
+    save_checkpoint(tmp_path, 1, model, optimizer, scheduler, meta, extra={"loader": {"epoch": 0}})
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def dies_half_way(obj, f):  # the process "dies" with a half-written state.pt
+        f.write(b"\x80\x02half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.torch, "save", dies_half_way)
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, model, optimizer, scheduler, meta)
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoints" / ".step_00000002.tmp").is_dir()  # the debris, never renamed
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+    assert find_checkpoint(tmp_path, True, "", meta) == tmp_path / "checkpoints" / "step_00000001"
+    fresh, fresh_optimizer, fresh_scheduler, _ = tiny_training_state(seed=1)
+    state = load_checkpoint(latest_checkpoint(tmp_path), fresh, fresh_optimizer, fresh_scheduler, meta)
+    assert state["step"] == 1 and state["extra"] == {"loader": {"epoch": 0}}
+    assert all(torch.equal(v, expected[k]) for k, v in fresh.state_dict().items())
+    save_checkpoint(tmp_path, 3, model, optimizer, scheduler, meta)
+    assert not list((tmp_path / "checkpoints").glob(".step_*"))  # the next save clears the debris
+
+
+def test_pruning_keeps_the_last_n_and_the_best_and_a_broken_pointer_falls_back(tmp_path, capsys):
+    from utils.checkpoint import latest_checkpoint, read_best, save_checkpoint, update_best
+
+    model, optimizer, scheduler, meta = tiny_training_state()
+    best = None
+    for step, val_loss in [(1, 3.0), (2, 2.0), (3, 2.5), (4, 2.7), (5, 2.9)]:
+        best, improved = update_best(best, {"val/loss": val_loss}, "val/loss", "min", step)
+        save_checkpoint(tmp_path, step, model, optimizer, scheduler, meta, keep_last=2, best=best if improved else None)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert names == ["step_00000002", "step_00000004", "step_00000005"]
+    assert read_best(tmp_path) == {"checkpoint": "step_00000002", "step": 2, "metric": "val/loss", "mode": "min", "value": 2.0}
+    assert update_best(best, {"train/loss": 1.0}, "val/loss", "min", 6) == (best, False)  # no validation this step
+    assert update_best(best, {"val/acc": 1.0}, "val/acc", "max", 6)[1]  # another metric: a new record
+    with pytest.raises(ValueError, match=r"--best_metric val/los is not logged by this stage; its val/ metrics are \['val/loss'\]"):
+        update_best(best, {"val/loss": 1.0}, "val/los", "min", 6)
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000009")  # names a folder deleted by hand
+    assert latest_checkpoint(tmp_path).name == "step_00000005"
+    assert "names 'step_00000009', which is missing or incomplete" in capsys.readouterr().err
+
+
+def test_resumed_logger_drops_what_the_killed_run_logged_after_its_checkpoint(tmp_path):
+    lines = [{"step": 0, "val/acc": 0.5}, {"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": 1.0},
+             {"step": 3, "norm/gain": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 4, "lo')
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"step": s, "rows": []}) + "\n" for s in (1, 2, 3)))
+    log = Logger(tmp_path, {}, "test", "run", "disabled", enabled=True, resume_step=2)
+    log.log({"loss": 1.5}, step=3)
+    log.table("samples", ["a"], [[1]], step=3)
+    log.finish()
+    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == lines[:3] + [{"step": 3, "loss": 1.5}]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")] == [1, 2, 3]
+    # the final checkpoint (step 3) was saved before the normalisation logged its line: keep the first line of step 3
+    Logger(tmp_path, {}, "test", "run", "disabled", enabled=True, resume_step=3).finish()
+    assert len(open(tmp_path / "metrics.jsonl").readlines()) == 4
+    Logger(tmp_path, {}, "test", "run", "disabled", enabled=True, resume_step=0).finish()  # a fresh start
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_data_position_is_checked_and_converted_between_global_batch_sizes():
+    from data.tldr import ShardedLoader
+
+    one = ShardedLoader(40, 4, 0, 1, seed=3, collate=lambda idx: idx)
+    for _ in range(4):
+        next(one)  # 16 examples into epoch 0
+    two_ranks = [ShardedLoader(40, 8, r, 2, seed=3, collate=lambda idx: idx) for r in range(2)]
+    for loader in two_ranks:
+        loader.load_state_dict(one.state_dict())  # global batch 4 -> 16: the same 16 examples taken
+    assert two_ranks[0].state_dict()["batch_in_epoch"] == 1
+    assert next(two_ranks[0]) + next(two_ranks[1]) == sum((next(one) for _ in range(4)), [])
+    with pytest.raises(ValueError, match="for 40 examples, but this data has 41"):
+        ShardedLoader(41, 4, 0, 1, seed=3, collate=lambda idx: idx).load_state_dict(one.state_dict())
+    with pytest.raises(ValueError, match="not a whole number of this run's global batches of 24"):
+        ShardedLoader(40, 24, 0, 1, seed=3, collate=lambda idx: idx).load_state_dict(one.state_dict())

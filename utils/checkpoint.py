@@ -2,17 +2,22 @@
 
 Layout under a run directory:
     checkpoints/step_00000100/state.pt   model, optimizer, scheduler, step, data position, per-rank RNG
+    checkpoints/step_00000100/meta.json  stage and model config (read before any model is built), step
     checkpoints/latest                   name of the newest complete checkpoint
+    checkpoints/best.json                the checkpoint with the best validation metric: name, metric, value
     hf/                                  full Hugging Face-format export (rank 0)
 
 The model and optimizer states are gathered to full (unsharded) tensors on the CPU, so a run can resume on a
-different number of ranks. Every file is written under a temporary name and renamed: a process killed during
-a save leaves the previous checkpoint and the `latest` pointer intact.
+different number of ranks. Every file is written under a temporary name, flushed to disk and renamed: a process
+killed during a save leaves the previous checkpoint and the `latest` pointer intact. Pruning keeps the newest
+`keep_last` checkpoints and the best one.
 """
 
+import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,12 +33,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from model.weights import save_hf
+from utils.config import ConfigError
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint that is missing, unreadable, or from another stage or model; the message names it."""
+
+
+def _warn(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def rng_state() -> dict:
@@ -70,8 +81,25 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _step_folders(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints (a state.pt inside), oldest first."""
+    return sorted(p for p in ckpt_root.glob("step_*") if (p / "state.pt").is_file())
+
+
+def read_best(run_dir: str | Path) -> dict | None:
+    """The best-checkpoint record {"checkpoint", "step", "metric", "mode", "value"}, or None."""
+    file = Path(run_dir) / "checkpoints" / "best.json"
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def save_checkpoint(
@@ -84,9 +112,11 @@ def save_checkpoint(
     extra: dict | None = None,
     keep_last: int = 2,
     rank: int = 0,
+    best: dict | None = None,
 ) -> Path:
     """Save a resumable checkpoint (a collective). `meta` identifies what was trained (stage, model config)
-    so a wrong checkpoint is refused at load; `extra` holds loop state (data position, metrics)."""
+    so a wrong checkpoint is refused at load; `extra` holds loop state (data position, metrics). `best`: this
+    checkpoint is the new best by a validation metric; the record (metric, mode, value) goes to best.json."""
     model_sd = get_model_state_dict(model, options=FULL)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=FULL)
     rngs = _gather_objects(rng_state())
@@ -105,12 +135,25 @@ def save_checkpoint(
         tmp = ckpt_root / f".step_{step:08d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        torch.save(state, tmp / "state.pt")
+        with open(tmp / "state.pt", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _atomic_write_text(ckpt_root / "latest", final.name)
-        old = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
-        for p in old[: max(0, len(old) - keep_last)]:
+        if best is not None:
+            _atomic_write_text(ckpt_root / "best.json", json.dumps({"checkpoint": final.name, "step": step, **best}))
+        # prune: the newest keep_last, the best, and nothing half-written by a killed save
+        record = read_best(run_dir)
+        keep = {record["checkpoint"]} if record else set()
+        done = _step_folders(ckpt_root)
+        keep |= {p.name for p in done[-max(1, keep_last):]}
+        for p in done:
+            if p.name not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+        for p in ckpt_root.glob(".step_*.tmp"):
             shutil.rmtree(p, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
@@ -118,28 +161,117 @@ def save_checkpoint(
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "state.pt").is_file() else None
+    """The checkpoint `latest` names; when that is missing or incomplete (a folder deleted by hand), the newest
+    complete one, with a warning; None when there is none."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    pointer = ckpt_root / "latest"
+    if pointer.is_file():
+        path = ckpt_root / pointer.read_text().strip()
+        if (path / "state.pt").is_file():
+            return path
+    done = _step_folders(ckpt_root) if ckpt_root.is_dir() else []
+    if done and pointer.is_file():
+        _warn(f"{pointer} names {pointer.read_text().strip()!r}, which is missing or incomplete; using {done[-1]}")
+    return done[-1] if done else None
+
+
+def _describe_mismatch(key: str, got, want) -> str:
+    if isinstance(got, dict) and isinstance(want, dict):
+        keys = [k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k)]
+        return (", ".join(f"{k}={got.get(k)!r}" for k in keys) + " but this run's model has "
+                + ", ".join(f"{k}={want.get(k)!r}" for k in keys))
+    return f"{key}={got!r} but this run expects {key}={want!r}"
+
+
+def check_meta(path: Path, saved: dict, meta: dict) -> None:
+    """CheckpointError unless the checkpoint's meta (stage, model config) equals this run's."""
+    for key, want in meta.items():
+        got = saved.get(key)
+        if got != want:
+            what = "was written by another stage" if key == "stage" else "holds another model"
+            raise CheckpointError(f"checkpoint {path} {what}: {_describe_mismatch(key, got, want)}")
+
+
+def _read_meta(path: Path) -> dict:
+    file = path / "meta.json"
+    if file.is_file():
+        try:
+            return json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"cannot read {file} ({e})") from None
+    return _load_state(path)["meta"]  # a checkpoint from before meta.json existed
+
+
+def _load_state(path: Path) -> dict:
+    file = path / "state.pt"
+    if not file.is_file():
+        raise CheckpointError(f"no checkpoint at {path} (expected {file})")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated, or not a checkpoint
+        raise CheckpointError(
+            f"cannot read checkpoint {file} ({type(e).__name__}: {e}); delete that folder to resume from an older one"
+        ) from None
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """ConfigError unless --out_dir is (or can be created as) a writable directory."""
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out_dir {path} is a file; expected a directory for checkpoints, exports and metrics")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out_dir {path} cannot be created ({type(e).__name__}: {e})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out_dir {path} is not writable")
+
+
+def find_checkpoint(run_dir: str | Path, resume: bool, resume_from: str, meta: dict) -> Path | None:
+    """The checkpoint this run starts from, checked against `meta`, before any model is built.
+
+    The run directory's own newest checkpoint comes first (so rerunning the same command after a crash
+    continues where it stopped); otherwise --resume_from: a checkpoint folder (holding state.pt) or a run
+    directory (its newest checkpoint). With --resume false and checkpoints in --out_dir, refuses to start over
+    on top of them. Checks first that --out_dir is a writable directory."""
+    check_run_dir(run_dir)
+    own = latest_checkpoint(run_dir)
+    if own is not None and not resume:
+        raise ConfigError(
+            f"--out_dir {run_dir} already holds checkpoints (newest: {own.name}) and --resume is false: starting "
+            f"over would overwrite them; use --resume true to continue, another --out_dir, or delete {own.parent}"
+        )
+    path = own
+    if path is None and resume_from:
+        source = Path(resume_from)
+        if (source / "state.pt").is_file():
+            path = source
+        elif (source / "checkpoints").is_dir() and latest_checkpoint(source) is not None:
+            path = latest_checkpoint(source)
+        else:
+            raise CheckpointError(
+                f"--resume_from {resume_from}: no checkpoint there (expected a checkpoint folder holding state.pt, "
+                f"or a run directory with checkpoints/)"
+            )
+    if path is not None:
+        check_meta(path, _read_meta(path), meta)
+    return path
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, meta: dict, rank: int = 0) -> dict:
     """Restore a checkpoint written by save_checkpoint into a sharded model and optimizer; returns the
     state's `step` and `extra`. Refuses a checkpoint whose `meta` (stage, model config) differs."""
-    file = Path(path) / "state.pt"
-    if not file.is_file():
-        raise CheckpointError(f"no checkpoint at {file}")
-    state = torch.load(file, map_location="cpu", weights_only=False)
-    for key, want in meta.items():
-        got = state["meta"].get(key)
-        if got != want:
-            raise CheckpointError(f"checkpoint {path} has {key}={got!r}, but this run expects {key}={want!r}")
-    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
+    path = Path(path)
+    state = _load_state(path)
+    check_meta(path, state["meta"], meta)
+    try:
+        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+    except (RuntimeError, KeyError, ValueError) as e:  # written by other code, or edited
+        raise CheckpointError(f"checkpoint {path} does not fit this run's model and optimizer ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0]})") from None
     rngs = state["rng"]
     world = dist.get_world_size() if dist.is_initialized() else 1
     if len(rngs) == world:
@@ -147,6 +279,37 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, me
     else:  # resumed on another world size: per-rank streams cannot be matched, reseed deterministically
         torch.manual_seed(state["step"] * 1000 + rank)
     return {"step": state["step"], "extra": state["extra"]}
+
+
+def restore_loader(loader, path: Path, extra: dict) -> None:
+    """Put a ShardedLoader back at the checkpoint's data position (CheckpointError when it cannot fit)."""
+    try:
+        loader.load_state_dict(extra["loader"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {path}: its data position does not fit this run's training data ({e}); resume with the "
+            f"data it was trained on"
+        ) from None
+
+
+def update_best(best: dict | None, metrics: dict, metric: str, mode: str, step: int) -> tuple[dict | None, bool]:
+    """(best record, improved): `metrics[metric]` against the best so far, lower is better for mode "min".
+    Steps without that metric (no validation) change nothing. A record from another metric is replaced."""
+    if not metric:
+        return best, False
+    if metric not in metrics:
+        group = metric.split("/")[0] + "/"
+        logged = sorted(k for k in metrics if k.startswith(group))
+        if logged:  # this step did validate, so the name is wrong
+            raise ConfigError(f"--best_metric {metric} is not logged by this stage; its {group} metrics are {logged}")
+        return best, False
+    value = float(metrics[metric])
+    if value != value:  # NaN is never best
+        return best, False
+    if best is not None and best.get("metric") == metric and best.get("mode") == mode:
+        if (value >= best["value"]) if mode == "min" else (value <= best["value"]):
+            return best, False
+    return {"metric": metric, "mode": mode, "value": value, "step": step}, True
 
 
 def export_hf(model: nn.Module, cfg, folder: str | Path, rank: int = 0, extra_files: dict | None = None) -> None:

@@ -2,7 +2,9 @@
 
 Every field of a config dataclass becomes `--name VALUE`; the string literal written under a field is its
 help text, so `--help` documents every option from the same place the code does. Booleans take
-true/false/1/0/yes/no. A misspelled option fails with the closest valid names.
+true/false/1/0/yes/no. A misspelled option, a value of the wrong type or a failed `validate()` ends the process
+with exit code 2 and one line, `error: ...`, naming the option and what was expected (printed by rank 0 only, so a
+torchrun launch does not repeat it once per process).
 """
 
 import argparse
@@ -10,6 +12,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
 import sys
 import textwrap
 import types
@@ -17,6 +20,18 @@ import typing
 from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """An option value, or a combination of options and world size, that cannot work; the message names the
+    option(s) and what was expected."""
+
+
+def print_error(message: str) -> None:
+    """`error: message` on one line, to stderr, from rank 0 only (RANK is set by torchrun; a plain run is rank 0)."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
+        print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -70,16 +85,18 @@ class _Parser(argparse.ArgumentParser):
         self.valid = valid
 
     def error(self, message: str):
+        """One line instead of argparse's usage block: the usage of these configs runs to dozens of lines and
+        would bury the message."""
         if message.startswith("unrecognized arguments"):
             hints = []
             for tok in message.split(":", 1)[1].split():
                 if tok.startswith("--"):
                     close = difflib.get_close_matches(tok[2:].split("=")[0].replace("-", "_"), self.valid, n=3)
                     if close:
-                        hints.append(f"{tok}: did you mean {', '.join('--' + c for c in close)}?")
-            message = message + ("\n  " + "\n  ".join(hints) if hints else "")
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+                        hints.append(f"{tok}: did you mean {' or '.join('--' + c for c in close)}?")
+            message = message + (" (" + "; ".join(hints) + ")" if hints else "")
+        print_error(f"{message} (python {self.prog} --help lists every option)")
+        self.exit(2)
 
 
 def parse_config(cls: type[T], argv: list[str] | None = None, description: str | None = None) -> T:
@@ -103,11 +120,28 @@ def parse_config(cls: type[T], argv: list[str] | None = None, description: str |
     if hasattr(cfg, "validate"):
         try:
             cfg.validate()
-        except ValueError as e:
-            parser.print_usage(sys.stderr)
-            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        except ValueError as e:  # ConfigError, or a plain ValueError from a validate() written elsewhere
+            parser.error(str(e))
     return cfg
+
+
+def require_nonempty(cfg, *names: str) -> None:
+    """ConfigError for the first of `names` whose value is an empty string (an option that must be given)."""
+    hints = field_docs(type(cfg))
+    for name in names:
+        if not str(getattr(cfg, name)).strip():
+            expected = hints.get(name, "a value").split(". ")[0].rstrip(".")
+            raise ConfigError(f"--{name} is empty; expected {expected[0].lower() + expected[1:]}")
 
 
 def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def check_context(model_cfg, max_prompt_len: int, max_response_len: int, what: str = "model") -> None:
+    """Refuse lengths the model's position table cannot hold (GPT-2's positions are a learned table)."""
+    if max_prompt_len + max_response_len > model_cfg.n_positions:
+        raise ConfigError(
+            f"--max_prompt_len {max_prompt_len} + --max_response_len {max_response_len} exceeds the {what}'s "
+            f"{model_cfg.n_positions} positions"
+        )

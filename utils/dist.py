@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from utils.config import ConfigError
+
 
 @dataclass
 class DistInfo:
@@ -37,7 +39,8 @@ def setup_distributed(device: str = "auto") -> DistInfo:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but torch.cuda.is_available() is False")
+        raise ConfigError("--device cuda was asked for, but no CUDA device is available (torch.cuda.is_available() is False); "
+                          "use --device auto or cpu")
     backend = "nccl" if device == "cuda" else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -4,21 +4,33 @@ tests and plots read, and tqdm progress bars."""
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 
 class Logger:
-    def __init__(self, run_dir: str | Path, config: dict, project: str, name: str, mode: str, enabled: bool):
-        """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline)."""
+    def __init__(
+        self, run_dir: str | Path, config: dict, project: str, name: str, mode: str, enabled: bool,
+        resume_step: int | None = None,
+    ):
+        """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline).
+
+        resume_step: the step a training run starts from (0 for a fresh start). Lines that a killed run wrote
+        after that checkpoint are removed from metrics.jsonl and the table files, so a resumed run's files read as
+        one uninterrupted run: every line with a later step, and every line of that step after its first (the
+        one logged before the checkpoint was saved). A fresh start empties them. None appends to what is there."""
         self.enabled = enabled
         self.run = None
         self.file = None
+        self.resume_step = resume_step
+        self.tables_opened: set[str] = set()
         if not enabled:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._truncate(self.run_dir / "metrics.jsonl")
         self.file = open(self.run_dir / "metrics.jsonl", "a")
         if mode == "auto":
             mode = "online" if (os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file()) else "offline"
@@ -42,12 +54,33 @@ class Logger:
     def table(self, key: str, columns: list[str], rows: list[list], step: int) -> None:
         if not self.enabled:
             return
-        with open(self.run_dir / f"{key.replace('/', '_')}.jsonl", "a") as f:
+        path = self.run_dir / f"{key.replace('/', '_')}.jsonl"
+        if key not in self.tables_opened:
+            self.tables_opened.add(key)
+            self._truncate(path)
+        with open(path, "a") as f:
             f.write(json.dumps({"step": step, "columns": columns, "rows": rows}) + "\n")
         if self.run is not None:
             import wandb
 
             self.run.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def _truncate(self, path: Path) -> None:
+        """Drop the lines logged after step resume_step's checkpoint (see __init__); atomic rewrite."""
+        if self.resume_step is None or not path.is_file():
+            return
+        kept, seen_resume_step = [], False
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                step = json.loads(line)["step"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by the kill
+            if step < self.resume_step or (step == self.resume_step > 0 and not seen_resume_step):
+                kept.append(line if line.endswith("\n") else line + "\n")
+                seen_resume_step |= step == self.resume_step
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
 
     def finish(self) -> None:
         if self.file is not None:
@@ -58,6 +91,17 @@ class Logger:
 
 def _jsonable(v) -> bool:
     return isinstance(v, (int, str, bool)) or (isinstance(v, float) and math.isfinite(v))
+
+
+def say(message: str) -> None:
+    """A line to stderr that does not collide with a live progress bar (tqdm clears and redraws it)."""
+    tqdm.write(message, file=sys.stderr)
+
+
+def close_progress_bars() -> None:
+    """Close every live bar so that what is printed next starts on a line of its own."""
+    for bar in list(getattr(tqdm, "_instances", [])):
+        bar.close()
 
 
 def progress(total: int, initial: int, enabled: bool, desc: str):

@@ -1,0 +1,421 @@
+"""The catalogue of bad inputs (docs/errors.md): each runs a script's command line in this process, exactly as
+`python SCRIPT.py ARGS` does (parse_config, main, exit_on_error), and must end with exit code 2 and one line,
+`error: ...`, naming the input and what was expected, before any model is put on a device. Numerical faults end
+with exit code 3 and leave the newest checkpoint intact. Two subprocess runs check the same from the outside
+(one plain process, one torchrun launch where only rank 0 prints).
+
+ERRORS_LOG=FILE appends each case's message to FILE as JSON lines (how docs/errors.md's messages were taken).
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dpo
+import evaluate
+import grpo
+import reward_model
+import sft
+from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
+from model.heads import RewardModel
+from model.weights import save_hf
+from tests.conftest import ROOT, checkpoint_step, free_port
+from utils.checkpoint import latest_checkpoint, save_checkpoint
+from utils.config import parse_config
+from utils.guard import exit_on_error
+from utils.optim import build_optimizer
+
+SCRIPTS = {"sft": sft, "reward_model": reward_model, "dpo": dpo, "grpo": grpo, "evaluate": evaluate}
+TINY = PRESETS["tiny"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs made up on the spot: rows, model folders, a checkpoint
+
+
+def tldr_prompt(rng, words):
+    post = " ".join(rng.choice(words) for _ in range(rng.randint(8, 20)))
+    return f"SUBREDDIT: r/{rng.choice(words)}\n\nTITLE: {rng.choice(words)} {rng.choice(words)}\n\nPOST: {post}\n\nTL;DR:"
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inputs")
+    rng = random.Random(0)
+    words = "cat dog car house job money friend sister brother school game phone rent boss date trip".split()
+    sft_rows = [{"prompt": tldr_prompt(rng, words), "completion": " " + " ".join(rng.sample(words, 3))} for _ in range(16)]
+    pref_rows = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": " " + rng.choice(words)} for r in sft_rows]
+    f = {
+        "sft": write_jsonl(d / "sft.jsonl", sft_rows),
+        "pref": write_jsonl(d / "pref.jsonl", pref_rows),
+        "empty_field": write_jsonl(d / "empty_field.jsonl", [sft_rows[0], {**sft_rows[1], "completion": "   "}]),
+        "not_text": write_jsonl(d / "not_text.jsonl", [sft_rows[0], sft_rows[1], {**sft_rows[2], "completion": 42}]),
+        "no_tldr": write_jsonl(d / "no_tldr.jsonl", [sft_rows[0], {**sft_rows[1], "prompt": "POST: my cat ate my homework"}]),
+        "few_rows": write_jsonl(d / "few_rows.jsonl", sft_rows[:3]),
+        "no_rows": write_jsonl(d / "no_rows.jsonl", []),
+        "csv": d / "rows.csv",
+        "broken_json": d / "broken.jsonl",
+        "split_dir": d / "split_dir",
+    }
+    f["csv"].write_text("prompt,completion\n")
+    f["broken_json"].write_text(json.dumps(sft_rows[0]) + "\n" + '{"prompt": "SUBREDDIT' + "\n")
+    f["split_dir"].mkdir()
+    shutil.copy(f["sft"], f["split_dir"] / "train.jsonl")
+
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(TINY)
+    save_hf(policy.state_dict(), TINY, d / "policy")
+    f["policy"] = d / "policy"
+    (d / "no_config").mkdir()
+    f["no_config"] = d / "no_config"
+    shutil.copytree(d / "policy", d / "no_weights")
+    (d / "no_weights" / "model.safetensors").unlink()
+    f["no_weights"] = d / "no_weights"
+    shutil.copytree(d / "policy", d / "bad_weights")
+    (d / "bad_weights" / "model.safetensors").write_bytes(b"not a safetensors file")
+    f["bad_weights"] = d / "bad_weights"
+    nan_policy = GPT2LMHeadModel(TINY)
+    with torch.no_grad():
+        nan_policy.transformer.ln_f.weight.fill_(float("nan"))
+    save_hf(nan_policy.state_dict(), TINY, d / "nan_policy")
+    f["nan_policy"] = d / "nan_policy"
+    for name, value in (("nan_rm", float("nan")), ("constant_rm", 0.0)):
+        rm = RewardModel(TINY)
+        with torch.no_grad():
+            rm.score.weight.fill_(value)
+        save_hf(rm.state_dict(), TINY, d / name)
+        f[name] = d / name
+
+    # an SFT checkpoint of the tiny model, after one optimizer step, at data position 0 of a 999-row dataset
+    model = GPT2LMHeadModel(TINY)
+    optimizer = build_optimizer(model, 1e-3, 0.0)
+    sum(p.square().sum() for p in model.parameters()).backward()
+    optimizer.step()
+    loader = {"epoch": 0, "batch_in_epoch": 0, "n_examples": 999, "global_batch": 2}
+    meta = {"stage": "sft", "model_config": TINY.to_dict()}
+    f["ckpt"] = save_checkpoint(d / "sft_run", 1, model, optimizer, None, meta, extra={"loader": loader})
+    shutil.copytree(f["ckpt"], d / "garbage_ckpt")
+    (d / "garbage_ckpt" / "state.pt").write_bytes(b"truncated")
+    f["garbage_ckpt"] = d / "garbage_ckpt"
+    return f
+
+
+def base_args(script, f, out_dir) -> list[str]:
+    """A small run of `script` that would work; each case adds or overrides options."""
+    common = ["--max_prompt_len", "64", "--wandb_mode", "disabled", "--out_dir", str(out_dir), "--steps", "1"]
+    if script == "sft":
+        return ["--model", "tiny", "--random_init", "true", "--train_data", str(f["sft"]), "--val_data", "",
+                "--max_response_len", "16", "--batch_size", "4", "--micro_batch_size", "2", *common]
+    if script in ("dpo", "reward_model"):
+        extra = ["--norm_prompts", "0"] if script == "reward_model" else []
+        return ["--model", "tiny", "--random_init", "true", "--train_data", str(f["pref"]), "--val_data", "",
+                "--max_response_len", "16", "--batch_size", "4", "--micro_batch_size", "2", *extra, *common]
+    if script == "grpo":
+        return ["--policy", str(f["policy"]), "--reward_model", "tiny", "--reward_random_init", "true",
+                "--train_data", str(f["sft"]), "--val_data", "", "--pref_data", "", "--eval_every", "-1",
+                "--num_samples", "4", "--num_kept", "2", "--max_new_tokens", "4", "--prompts_per_step", "2",
+                "--micro_batch_size", "4", "--table_every", "0", *common]
+    return ["--data", str(f["pref"]), "--max_prompt_len", "64", "--max_response_len", "16"]
+
+
+def run_cli(script: str, argv: list[str], capsys) -> tuple[int, str]:
+    """`python SCRIPT.py ARGV` in this process: (exit code, the `error:` line). Asserts the error is one line
+    and carries no traceback."""
+    module = SCRIPTS[script]
+    with pytest.raises(SystemExit) as info:
+        with exit_on_error():
+            module.main(parse_config(module.Config, argv))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err, err
+    return info.value.code, lines[0]
+
+
+def log_case(case: str, script: str, message: str, code: int, f) -> None:
+    if os.environ.get("ERRORS_LOG"):
+        for name in sorted(f, key=lambda k: -len(str(f[k]))):  # placeholders for the temporary paths
+            message = message.replace(str(f[name]), f"<{name}>")
+        message = re.sub(r"/\S*pytest-\d+/\S+?/", "<tmp>/", message).replace("python __main__.py", f"python {script}.py")
+        with open(os.environ["ERRORS_LOG"], "a") as log:
+            log.write(json.dumps({"case": case, "script": script, "code": code, "message": message}) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The catalogue: (case, script, extra arguments (f = the inputs, out = a fresh run directory), expected fragments)
+
+CASES = [
+    # options
+    ("misspelled_option", "sft", lambda f, out: ["--micro_batchsize", "2"],
+     ["unrecognized arguments: --micro_batchsize 2", "did you mean --micro_batch_size"]),
+    ("wrong_type_int", "sft", lambda f, out: ["--batch_size", "eight"], ["argument --batch_size: invalid int value: 'eight'"]),
+    ("wrong_type_bool", "dpo", lambda f, out: ["--resume", "maybe"], ["argument --resume", "expected a boolean", "'maybe'"]),
+    ("missing_value", "sft", lambda f, out: ["--lr"], ["argument --lr: expected one argument"]),
+    ("bad_choice", "grpo", lambda f, out: ["--on_nonfinite", "ignore"], ["--on_nonfinite: invalid choice: 'ignore'", "'stop', 'skip'"]),
+    ("empty_required_option", "sft", lambda f, out: ["--train_data", ""], ["--train_data is empty; expected training rows"]),
+    ("missing_required_option", "evaluate", lambda f, out: [], ["give exactly one of --reward_model or --policy"]),
+    ("non_positive_size", "reward_model", lambda f, out: ["--micro_batch_size", "0"], ["--micro_batch_size must be positive, got 0"]),
+    ("out_of_range_value", "dpo", lambda f, out: ["--label_smoothing", "0.7"], ["--label_smoothing must be in [0, 0.5), got 0.7"]),
+    ("cuda_without_gpu", "sft", lambda f, out: ["--device", "cuda"], ["--device cuda", "no CUDA device is available"]),
+    ("unknown_best_metric", "sft", lambda f, out: ["--best_metric", "val/los", "--val_data", str(f["sft"]), "--eval_every", "1"],
+     ["--best_metric val/los is not logged by this stage; its val/ metrics are ['val/loss']"]),
+    # sizes
+    ("batch_not_divisible_by_micro_batch", "sft", lambda f, out: ["--batch_size", "6", "--micro_batch_size", "4"],
+     ["--batch_size 6 must be divisible by --micro_batch_size 4 x world size 1 = 4"]),
+    ("kept_samples_not_divisible_by_micro_batch", "grpo",
+     lambda f, out: ["--num_samples", "4", "--num_kept", "3", "--selection", "uniform", "--micro_batch_size", "4"],
+     ["2 prompts per rank x 3 kept samples = 6 sequences must be divisible by --micro_batch_size 4"]),
+    ("group_smaller_than_kept", "grpo", lambda f, out: ["--num_samples", "4", "--num_kept", "8"],
+     ["--num_kept 8 exceeds --num_samples 4"]),
+    ("top_bottom_odd_kept", "grpo", lambda f, out: ["--selection", "top_bottom", "--num_kept", "3"],
+     ["--selection top_bottom needs an even --num_kept, got 3"]),
+    ("context_longer_than_model", "sft", lambda f, out: ["--max_prompt_len", "500"],
+     ["--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions"]),
+    ("fewer_rows_than_one_batch", "sft", lambda f, out: ["--train_data", str(f["few_rows"]), "--micro_batch_size", "4"],
+     ["3 examples cannot fill one global batch of world_size 1 x batch_size 4 = 4"]),
+    # run directory and checkpoints
+    ("out_dir_is_a_file", "sft", lambda f, out: ["--out_dir", str(f["sft"])], ["is a file; expected a directory"]),
+    ("resume_false_over_checkpoints", "sft", lambda f, out: ["--out_dir", str(f["ckpt"].parent.parent), "--resume", "false"],
+     ["already holds checkpoints (newest: step_00000001) and --resume is false"]),
+    ("missing_checkpoint", "sft", lambda f, out: ["--resume_from", str(out / "nowhere")],
+     ["--resume_from", "nowhere: no checkpoint there (expected a checkpoint folder holding state.pt"]),
+    ("checkpoint_from_another_stage", "dpo", lambda f, out: ["--resume_from", str(f["ckpt"])],
+     ["was written by another stage: stage='sft' but this run expects stage='dpo'"]),
+    ("checkpoint_of_another_model_size", "sft", lambda f, out: ["--model", "small", "--resume_from", str(f["ckpt"])],
+     ["holds another model: n_embd=64, n_head=2, n_layer=2 but this run's model has n_embd=128, n_head=4, n_layer=4"]),
+    ("unreadable_checkpoint", "sft", lambda f, out: ["--resume_from", str(f["garbage_ckpt"])],
+     ["cannot read checkpoint", "state.pt", "delete that folder to resume from an older one"]),
+    ("checkpoint_from_other_data", "sft", lambda f, out: ["--resume_from", str(f["ckpt"])],
+     ["its data position does not fit this run's training data", "for 999 examples, but this data has 16"]),
+    # models
+    ("missing_model_folder", "dpo", lambda f, out: ["--model", str(out / "sft" / "hf"), "--random_init", "false"],
+     ["model folder", "sft/hf does not exist (expected a Hugging Face-format folder)"]),
+    ("model_folder_without_config", "sft", lambda f, out: ["--model", str(f["no_config"]), "--random_init", "false"],
+     ["has no config.json (expected a Hugging Face-format folder)"]),
+    ("model_folder_without_weights", "grpo", lambda f, out: ["--policy", str(f["no_weights"])],
+     ["has no model.safetensors or pytorch_model.bin"]),
+    ("unreadable_weights", "sft", lambda f, out: ["--model", str(f["bad_weights"]), "--random_init", "false"],
+     ["cannot read weights file", "model.safetensors"]),
+    ("random_init_of_unknown_preset", "sft", lambda f, out: ["--model", "gpt5"],
+     ["--random_init needs a preset name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny, small), got 'gpt5'"]),
+    ("missing_reward_model", "grpo", lambda f, out: ["--reward_model", str(out / "rm" / "hf"), "--reward_random_init", "false"],
+     ["rm/hf does not exist"]),
+    ("missing_normalisation_policy", "reward_model", lambda f, out: ["--norm_prompts", "4", "--sft_policy", str(out / "sft")],
+     ["model folder", "does not exist"]),
+    ("hub_model_without_network", "sft", lambda f, out: ["--model", "gpt2-medium", "--random_init", "false"],
+     ["could not load model 'gpt2-medium' from the Hugging Face hub (no network: cannot connect to 127.0.0.1:9",
+      "Pass a local Hugging Face-format folder instead"]),
+    ("bad_gold_reward_function", "grpo", lambda f, out: ["--gold_reward_fn", "data.synthetic:no_such_function"],
+     ["--gold_reward_fn: cannot load function 'data.synthetic:no_such_function' (expected module:function)"]),
+    # data
+    ("missing_data_file", "sft", lambda f, out: ["--train_data", str(out / "train.jsonl")], ["train.jsonl: no such file or directory"]),
+    ("wrong_columns", "sft", lambda f, out: ["--train_data", str(f["pref"])],
+     ["missing column(s) ['completion']: expected ['prompt', 'completion'], columns of row 0: ['prompt', 'chosen', 'rejected']"]),
+    ("empty_field", "sft", lambda f, out: ["--train_data", str(f["empty_field"])], ["row 1: column 'completion' is empty or only whitespace"]),
+    ("non_text_field", "sft", lambda f, out: ["--train_data", str(f["not_text"])], ["row 2: column 'completion' is int, expected a str"]),
+    ("prompt_without_tldr", "grpo", lambda f, out: ["--train_data", str(f["no_tldr"])],
+     ["row 1: column 'prompt': prompt does not end with 'TL;DR:'"]),
+    ("empty_data_file", "dpo", lambda f, out: ["--train_data", str(f["no_rows"])], ["no_rows.jsonl: no rows"]),
+    ("invalid_json_line", "sft", lambda f, out: ["--train_data", str(f["broken_json"])], ["broken.jsonl: row 1 (line 2): invalid JSON"]),
+    ("unsupported_file_type", "sft", lambda f, out: ["--train_data", str(f["csv"])], ["unsupported file type '.csv'"]),
+    ("folder_without_split", "sft", lambda f, out: ["--train_data", str(f["split_dir"]), "--train_split", "test"],
+     ["no test.jsonl or test.parquet for split 'test' (the directory holds ['train.jsonl'])"]),
+    ("hub_dataset_without_network", "reward_model", lambda f, out: ["--train_data", "trl-lib/tldr-preference"],
+     ["could not load hub dataset 'trl-lib/tldr-preference' split 'train': no network (cannot connect to 127.0.0.1:9",
+      "Pass a local .jsonl/.json/.parquet file"]),
+]
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """The hub at a closed local port and an empty Hugging Face cache: "no network", whatever this machine has."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+
+
+@pytest.mark.parametrize("case, script, extra, fragments", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_stops_with_one_clear_line(case, script, extra, fragments, inputs, tmp_path, capsys, no_network):
+    if case == "cuda_without_gpu" and torch.cuda.is_available():
+        pytest.skip("there is a GPU")
+    out = tmp_path / "run"
+    code, message = run_cli(script, base_args(script, inputs, out) + extra(inputs, out), capsys)
+    log_case(case, script, message, code, inputs)
+    assert code == 2, message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    assert not (out / "checkpoints").exists() and not (out / "hf").exists()  # nothing written
+
+
+def test_catalogue_has_twenty_cases_and_matches_the_docs():
+    assert len(CASES) >= 20
+    doc = (ROOT / "docs" / "errors.md").read_text()
+    missing = [case for case, *_ in CASES if f"`{case}`" not in doc]
+    assert not missing, missing
+
+
+# ----------------------------------------------------------------------------------------------------
+# Numerical faults: exit code 3, named stage and step, the newest checkpoint intact
+
+
+def test_nonfinite_loss_stops_before_the_optimizer_step_and_saves_nothing(inputs, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = base_args("sft", inputs, out) + ["--model", str(inputs["nan_policy"]), "--random_init", "false"]
+    code, message = run_cli("sft", args, capsys)
+    log_case("nonfinite_loss", "sft", message, code, inputs)
+    assert code == 3
+    assert "sft: non-finite train/loss and train/grad_norm at step 1 (train/loss=nan" in message
+    assert "stopped before the optimizer step" in message
+    assert latest_checkpoint(out) is None and not (out / "hf").exists()
+
+
+def test_nonfinite_mid_run_leaves_the_last_good_checkpoint(inputs, tmp_path, capsys):
+    # lr 1e20: the first AdamW step moves every weight by ~1e20; the next forward overflows
+    out = tmp_path / "run"
+    args = base_args("sft", inputs, out) + ["--steps", "4", "--lr", "1e20", "--warmup_steps", "0", "--save_every", "1"]
+    code, message = run_cli("sft", args, capsys)
+    failed = int(re.search(r"at step (\d+)", message).group(1))
+    assert code == 3 and failed >= 2, message
+    assert checkpoint_step(out) == failed - 1  # nothing saved at or after the failing step
+    state = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == list(range(1, failed))
+
+
+def test_skip_drops_nonfinite_steps_without_stepping(inputs, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = base_args("sft", inputs, out) + ["--model", str(inputs["nan_policy"]), "--random_init", "false",
+                                            "--steps", "2", "--on_nonfinite", "skip"]
+    metrics = sft.main(parse_config(sft.Config, args))
+    err = capsys.readouterr().err
+    assert re.search(r"warning: sft: non-finite train/loss and train/grad_norm at step 2 \(.*\); step skipped", err), err
+    lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [m["train/skipped"] for m in lines] == [1.0, 1.0]
+    assert metrics["train/lr"] == pytest.approx(sft.Config.lr / sft.Config.warmup_steps)  # the schedule never moved
+    state = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
+    # no gradient ever reached AdamW's moments (saving initialises them with zeros) and no weight moved
+    assert all(not s["exp_avg"].any() for s in state["optimizer"]["state"].values())
+    start = load_file(str(inputs["nan_policy"] / "model.safetensors"))
+    saved = state["model"]["transformer.h.0.mlp.c_fc.weight"]
+    assert torch.equal(saved, start["transformer.h.0.mlp.c_fc.weight"].t())  # HF stores it transposed
+
+
+@pytest.mark.parametrize("rm, fragment", [
+    ("nan_rm", "grpo: the reward model returned non-finite scores at step 1"),
+    ("constant_rm", "grpo: the reward model gave every sample the same score (0) at step 1: it is constant"),
+])
+def test_reward_model_nan_or_constant_is_caught_at_rollout(rm, fragment, inputs, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = base_args("grpo", inputs, out) + ["--reward_model", str(inputs[rm]), "--reward_random_init", "false"]
+    code, message = run_cli("grpo", args, capsys)
+    log_case(f"reward_model_{rm.split('_')[0]}", "grpo", message, code, inputs)
+    assert code == 3 and fragment in message, message
+    assert latest_checkpoint(out) is None
+
+
+def test_grpo_update_skips_a_nonfinite_step_and_leaves_weights_and_schedule_alone():
+    from data.tldr import pad_prompts
+    from model.sampler import SampleOutput
+    from utils.guard import NonFiniteGuard, NumericalError
+    from utils.optim import build_scheduler
+
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32))
+    reference = grpo.freeze(GPT2LMHeadModel(policy.cfg))
+    prompt_ids, prompt_mask = pad_prompts([[11, 12, 13], [14, 15]])
+    mask = torch.ones(8, 4, dtype=torch.bool)
+    samples = SampleOutput(torch.randint(0, 256, (8, 4)), mask, torch.zeros(8, 4), torch.ones(8, dtype=torch.bool))
+    cfg = grpo.Config(max_new_tokens=4, micro_batch_size=4, beta=0.1, lr=1e-2, warmup_steps=1)
+    optimizer = build_optimizer(policy, cfg.lr, 0.0)
+    scheduler = build_scheduler(optimizer, 1, 10)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    guard = NonFiniteGuard("grpo", "skip", torch.device("cpu"), max_consecutive_skips=2)
+    nan_advantages = torch.full((8,), float("nan"))
+    batches = grpo.build_training_batches(prompt_ids, prompt_mask, samples, torch.arange(8), nan_advantages, 4, 4)
+    grpo.add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
+    metrics = grpo.policy_update(policy, optimizer, scheduler, batches, cfg, 1, torch.device("cpu"), guard, step=7)
+    assert metrics["train/skipped"] == 1.0 and scheduler.last_epoch == 0
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+    assert all(p.grad is None for p in policy.parameters())
+    with pytest.raises(NumericalError, match="grpo: non-finite train/loss and train/grad_norm at step 8.*2 steps in a row"):
+        grpo.policy_update(policy, optimizer, scheduler, batches, cfg, 1, torch.device("cpu"), guard, step=8)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Signals, in this process: SIGINT finishes the step, saves, returns; the rerun matches an uninterrupted run
+
+
+def test_sigint_saves_and_returns_and_the_rerun_matches_an_uninterrupted_run(inputs, tmp_path):
+    def args(out):
+        return base_args("sft", inputs, out) + ["--steps", "8", "--save_every", "0", "--lr", "1e-3", "--warmup_steps", "1"]
+
+    sft.main(parse_config(sft.Config, args(tmp_path / "full")))
+    full = [json.loads(line) for line in open(tmp_path / "full" / "metrics.jsonl")]
+
+    out = tmp_path / "run"
+
+    def interrupt_after_two_steps():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=interrupt_after_two_steps)
+    watcher.start()
+    sft.main(parse_config(sft.Config, args(out)))  # returns: no KeyboardInterrupt
+    watcher.join()
+    stopped = checkpoint_step(out)
+    assert 2 <= stopped < 8 and not (out / "hf").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was put back
+    sft.main(parse_config(sft.Config, args(out)))
+    resumed = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    assert [m["train/loss"] for m in resumed] == [m["train/loss"] for m in full]
+
+
+# ----------------------------------------------------------------------------------------------------
+# From the outside: a plain process and a torchrun launch
+
+
+def test_plain_process_prints_exactly_one_line_and_exits_2(inputs, tmp_path):
+    args = base_args("sft", inputs, tmp_path / "run") + ["--train_data", str(tmp_path / "missing.jsonl")]
+    out = subprocess.run([sys.executable, "sft.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr == f"error: {tmp_path / 'missing.jsonl'}: no such file or directory\n"
+
+
+@pytest.mark.slow
+def test_torchrun_batch_not_divisible_by_world_size_prints_once(inputs, tmp_path):
+    args = base_args("grpo", inputs, tmp_path / "run") + ["--prompts_per_step", "3"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "grpo.py", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
+    log_case("batch_not_divisible_by_world_size", "grpo", lines[0] if lines else "", 2, inputs)
+    assert out.returncode != 0
+    assert lines == ["error: --prompts_per_step 3 must be divisible by the world size 2"], out.stderr[-3000:]
+    assert "exitcode  : 2" in out.stderr  # torchrun's own failure report names the code
+    assert 'File "' + str(ROOT / "grpo.py") not in out.stderr  # no traceback from the script

@@ -87,7 +87,8 @@ def main(out: str, hf_folder: str):
     ref_equal = all_true(torch.equal(off, ref) and not torch.equal(on, ref))
 
     # 3. full state: base untouched, adapters trained; logits of the adapted model on fixed rows
-    full = full_model_state(policy)  # rank 0 holds it (cpu_offload gathers to rank 0 only)
+    # rank 0 holds it (cpu_offload gathers to rank 0 only); cloned: with one process its tensors are the parameters
+    full = {k: v.clone() for k, v in full_model_state(policy).items()}
     eval_ids, eval_pos, eval_mask = rows(seed=3, n=4)
     with torch.no_grad():
         logits = policy(eval_ids, eval_pos, eval_mask)
@@ -111,6 +112,7 @@ def main(out: str, hf_folder: str):
             "adapters_changed": all(v.abs().max() > 0 for k, v in full.items() if k.endswith("lora_B")),
             "ref_equal": ref_equal,
             "logits": logits,
+            "eval_rows": (eval_ids, eval_pos, eval_mask),
             "merge_error": max((merged[k] - v).abs().max().item() for k, v in expected.items()),
             "merged_off_equals_on": merged_off_equals_on
             and all(torch.equal(v, torch.zeros_like(v)) for k, v in merged.items() if k.endswith("lora_B")),

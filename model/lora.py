@@ -62,6 +62,13 @@ class LoRAConfig:
     def lora_target_list(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
+    def lora_meta(self) -> dict | None:
+        """What a checkpoint records about the adapters (None without LoRA): a run refuses a checkpoint whose
+        adapters differ from its own, before any model is built. Dropout may change on resume."""
+        if not self.lora_enabled:
+            return None
+        return {"rank": self.lora_rank, "alpha": self.lora_alpha, "targets": list(self.lora_target_list)}
+
     def validate_lora(self) -> None:
         if self.lora_rank < 0:
             raise ValueError(f"--lora_rank must be >= 0, got {self.lora_rank}")
@@ -127,6 +134,15 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     if not replaced:
         raise ValueError(f"LoRA targets {cfg.lora_target_list} match no nn.Linear layer of {type(model).__name__}")
     return model
+
+
+def trainable_summary(model: nn.Module) -> str:
+    """One line for the start of a run: how many parameters train, and on which layers."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    modules = lora_modules(model)
+    where = f"LoRA adapters on {len(modules)} projections" if modules else "every weight"
+    return f"{trainable:,} of {total:,} parameters trainable ({100 * trainable / total:.2f}%): {where}"
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

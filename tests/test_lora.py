@@ -175,3 +175,80 @@ def test_two_process_fsdp_lora_trains_adapters_only_and_matches_one_process(tmp_
     ids, pos, mask = two["eval_rows"]
     with torch.no_grad():
         assert (exported(ids, pos, mask) - two["logits"])[mask].abs().max() < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------
+# The stages with --lora_rank
+
+
+def adapted_weight_names(cfg: GPTConfig) -> set[str]:
+    """Hugging Face names of the weights LoRA adapts by default (the export merges the adapters into these)."""
+    return {f"transformer.h.{i}.{m}.weight" for i in range(cfg.n_layer) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+
+
+def changed_weights(before_folder, after_folder) -> set[str]:
+    from safetensors.torch import load_file
+
+    before, after = load_file(str(before_folder / "model.safetensors")), load_file(str(after_folder / "model.safetensors"))
+    assert before.keys() == after.keys()  # a plain GPT-2: no adapter keys
+    return {k for k in before if not torch.equal(before[k], after[k])}
+
+
+def test_every_option_of_the_lora_stages_is_documented():
+    import dataclasses
+
+    import dpo
+    import grpo
+    import sft
+    from utils.config import field_docs
+
+    for cls in (sft.Config, dpo.Config, grpo.Config):
+        assert set(field_docs(cls)) == {f.name for f in dataclasses.fields(cls)}, cls.__module__
+        assert {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets"} <= set(field_docs(cls))
+
+
+@pytest.mark.slow
+def test_two_process_dpo_with_lora_starts_at_its_reference_and_trains_only_the_adapters(tmp_path):
+    import json
+    import math
+
+    from tests.test_reward_dpo import common_args, read_metrics, write_pref_rows
+
+    data = write_pref_rows(tmp_path / "pairs.jsonl")
+    torch.manual_seed(0)
+    init = tmp_path / "sft"
+    start = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128))
+    save_hf(start.state_dict(), start.cfg, init)
+    run = tmp_path / "run"
+    run_script(["dpo.py", "--model", str(init), "--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2",
+                "--eval_every", "5", *common_args(data, run, 5)], nproc=2)
+    m = read_metrics(run)
+    # the reference is the policy with adapters off, and B = 0 at the start: every pair ties, the loss is log 2
+    assert m[0]["val/bt_loss"] == pytest.approx(math.log(2), abs=1e-6) and m[0]["val/n_ties"] == 16
+    assert m[1]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert m[5]["val/bt_loss"] < math.log(2) - 0.02 and m[5]["train/reward_margin"] > 0
+    # the export is a plain GPT-2 whose adapted projections, and nothing else, moved
+    assert changed_weights(init, run / "hf") == adapted_weight_names(start.cfg)
+    assert json.loads((run / "checkpoints" / "step_00000005" / "meta.json").read_text())["lora"]["rank"] == 4
+
+
+@pytest.mark.slow
+def test_sft_with_lora_lowers_the_loss_and_exports_merged_weights(tmp_path):
+    from tests.test_distributed import read_metrics, write_rows
+
+    data = tmp_path / "rows.jsonl"
+    write_rows(data, n=16)
+    torch.manual_seed(0)
+    init = tmp_path / "init"
+    start = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128))
+    save_hf(start.state_dict(), start.cfg, init)
+    run = tmp_path / "run"
+    out = run_script([
+        "sft.py", "--model", str(init), "--lora_rank", "8", "--lora_targets", "c_attn,c_fc", "--train_data", str(data),
+        "--val_data", "", "--steps", "4", "--batch_size", "8", "--micro_batch_size", "8", "--lr", "1e-2",
+        "--warmup_steps", "1", "--max_prompt_len", "64", "--wandb_mode", "disabled", "--out_dir", str(run),
+    ])
+    assert "LoRA adapters on 4 projections" in out.stdout
+    m = read_metrics(run)
+    assert m[-1]["train/loss"] < m[0]["train/loss"] - 0.05
+    assert changed_weights(init, run / "hf") == {f"transformer.h.{i}.{n}.weight" for i in range(2) for n in ("attn.c_attn", "mlp.c_fc")}

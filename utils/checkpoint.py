@@ -83,6 +83,11 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=FULL)
 
 
+def set_full_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict, present on every rank, into a sharded model (a collective)."""
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:

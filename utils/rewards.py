@@ -38,19 +38,23 @@ instead. Selection (RSO, ...) and the GRPO advantages (group, then global normal
 import importlib
 import math
 import numbers
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from data.synthetic import gold_reward
+from data.tldr import DataError
+from utils.config import ConfigError
 
 REWARD_MODEL = "reward_model"
 END = "\n"  # the text of the end token (198)
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function raised or returned a non-number; the message names the function and the row."""
+    """A reward function raised or returned a non-number; the message names the function, the dataset row and, when
+    it raised, where (the innermost frame), so the run ends in one line (utils/guard.py) that says what to fix."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -89,15 +93,15 @@ class RewardSource:
     """The function; None for the reward model."""
 
 
-def load_function(path: str) -> Callable:
-    """The function named by "module:function", with a clear error when it cannot be found."""
+def load_function(path: str, option: str = "--rewards") -> Callable:
+    """The function named by "module:function", with a clear error naming `option` when it cannot be found."""
     module_name, _, name = path.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"cannot load function '{path}' (expected module:function): {e}") from None
+        raise ConfigError(f"{option}: cannot load function '{path}' (expected module:function): {e}") from None
     if not callable(fn):
-        raise ValueError(f"'{path}' is not callable")
+        raise ConfigError(f"{option}: '{path}' is not callable")
     return fn
 
 
@@ -111,9 +115,9 @@ def parse_rewards(spec: str, length_target: int = 24) -> list[RewardSource]:
         try:
             weight = float(weight_text) if star else 1.0
         except ValueError:
-            raise ValueError(f"--rewards term '{term}': the weight before '*' must be a number") from None
+            raise ConfigError(f"--rewards term '{term}': the weight before '*' must be a number") from None
         if not source:
-            raise ValueError(f"--rewards '{spec}' has an empty term (expected e.g. 'reward_model + 0.5*format')")
+            raise ConfigError(f"--rewards '{spec}' has an empty term (expected e.g. 'reward_model + 0.5*format')")
         if source == REWARD_MODEL:
             name, fn = REWARD_MODEL, None
         elif source == "length":
@@ -123,7 +127,7 @@ def parse_rewards(spec: str, length_target: int = 24) -> list[RewardSource]:
         elif ":" in source:
             name, fn = source.rpartition(":")[2], load_function(source)
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown reward source '{source}': use {REWARD_MODEL}, a built-in ({', '.join(BUILTINS)}) or a "
                 f"module:function import path"
             )
@@ -131,7 +135,7 @@ def parse_rewards(spec: str, length_target: int = 24) -> list[RewardSource]:
     names = [s.name for s in sources]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ValueError(f"--rewards names {duplicates} more than once (sources are told apart by name: {names})")
+        raise ConfigError(f"--rewards names {duplicates} more than once (sources are told apart by name: {names})")
     return sources
 
 
@@ -146,13 +150,13 @@ def row_sources(values: Sequence, sources: list[RewardSource], where: str) -> to
             continue
         names = value.split(",") if isinstance(value, str) else value
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"{where}: row {row}: the reward column must be a string or a list of names, got {value!r}")
+            raise DataError(f"{where}: row {row}: the reward column must be a string or a list of names, got {value!r}")
         names = [n.strip() for n in names if n.strip()]
         if not names:
-            raise ValueError(f"{where}: row {row}: the reward column names no reward source")
+            raise DataError(f"{where}: row {row}: the reward column names no reward source")
         for n in names:
             if n not in by_name:
-                raise ValueError(
+                raise DataError(
                     f"{where}: row {row}: reward source '{n}' is not in --rewards (sources: {[s.name for s in sources]})"
                 )
             applies[row, by_name[n]] = True
@@ -166,9 +170,10 @@ def function_rewards(source: RewardSource, prompts: Sequence[str], responses: Se
         try:
             value = source.fn(prompt, response)
         except Exception as e:
+            frame = traceback.extract_tb(e.__traceback__)[-1]
             raise RewardFunctionError(
                 f"reward function '{source.spec}' raised on row {row} of {where} (response {response!r}): "
-                f"{type(e).__name__}: {e}"
+                f"{type(e).__name__}: {e} (at {frame.filename}:{frame.lineno})"
             ) from e
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise RewardFunctionError(

@@ -609,7 +609,7 @@ def evaluate_summaries(
         penalized = reward_model.normalize(penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty))
     weights = torch.tensor([s.weight for s in sources], dtype=torch.float64)
     total = combine_sources(torch.where(applies, values, 0.0), weights)  # (n,)
-    _, mean, _ = source_stats(values, applies, all_reduce_sum)
+    count_S, mean_S, _ = source_stats(values, applies, all_reduce_sum)
     count = torch.tensor(float(values.shape[0]), device=device, dtype=torch.float64)
     n, r, rp, end, length = all_reduce_sum(torch.stack([
         count, total.sum(), penalized.double().sum(), samples.has_end.double().sum(), samples.response_mask.double().sum(),
@@ -618,8 +618,8 @@ def evaluate_summaries(
     if rm is not None:
         out["eval/reward_penalized"] = rp / n
     for i, source in enumerate(sources):
-        if source.fn is not None:
-            out[f"eval/reward_{source.name}"] = float(mean[i])
+        if source.fn is not None and count_S[i] > 0:
+            out[f"eval/reward_{source.name}"] = float(mean_S[i])
     return out
 
 

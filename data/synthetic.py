@@ -95,6 +95,8 @@ END = "\n"  # the text of END_ID (198)
 GOLD_REWARD_MIN = -3.0
 GOLD_REWARD_MAX = 4.0  # 3 items named, <= TARGET_WORDS words, ended
 
+FILLER_SENTENCES = (1, 3)  # neutral filler sentences per post, at least and at most
+
 SUBREDDITS = (
     "relationships", "relationship_advice", "tifu", "offmychest", "dating_advice", "legaladvice",
     "AskReddit", "family",
@@ -238,7 +240,7 @@ def make_post(rng: random.Random) -> dict:
     if rng.random() < 0.25:
         core.reverse()  # sometimes the feeling comes before the event
     # 1-3 filler sentences, split at two random cuts between the intro and the two core sentences.
-    fillers = rng.sample(FILLERS, rng.randint(1, 3))
+    fillers = rng.sample(FILLERS, rng.randint(*FILLER_SENTENCES))
     cut1 = rng.randint(0, len(fillers))
     cut2 = rng.randint(cut1, len(fillers))
     sentences = [

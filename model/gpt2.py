@@ -214,9 +214,14 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
         init_gpt2_weights(self, cfg.n_layer)
 
-    def forward(self, input_ids, position_ids, attention_mask=None, kv_cache=None, logits_slice: slice | None = None):
-        """Returns logits (B, T', V) for the positions in `logits_slice` (all positions when None)."""
+    def forward(
+        self, input_ids, position_ids, attention_mask=None, kv_cache=None, logits_slice: slice | torch.Tensor | None = None
+    ):
+        """Returns logits (B, T', V) for the positions in `logits_slice`: a slice of columns, a (B, T') long tensor
+        of column indices per row, or None for all positions."""
         h = self.transformer(input_ids, position_ids, attention_mask, kv_cache)  # (B, T, C)
-        if logits_slice is not None:
+        if isinstance(logits_slice, torch.Tensor):
+            h = h.gather(1, logits_slice[..., None].expand(-1, -1, h.shape[-1]))  # (B, T', C)
+        elif logits_slice is not None:
             h = h[:, logits_slice]
         return self.lm_head(h)  # (B, T', V)

@@ -172,3 +172,18 @@ def test_data_position_is_checked_and_converted_between_global_batch_sizes():
         ShardedLoader(41, 4, 0, 1, seed=3, collate=lambda idx: idx).load_state_dict(one.state_dict())
     with pytest.raises(ValueError, match="not a whole number of this run's global batches of 24"):
         ShardedLoader(40, 24, 0, 1, seed=3, collate=lambda idx: idx).load_state_dict(one.state_dict())
+
+
+@pytest.mark.parametrize("script", ["sft", "reward_model", "dpo", "grpo", "evaluate"])
+def test_every_script_help_documents_every_option(script, capsys):
+    import importlib
+
+    from utils.config import parse_config
+
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(module.Config, argv=["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for field in dataclasses.fields(module.Config):
+        assert f"--{field.name}" in text, field.name

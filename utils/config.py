@@ -113,7 +113,7 @@ def parse_config(cls: type[T], argv: list[str] | None = None, description: str |
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         parser.add_argument(
             f"--{f.name}", type=conv, choices=choices, default=default,
-            help=docs.get(f.name, "") or " ", metavar=hints[f.name].__name__.upper() if isinstance(hints[f.name], type) else None,
+            help=(docs.get(f.name, "") or " ").replace("%", "%%"), metavar=hints[f.name].__name__.upper() if isinstance(hints[f.name], type) else None,
         )
     args = parser.parse_args(argv)
     cfg = cls(**vars(args))

@@ -1,0 +1,1 @@
+"""Benchmarks: python -m bench.run_all (see bench/run_all.py)."""

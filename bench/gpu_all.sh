@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Every GPU check and the full benchmark, in one script, from any directory:
+#
+#     bash bench/gpu_all.sh OUT_DIR            # results and logs in OUT_DIR (default: $OUT, else runs/bench/gpu)
+#     QUICK=1 bash bench/gpu_all.sh OUT_DIR    # the benchmark's --quick configurations
+#     WHEELS=dir bash bench/gpu_all.sh OUT_DIR # first pip-install trl (and its dependencies) from local wheels,
+#                                              # for a machine without network: pip download trl -d dir elsewhere
+#
+# 1. the machine: nvidia-smi, versions                                   -> OUT_DIR/machine.txt
+# 2. every GPU-marked test: pytest -m gpu (exit 5, "no tests collected",  -> OUT_DIR/pytest_gpu.log
+#    counts as a failure: there are GPU tests, so collecting none means something is wrong)
+# 3. python -m bench.run_all --device cuda: sampler vs transformers, SFT/RM/DPO tokens/s and MFU, the reference
+#    GRPO step, TRL's GRPOTrainer (or the line saying trl is not installed)
+#                                                                         -> OUT_DIR/results.json, bench_cuda.log
+#
+# The GPU image has torch, transformers and tiktoken but not datasets or wandb: nothing run here imports them at
+# module level. Exit status: non-zero if the tests or the benchmark failed; both always run.
+set -u -o pipefail
+
+cd "$(dirname "$0")/.."
+OUT_DIR="${1:-${OUT:-runs/bench/gpu}}"
+mkdir -p "$OUT_DIR"
+PY="${PYTHON:-python}"
+QUICK_FLAG=""
+[ -n "${QUICK:-}" ] && QUICK_FLAG="--quick"
+
+if [ -n "${WHEELS:-}" ]; then
+  "$PY" -m pip install --no-index --find-links "$WHEELS" trl 2>&1 | tail -3 | tee "$OUT_DIR/pip_trl.log" \
+    || echo "installing trl from $WHEELS failed: the TRL comparison will say trl is not installed"
+fi
+
+{
+  date -Is
+  nvidia-smi || echo "nvidia-smi failed"
+  "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+  for m in transformers trl datasets accelerate pytest; do
+    "$PY" -c "import importlib.metadata as md; print('$m', md.version('$m'))" 2>/dev/null || echo "$m not installed"
+  done
+  git rev-parse HEAD 2>/dev/null && git status --short 2>/dev/null | head -20
+} > "$OUT_DIR/machine.txt" 2>&1
+cat "$OUT_DIR/machine.txt"
+
+rc_tests=0
+if "$PY" -c "import pytest" 2>/dev/null; then
+  "$PY" -m pytest -m gpu -v -rs 2>&1 | tee "$OUT_DIR/pytest_gpu.log"
+  rc_tests=${PIPESTATUS[0]}
+else
+  echo "pytest is not installed: GPU tests not run" | tee "$OUT_DIR/pytest_gpu.log"
+  rc_tests=1
+fi
+
+"$PY" -m bench.run_all --device cuda $QUICK_FLAG --out "$OUT_DIR/results.json" 2>&1 | tee "$OUT_DIR/bench_cuda.log"
+rc_bench=${PIPESTATUS[0]}
+
+echo "gpu_all: pytest -m gpu exit $rc_tests, bench.run_all exit $rc_bench; results in $OUT_DIR" | tee "$OUT_DIR/summary.txt"
+[ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]

@@ -1,0 +1,303 @@
+"""Training throughput of SFT, reward-model and DPO optimizer steps: tokens/s, model TFLOP/s and (on a GPU with a
+known peak) MFU.
+
+Each step is what the scripts run per optimizer step, through their own functions: forward and backward over the
+micro-batches (sft.accumulate_gradients, reward_model.accumulate_gradients, dpo.accumulate_gradients), gradient
+clipping, AdamW step, zero_grad; models FSDP2-sharded in a one-process group with the scripts' dtype rule (bf16
+parameters on GPU, fp32 on CPU). Batches are random token ids in data.tldr's layout (left-padded prompts,
+right-padded responses ending with the end token), built by data.tldr.collate_sft / collate_pairs, so padding and
+position ids are what training sees. When a script does not import or its function changed signature, the figure
+is reported as not measured, with the reason.
+
+FLOPs (forward + backward, per optimizer step), the PaLM/Chinchilla convention:
+    model FLOPs = sum over real (non-padding) tokens of (6 N + 12 L d T)
+N: parameters that take part in matrix products (the tied embedding/head counted once, as the head; position
+embeddings and, for the reward model, the token embedding excluded: lookups are not FLOPs); L layers, d width,
+T the padded sequence width (the attention term). DPO adds the frozen reference's forward pass, 2 N + 4 L d T per
+token, so 8 N + 16 L d T. The formula counts the LM head at every token, as llm.c's and nanoGPT's MFU do; our
+losses compute it at response positions only, so the FLOPs actually executed (padding included, head at response
+positions) are reported beside it.
+    MFU = model FLOPs / step seconds / peak, peak = 989 TFLOP/s (dense bf16, H100/H200 SXM datasheet); the
+utilisation against REFERENCE.md's measured ~800 TFLOP/s is in the note. On CPU, MFU is not reported: no peak
+figure for a shared 2-core virtual machine would mean anything; model TFLOP/s is.
+"""
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from bench.common import measure, result, skipped
+from data.tldr import collate_pairs, collate_sft
+from data.tokenizer import END_ID
+from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
+from model.heads import RewardModel
+from utils.dist import setup_distributed
+from utils.fsdp import resolve_dtype, shard_model
+from utils.optim import build_optimizer, clip_grad_norm
+
+BENCH = "train"
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, SXM datasheets
+MEASURED_PEAK_H100 = 800e12  # REFERENCE.md: a large bf16 matrix product on one H100
+
+
+@dataclass
+class TrainConfig:
+    name: str
+    """Named configuration, printed with every figure."""
+    preset: str
+    """model.gpt2.PRESETS key, randomly initialised."""
+    batch_rows: int
+    """Rows per optimizer step (SFT), or pairs per step (reward model, DPO)."""
+    micro_rows: int
+    """Rows (or pairs) per forward/backward."""
+    prompt_len: int
+    """Longest prompt (the width of the left-padded prompt block)."""
+    min_prompt_len: int
+    """Shortest prompt; lengths uniform in between."""
+    response_len: int
+    """Longest response, end token included."""
+    min_response_len: int
+    """Shortest response."""
+    warmup: int = 1
+    """Untimed optimizer steps first."""
+    repeats: int = 3
+    """Timed optimizer steps; the median is reported."""
+
+
+def configs(device: torch.device, quick: bool) -> list[TrainConfig]:
+    if device.type == "cuda":
+        return [TrainConfig("gpu-gpt2-124M" + ("-quick" if quick else ""), "gpt2", batch_rows=64, micro_rows=16,
+                            prompt_len=384, min_prompt_len=352, response_len=56, min_response_len=40,
+                            repeats=2 if quick else 3)]
+    if quick:
+        return [TrainConfig("cpu-tiny-quick", "tiny", batch_rows=16, micro_rows=8, prompt_len=64, min_prompt_len=48,
+                            response_len=16, min_response_len=8, repeats=3)]
+    return [TrainConfig("cpu-tiny", "tiny", batch_rows=32, micro_rows=16, prompt_len=128, min_prompt_len=96,
+                        response_len=32, min_response_len=16)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Batches and FLOPs
+
+
+def random_rows(n: int, cfg: TrainConfig, vocab_size: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """n (prompt, response) token-id lists; responses end with END_ID like data.tldr.encode_response; the first
+    row has the longest prompt and response, so every batch is exactly the configured width."""
+    g = torch.Generator().manual_seed(seed)
+    top = min(vocab_size, 50000)
+    prompts, responses = [], []
+    for i in range(n):
+        p = cfg.prompt_len if i == 0 else int(torch.randint(cfg.min_prompt_len, cfg.prompt_len + 1, (), generator=g))
+        r = cfg.response_len if i == 0 else int(torch.randint(cfg.min_response_len, cfg.response_len + 1, (), generator=g))
+        prompts.append(torch.randint(0, top, (p,), generator=g).tolist())
+        responses.append(torch.randint(0, top, (r - 1,), generator=g).tolist() + [END_ID])
+    return prompts, responses
+
+
+def sft_micro_batches(cfg: TrainConfig, vocab_size: int, seed: int = 0) -> list[dict]:
+    prompts, responses = random_rows(cfg.batch_rows, cfg, vocab_size, seed)
+    m = cfg.micro_rows
+    return [collate_sft(prompts[i : i + m], responses[i : i + m]) for i in range(0, cfg.batch_rows, m)]
+
+
+def pair_micro_batches(cfg: TrainConfig, vocab_size: int, seed: int = 0) -> list[dict]:
+    prompts, chosen = random_rows(cfg.batch_rows, cfg, vocab_size, seed)
+    _, rejected = random_rows(cfg.batch_rows, cfg, vocab_size, seed + 1)
+    m = cfg.micro_rows
+    return [collate_pairs(prompts[i : i + m], chosen[i : i + m], rejected[i : i + m]) for i in range(0, cfg.batch_rows, m)]
+
+
+def batch_tokens(micro: list[dict]) -> tuple[int, int]:
+    """(real tokens, response tokens) of one optimizer step."""
+    return (sum(int(b["attention_mask"].sum()) for b in micro), sum(int(b["response_mask"].sum()) for b in micro))
+
+
+def matmul_params(c: GPTConfig, n_unique_params: int, lm_head: bool) -> tuple[int, int]:
+    """(N of the MFU formula, of which the LM head): unique parameters minus the position embedding, and minus the
+    token embedding too when there is no LM head to reuse it (a reward model)."""
+    head = c.vocab_size * c.n_embd
+    n = n_unique_params - c.n_positions * c.n_embd - (0 if lm_head else head)
+    return n, head if lm_head else 0
+
+
+def flops_per_step(c: GPTConfig, n: int, head: int, micro: list[dict], forward_passes: float = 3.0) -> tuple[float, float]:
+    """(model FLOPs, executed FLOPs) of one optimizer step. forward_passes: 3 for forward + backward (backward
+    costs two forwards), 4 when a frozen reference adds one forward (DPO).
+
+    model: per real token 2 N + 4 L d T per forward-pass equivalent (6 N + 12 L d T for training).
+    executed: every padded position through the body, the head only at response positions."""
+    model = executed = 0.0
+    for b in micro:
+        rows, width = b["input_ids"].shape
+        attn = 4 * c.n_layer * c.n_embd * width  # QK^T and AV, forward, per token
+        model += float(b["attention_mask"].sum()) * forward_passes * (2 * n + attn)
+        executed += rows * width * forward_passes * (2 * (n - head) + attn)
+        executed += rows * b["response_ids"].shape[1] * forward_passes * 2 * head
+    return model, executed
+
+
+def peak_for(device: torch.device) -> tuple[float, str] | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next(((v, k) for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def throughput_rows(name: str, cfg: TrainConfig, device, timing, micro: list[dict], flops: tuple[float, float],
+                    n: int, unit_name: str, formula: str = "6N + 12LdT") -> list[dict]:
+    """Tokens/s, pairs or rows/s, model and executed TFLOP/s and (on a GPU with a known peak) MFU of one step."""
+    seconds = timing.median
+    real, response = batch_tokens(micro)
+    model_flops, executed = flops
+    d = {"seconds": seconds, "real_tokens": real, "response_tokens": response, "model_flops": model_flops,
+         "executed_flops": executed, "n_matmul_params": n, "timing": timing.to_dict()}
+    rows = [
+        result(BENCH, f"{name}: tokens/s", real / seconds, "tok/s",
+               note=f"{seconds:.3f} s/step, {real:,} real tokens ({response:,} response) per step{timing.interference}",
+               config=cfg, **d),
+        result(BENCH, f"{name}: {unit_name}/s", cfg.batch_rows / seconds, f"{unit_name}/s", config=cfg),
+        result(BENCH, f"{name}: model TFLOP/s", model_flops / seconds / 1e12, "TFLOP/s",
+               note=f"{formula} per real token, N={n / 1e6:.2f}M; executed {executed / seconds / 1e12:.3g} TFLOP/s "
+                    f"(head at response positions, padding included)", config=cfg),
+    ]
+    peak = peak_for(device)
+    if peak is not None:
+        value, gpu = peak
+        rows.append(result(BENCH, f"{name}: MFU", 100 * model_flops / seconds / value, "%",
+                           note=f"model FLOPs / {value / 1e12:.0f} TFLOP/s ({gpu} dense bf16 datasheet); "
+                                f"{100 * model_flops / seconds / MEASURED_PEAK_H100:.1f}% of ~800 measured; "
+                                f"executed FLOPs: {100 * executed / seconds / value:.1f}%", config=cfg))
+    print(f"  {name}: {real / seconds:,.0f} tok/s, {model_flops / seconds / 1e12:.3g} model TFLOP/s "
+          f"({seconds:.3f} s/step)", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Steps
+
+
+def optimizer_step(model, optimizer) -> None:
+    clip_grad_norm(model, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def build_sharded(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """FSDP2 wrapping as the scripts do it: bf16 compute on GPU, fp32 on CPU (resolve_dtype "auto")."""
+    shard_model(model, resolve_dtype("auto", device))
+    return model.to(device)
+
+
+def unique_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def bench_sft(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
+    name = f"{cfg.name} SFT"
+    try:
+        from sft import accumulate_gradients  # lazy: the script is being edited by others
+    except Exception as e:
+        return [skipped(BENCH, name, f"sft.py does not import ({type(e).__name__}: {e})", config=cfg)]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(PRESETS[cfg.preset])
+    n, head = matmul_params(model.cfg, unique_params(model), lm_head=True)
+    model = build_sharded(model, device)
+    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
+    micro = sft_micro_batches(cfg, model.cfg.vocab_size)
+    model.train()
+
+    def step():
+        loss = accumulate_gradients(model, micro, world, device)
+        optimizer_step(model, optimizer)
+        return loss
+
+    try:
+        t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
+    except TypeError as e:  # its signature changed under us
+        return [skipped(BENCH, name, f"sft.accumulate_gradients signature changed ({e})", config=cfg)]
+    flops = flops_per_step(model.cfg, n, head, micro)
+    return throughput_rows(f"{name} (sft.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n, "rows")
+
+
+def bench_reward_model(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
+    name = f"{cfg.name} reward model"
+    try:
+        import reward_model
+    except Exception as e:
+        return [skipped(BENCH, name, f"reward_model.py does not import ({type(e).__name__}: {e})", config=cfg)]
+    torch.manual_seed(0)
+    model = RewardModel(PRESETS[cfg.preset])
+    n, head = matmul_params(model.cfg, unique_params(model), lm_head=False)
+    model = build_sharded(model, device)
+    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
+    micro = pair_micro_batches(cfg, model.cfg.vocab_size)
+    model.train()
+
+    def step():
+        metrics = reward_model.accumulate_gradients(model, micro, world, cfg.batch_rows, device)
+        optimizer_step(model, optimizer)
+        return metrics
+
+    try:
+        t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
+    except TypeError as e:
+        return [skipped(BENCH, name, f"reward_model.accumulate_gradients signature changed ({e})", config=cfg)]
+    flops = flops_per_step(model.cfg, n, head, micro)
+    return throughput_rows(f"{name} (reward_model.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n,
+                           "pairs")
+
+
+def bench_dpo(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
+    name = f"{cfg.name} DPO"
+    try:
+        import dpo
+    except Exception as e:
+        return [skipped(BENCH, name, f"dpo.py does not import ({type(e).__name__}: {e})", config=cfg)]
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(PRESETS[cfg.preset])
+    n, head = matmul_params(policy.cfg, unique_params(policy), lm_head=True)
+    reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    dtype = resolve_dtype("auto", device)
+    if dtype is not None:
+        reference.to(dtype)  # as dpo.main: the frozen reference is stored in bf16 on GPU
+    shard_model(reference, None)
+    reference.to(device)
+    policy = build_sharded(policy, device)
+    optimizer = build_optimizer(policy, lr=1e-5, weight_decay=0.0)
+    micro = pair_micro_batches(cfg, policy.cfg.vocab_size)
+    dpo_cfg = dpo.Config(beta=0.1)
+    loss_fn = dpo.preference_loss_fn(dpo_cfg)
+    policy.train()
+
+    def step():
+        metrics = dpo.accumulate_gradients(policy, reference, micro, world, cfg.batch_rows, loss_fn, dpo_cfg.beta, device)
+        optimizer_step(policy, optimizer)
+        return metrics
+
+    try:
+        t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
+    except TypeError as e:
+        return [skipped(BENCH, name, f"dpo.accumulate_gradients signature changed ({e})", config=cfg)]
+    flops = flops_per_step(policy.cfg, n, head, micro, forward_passes=4.0)  # + the reference's forward
+    return throughput_rows(f"{name} (dpo.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n, "pairs",
+                           formula="8N + 16LdT (with the reference's forward)")
+
+
+def run(device: torch.device, quick: bool, cfgs: list[TrainConfig] | None = None) -> list[dict]:
+    world = setup_distributed(device.type).world_size  # a one-process group: FSDP runs the same code as on 8 GPUs
+    rows = []
+    for cfg in cfgs or configs(device, quick):
+        print(f"[train] {cfg.name}: {cfg.preset}, {cfg.batch_rows} rows/pairs per step in micro-batches of "
+              f"{cfg.micro_rows}, prompts {cfg.min_prompt_len}-{cfg.prompt_len}, responses "
+              f"{cfg.min_response_len}-{cfg.response_len} tokens; {cfg.warmup} warm-up + {cfg.repeats} timed steps",
+              flush=True)
+        for fn in (bench_sft, bench_reward_model, bench_dpo):
+            rows += fn(cfg, device, world)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if device.type != "cuda":
+            rows.append(result(BENCH, f"{cfg.name}: MFU", None, "",
+                               note="not reported on CPU: no meaningful peak for a shared CPU; model TFLOP/s is shown",
+                               config=cfg))
+    return rows

@@ -1,0 +1,179 @@
+"""The benchmark suite (bench/) on micro configurations: `python -m bench.run_all` runs every benchmark, prints the
+table and writes the documented JSON; token and FLOP counts match hand computations; figures are finite and
+positive. No timing thresholds: a shared machine makes any of them flaky."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from bench import common, grpo_step, run_all, sampler, train, trl_grpo
+from bench.common import random_prompts
+from data.tldr import collate_sft
+from model.gpt2 import PRESETS, GPTConfig
+
+SAMPLER = sampler.SamplerConfig(
+    name="test-sampler", preset="tiny", dtype="fp32", prompt_len=12, min_prompt_len=8, new_tokens=3, group=2,
+    rows=(4,), share_prompts=1, warmup=1, repeats=1, stage_steps=2,
+)
+TRAIN = train.TrainConfig("test-train", "tiny", batch_rows=4, micro_rows=2, prompt_len=12, min_prompt_len=8,
+                          response_len=4, min_response_len=2, warmup=1, repeats=1)
+GRPO = grpo_step.GRPOBenchConfig("test-grpo", "tiny", prompts=2, num_samples=4, num_kept=2, selection="rso",
+                                 max_new_tokens=3, prompt_len=12, min_prompt_len=8, gen_prompts=2, micro_batch_size=2,
+                                 score_micro_batch_size=8, warmup=1, repeats=1)
+TRL = dataclasses.replace(GRPO, name="test-trl", selection="all", num_kept=4)
+POSITIVE_UNITS = ("tok/s", "s", "ms", "MiB", "x", "%", "TFLOP/s", "rows/s", "pairs/s")
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_process_group():
+    """The benchmarks set up a one-rank group for their device (gloo on CPU, NCCL on GPU): start and end with none,
+    so a CPU test never hands a gloo group to a GPU test or the other way round."""
+    from utils.dist import cleanup_distributed
+
+    cleanup_distributed()
+    yield
+    cleanup_distributed()
+
+
+@pytest.fixture
+def micro_configs(monkeypatch, fresh_process_group):
+    monkeypatch.setattr(sampler, "configs", lambda device, quick: [SAMPLER])
+    monkeypatch.setattr(train, "configs", lambda device, quick: [TRAIN])
+    monkeypatch.setattr(grpo_step, "configs", lambda device, quick: [GRPO])
+    monkeypatch.setattr(trl_grpo, "configs", lambda device, quick: [TRL])
+    # the TRL run itself takes a minute of start-up; test_trl_child covers it where trl is installed
+    monkeypatch.setattr(trl_grpo, "trl_available", lambda: (False, "trl is not installed (test)"))
+
+
+def by_name(rows: list[dict], bench: str, suffix: str) -> dict:
+    found = [r for r in rows if r["bench"] == bench and r["name"].endswith(suffix)]
+    assert len(found) == 1, f"{bench} rows ending with '{suffix}': {[r['name'] for r in found]}"
+    return found[0]
+
+
+def test_run_all_prints_table_and_writes_json(tmp_path, micro_configs, capsys):
+    out = tmp_path / "results.json"
+    assert run_all.main(["--device", "cpu", "--quick", "--out", str(out), "--threads", "1"]) == 0
+    doc = json.loads(out.read_text())  # strict JSON: no NaN or infinity
+    env = doc["environment"]
+    for key in ("date", "device", "device_name", "torch", "cpu", "torch_threads", "command", "git_commit"):
+        assert env[key] not in (None, ""), key
+    assert env["device"] == "cpu" and env["torch"] == torch.__version__
+    assert doc["errors"] == []
+    rows = doc["results"]
+    assert {r["bench"] for r in rows} == set(run_all.BENCHMARKS)
+    for r in rows:
+        assert {"bench", "name", "value", "unit", "note"} <= r.keys()
+        if r["value"] is None:
+            assert r["note"].startswith("not measured") or "not reported" in r["note"], r
+            continue
+        assert math.isfinite(r["value"]), r
+        assert r["config_name"] in {"test-sampler", "test-train", "test-grpo", "test-trl"}, r
+        if r["unit"] in POSITIVE_UNITS and not r["name"].endswith(": other"):
+            assert r["value"] > 0, r
+    # no silent gaps: the missing TRL step and the CPU MFU say why
+    assert "not installed" in by_name(rows, "trl", "TRL GRPOTrainer")["note"]
+    assert "not reported on CPU" in by_name(rows, "train", ": MFU")["note"]
+    printed = capsys.readouterr().out
+    assert "bench" in printed and "figure" in printed and f"wrote {out}" in printed
+    for r in rows:
+        assert r["name"] in printed
+
+
+def test_sampler_same_weights_and_token_counts(tmp_path, one_thread):
+    rows = sampler.bench_config(SAMPLER, torch.device("cpu"), tmp_path)
+    assert by_name(rows, "sampler", "max |logit diff| ours vs transformers")["value"] < 1e-4
+    N = SAMPLER.rows[0]
+    for engine in ("ours", "transformers"):
+        r = by_name(rows, "sampler", f"N={N} ({N // SAMPLER.group} prompts x G={SAMPLER.group}): {engine}")
+        assert r["generated_tokens"] == N * SAMPLER.new_tokens  # nothing stops a row in either engine
+        assert r["value"] == pytest.approx(r["generated_tokens"] / r["seconds"])
+        assert r["seconds"] == pytest.approx(sorted(r["timing"]["times_s"])[len(r["timing"]["times_s"]) // 2])
+    shared = by_name(rows, "sampler", "ours, prefix shared")
+    assert shared["generated_tokens"] == SAMPLER.share_prompts * SAMPLER.group * SAMPLER.new_tokens
+    stages = [r for r in rows if "decode step:" in r["name"] and not r["name"].endswith(("prefill", "total"))]
+    total = by_name(rows, "sampler", "decode step: total")["value"]
+    assert sum(r["value"] for r in stages) == pytest.approx(total)
+
+
+def test_grpo_step_stages_and_token_counts(one_thread, fresh_process_group):
+    m = grpo_step.measure_steps(GRPO, torch.device("cpu"))
+    rows = grpo_step.step_rows(GRPO, m)
+    step = by_name(rows, "grpo", "ours: step")["value"]
+    stage_sum = sum(by_name(rows, "grpo", f"ours: {k}")["value"] for k in grpo_step.STAGES)
+    assert 0 < stage_sum <= step
+    assert by_name(rows, "grpo", "ours: other")["value"] == pytest.approx(step - stage_sum)
+    c = m["counts"]
+    _, prompt_mask = random_prompts(GRPO.prompts, GRPO.prompt_len, GRPO.min_prompt_len, 50257, seed=0)
+    assert c["sequences"] == GRPO.prompts * GRPO.num_samples
+    assert 0 < c["generated_tokens"] <= c["sequences"] * GRPO.max_new_tokens
+    assert c["total_tokens"] == int(prompt_mask.sum()) * GRPO.num_samples + c["generated_tokens"]
+    assert c["trained_sequences"] == GRPO.prompts * GRPO.num_kept
+    assert by_name(rows, "grpo", "generated tokens/s per device")["value"] == pytest.approx(c["generated_tokens"] / step)
+    assert m["peak_memory_bytes"] > 2**20
+
+
+def test_flops_formula_by_hand():
+    c = GPTConfig(vocab_size=100, n_positions=16, n_layer=2, n_head=2, n_embd=8)
+    batch = collate_sft([[1, 2, 3], [4, 5]], [[6, 198], [7]])  # width T = 3 + 2 = 5; 8 real tokens
+    n, head = 1000, 800
+    model, executed = train.flops_per_step(c, n, head, [batch])
+    assert model == 8 * (6 * n + 12 * 2 * 8 * 5)  # 6N + 12 L d T per real token
+    # padded positions through the body (2 rows x 5), the head only at the 2 x 2 response positions
+    assert executed == 2 * 5 * (6 * (n - head) + 12 * 2 * 8 * 5) + 2 * 2 * 6 * head
+    dpo_model, _ = train.flops_per_step(c, n, head, [batch], forward_passes=4.0)
+    assert dpo_model == 8 * (8 * n + 16 * 2 * 8 * 5)
+    # GPT-2 124M: 124,439,808 unique parameters; N drops the 1024 x 768 position table (and wte without a head)
+    gpt2 = PRESETS["gpt2"]
+    assert train.matmul_params(gpt2, 124_439_808, lm_head=True) == (124_439_808 - 786_432, 50257 * 768)
+    assert train.matmul_params(gpt2, 124_439_808 - 50257 * 768, lm_head=False)[0] == 124_439_808 - 786_432 - 2 * 50257 * 768
+
+
+def test_table_and_result_rules():
+    cfg = SAMPLER
+    rows = [common.result("a", "x", 1234.5, "tok/s", config=cfg), common.skipped("b", "y", "why not", config=cfg)]
+    table = common.format_table(rows)
+    assert "1,234" in table and "not measured: why not" in table and rows[0]["config_name"] == "test-sampler"
+    with pytest.raises(ValueError, match="non-finite"):
+        common.result("a", "nan", float("nan"), "s")
+
+
+def test_char_tokenizer_keeps_token_ids():
+    pytest.importorskip("tokenizers")
+    tok = trl_grpo.char_tokenizer()
+    ids = [0, 198, 50255, 17, 17, 40000]
+    text = trl_grpo.ids_to_text(ids)
+    assert tok(text)["input_ids"] == ids
+    assert tok.decode(ids) == text
+    assert tok(text + "<|endoftext|>")["input_ids"] == ids + [50256]
+
+
+@pytest.mark.slow
+def test_trl_child(one_thread):
+    pytest.importorskip("trl")
+    rows = trl_grpo.run_trl(TRL, torch.device("cpu"))
+    assert rows[0]["value"] is not None, rows[0]["note"]
+    assert rows[0]["value"] > 0 and len(rows[0]["measurements"]["step_seconds"]) == TRL.repeats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_benchmarks_on_gpu(tmp_path, fresh_process_group):
+    device = torch.device("cuda")
+    rows = sampler.bench_config(dataclasses.replace(SAMPLER, dtype="bf16"), device, tmp_path)
+    assert by_name(rows, "sampler", "max |logit diff| ours vs transformers")["value"] < 0.1  # bf16 rounding
+    m = grpo_step.measure_steps(GRPO, device)
+    assert m["peak_memory_what"] == "torch.cuda.max_memory_allocated" and m["peak_memory_bytes"] > 0
+    for r in train.run(device, quick=True, cfgs=[TRAIN]):
+        assert r["value"] is None or math.isfinite(r["value"])

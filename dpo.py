@@ -8,7 +8,9 @@ With h = log pi(y_w|x)/pi_ref(y_w|x) - log pi(y_l|x)/pi_ref(y_l|x), the log-prob
     sigmoid (DPO, eq. 7; cDPO with label smoothing eps): -(1-eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
     ipo     (Azar et al. 2023, eq. 17):                   (h - 1/(2 beta))^2
 The reference is a frozen copy of the starting policy (or --reference): its log-probs are computed under
-torch.no_grad and it has no optimizer state. Losses are summed over pairs and divided by the global batch
+torch.no_grad and it has no optimizer state. With --lora_rank r only LoRA adapters train (model/lora.py) and the
+reference is the policy itself with its adapters switched off: the frozen base weights are the starting policy,
+so no second copy is kept. Losses are summed over pairs and divided by the global batch
 size in pairs, so the gradient is the same for any world size and micro-batch size. Logged: loss, implicit
 reward accuracy (beta * log pi/pi_ref of chosen above rejected; ties count half), margins, chosen/rejected
 rewards, and the validation preference accuracy with its bootstrap interval.
@@ -26,6 +28,7 @@ import torch
 from data.tldr import PREF_COLUMNS, PreferenceDataset, ShardedLoader, collate_pairs, load_rows
 from data.tokenizer import get_tokenizer
 from evaluate import build_eval_set, evaluate_policy, policy_logps, response_logprobs
+from model.lora import AdaptersOff, LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config
 from sft import accumulation_steps
 from utils.checkpoint import export_hf, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
@@ -40,14 +43,15 @@ from utils.stats import pair_outcomes
 
 
 @dataclass
-class Config:
+class Config(LoRAConfig):  # --lora_rank, --lora_alpha, --lora_dropout, --lora_targets (model/lora.py)
     model: str = "runs/sft/hf"
     """Starting policy: an SFT export (Hugging Face-format folder), a hub name (gpt2, ...), or with
     --random_init a preset (tiny, small, gpt2, ...)."""
     random_init: bool = False
     """Start from random GPT-2 initialisation of the preset named by --model instead of loading weights."""
     reference: str = ""
-    """Frozen reference policy; empty: a copy of the starting policy (the usual choice)."""
+    """Frozen reference policy; empty: the starting policy (the usual choice): a frozen copy of it, or with LoRA the
+    policy's own base weights (adapters off, no copy)."""
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid: DPO (with --label_smoothing, cDPO); ipo: IPO's squared loss."""
     beta: float = 0.1
@@ -113,9 +117,11 @@ class Config:
     dtype: str = "auto"
     """Policy compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU). Gradients are reduced in fp32."""
     reference_dtype: str = "auto"
-    """Dtype the frozen reference is stored and run in: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU)."""
+    """Dtype the frozen reference is stored and run in: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU). Unused with
+    LoRA and no --reference (the reference is then the policy's base weights)."""
     reference_cpu_offload: bool = False
-    """Keep the reference's FSDP shards in CPU memory between forward passes (needs a GPU)."""
+    """Keep the reference's FSDP shards in CPU memory between forward passes (needs a GPU). Unused with LoRA and no
+    --reference."""
     activation_checkpointing: bool = False
     """Recompute the policy's block activations in backward to save memory."""
     wandb_mode: str = "auto"
@@ -127,6 +133,7 @@ class Config:
 
     def validate(self) -> None:
         require_nonempty(self, "model", "train_data", "out_dir")
+        self.validate_lora()
         for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len", "keep_last"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
@@ -165,9 +172,11 @@ def pair_losses(policy, reference, batch: dict, loss_fn, beta: float, device) ->
     statistics summed over the batch (6,): loss, implicit-reward accuracy, chosen reward, rejected reward,
     policy log-prob of chosen, of rejected (rewards are beta * log pi/pi_ref, summed over response tokens)."""
     B = batch["n_pairs"]
-    logps = response_logprobs(policy, batch, device)  # (2B,)
+    # the reference first: with LoRA it is the policy's own FSDP modules (adapters off), whose no-grad forward
+    # should not sit between the policy's forward and its backward
     with torch.no_grad():  # the reference is frozen: no graph, no gradient
         ref_logps = response_logprobs(reference, batch, device)  # (2B,)
+    logps = response_logprobs(policy, batch, device)  # (2B,)
     policy_chosen, policy_rejected = logps[:B], logps[B:]
     ref_chosen, ref_rejected = ref_logps[:B], ref_logps[B:]
     losses = loss_fn(policy_chosen, policy_rejected, ref_chosen, ref_rejected)  # (B,)
@@ -209,7 +218,7 @@ def main(cfg: Config) -> dict:
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "policy")
     if cfg.reference:
         check_context(model_config(cfg.reference), cfg.max_prompt_len, cfg.max_response_len, "reference")
-    meta = {"stage": "dpo", "model_config": model_cfg.to_dict()}
+    meta = {"stage": "dpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()}
     run_dir = Path(cfg.out_dir)
     ckpt = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
     torch.manual_seed(cfg.seed)
@@ -233,19 +242,33 @@ def main(cfg: Config) -> dict:
         )
     total_steps = cfg.steps or max(1, loader.batches_per_epoch // accum)
 
-    # 3. policy and frozen reference (copied before sharding, so a random init is shared), FSDP, optimizer
+    # 3. policy (with LoRA: frozen, plus trainable adapters) and frozen reference: --reference, or the starting
+    #    policy, copied before sharding (so a random init is shared), or with LoRA the policy with adapters off;
+    #    FSDP; optimizer over the trainable parameters
     policy = build_policy(cfg.model, cfg.random_init)
-    reference = build_policy(cfg.reference) if cfg.reference else copy.deepcopy(policy)
-    reference.requires_grad_(False)
-    reference.eval()
-    ref_dtype = resolve_dtype(cfg.reference_dtype, device)
-    if ref_dtype is not None:
-        reference.to(ref_dtype)  # stored in bf16, not only computed in it: half the memory
-    shard_model(reference, None, cpu_offload=cfg.reference_cpu_offload)
-    if not cfg.reference_cpu_offload:
-        reference.to(device)
+    if cfg.reference:
+        reference = build_policy(cfg.reference)
+    elif cfg.lora_enabled:
+        reference = None  # AdaptersOff(policy), once the policy is sharded
+    else:
+        reference = copy.deepcopy(policy)
+    if cfg.lora_enabled:
+        apply_lora(policy, cfg)
+    if rank == 0:
+        print(f"dpo: {trainable_summary(policy)}")
+    if reference is not None:
+        reference.requires_grad_(False)
+        reference.eval()
+        ref_dtype = resolve_dtype(cfg.reference_dtype, device)
+        if ref_dtype is not None:
+            reference.to(ref_dtype)  # stored in bf16, not only computed in it: half the memory
+        shard_model(reference, None, cpu_offload=cfg.reference_cpu_offload)
+        if not cfg.reference_cpu_offload:
+            reference.to(device)
     shard_model(policy, resolve_dtype(cfg.dtype, device), activation_checkpointing=cfg.activation_checkpointing)
     policy.to(device)
+    if reference is None:
+        reference = AdaptersOff(policy)
     optimizer = build_optimizer(policy, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     loss_fn = preference_loss_fn(cfg)

@@ -1,18 +1,24 @@
-"""GRPO: Group Relative Policy Optimization of a GPT-2 policy against a reward model on Reddit TL;DR prompts.
+"""GRPO: Group Relative Policy Optimization of a GPT-2 policy on Reddit TL;DR prompts, against a reward model, reward
+functions of the text, or a weighted sum of both.
 
     torchrun --nproc_per_node=2 grpo.py                              # policy runs/sft/hf, reward model runs/rm/hf
     python grpo.py --policy runs/sft/hf --reward_model runs/rm/hf    # one device
-    python grpo.py --help                                            # every option (grouped in docs/grpo.md)
+    python grpo.py --rewards "gold_reward + 0.5*format" --lora_rank 8 --policy_epochs 2   # no reward model at all
+    python grpo.py --help                                            # every option (docs/grpo.md, docs/lora_rewards.md)
 
 One step (DeepSeekMath, arXiv 2402.03300, section 4), as the numbered stages of main():
 
     1. sample prompts     prompts_per_step prompts, split over ranks
     2. generate           G = num_samples responses per prompt; the prompt's KV cache is shared by its group
-    3. score              reward model on prompt + response; penalty for no end token in raw RM units; gain/bias
+    3. score              every reward source (--rewards) on the samples it applies to: the reward model (penalty
+                          for no end token in raw RM units, then gain/bias) and functions of the text (whitened
+                          over the global batch); their weighted sum is the reward (utils/rewards.py)
     4. select             K = num_kept of G per prompt (RSO rejection sampling at temperature beta_rs, ...)
     5. advantages         group normalization over the K selected, then over the whole batch across ranks
-    6. reference          log-probs of the selected responses under the frozen reference policy
-    7. update             clipped ratio + beta * k3 KL, response tokens only, loss / global normaliser, mu epochs
+    6. reference          log-probs of the selected responses under the frozen reference policy (with LoRA: the
+                          policy with its adapters off); refreshed from the policy every --ref_refresh_every steps
+    7. update             clipped ratio + beta * k3 KL - entropy_coef * entropy, response tokens only, loss / global
+                          normaliser; mu = --policy_epochs optimizer steps per batch of rollouts
     8. log, evaluate, checkpoint
 
 The math (selection, advantages, loss, aggregation) lives in utils/grpo.py, one pure function per variant.
@@ -22,7 +28,6 @@ the same samples and losses bit for bit.
 
 import copy
 import hashlib
-import importlib
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -33,17 +38,37 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, DataError, PromptDataset, ShardedLoader, load_rows, pad_prompts
+from data.tldr import (
+    PREF_COLUMNS,
+    PROMPT_COLUMNS,
+    DataError,
+    PromptDataset,
+    ShardedLoader,
+    load_optional_column,
+    load_rows,
+    pad_prompts,
+)
 from data.tokenizer import END_ID, get_tokenizer
 from evaluate import build_eval_set, evaluate_policy, policy_logps
 from model.sampler import SampleOutput, generate, process_logits, processed_logprobs
+from model.lora import AdaptersOff, LoRAConfig, apply_lora, has_lora, merge_adapters_, trainable_summary
 from model.weights import build_policy, build_reward_model, model_config
-from utils.checkpoint import export_hf, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
+from utils.checkpoint import (
+    export_hf,
+    find_checkpoint,
+    full_model_state,
+    load_checkpoint,
+    restore_loader,
+    save_checkpoint,
+    set_full_model_state,
+    update_best,
+)
 from utils.config import ConfigError, check_context, config_to_dict, parse_config, require_nonempty
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
 from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
 from utils.grpo import (
     AGGREGATIONS,
+    entropy_bonus,
     global_normalize,
     group_center,
     group_normalize,
@@ -58,23 +83,35 @@ from utils.grpo import (
 from utils.guard import NonFiniteGuard, StopSignal, check_rewards, exit_on_error
 from utils.logging import Logger, progress
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
+from utils.rewards import (
+    REWARD_MODEL,
+    RewardSource,
+    combine_sources,
+    load_function,
+    normalize_sources,
+    parse_rewards,
+    row_sources,
+    score_functions,
+    source_stats,
+)
 
 
 @dataclass
-class Config:
+class Config(LoRAConfig):  # --lora_rank, --lora_alpha, --lora_dropout, --lora_targets (model/lora.py)
     # --- models
     policy: str = "runs/sft/hf"
-    """Starting policy, also the frozen reference: a Hugging Face-format folder (sft.py's hf/), a hub name, or
-    with --policy_random_init a preset (tiny, small, gpt2, ...)."""
+    """Starting policy, also the frozen reference (with LoRA: the policy's own base weights, adapters off): a
+    Hugging Face-format folder (sft.py's hf/), a hub name, or with --policy_random_init a preset (tiny, small, ...)."""
     policy_random_init: bool = False
     """Random GPT-2 initialisation of the preset named by --policy (tests and smoke runs)."""
     reward_model: str = "runs/rm/hf"
     """Reward model: reward_model.py's hf/ folder (its gain/bias come from reward_normalization.json), or with
-    --reward_random_init a preset."""
+    --reward_random_init a preset. Loaded only when --rewards names reward_model."""
     reward_random_init: bool = False
     """Random reward model of the preset named by --reward_model, gain 1 and bias 0 (tests and smoke runs)."""
     cpu_offload: bool = False
-    """Keep the frozen reference and reward model's sharded parameters on the CPU between uses (needs a GPU)."""
+    """Keep the frozen reference and reward model's sharded parameters on the CPU between uses (needs a GPU). With
+    LoRA the reference is the policy itself and is not offloaded."""
     # --- data
     train_data: str = "trl-lib/tldr"
     """Training prompts (column prompt): a hub dataset name, a .jsonl/.parquet file, or a folder of them."""
@@ -104,6 +141,19 @@ class Config:
     gen_prompts: int = 16
     """Prompts per generation call on each rank (x num_samples sequences in the KV cache)."""
     # --- rewards and selection
+    rewards: str = "reward_model"
+    """The training reward, "+"-joined terms [WEIGHT*]SOURCE; a SOURCE is reward_model (--reward_model), a built-in
+    function (format, length, gold_reward) or a "module:function" of (prompt text, response text) -> number, e.g.
+    "reward_model + 0.5*format" or "gold_reward" (then no reward model is loaded). Each source is normalized on
+    its own, then weighted and summed (utils/rewards.py, docs/lora_rewards.md)."""
+    reward_column: str = "reward_fns"
+    """Optional column of --train_data / --val_data naming, per row, the sources that apply to it ("gold_reward,
+    format" or a list of names); rows without it, or a dataset without the column, get every source."""
+    normalize_reward_fns: bool = True
+    """Whiten each reward function's values over the step's global batch (all samples it applies to, all ranks)
+    before weighting; false uses their raw values. The reward model keeps its own gain/bias normalization."""
+    reward_length_target: int = 24
+    """Words the built-in `length` reward function aims at (0 at the target, -1 at none or twice as many)."""
     missing_end_penalty: float = 1.0
     """Subtracted from the *raw* reward-model score of a response without an end token, before the gain/bias
     normalization (so gain * penalty in normalized units)."""
@@ -130,7 +180,14 @@ class Config:
     beta: float = 0.04
     """Weight of the k3 KL to the reference policy (also the beta of the implicit reward in evaluation)."""
     policy_epochs: int = 1
-    """mu: optimizer steps over each batch. 1: the old log-probs are the detached current ones (ratio 1)."""
+    """mu: optimizer steps over each batch of rollouts. The ratio's old log-probs are the sampling policy's,
+    computed once before the first step (ratio exactly 1 there); 1: the detached current ones (ratio 1 in value)."""
+    ref_refresh_every: int = 0
+    """Make the current policy the new reference every N steps (with LoRA: merge the adapters into the base
+    weights); the KL term is exactly 0 right after. 0 keeps the starting policy as reference."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: subtract entropy_coef x the token entropy of the (temperature / top-k / top-p processed)
+    policy from the loss, aggregated like the loss; 0 disables."""
     # --- optimisation
     prompts_per_step: int = 256
     """Global prompts per step, over all ranks (x num_kept sequences in the update)."""
@@ -162,8 +219,8 @@ class Config:
     pref_max_response_len: int = 64
     """Tokens kept of each preference response, the end token included."""
     gold_reward_fn: str = ""
-    """Optional "module:function" of (prompt text, response text) -> float, logged (never trained on) as
-    reward/gold_mean over every step's samples, e.g. data.synthetic:gold_reward for the embedded task."""
+    """Optional "module:function" of (prompt text, response text) -> float, logged (never trained on, unless it is
+    also in --rewards) as reward/gold_mean over every step's samples, e.g. data.synthetic:gold_reward."""
     table_every: int = 20
     """Log a table of sample responses every N steps; 0 disables."""
     table_prompts: int = 2
@@ -209,8 +266,17 @@ class Config:
         """K actually kept per prompt."""
         return self.num_samples if self.selection == "all" else self.num_kept
 
+    @property
+    def uses_reward_model(self) -> bool:
+        return any(s.fn is None for s in parse_rewards(self.rewards, self.reward_length_target))
+
     def validate(self) -> None:
-        require_nonempty(self, "policy", "reward_model", "train_data", "out_dir")
+        require_nonempty(self, "policy", "rewards", "train_data", "out_dir")
+        if self.uses_reward_model:  # also parses --rewards (and imports its functions): a typo fails here
+            require_nonempty(self, "reward_model")
+        self.validate_lora()
+        if self.ref_refresh_every < 0 or self.entropy_coef < 0 or self.reward_length_target <= 0:
+            raise ConfigError("--ref_refresh_every and --entropy_coef must be >= 0 and --reward_length_target > 0")
         for name in ("save_every", "grad_clip", "warmup_steps", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
@@ -393,9 +459,9 @@ def policy_update(
     weigh = AGGREGATIONS[cfg.loss_type]
     weights = [weigh(b["response_mask"], cfg.max_new_tokens) for b in batches]
     normaliser = all_reduce_sum(sum(z for _, z in weights).to(device).double()).float()
-    # sums over epochs: loss, kl, clipped tokens, entropy, |logp - sampler logp|, tokens outside the top-k/top-p
-    # set of the training forward, response tokens
-    sums = torch.zeros(7, dtype=torch.float64, device=device)
+    # sums per epoch: loss, kl, clipped tokens, entropy, |logp - sampler logp|, tokens outside the top-k/top-p
+    # set of the training forward, response tokens, |ratio - 1|
+    sums = torch.zeros(cfg.policy_epochs, 8, dtype=torch.float64, device=device)
     grad_norm, skipped = 0.0, 0
     for epoch in range(cfg.policy_epochs):
         epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
@@ -404,22 +470,27 @@ def policy_update(
             mask = batch["response_mask"]
             logits = response_logits(policy, batch)  # (n, R, V)
             logp = processed_logprobs(logits, batch["response_ids"], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-            # mu = 1: old = current, detached, so the ratio is 1 in value and d ratio = d logp (trl PR #2565)
+            # mu = 1: old = current, detached, so the ratio is 1 in value and d ratio = d logp (trl PR #2565);
+            # mu > 1: the sampling policy's log-probs, so the ratio moves away from 1 after the first step
             old = logp.detach() if cfg.policy_epochs == 1 else batch["old_logprobs"]
             loss_NT, stats = grpo_token_loss(
                 logp, old, batch["ref_logprobs"], batch["advantages"], mask, cfg.eps_low, cfg.eps_high, cfg.beta
             )
+            # the entropy of what is sampled: temperature, top-k and top-p applied (differentiable when it is a bonus)
+            with nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
+                entropy = token_entropy(process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p))  # (n, R)
+            if cfg.entropy_coef > 0:
+                loss_NT = entropy_bonus(loss_NT, entropy, mask, cfg.entropy_coef)
             loss = (w * loss_NT).sum()
             (loss * world / normaliser).backward()
             epoch_loss += loss.detach().double()
             with torch.no_grad():
-                entropy = token_entropy(process_logits(logits.detach(), cfg.temperature, cfg.top_k, cfg.top_p))
                 in_support = mask & torch.isfinite(logp)
                 gap = torch.where(in_support, (logp.detach() - batch["sampler_logprobs"]).abs(), 0.0)
-                sums += torch.stack([
+                sums[epoch] += torch.stack([
                     loss.detach().double(), stats["kl"].sum().double(), stats["clipped"].sum().double(),
-                    (entropy * mask).sum().double(), gap.sum().double(), (mask & ~in_support).sum().double(),
-                    mask.sum().double(),
+                    (entropy.detach() * mask).sum().double(), gap.sum().double(), (mask & ~in_support).sum().double(),
+                    mask.sum().double(), stats["ratio_deviation"].sum().double(),
                 ])
         epoch_grad_norm = clip_grad_norm(policy, cfg.grad_clip)
         grad_norm += epoch_grad_norm
@@ -429,12 +500,14 @@ def policy_update(
         else:
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
-    loss, kl, clipped, entropy, gap, outside, tokens = all_reduce_sum(sums).tolist()
+    per_epoch = all_reduce_sum(sums)  # (mu, 8)
+    loss, kl, clipped, entropy, gap, outside, tokens, ratio_dev = per_epoch.sum(0).tolist()
     mu = cfg.policy_epochs
-    return {
+    metrics = {
         "train/loss": loss / float(normaliser) / mu,
         "train/kl": kl / tokens,
         "train/clip_fraction": clipped / tokens,
+        "train/ratio_deviation": ratio_dev / tokens,
         "train/entropy": entropy / tokens,
         "train/logprob_gap_to_sampler": gap / tokens,
         "train/outside_top_k_p_fraction": outside / tokens,
@@ -442,6 +515,12 @@ def policy_update(
         "train/lr": scheduler.get_last_lr()[0],
         "train/skipped": skipped / mu,
     }
+    if mu > 1:  # how far each update moved from the sampling policy: epoch 1 is exactly 0
+        for epoch, e in enumerate(per_epoch.tolist(), start=1):
+            metrics[f"train/epoch_{epoch}/clip_fraction"] = e[2] / e[6]
+            metrics[f"train/epoch_{epoch}/ratio_deviation"] = e[7] / e[6]
+            metrics[f"train/epoch_{epoch}/kl"] = e[1] / e[6]
+    return metrics
 
 
 def global_mean_std(x: torch.Tensor) -> tuple[float, float]:
@@ -460,23 +539,103 @@ def all_reduce_max(x: float, device) -> float:
     return float(t)
 
 
+@dataclass
+class PromptSet:
+    """Prompts of this rank with what the reward sources need: token ids (B, P) left-padded, texts, dataset rows
+    (for error messages) and which sources apply to each prompt (B, S)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    texts: list[str]
+    rows: list[int]
+    applies: torch.Tensor
+
+
+def source_applies(cfg: Config, data: str, split: str, n_rows: int, sources: list[RewardSource]) -> torch.Tensor:
+    """(n_rows, S) bool: the sources each row of `data` names in its --reward_column; every source without one."""
+    column = load_optional_column(data, split, cfg.reward_column) if cfg.reward_column else None
+    if column is None:
+        return torch.ones(n_rows, len(sources), dtype=torch.bool)
+    if len(column) != n_rows:
+        raise DataError(f"{data}[{split}]: {len(column)} values in column {cfg.reward_column!r} for {n_rows} rows")
+    return row_sources(column, sources, f"{data}[{split}] column {cfg.reward_column!r}")
+
+
 @torch.no_grad()
-def evaluate_summaries(policy, reward_model, prompt_ids, prompt_mask, cfg: Config, step: int, rank: int, device) -> dict:
-    """Mean reward-model score of one greedy (or sampled) summary per validation prompt, over all ranks."""
+def score_sources(
+    sources: list[RewardSource], reward_model, prompts: PromptSet, samples: SampleOutput, group: int, cfg: Config, tok,
+    where: str,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(values (N, S) fp64, raw reward-model scores (N,) or None, applies (N, S)) of N = B * group samples, row n
+    belonging to prompt n // group. Function columns hold the functions' values on the samples they apply to (0
+    elsewhere); the reward-model column is left 0 for the caller, which adds the penalty and gain/bias to `raw`.
+    The reward model scores every sample (a column of 0s where it does not apply)."""
+    device = prompts.ids.device
+    N = samples.response_ids.shape[0]
+    applies = prompts.applies.repeat_interleave(group, 0)  # (N, S)
+    values = torch.zeros(applies.shape, dtype=torch.float64)
+    if any(s.fn is not None for s in sources):
+        of = [n // group for n in range(N)]
+        values = score_functions(
+            sources, applies, [prompts.texts[b] for b in of], decode_responses(tok, samples), [prompts.rows[b] for b in of],
+            where,
+        )
+    raw = None
+    if reward_model is not None:
+        raw = score(reward_model, prompts.ids, prompts.mask, samples, group, cfg.score_micro_batch_size)  # (N,)
+    return values.to(device), raw, applies.to(device)
+
+
+def reward_model_column(sources: list[RewardSource]) -> int | None:
+    return next((i for i, s in enumerate(sources) if s.name == REWARD_MODEL), None)
+
+
+@torch.no_grad()
+def evaluate_summaries(
+    policy, reward_model, sources: list[RewardSource], val: PromptSet, cfg: Config, step: int, rank: int, device, tok,
+) -> dict:
+    """One greedy (or sampled) summary per validation prompt, scored by every source, over all ranks.
+
+    eval/reward: the weighted sum of the sources' values before any batch whitening (reward model: gain/bias
+    normalized, no penalty; functions: raw); eval/reward_penalized: the reward model's with the missing-end penalty;
+    eval/reward_<name>: each function's mean over the prompts it applies to."""
     generator = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, step, rank, "eval"))
-    samples = rollout(policy, prompt_ids, prompt_mask, cfg, 1, generator, greedy=cfg.eval_greedy)
-    raw = score(reward_model, prompt_ids, prompt_mask, samples, 1, cfg.score_micro_batch_size)
-    normalized = reward_model.normalize(raw)
-    penalized = reward_model.normalize(penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty))
-    count = torch.tensor(float(raw.numel()), device=device, dtype=torch.float64)
+    samples = rollout(policy, val.ids, val.mask, cfg, 1, generator, greedy=cfg.eval_greedy)
+    values, raw, applies = score_sources(sources, reward_model, val, samples, 1, cfg, tok, f"{cfg.val_data}[{cfg.val_split}]")
+    penalized = torch.zeros(values.shape[0], device=device)
+    rm = reward_model_column(sources)
+    if rm is not None:
+        values[:, rm] = reward_model.normalize(raw).double()
+        penalized = reward_model.normalize(penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty))
+    weights = torch.tensor([s.weight for s in sources], dtype=torch.float64)
+    total = combine_sources(torch.where(applies, values, 0.0), weights)  # (n,)
+    count_S, mean_S, _ = source_stats(values, applies, all_reduce_sum)
+    count = torch.tensor(float(values.shape[0]), device=device, dtype=torch.float64)
     n, r, rp, end, length = all_reduce_sum(torch.stack([
-        count, normalized.double().sum(), penalized.double().sum(), samples.has_end.double().sum(),
-        samples.response_mask.double().sum(),
+        count, total.sum(), penalized.double().sum(), samples.has_end.double().sum(), samples.response_mask.double().sum(),
     ])).tolist()
-    return {
-        "eval/reward": r / n, "eval/reward_penalized": rp / n, "eval/end_fraction": end / n,
-        "eval/response_length": length / n,
-    }
+    out = {"eval/reward": r / n, "eval/end_fraction": end / n, "eval/response_length": length / n}
+    if rm is not None:
+        out["eval/reward_penalized"] = rp / n
+    for i, source in enumerate(sources):
+        if source.fn is not None and count_S[i] > 0:
+            out[f"eval/reward_{source.name}"] = float(mean_S[i])
+    return out
+
+
+@torch.no_grad()
+def refresh_reference(policy, reference) -> None:
+    """The reference becomes the current policy. With LoRA (the reference is the policy with adapters off) the
+    adapters are merged into the base weights and B is zeroed; otherwise every parameter shard of the policy is
+    copied into the reference's, which FSDP sharded alike (same model, same ranks). Outside forward only."""
+    if isinstance(reference, AdaptersOff):
+        merge_adapters_(policy)
+        return
+    for (name, p), (ref_name, q) in zip(policy.named_parameters(), reference.named_parameters(), strict=True):
+        if name != ref_name:
+            raise RuntimeError(f"reference parameter {ref_name} does not match the policy's {name}")
+        local = p.to_local() if hasattr(p, "to_local") else p
+        (q.to_local() if hasattr(q, "to_local") else q).copy_(local)
 
 
 class StageTimer:
@@ -497,29 +656,19 @@ class StageTimer:
         self.seconds[name] += time.perf_counter() - t0
 
 
-def sample_table(tok, prompts, samples: SampleOutput, rows_BK, raw, rewards, advantages, cfg: Config) -> list[list]:
-    """Rows of the sample table: the first cfg.table_prompts prompts of this rank with their selected samples."""
+def sample_table(tok, prompts, samples: SampleOutput, rows_BK, values, applies, rewards, advantages, cfg: Config) -> list[list]:
+    """Rows of the sample table: the first cfg.table_prompts prompts of this rank with their selected samples: the
+    prompt, the response, each source's value (None where it does not apply), the reward, the advantage, has_end."""
     table = []
     for b in range(min(cfg.table_prompts, rows_BK.shape[0])):
         for j, n in enumerate(rows_BK[b].tolist()):
             ids = samples.response_ids[n][samples.response_mask[n]].tolist()
             table.append([
-                tok.decode(prompts[b]), tok.decode(ids), float(raw[n]), float(rewards[n]),
-                float(advantages[b * rows_BK.shape[1] + j]), bool(samples.has_end[n]),
+                tok.decode(prompts[b]), tok.decode(ids),
+                *(float(v) if a else None for v, a in zip(values[n].tolist(), applies[n].tolist())),
+                float(rewards[n]), float(advantages[b * rows_BK.shape[1] + j]), bool(samples.has_end[n]),
             ])
     return table
-
-
-def load_function(path: str):
-    """The function named by "module:function", with a clear error when it cannot be found."""
-    module_name, _, name = path.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"--gold_reward_fn: cannot load function '{path}' (expected module:function): {e}") from None
-    if not callable(fn):
-        raise ConfigError(f"--gold_reward_fn: '{path}' is not callable")
-    return fn
 
 
 def decode_responses(tok, samples: SampleOutput) -> list[str]:
@@ -546,35 +695,44 @@ def main(cfg: Config) -> dict:
     rank, world, device = dist_info.rank, dist_info.world_size, dist_info.device
     prompts_per_rank, n_micro = per_rank_sizes(cfg, world)
     G, K = cfg.num_samples, cfg.kept
-    gold_reward = load_function(cfg.gold_reward_fn) if cfg.gold_reward_fn else None
+    gold_reward = load_function(cfg.gold_reward_fn, "--gold_reward_fn") if cfg.gold_reward_fn else None
+    sources = parse_rewards(cfg.rewards, cfg.reward_length_target)  # the reward model and/or functions
+    rm_column = reward_model_column(sources)
     model_cfg = model_config(cfg.policy, cfg.policy_random_init)
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "policy")
     if cfg.pref_data and cfg.eval_every >= 0:
         check_context(model_cfg, cfg.max_prompt_len, cfg.pref_max_response_len, "policy")
-    rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init)
-    check_context(rm_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "reward model")
-    meta = {"stage": "grpo", "model_config": model_cfg.to_dict()}
+    if rm_column is not None:
+        rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init)
+        check_context(rm_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "reward model")
+    meta = {"stage": "grpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()}
     run_dir = Path(cfg.out_dir)
     ckpt = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
     torch.manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, device)
 
-    # set-up: data; training prompts sharded per rank; validation prompts and preference pairs split over ranks
+    # set-up: data; training prompts sharded per rank, with the reward sources that apply to each row; validation
+    # prompts and preference pairs split over ranks
     tok = get_tokenizer()
     train_rows = load_rows(cfg.train_data, cfg.train_split, PROMPT_COLUMNS)
-    train = PromptDataset(train_rows, tok, cfg.max_prompt_len, name=f"{cfg.train_data}[{cfg.train_split}]")
+    train_name = f"{cfg.train_data}[{cfg.train_split}]"
+    train = PromptDataset(train_rows, tok, cfg.max_prompt_len, name=train_name)
+    train_applies = source_applies(cfg, cfg.train_data, cfg.train_split, len(train), sources)  # (rows, S)
     loader = ShardedLoader(len(train), prompts_per_rank, rank, world, cfg.seed, collate=lambda idx: idx)
     total_steps = cfg.steps or loader.batches_per_epoch
     val_prompts = pref_set = None
     if cfg.val_data and cfg.eval_every >= 0 and cfg.eval_prompts > 0:
-        val_rows = load_rows(cfg.val_data, cfg.val_split, PROMPT_COLUMNS)[: cfg.eval_prompts]
+        val_rows = load_rows(cfg.val_data, cfg.val_split, PROMPT_COLUMNS)
+        val_applies = source_applies(cfg, cfg.val_data, cfg.val_split, len(val_rows), sources)[: cfg.eval_prompts]
+        val_rows = val_rows[: cfg.eval_prompts]
         per_rank = len(val_rows) // world  # the same number on every rank: the evaluation ends in collectives
         if per_rank == 0:
             raise DataError(f"{cfg.val_data}[{cfg.val_split}]: {len(val_rows)} validation prompts cannot be split over "
                             f"{world} ranks; use more rows, or --eval_prompts 0 to skip the summary evaluation")
-        val_rows = val_rows[rank * per_rank : (rank + 1) * per_rank]
-        val = PromptDataset(val_rows, tok, cfg.max_prompt_len, name=f"{cfg.val_data}[{cfg.val_split}]")
-        val_prompts = tuple(t.to(device) for t in pad_prompts(val.prompts))
+        mine = range(rank * per_rank, (rank + 1) * per_rank)
+        val = PromptDataset([val_rows[i] for i in mine], tok, cfg.max_prompt_len, name=f"{cfg.val_data}[{cfg.val_split}]")
+        val_ids, val_mask = (t.to(device) for t in pad_prompts(val.prompts))
+        val_prompts = PromptSet(val_ids, val_mask, val.texts, list(mine), val_applies[rank * per_rank : (rank + 1) * per_rank])
     if cfg.pref_data and cfg.eval_every >= 0:
         pref_rows = load_rows(cfg.pref_data, cfg.pref_split, PREF_COLUMNS)
         pref_rows = pref_rows[: cfg.pref_pairs] if cfg.pref_pairs else pref_rows
@@ -583,16 +741,27 @@ def main(cfg: Config) -> dict:
             name=f"{cfg.pref_data}[{cfg.pref_split}]",
         )
 
-    # set-up: models; the policy (trained), its frozen copy as reference, the frozen reward model; all FSDP-sharded
+    # set-up: models, all FSDP-sharded: the policy (trained; with LoRA frozen plus trainable adapters), the reference
+    # (a frozen copy of the starting weights, random init included; with LoRA the policy with adapters off, no
+    # copy), the frozen reward model (only when --rewards uses it)
     policy = build_policy(cfg.policy, cfg.policy_random_init)
-    reference = freeze(copy.deepcopy(policy))  # before any update: the starting weights, random init included
-    reward_model = freeze(build_reward_model(cfg.reward_model, cfg.reward_random_init))
+    reference = None if cfg.lora_enabled else freeze(copy.deepcopy(policy))
+    if cfg.lora_enabled:
+        apply_lora(policy, cfg)
+    reward_model = freeze(build_reward_model(cfg.reward_model, cfg.reward_random_init)) if rm_column is not None else None
+    if rank == 0:
+        print(f"grpo: {trainable_summary(policy)}; rewards: " + " + ".join(f"{s.weight:g}*{s.name}" for s in sources))
     shard_model(policy, dtype, activation_checkpointing=cfg.activation_checkpointing)
     policy.to(device)
     for frozen in (reference, reward_model):
+        if frozen is None:
+            continue
         shard_model(frozen, dtype, cpu_offload=cfg.cpu_offload)
         if not cfg.cpu_offload:
             frozen.to(device)
+    if reference is None:
+        reference = AdaptersOff(policy)
+    save_reference = cfg.ref_refresh_every > 0 and not has_lora(policy)  # with LoRA the model state holds it
     optimizer = build_optimizer(policy, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps * cfg.policy_epochs, cfg.min_lr_ratio)
 
@@ -603,6 +772,8 @@ def main(cfg: Config) -> dict:
         state = load_checkpoint(ckpt, policy, optimizer, scheduler, meta, rank)
         step, best = state["step"], state["extra"].get("best")
         restore_loader(loader, ckpt, state["extra"])
+        if save_reference and "reference" in state["extra"]:  # a refreshed reference (full fine-tuning)
+            set_full_model_state(reference, state["extra"]["reference"])
         if rank == 0:
             print(f"resumed from {ckpt} at step {step}")
 
@@ -617,12 +788,15 @@ def main(cfg: Config) -> dict:
     def evaluate_now(step: int) -> dict:
         out = {}
         if val_prompts is not None:
-            out.update(evaluate_summaries(policy, reward_model, *val_prompts, cfg, step, rank, device))
+            out.update(evaluate_summaries(policy, reward_model, sources, val_prompts, cfg, step, rank, device, tok))
         if pref_set is not None:
             pref = evaluate_policy(policy, ref_pref_logps, pref_set, cfg.beta, device)
             out.update({f"eval/pref_{k}": v for k, v in pref.items()})
         return out
 
+    weights_S = torch.tensor([s.weight for s in sources], dtype=torch.float64)
+    normalize_S = torch.tensor([s.fn is not None and cfg.normalize_reward_fns for s in sources])
+    per_row_sources = not bool(train_applies.all())  # a reward column: log the share of samples each source scores
     best_metric = cfg.best_metric
     if best_metric == "eval/reward" and val_prompts is None:  # the default, without the summary evaluation
         best_metric = "eval/pref_accuracy" if pref_set is not None else ""
@@ -640,24 +814,41 @@ def main(cfg: Config) -> dict:
             t_step = time.perf_counter()
             generator = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, step, rank, "rollout"))
 
+            # 0. iterative GRPO: every ref_refresh_every steps the current policy becomes the reference
+            if cfg.ref_refresh_every > 0 and step > 0 and step % cfg.ref_refresh_every == 0:
+                refresh_reference(policy, reference)
+                if pref_set is not None:  # the implicit reward beta * log(pi / pi_ref) is relative to the new reference
+                    ref_pref_logps = policy_logps(reference, pref_set, device)
+
             # 1. sample prompts (this rank's slice of the global batch)
             with timer("sample"):
                 prompt_index = next(batches_iter)
                 prompts = [train.prompts[i] for i in prompt_index]
                 prompt_ids, prompt_mask = (t.to(device) for t in pad_prompts(prompts))  # (B, P) left-padded
+                batch_prompts = PromptSet(
+                    prompt_ids, prompt_mask, [train.texts[i] for i in prompt_index], list(prompt_index),
+                    train_applies[prompt_index],
+                )
 
             # 2. generate G responses per prompt; rows b*G .. b*G+G-1 belong to prompt b
             with timer("generate"):
                 samples = rollout(policy, prompt_ids, prompt_mask, cfg, G, generator)  # (N, max_new_tokens), N = B*G
 
-            # 3. score: raw RM score -> minus the penalty (raw units) without an end token -> RM gain/bias. A reward
-            #    model returning NaN, or one score for every sample of every rank, stops the run here.
+            # 3. score every source on the samples it applies to. Reward model: raw score -> minus the penalty (raw
+            #    units) without an end token -> RM gain/bias; a reward model returning NaN, or one score for every
+            #    sample of every rank, stops the run here. Functions: their values, whitened over the global batch; a
+            #    function that raises or returns a non-number stops the run naming itself and the row. The reward is
+            #    the weighted sum (utils/rewards.py)
             with timer("score"):
-                raw = score(reward_model, prompt_ids, prompt_mask, samples, G, cfg.score_micro_batch_size)  # (N,)
-                check_rewards(raw, "grpo", step + 1, device)
-                rewards = reward_model.normalize(penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty))
+                values, raw, applies = score_sources(sources, reward_model, batch_prompts, samples, G, cfg, tok, train_name)
+                if raw is not None:
+                    check_rewards(raw, "grpo", step + 1, device)
+                    penalized = penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty)
+                    values[:, rm_column] = reward_model.normalize(penalized).double()
+                x = normalize_sources(values, applies, normalize_S, all_reduce_sum)  # (N, S)
+                rewards = combine_sources(x, weights_S).float()  # (N,)
 
-            # 4. select K of G per prompt, from the normalized rewards
+            # 4. select K of G per prompt, from the combined rewards
             with timer("select"):
                 idx_BK, rs = select(rewards.view(-1, G), cfg, generator)  # (B, K) columns of each group
                 rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]  # (B, K) rows of N
@@ -671,8 +862,9 @@ def main(cfg: Config) -> dict:
                     advantages = global_normalize(advantages, all_reduce_sum)
                 batches = build_training_batches(prompt_ids, prompt_mask, samples, rows_N, advantages, G, cfg.micro_batch_size)
 
-            # 6. reference log-probs (frozen, parameters gathered once); with mu > 1 also the old policy's, from the
-            #    training forward so ratio 1 at the first update is exact
+            # 6. reference log-probs (frozen, parameters gathered once; with LoRA the policy with adapters off); with
+            #    mu > 1 also the sampling policy's (the weights that generated), from the training forward so the
+            #    ratio of the first update is exactly 1
             with timer("reference"):
                 add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
                 if cfg.policy_epochs > 1:
@@ -685,7 +877,6 @@ def main(cfg: Config) -> dict:
 
             # 8. log
             step_seconds = time.perf_counter() - t_step
-            raw_mean, raw_std = global_mean_std(raw)
             reward_mean, reward_std = global_mean_std(rewards)
             kept_mean, kept_std = global_mean_std(rewards_BK)
             n_prompts, visited, rounds, ended, generated, kept_len, train_tokens = all_reduce_sum(torch.stack([
@@ -695,7 +886,6 @@ def main(cfg: Config) -> dict:
             ])).tolist()
             n_samples = n_prompts * G
             metrics.update({
-                "reward/raw_mean": raw_mean, "reward/raw_std": raw_std,
                 "reward/mean": reward_mean, "reward/std": reward_std,
                 "reward/selected_mean": kept_mean, "reward/selected_std": kept_std,
                 "rs/acceptance_rate": n_prompts * K / visited,
@@ -712,6 +902,14 @@ def main(cfg: Config) -> dict:
                 "perf/tokens_per_second_per_device": generated / step_seconds / world,
                 "perf/update_tokens_per_second": train_tokens * cfg.policy_epochs / timer.seconds["update"],
             })
+            if raw is not None:
+                metrics["reward/raw_mean"], metrics["reward/raw_std"] = global_mean_std(raw)
+            # every source on the samples it applies to, before whitening (the reward model's: penalty, gain/bias)
+            count_S, mean_S, std_S = source_stats(values, applies, all_reduce_sum)
+            for i, source in enumerate(sources):
+                metrics[f"reward/{source.name}_mean"], metrics[f"reward/{source.name}_std"] = float(mean_S[i]), float(std_S[i])
+                if per_row_sources:
+                    metrics[f"reward/{source.name}_fraction"] = float(count_S[i]) / n_samples
             if gold_reward is not None:  # a monitored reward, e.g. the synthetic task's gold reward
                 texts = decode_responses(tok, samples)
                 gold = torch.tensor(
@@ -725,8 +923,9 @@ def main(cfg: Config) -> dict:
                 metrics.update(evaluate_now(step))
             logger.log(metrics, step)
             if cfg.table_every > 0 and step % cfg.table_every == 0:
-                table = sample_table(tok, prompts, samples, rows_BK, raw, rewards, advantages, cfg)
-                logger.table("samples", ["prompt", "response", "reward_raw", "reward", "advantage", "has_end"], table, step)
+                table = sample_table(tok, prompts, samples, rows_BK, values, applies, rewards, advantages, cfg)
+                columns = ["prompt", "response", *(s.name for s in sources), "reward", "advantage", "has_end"]
+                logger.table("samples", columns, table, step)
             bar.update(1)
             bar.set_postfix(reward=f"{reward_mean:.3f}", kl=f"{metrics['train/kl']:.4f}")
 
@@ -734,8 +933,11 @@ def main(cfg: Config) -> dict:
             best, improved = update_best(best, metrics, best_metric, cfg.best_mode, step)
             stopping = stop.requested(device)
             if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+                extra = {"loader": loader.state_dict(), "best": best}
+                if save_reference:  # a refreshed reference is no longer the starting policy (a collective)
+                    extra["reference"] = full_model_state(reference)
                 save_checkpoint(
-                    run_dir, step, policy, optimizer, scheduler, meta, extra={"loader": loader.state_dict(), "best": best},
+                    run_dir, step, policy, optimizer, scheduler, meta, extra=extra,
                     keep_last=cfg.keep_last, rank=rank, best=best if improved else None,
                 )
             if stopping:

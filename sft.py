@@ -6,7 +6,8 @@
 
 The loss is the negative log-likelihood of the response tokens (the summary and its "\n" end token), summed
 and divided by the number of response tokens in the whole global batch, over all ranks and accumulation
-steps, so the gradient is the same for any world size and micro-batch size.
+steps, so the gradient is the same for any world size and micro-batch size. With --lora_rank r only LoRA adapters
+on the attention and MLP projections train (model/lora.py), and the export merges them into a plain GPT-2.
 """
 
 import time
@@ -18,6 +19,7 @@ import torch
 
 from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, load_rows
 from data.tokenizer import get_tokenizer
+from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config
 from utils.checkpoint import export_hf, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
 from utils.config import ConfigError, check_context, config_to_dict, parse_config, require_nonempty
@@ -30,7 +32,7 @@ from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
 @dataclass
-class Config:
+class Config(LoRAConfig):  # --lora_rank, --lora_alpha, --lora_dropout, --lora_targets (model/lora.py)
     model: str = "gpt2"
     """Starting weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local Hugging Face-format
     folder, or with --random_init a preset (tiny, small, gpt2, ...)."""
@@ -110,6 +112,7 @@ class Config:
 
     def validate(self) -> None:
         require_nonempty(self, "model", "train_data", "out_dir")
+        self.validate_lora()
         for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len", "keep_last"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
@@ -229,7 +232,7 @@ def main(cfg: Config) -> dict:
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
     model_cfg = model_config(cfg.model, cfg.random_init)
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "model")
-    meta = {"stage": "sft", "model_config": model_cfg.to_dict()}
+    meta = {"stage": "sft", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()}
     run_dir = Path(cfg.out_dir)
     ckpt = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
     torch.manual_seed(cfg.seed)
@@ -252,8 +255,12 @@ def main(cfg: Config) -> dict:
         val_batches = [collate(val)(idx[i : i + cfg.micro_batch_size]) for i in range(0, len(idx), cfg.micro_batch_size)]
     total_steps = cfg.steps or max(1, loader.batches_per_epoch // accum)
 
-    # 3. model, FSDP, optimizer
+    # 3. model (with LoRA: frozen, plus trainable adapters), FSDP, optimizer over the trainable parameters
     model = build_policy(cfg.model, cfg.random_init)
+    if cfg.lora_enabled:
+        apply_lora(model, cfg)
+    if rank == 0:
+        print(f"sft: {trainable_summary(model)}")
     shard_model(model, resolve_dtype(cfg.dtype, device), activation_checkpointing=cfg.activation_checkpointing)
     model.to(device)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)

@@ -59,6 +59,31 @@ def load_rows(source: str, split: str, columns: Sequence[str]) -> list[dict[str,
     return _read_hub(source, split, columns)
 
 
+def load_optional_column(source: str, split: str, column: str) -> list | None:
+    """The raw values of an optional `column` of `source` (same sources as load_rows, same row order), None for
+    rows without it; None altogether when no row has it. Values are not checked here: the caller knows their
+    type (e.g. grpo.py's per-row reward sources, a string or a list of names)."""
+    path = Path(source).expanduser()
+    if path.exists():
+        file = _split_file(path, split) if path.is_dir() else path
+        if file.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            if column not in pq.read_schema(file).names:
+                return None
+            values = pq.read_table(file, columns=[column]).column(column).to_pylist()
+        else:
+            values = [record.get(column) for record in _read_json_records(file)]
+    else:
+        import datasets
+
+        ds = datasets.load_dataset(source, split=split)
+        if column not in ds.column_names:
+            return None
+        values = ds[column]
+    return values if any(v is not None for v in values) else None
+
+
 def _split_file(directory: Path, split: str) -> Path:
     candidates = [directory / f"{split}.jsonl", directory / f"{split}.parquet"]
     found = [c for c in candidates if c.is_file()]

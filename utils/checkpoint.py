@@ -5,7 +5,10 @@ Layout under a run directory:
     checkpoints/step_00000100/meta.json  stage and model config (read before any model is built), step
     checkpoints/latest                   name of the newest complete checkpoint
     checkpoints/best.json                the checkpoint with the best validation metric: name, metric, value
-    hf/                                  full Hugging Face-format export (rank 0)
+    hf/                                  full Hugging Face-format export (rank 0; LoRA adapters merged)
+
+With LoRA the model state holds the frozen base weights and the adapters (so a GRPO reference refresh, which
+merges the adapters into the base, survives a resume); the optimizer state holds the adapters' only.
 
 The model and optimizer states are gathered to full (unsharded) tensors on the CPU, so a run can resume on a
 different number of ranks. Every file is written under a temporary name, flushed to disk and renamed: a process
@@ -32,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from model.lora import lora_scalings, merged_state_dict
 from model.weights import save_hf
 from utils.config import ConfigError
 
@@ -77,6 +81,11 @@ def _gather_objects(obj) -> list:
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded model state on the CPU (a collective: every rank must call it)."""
     return get_model_state_dict(model, options=FULL)
+
+
+def set_full_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict, present on every rank, into a sharded model (a collective)."""
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -313,9 +322,11 @@ def update_best(best: dict | None, metrics: dict, metric: str, mode: str, step: 
 
 
 def export_hf(model: nn.Module, cfg, folder: str | Path, rank: int = 0, extra_files: dict | None = None) -> None:
-    """Gather the full weights (a collective) and write a Hugging Face-format folder on rank 0."""
+    """Gather the full weights (a collective) and write a Hugging Face-format folder on rank 0. LoRA adapters
+    are merged into their base weights first, so the folder holds a plain GPT-2."""
     sd = full_model_state(model)
     if rank == 0:
+        sd = merged_state_dict(sd, lora_scalings(model))
         save_hf(sd, cfg, folder, extra_files)
     if dist.is_initialized():
         dist.barrier()

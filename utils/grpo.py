@@ -211,8 +211,8 @@ def grpo_token_loss(
 
     Masked positions are replaced by 0 before any arithmetic: their log-probs can be -inf (padding outside a
     top-k set), and -inf * 0 would be NaN in the value and in the gradient. Response tokens outside a top-k /
-    top-p set are floored (see above). Returns the loss and per-token `kl` and `clipped` (N, T), detached and
-    masked, for logging."""
+    top-p set are floored (see above). Returns the loss and per-token `kl`, `clipped` and `ratio_deviation`
+    |rho - 1| (N, T), detached and masked, for logging (rho is exactly 1 in the first of mu > 1 updates)."""
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     logp = torch.where(mask, logp, zero).clamp(min=LOGPROB_FLOOR)
     old_logp = torch.where(mask, old_logp, zero).clamp(min=LOGPROB_FLOOR)
@@ -220,7 +220,10 @@ def grpo_token_loss(
     surrogate, is_clipped = clipped_surrogate(logp, old_logp, advantages_N[:, None], eps_low, eps_high)
     kl = k3_kl(logp, ref_logp)
     loss = torch.where(mask, surrogate + beta * kl, zero)
-    return loss, {"kl": (kl * mask).detach(), "clipped": (is_clipped & mask)}
+    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+    return loss, {
+        "kl": (kl * mask).detach(), "clipped": (is_clipped & mask), "ratio_deviation": ((ratio - 1.0).abs() * mask),
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -255,6 +258,13 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.
     "dapo": token_mean_weights,
     "dr_grpo": dr_grpo_weights,
 }
+
+
+def entropy_bonus(loss_NT: torch.Tensor, entropy_NT: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """loss - coef * H per response token (0 on masked tokens), aggregated like the loss: the entropy bonus of PPO
+    (Schulman et al. 2017, eq. 9), which keeps the policy from collapsing onto a few tokens. `entropy_NT` must carry
+    the gradient (token_entropy of the processed logits)."""
+    return loss_NT - coef * torch.where(mask, entropy_NT, 0.0)
 
 
 def token_entropy(logits_BTV: torch.Tensor) -> torch.Tensor:

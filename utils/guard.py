@@ -18,8 +18,9 @@ never reaches the weights.
             if stopping: break
 
 Exit codes: 0 done (or stopped by a signal after saving), 2 bad input (config, data, model, checkpoint,
-tokenizer), 3 numerical fault (non-finite loss or gradient norm, a reward model returning NaN or a constant),
-130 interrupted before training started. A real bug keeps its traceback.
+tokenizer, a GRPO reward function that raises or returns a non-number), 3 numerical fault (non-finite loss or
+gradient norm, a reward model returning NaN or a constant), 130 interrupted before training started. A real bug
+keeps its traceback.
 """
 
 import math
@@ -36,12 +37,13 @@ from model.weights import ModelLoadError
 from utils.checkpoint import CheckpointError
 from utils.config import ConfigError, print_error
 from utils.logging import close_progress_bars, say
+from utils.rewards import RewardFunctionError
 
 EXIT_BAD_INPUT = 2
 EXIT_NUMERICAL = 3
 EXIT_INTERRUPTED = 130
 
-USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError, TokenizerError)
+USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError, TokenizerError, RewardFunctionError)
 
 
 class NumericalError(RuntimeError):

@@ -1,0 +1,227 @@
+"""Iterative GRPO and reward functions in grpo.py: mu > 1 updates move the ratio off 1 and engage clipping, a
+reference refresh makes the KL exactly 0 (full copy and LoRA), the entropy bonus, reward functions that fail stop
+with their name and row, and two-process runs with LoRA and rule-based rewards (no reward model) that improve
+the reward on the embedded synthetic task and resume bit for bit."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+from data.synthetic import write_task
+from grpo import Config, add_logprobs, build_training_batches, freeze, policy_update, refresh_reference
+from model.gpt2 import GPT2LMHeadModel, GPTConfig
+from model.lora import AdaptersOff, LoRAConfig, apply_lora
+from model.sampler import END_ID
+from model.weights import save_hf
+from tests.conftest import assert_same_metrics, run_script
+from tests.test_errors import base_args, inputs, run_cli  # noqa: F401 (inputs is a fixture)
+from tests.test_grpo import tiny_rollout
+from utils.optim import build_optimizer, build_scheduler
+
+CPU = torch.device("cpu")
+SMALL = GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32)
+
+
+def one_step(policy, reference, cfg, advantages, optimizer, scheduler) -> dict:
+    """One GRPO step on the fixed rollout: reference (and, mu > 1, sampling-policy) log-probs, then the update."""
+    prompt_ids, prompt_mask, samples = tiny_rollout()
+    batches = build_training_batches(prompt_ids, prompt_mask, samples, torch.arange(8), advantages, 4, cfg.micro_batch_size)
+    add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
+    if cfg.policy_epochs > 1:
+        add_logprobs(policy, batches, "old_logprobs", cfg, gather=False)
+    return policy_update(policy, optimizer, scheduler, batches, cfg, 1, CPU)
+
+
+def test_second_of_two_updates_moves_the_ratio_off_one_and_clipping_engages():
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(SMALL)
+    reference = freeze(copy.deepcopy(policy))
+    # crafted: strong advantages of both signs and a large step, so the first update moves every token's ratio
+    advantages = torch.tensor([2.0, -2.0] * 4)
+    cfg = Config(max_new_tokens=5, micro_batch_size=4, beta=0.0, lr=5e-2, warmup_steps=1, grad_clip=0.0, policy_epochs=2)
+    optimizer = build_optimizer(policy, cfg.lr, 0.0)
+    m = one_step(policy, reference, cfg, advantages, optimizer, build_scheduler(optimizer, 1, 10))
+    # update 1: the old log-probs are the sampling policy's, i.e. the current ones: ratio exactly 1, nothing clipped
+    assert m["train/epoch_1/ratio_deviation"] == 0.0 and m["train/epoch_1/clip_fraction"] == 0.0
+    # update 2: the policy moved, the ratio left [1 - eps, 1 + eps] on some tokens and the clip took over there
+    assert m["train/epoch_2/ratio_deviation"] > 0.1
+    assert m["train/epoch_2/clip_fraction"] > 0.1
+    assert m["train/clip_fraction"] == pytest.approx(m["train/epoch_2/clip_fraction"] / 2)
+
+    # with mu = 1 the same batch never clips: one update, ratio exactly 1 in value
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(SMALL)
+    cfg1 = Config(**{**cfg.__dict__, "policy_epochs": 1})
+    optimizer = build_optimizer(policy, cfg1.lr, 0.0)
+    m1 = one_step(policy, reference, cfg1, advantages, optimizer, build_scheduler(optimizer, 1, 10))
+    assert m1["train/clip_fraction"] == 0.0 and m1["train/ratio_deviation"] == 0.0
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full_copy", "lora_adapters_off"])
+def test_after_a_reference_refresh_the_kl_term_is_exactly_zero(lora):
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(SMALL)
+    if lora:
+        apply_lora(policy, LoRAConfig(lora_rank=4, lora_alpha=8.0))
+        reference = AdaptersOff(policy)
+    else:
+        reference = freeze(copy.deepcopy(policy))
+    cfg = Config(max_new_tokens=5, micro_batch_size=4, beta=0.1, lr=2e-2, warmup_steps=1)
+    optimizer = build_optimizer(policy, cfg.lr, 0.0)
+    scheduler = build_scheduler(optimizer, 1, 10)
+    advantages = torch.tensor([1.0, -1.0] * 4)
+    kls = [one_step(policy, reference, cfg, advantages, optimizer, scheduler)["train/kl"] for _ in range(3)]
+    assert kls[0] == 0.0 and kls[1] > 0 and kls[2] > kls[1]  # the policy drifts from the reference
+    refresh_reference(policy, reference)
+    assert one_step(policy, reference, cfg, advantages, optimizer, scheduler)["train/kl"] == 0.0  # exactly, not ~
+    assert one_step(policy, reference, cfg, advantages, optimizer, scheduler)["train/kl"] > 0
+
+
+def test_entropy_bonus_is_the_loss_when_advantages_and_beta_are_zero_and_raises_the_entropy():
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(SMALL)
+    with torch.no_grad():  # larger logits (the head is tied to wte): a peaked distribution, well below log(V)
+        policy.transformer.wte.weight.mul_(30)
+    reference = freeze(copy.deepcopy(policy))
+    zero = torch.zeros(8)
+    cfg = Config(max_new_tokens=5, micro_batch_size=4, beta=0.0, lr=1e-2, warmup_steps=1, loss_type="bnpo",
+                 entropy_coef=0.5)
+    optimizer = build_optimizer(policy, cfg.lr, 0.0)
+    scheduler = build_scheduler(optimizer, 1, 10)
+    steps = [one_step(policy, reference, cfg, zero, optimizer, scheduler) for _ in range(4)]
+    # token-mean aggregation: loss = -coef * mean token entropy (the surrogate is 0 with zero advantages)
+    assert steps[0]["train/loss"] == pytest.approx(-0.5 * steps[0]["train/entropy"], rel=1e-5)
+    entropies = [m["train/entropy"] for m in steps]
+    assert all(b > a for a, b in zip(entropies, entropies[1:])) and entropies[-1] > entropies[0] + 0.5, entropies
+    no_bonus = Config(**{**cfg.__dict__, "entropy_coef": 0.0})
+    assert one_step(policy, reference, no_bonus, zero, optimizer, scheduler)["train/grad_norm"] == 0.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reward functions that fail: one line naming the function and the row, exit code 2
+
+
+def raises_on_second_call(prompt, response, calls=[]):  # noqa: B006 (counts calls across the run)
+    calls.append(1)
+    if len(calls) == 2:
+        raise ZeroDivisionError("boom")
+    return 0.0
+
+
+def returns_text(prompt, response):
+    return "high"
+
+
+@pytest.mark.parametrize("fn, fragment", [
+    ("raises_on_second_call", "raised on row {row} of {data}[train] (response "),
+    ("returns_text", "returned 'high' (str) on row {row} of {data}[train]"),
+])
+def test_a_reward_function_that_fails_stops_naming_itself_and_the_row(fn, fragment, inputs, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    args = base_args("grpo", inputs, out) + ["--rewards", f"format + tests.test_grpo_iterative:{fn}", "--seed", "3"]
+    code, message = run_cli("grpo", args, capsys)
+    assert code == 2, message
+    assert f"error: reward function 'tests.test_grpo_iterative:{fn}'" in message
+    row = int(message.split(" on row ")[1].split()[0])
+    assert fragment.format(row=row, data=inputs["sft"]) in message, message
+    if fn == "raises_on_second_call":
+        assert "ZeroDivisionError: boom (at " in message and "test_grpo_iterative.py:" in message
+
+
+# ----------------------------------------------------------------------------------------------------
+# End to end: two processes, rule-based rewards, no reward model
+
+
+def end_biased_policy(folder, seed=0):
+    """A random tiny GPT-2 whose "\\n" is likely (about half the responses end by themselves), saved as a
+    Hugging Face folder: the embedded task's gold reward pays 1 for ending, which GRPO can learn in a few steps."""
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=256))
+    with torch.no_grad():
+        direction = torch.randn(32)
+        direction /= direction.norm()
+        model.transformer.ln_f.bias.copy_(3 * direction)
+        model.transformer.wte.weight[END_ID] = 2.2 * direction
+    save_hf(model.state_dict(), model.cfg, folder)
+    return model
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def grpo_args(policy, prompts, val, run, *extra):
+    return [
+        "grpo.py", "--policy", str(policy), "--train_data", str(prompts), "--val_data", str(val), "--pref_data", "",
+        "--eval_prompts", "8", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "16", "--max_prompt_len",
+        "192", "--prompts_per_step", "8", "--micro_batch_size", "16", "--steps", "5", "--warmup_steps", "1",
+        "--beta", "0.05", "--eval_every", "5", "--save_every", "3", "--keep_last", "5", "--table_every", "3",
+        "--wandb_mode", "disabled", "--out_dir", str(run), *extra,
+    ]
+
+
+def resume_from_step_3(run, args, full):
+    """Pretend the run died after step 3 (checkpoint 3 and its metrics kept), rerun, and compare bit for bit."""
+    shutil.rmtree(run / "checkpoints" / "step_00000005")
+    (run / "checkpoints" / "latest").write_text("step_00000003")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in full if m["step"] <= 3))
+    run_script(args, nproc=2)
+    keys = ("train/loss", "train/kl", "train/grad_norm", "reward/mean", "reward/gold_reward_mean", "sample/end_fraction")
+    assert_same_metrics(full, read_metrics(run), keys, "resumed from step 3")
+
+
+@pytest.mark.slow
+def test_two_process_grpo_with_lora_and_the_gold_reward_function_improves_it(tmp_path):
+    data = write_task(tmp_path / "data", n_sft_train=8, n_sft_val=16, n_pref_train=4, n_pref_val=4, n_prompts=64)
+    start = end_biased_policy(tmp_path / "policy")
+    run = tmp_path / "run"
+    args = grpo_args(tmp_path / "policy", data["prompts_train"], data["sft_validation"], run,
+                     "--rewards", "gold_reward", "--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2",
+                     "--policy_epochs", "2", "--ref_refresh_every", "2")
+    out = run_script(args, nproc=2)
+    assert "LoRA adapters on 8 projections" in out.stdout and "rewards: 1*gold_reward" in out.stdout
+    m = [x for x in read_metrics(run) if x["step"] > 0]
+    gold = [x["reward/gold_reward_mean"] for x in m]
+    assert gold[-1] > gold[0] + 0.25, gold  # the trained-on rule reward improves (the policy learns to end)
+    assert all("reward/raw_mean" not in x for x in m)  # no reward model anywhere
+    # mu = 2: the first update's ratio is exactly 1, the second's is not
+    assert all(x["train/epoch_1/ratio_deviation"] == 0.0 and x["train/epoch_2/ratio_deviation"] > 0 for x in m)
+    # refreshes before steps 3 and 5 (adapters merged into the base): the first update's KL is exactly 0 there
+    kl = {x["step"]: x["train/epoch_1/kl"] for x in m}
+    assert kl[1] == kl[3] == kl[5] == 0.0 and kl[2] > 0 and kl[4] > 0, kl
+    # the export is a plain GPT-2: the adapted projections moved (LoRA merged), nothing else did
+    from tests.test_lora import adapted_weight_names, changed_weights
+
+    assert changed_weights(tmp_path / "policy", run / "hf") == adapted_weight_names(start.cfg)
+    columns = json.loads((run / "samples.jsonl").read_text().splitlines()[0])["columns"]
+    assert columns == ["prompt", "response", "gold_reward", "reward", "advantage", "has_end"]
+    resume_from_step_3(run, args, read_metrics(run))  # the merged base (the reference) is in the model state
+
+
+@pytest.mark.slow
+def test_two_process_grpo_mixing_tasks_by_a_reward_column_with_a_refreshed_full_reference(tmp_path):
+    data = write_task(tmp_path / "data", n_sft_train=8, n_sft_val=16, n_pref_train=4, n_pref_val=4, n_prompts=64)
+    rows = [json.loads(line) for line in open(data["prompts_train"])]
+    mixed = tmp_path / "mixed.jsonl"  # half the prompts are scored by the gold reward, half by the format check
+    mixed.write_text("".join(json.dumps({**r, "reward_fns": ["gold_reward", "format"][i % 2]}) + "\n" for i, r in enumerate(rows)))
+    end_biased_policy(tmp_path / "policy")
+    run = tmp_path / "run"
+    args = grpo_args(tmp_path / "policy", mixed, data["sft_validation"], run,
+                     "--rewards", "gold_reward + 0.5*format", "--lr", "3e-3", "--ref_refresh_every", "2",
+                     "--entropy_coef", "0.01")
+    run_script(args, nproc=2)
+    m = [x for x in read_metrics(run) if x["step"] > 0]
+    for x in m:
+        assert x["reward/gold_reward_fraction"] + x["reward/format_fraction"] == 1.0
+        assert 0.25 <= x["reward/gold_reward_fraction"] <= 0.75
+    assert m[-1]["reward/format_mean"] > m[0]["reward/format_mean"]
+    assert m[-1]["sample/end_fraction"] > m[0]["sample/end_fraction"] + 0.1
+    kl = {x["step"]: x["train/kl"] for x in m}
+    assert kl[1] == kl[3] == kl[5] == 0.0 and kl[2] > 0 and kl[4] > 0, kl  # mu = 1, refreshed before 3 and 5
+    final = read_metrics(run)[-1]
+    assert {"eval/reward", "eval/reward_gold_reward", "eval/reward_format"} <= set(final)
+    # the checkpoint at step 3 holds the reference refreshed at step 3: step 4's KL after resuming must match
+    resume_from_step_3(run, args, read_metrics(run))

@@ -3,11 +3,18 @@
     python demo.py                       # one process
     python demo.py --nproc 2             # every stage under torchrun with 2 processes (gloo on CPU)
 
-Stages: write the synthetic task (data/synthetic.py) -> SFT (sft.py) -> reward model (reward_model.py) ->
-DPO (dpo.py) -> GRPO (grpo.py), each a subprocess running the same command a user would, each stage's
-exported model feeding the next. The task has a known gold reward, so the table at the end shows what each
-stage learned: gold reward of sampled summaries, reward-model and DPO preference accuracy. The summary is
-written to runs/demo/summary.json.
+Stages: write the synthetic task (data/synthetic.py) -> SFT (sft.py) -> label pairs of the SFT policy's own
+samples by the gold reward -> reward model (reward_model.py) -> DPO (dpo.py) -> GRPO (grpo.py), each training
+stage a subprocess running the same command a user would, each stage's exported model feeding the next. The
+task has a known gold reward, so the table at the end shows what each stage learned: gold reward of sampled
+summaries, reward-model and DPO preference accuracy. The summary is written to runs/demo/summary.json.
+
+The reward model and DPO train on comparisons of SFT samples, as in summarize-from-feedback (Stiennon et al.
+2020), where labellers compared samples of the policies being trained: a tiny model trained for minutes from
+random weights rarely copies the post's items, so what separates its summaries (invented items, length,
+filler, ending) is what the reward model must learn, and those are the things comparisons of its own samples
+teach. (The task's static preference files compare summaries of a better writer; they serve the tests and
+users with larger models.)
 """
 
 import argparse
@@ -37,31 +44,71 @@ def run_stage(script: str, args: dict, nproc: int) -> None:
 
 
 @torch.no_grad()
-def gold_reward_of_samples(policy_dir: Path, prompts_file: Path, n_prompts: int, samples: int, max_new_tokens: int, seed: int) -> float:
-    """Mean gold reward of summaries sampled (temperature 1) from a policy on held-out prompts."""
-    from data.synthetic import gold_reward
+def sample_summaries(
+    policy_dir: Path, prompts_file: Path, n_prompts: int, samples: int, max_new_tokens: int, seed: int
+) -> list[tuple[str, list[str]]]:
+    """(prompt, [summary text]) for the first `n_prompts` prompts of a file, `samples` summaries each, sampled at
+    temperature 1. A summary ends with "\n" exactly when the policy stopped by itself (EOS counts as "\n")."""
     from data.tldr import PROMPT_COLUMNS, PromptDataset, load_rows, pad_prompts
     from data.tokenizer import get_tokenizer
     from model.sampler import END_ID, generate
     from model.weights import build_policy
 
     tok = get_tokenizer()
-    rows = load_rows(str(prompts_file), "validation", PROMPT_COLUMNS)[:n_prompts]
+    rows = load_rows(str(prompts_file), "train", PROMPT_COLUMNS)[:n_prompts]
     ds = PromptDataset(rows, tok, 256)
     model = build_policy(str(policy_dir)).eval()
     g = torch.Generator().manual_seed(seed)
-    total, count = 0.0, 0
+    result = []
     for i in range(0, len(ds), 32):
         ids, mask = pad_prompts(ds.prompts[i : i + 32])
         out = generate(model, ids, mask, samples, max_new_tokens, generator=g)
+        texts = []
         for n in range(out.response_ids.shape[0]):
             resp = out.response_ids[n][out.response_mask[n]].tolist()
-            if out.has_end[n] and resp[-1] != END_ID:  # stopped at EOS: count it as the end token
+            if out.has_end[n] and resp[-1] != END_ID:
                 resp = resp[:-1] + [END_ID]
-            text = tok.decode(resp)  # ends with "\n" exactly when the model stopped by itself
-            total += gold_reward(ds.texts[i + n // samples], text)
-            count += 1
-    return total / count
+            texts.append(tok.decode(resp))
+        result += [(ds.texts[i + b], texts[b * samples : (b + 1) * samples]) for b in range(len(texts) // samples)]
+    return result
+
+
+def gold_reward_of_samples(policy_dir: Path, prompts_file: Path, n_prompts: int, samples: int, max_new_tokens: int, seed: int) -> float:
+    """Mean gold reward of summaries sampled (temperature 1) from a policy on held-out prompts."""
+    from data.synthetic import gold_reward
+
+    drawn = sample_summaries(policy_dir, prompts_file, n_prompts, samples, max_new_tokens, seed)
+    scores = [gold_reward(prompt, text) for prompt, texts in drawn for text in texts]
+    return sum(scores) / len(scores)
+
+
+def label_policy_pairs(
+    policy_dir: Path, prompts_file: Path, n_prompts: int, out_file: Path, label_noise: float, seed: int
+) -> int:
+    """Preference pairs of the policy's own summaries, labelled by the gold reward (the stand-in for human
+    labellers) with `label_noise`, as in summarize-from-feedback where labellers compare samples of the SFT
+    policy. Per prompt: 4 samples; the first two that ended and differ in gold reward make the pair (prompts
+    without such two are skipped). Written in the trl-lib/tldr-preference layout; returns the number of pairs."""
+    import random
+
+    from data.synthetic import END, gold_reward
+
+    rng = random.Random(f"demo-pairs/{seed}/{out_file.name}")
+    rows = []
+    for prompt, texts in sample_summaries(policy_dir, prompts_file, n_prompts, 4, 32, seed):
+        ended = [t for t in texts if t.endswith(END) and t[:-1].strip()]
+        pair = next(((a, b) for i, a in enumerate(ended) for b in ended[i + 1 :] if gold_reward(prompt, a) != gold_reward(prompt, b)), None)
+        if pair is None:
+            continue
+        chosen, rejected = sorted(pair, key=lambda t: gold_reward(prompt, t), reverse=True)
+        if rng.random() < label_noise:
+            chosen, rejected = rejected, chosen
+        rows.append({"prompt": prompt, "chosen": chosen[:-1], "rejected": rejected[:-1]})  # loaders append END
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_file, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return len(rows)
 
 
 def main() -> None:
@@ -70,8 +117,9 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes per stage (torchrun when > 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic task and of every stage")
     p.add_argument("--model", default="tiny", help="GPT-2 preset trained from random initialisation")
-    p.add_argument("--sft_steps", type=int, default=150, help="SFT optimizer steps")
-    p.add_argument("--rm_steps", type=int, default=60, help="reward-model optimizer steps")
+    p.add_argument("--sft_steps", type=int, default=300, help="SFT optimizer steps")
+    p.add_argument("--rm_steps", type=int, default=150, help="reward-model optimizer steps")
+    p.add_argument("--pair_prompts", type=int, default=1200, help="training prompts whose SFT samples are labelled into pairs")
     p.add_argument("--dpo_steps", type=int, default=60, help="DPO optimizer steps")
     p.add_argument("--grpo_steps", type=int, default=30, help="GRPO steps")
     p.add_argument("--assets", default="assets", help="folder for the pipeline diagram and the demo's curves")
@@ -91,37 +139,43 @@ def main() -> None:
     run_stage("sft.py", {
         "model": args.model, "random_init": "true", "train_data": paths["sft_train"], "val_data": paths["sft_validation"],
         "val_examples": 128, "steps": args.sft_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc,
-        "lr": 2e-3, "warmup_steps": 10, "eval_every": 50, "save_every": 0, "max_prompt_len": 192,
+        "lr": 3e-3, "warmup_steps": 10, "eval_every": 100, "save_every": 0, "max_prompt_len": 192,
         "max_response_len": 32, "out_dir": out / "sft", "run_name": "demo-sft", **common,
     }, args.nproc)
 
-    # 3. reward model on the preference pairs, normalised on samples of the SFT policy
+    # 3. preference pairs of the SFT policy's own summaries, labelled by the gold reward with 10% label noise
+    pairs = {"train": out / "data" / "policy_pairs" / "train.jsonl", "validation": out / "data" / "policy_pairs" / "validation.jsonl"}
+    n_train = label_policy_pairs(out / "sft" / "hf", paths["prompts_train"], args.pair_prompts, pairs["train"], 0.1, args.seed)
+    n_val = label_policy_pairs(out / "sft" / "hf", paths["preference_validation"], 400, pairs["validation"], 0.1, args.seed + 1)
+    print(f"labelled {n_train} training and {n_val} validation pairs of SFT samples by the gold reward", flush=True)
+
+    # 4. reward model on those pairs, normalised on samples of the SFT policy
     run_stage("reward_model.py", {
-        "model": out / "sft" / "hf", "train_data": paths["preference_train"], "val_data": paths["preference_validation"],
+        "model": out / "sft" / "hf", "train_data": pairs["train"], "val_data": pairs["validation"],
         "val_pairs": 256, "steps": args.rm_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 1e-3,
-        "warmup_steps": 5, "eval_every": 10, "save_every": 0, "max_prompt_len": 192, "max_response_len": 32,
+        "warmup_steps": 5, "eval_every": 25, "save_every": 0, "max_prompt_len": 192, "max_response_len": 32,
         "norm_prompts": 64, "norm_samples_per_prompt": 4, "out_dir": out / "rm", "run_name": "demo-rm", **common,
     }, args.nproc)
 
-    # 4. DPO from the SFT policy against a frozen copy of it
+    # 5. DPO from the SFT policy against a frozen copy of it, on the same pairs
     run_stage("dpo.py", {
-        "model": out / "sft" / "hf", "train_data": paths["preference_train"], "val_data": paths["preference_validation"],
+        "model": out / "sft" / "hf", "train_data": pairs["train"], "val_data": pairs["validation"],
         "val_pairs": 256, "steps": args.dpo_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 5e-4,
         "beta": 0.1, "warmup_steps": 5, "eval_every": 20, "save_every": 0, "max_prompt_len": 192,
         "max_response_len": 32, "out_dir": out / "dpo", "run_name": "demo-dpo", **common,
     }, args.nproc)
 
-    # 5. GRPO from the SFT policy against the reward model; the gold reward is only watched, never trained on
+    # 6. GRPO from the SFT policy against the reward model; the gold reward is only watched, never trained on
     run_stage("grpo.py", {
         "policy": out / "sft" / "hf", "reward_model": out / "rm" / "hf", "train_data": paths["prompts_train"],
-        "val_data": paths["sft_validation"], "pref_data": paths["preference_validation"], "pref_pairs": 256,
+        "val_data": paths["sft_validation"], "pref_data": pairs["validation"], "pref_pairs": 256,
         "eval_prompts": 64, "num_samples": 16, "num_kept": 8, "max_new_tokens": 24, "max_prompt_len": 192,
-        "prompts_per_step": 16, "micro_batch_size": 64, "steps": args.grpo_steps, "lr": 5e-4, "warmup_steps": 3,
-        "beta": 0.04, "eval_every": 10, "save_every": 0, "table_every": 10,
+        "prompts_per_step": 16, "micro_batch_size": 64, "steps": args.grpo_steps, "lr": 3e-4, "warmup_steps": 3,
+        "beta": 0.4, "missing_end_penalty": 2.0, "eval_every": 10, "save_every": 0, "table_every": 10,
         "gold_reward_fn": "data.synthetic:gold_reward", "out_dir": out / "grpo", "run_name": "demo-grpo", **common,
     }, args.nproc)
 
-    # 6. what each stage learned: gold reward of sampled summaries on held-out prompts, preference accuracy
+    # 7. what each stage learned: gold reward of sampled summaries on held-out prompts, preference accuracy
     def gold(stage: str) -> float:
         return gold_reward_of_samples(out / stage / "hf", paths["sft_validation"], 128, 4, 24, args.seed)
 

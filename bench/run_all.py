@@ -29,7 +29,7 @@ import torch
 
 from bench import common
 
-BENCHMARKS = ("sampler", "train", "grpo", "trl")
+BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl")
 
 
 def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
@@ -45,6 +45,10 @@ def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
         from bench import grpo_step
 
         return grpo_step.run(device, quick)
+    if name == "lora":
+        from bench import lora_memory
+
+        return lora_memory.run(device, quick)
     if name == "trl":
         from bench import trl_grpo
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from bench import common, grpo_step, run_all, sampler, train, trl_grpo
+from bench import common, grpo_step, lora_memory, run_all, sampler, train, trl_grpo
 from bench.common import random_prompts
 from data.tldr import collate_sft
 from model.gpt2 import PRESETS, GPTConfig
@@ -52,6 +52,7 @@ def micro_configs(monkeypatch, fresh_process_group):
     monkeypatch.setattr(train, "configs", lambda device, quick: [TRAIN])
     monkeypatch.setattr(grpo_step, "configs", lambda device, quick: [GRPO])
     monkeypatch.setattr(trl_grpo, "configs", lambda device, quick: [TRL])
+    monkeypatch.setattr(lora_memory, "configs", lambda device, quick: [lora_memory.LoRAMemoryConfig("test-lora", "tiny", 4)])
     # the TRL run itself takes a minute of start-up; test_trl_child covers it where trl is installed
     monkeypatch.setattr(trl_grpo, "trl_available", lambda: (False, "trl is not installed (test)"))
 
@@ -79,7 +80,7 @@ def test_run_all_prints_table_and_writes_json(tmp_path, micro_configs, capsys):
             assert r["note"].startswith("not measured") or "not reported" in r["note"], r
             continue
         assert math.isfinite(r["value"]), r
-        assert r["config_name"] in {"test-sampler", "test-train", "test-grpo", "test-trl"}, r
+        assert r["config_name"] in {"test-sampler", "test-train", "test-grpo", "test-trl", "test-lora"}, r
         if r["unit"] in POSITIVE_UNITS and not r["name"].endswith(": other"):
             assert r["value"] > 0, r
     # no silent gaps: the missing TRL step and the CPU MFU say why

@@ -946,9 +946,7 @@ def main(cfg: Config) -> dict:
 
     # 10. export a Hugging Face-format folder (not after a signal: the run is not finished)
     if stopping:
-        if rank == 0:
-            print(f"stopped by {stop.received or 'a signal on another rank'} after step {step}; checkpoint saved in "
-                  f"{run_dir / 'checkpoints'}; rerun the same command to continue")
+        stop.report(step, run_dir / "checkpoints", rank)
     else:
         export_hf(policy, model_cfg, run_dir / "hf", rank)
         if rank == 0:

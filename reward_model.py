@@ -343,9 +343,7 @@ def main(cfg: Config) -> dict:
                 break
     bar.close()
     if stopping:  # the run is not finished: no normalisation, no export
-        if rank == 0:
-            print(f"stopped by {stop.received or 'a signal on another rank'} after step {step}; checkpoint saved in "
-                  f"{run_dir / 'checkpoints'}; rerun the same command to continue")
+        stop.report(step, run_dir / "checkpoints", rank)
         logger.finish()
         cleanup_distributed()
         return metrics

@@ -332,9 +332,7 @@ def main(cfg: Config) -> dict:
 
     # 8. export a Hugging Face-format folder for the next stage (not after a signal: the run is not finished)
     if stopping:
-        if rank == 0:
-            print(f"stopped by {stop.received or 'a signal on another rank'} after step {step}; checkpoint saved in "
-                  f"{run_dir / 'checkpoints'}; rerun the same command to continue")
+        stop.report(step, run_dir / "checkpoints", rank)
     else:
         export_hf(model, model_cfg, run_dir / "hf", rank)
         if rank == 0:

@@ -120,6 +120,12 @@ class StopSignal:
         """True on every rank when any rank has received a signal (a collective: call it on every rank)."""
         return _all_ranks_max([1.0 if self.received else 0.0], device)[0] > 0
 
+    def report(self, step: int, checkpoint_dir, rank: int) -> None:
+        """Rank 0 says where the stopped run's checkpoint is and how to continue."""
+        if rank == 0:
+            print(f"stopped by {self.received or 'a signal on another rank'} after step {step}; checkpoint saved in "
+                  f"{checkpoint_dir}; rerun the same command to continue")
+
 
 class NonFiniteGuard:
     """Checks a step's loss and gradient norm before the optimizer step, on every rank together.

@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test clean
+.PHONY: install demo test golden clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+golden: install  # rewrite tests/golden/*.json: only for a change meant to move numbers (say which, and why)
+	$(PY) -m tests.golden.stages
 
 clean:
 	rm -rf runs/demo

@@ -1,0 +1,144 @@
+"""Golden numbers: tiny fixed CPU configurations of every stage, their per-step numbers and final parameters.
+
+    python -m tests.golden.stages            # run every configuration and rewrite tests/golden/*.json
+    python -m tests.golden.stages grpo_rso   # only the named ones
+
+A refactor must leave every file unchanged (tests/test_golden.py runs each configuration and compares). A change
+that is meant to move numbers regenerates them with the command above, and its commit says which numbers moved
+and why. Every run is fp32 on the CPU with one OpenMP thread per process, on the small fixed data in
+tests/golden/data (checked in, so a change to the embedded synthetic task does not move these numbers).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+GOLDEN = Path(__file__).resolve().parent
+ROOT = GOLDEN.parents[1]
+DATA = GOLDEN / "data"
+TOLERANCE = 1e-5  # relative, used only when the recording machine's CPU kernels differ from this one's
+
+
+def _common(out: Path) -> list[str]:
+    return ["--dtype", "fp32", "--device", "cpu", "--wandb_mode", "disabled", "--out_dir", str(out), "--seed", "3"]
+
+
+def _grpo(out: Path, *extra: str) -> list[str]:
+    return [
+        "grpo.py", "--policy", "tiny", "--policy_random_init", "true", "--reward_model", "tiny",
+        "--reward_random_init", "true", "--train_data", str(DATA / "prompts" / "train.jsonl"),
+        "--val_data", str(DATA / "sft" / "validation.jsonl"), "--pref_data", str(DATA / "preference" / "validation.jsonl"),
+        "--pref_pairs", "4", "--eval_prompts", "4", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "10",
+        "--max_prompt_len", "96", "--pref_max_response_len", "24", "--prompts_per_step", "4", "--micro_batch_size", "8",
+        "--steps", "3", "--lr", "1e-3", "--warmup_steps", "1", "--beta", "0.1", "--eval_every", "3", "--table_every", "0",
+        "--rewards", "reward_model + 0.5*format", *_common(out), *extra,
+    ]
+
+
+def configurations() -> dict[str, tuple[int, callable]]:
+    """name -> (processes, out_dir -> argv)."""
+    sft_data = ["--train_data", str(DATA / "sft" / "train.jsonl"), "--val_data", str(DATA / "sft" / "validation.jsonl")]
+    pref_data = ["--train_data", str(DATA / "preference" / "train.jsonl"),
+                 "--val_data", str(DATA / "preference" / "validation.jsonl")]
+    sizes = ["--batch_size", "8", "--micro_batch_size", "4", "--steps", "3", "--max_prompt_len", "96",
+             "--max_response_len", "24", "--lr", "1e-3", "--warmup_steps", "1", "--eval_every", "3"]
+    return {
+        "sft": (1, lambda out: [
+            "sft.py", "--model", "tiny", "--random_init", "true", *sft_data, "--val_examples", "8",
+            "--prompt_loss_weight", "0.5", "--prompt_loss_positions", "4", *sizes, *_common(out),
+        ]),
+        "reward_model": (1, lambda out: [
+            "reward_model.py", "--model", "tiny", "--random_init", "true", *pref_data, "--val_pairs", "8",
+            "--norm_prompts", "4", "--norm_samples_per_prompt", "2", "--norm_batch_size", "2", *sizes, *_common(out),
+        ]),
+        "dpo": (1, lambda out: [
+            "dpo.py", "--model", "tiny", "--random_init", "true", *pref_data, "--val_pairs", "8",
+            "--label_smoothing", "0.1", *sizes, *_common(out),
+        ]),
+        "grpo_rso": (1, lambda out: _grpo(out)),
+        "grpo_mu2_refresh": (1, lambda out: _grpo(
+            out, "--policy_epochs", "2", "--ref_refresh_every", "2", "--selection", "uniform", "--loss_type", "dapo",
+            "--entropy_coef", "0.01", "--eps_high", "0.28",
+        )),
+        "grpo_lora": (1, lambda out: _grpo(
+            out, "--lora_rank", "4", "--lora_alpha", "8", "--ref_refresh_every", "2", "--selection", "top_bottom",
+            "--rewards", "reward_model + length", "--loss_type", "dr_grpo", "--lr", "1e-2",
+        )),
+        "grpo_rso_2proc": (2, lambda out: _grpo(out)),
+    }
+
+
+def _command(argv: list[str], nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, *argv]
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            f"--master_port={port}", *argv]
+
+
+def param_digest(hf_folder: Path) -> dict:
+    """sha256 over the exported parameters (name, dtype, shape, bytes, in name order) and their global L2 norm."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(hf_folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    h = hashlib.sha256()
+    sq = 0.0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        sq += float(t.double().pow(2).sum())
+    return {"sha256": h.hexdigest(), "l2": sq**0.5, "tensors": len(tensors)}
+
+
+def run(name: str, work: Path) -> dict:
+    """Run configuration `name` in a fresh folder under `work`; returns its golden record."""
+    nproc, argv_of = configurations()[name]
+    out = work / name
+    if out.exists():
+        shutil.rmtree(out)
+    argv = argv_of(out)
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run(_command(argv, nproc), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"golden run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    steps = []
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        steps.append({k: v for k, v in sorted(row.items()) if not k.startswith("perf/") and k not in ("time", "_runtime")})
+    record = {"processes": nproc, "steps": steps, "params": param_digest(out / "hf")}
+    norm = out / "hf" / "reward_normalization.json"
+    if norm.is_file():
+        record["reward_normalization"] = json.loads(norm.read_text())
+    return record
+
+
+def machine() -> dict:
+    """What decides bit-exactness of CPU kernels: the torch build and the vector ISA it dispatches to."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def main(names: list[str]) -> None:
+    names = names or list(configurations())
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            record = {"machine": machine(), **run(name, Path(tmp))}
+            (GOLDEN / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+            print(f"wrote tests/golden/{name}.json: {len(record['steps'])} logged steps, params {record['params']['sha256'][:12]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

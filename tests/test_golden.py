@@ -1,0 +1,54 @@
+"""Golden numbers: each stage's tiny fixed configuration reproduces its checked-in per-step numbers and final
+parameters (tests/golden/*.json; tests/golden/stages.py runs them and regenerates the files).
+
+Bit-exact when this machine's torch build and CPU vector ISA are the ones that recorded the files (the same
+kernels, one thread: the same floating-point operations in the same order); otherwise every number within a
+relative 1e-5, since another ISA's matmul kernels sum in another order."""
+
+import json
+import math
+
+import pytest
+
+from tests.golden.stages import GOLDEN, TOLERANCE, configurations, machine, run
+
+NAMES = list(configurations())
+
+
+def compare(name: str, want, got, exact: bool, path: str = "") -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), f"{name}{path}: keys {sorted(got)} != {sorted(want)}"
+        for k in want:
+            compare(name, want[k], got[k], exact, f"{path}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{name}{path}: {len(got)} entries, expected {len(want)}"
+        for i, (a, b) in enumerate(zip(want, got)):
+            compare(name, a, b, exact, f"{path}[{i}]")
+    elif isinstance(want, float) and not exact:
+        assert math.isclose(got, want, rel_tol=TOLERANCE, abs_tol=TOLERANCE), f"{name}{path}: {got!r} != golden {want!r}"
+    else:
+        assert got == want, f"{name}{path}: {got!r} != golden {want!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_stage_reproduces_its_golden_numbers(name, tmp_path):
+    golden = json.loads((GOLDEN / f"{name}.json").read_text())
+    recorded_on = golden.pop("machine")
+    exact = recorded_on == machine()
+    got = run(name, tmp_path)
+    if not exact:  # another kernel set: the digest cannot match, the norm and every number must be close
+        golden["params"].pop("sha256")
+        got["params"].pop("sha256")
+    compare(name, golden, got, exact)
+
+
+def test_golden_configurations_cover_every_stage_and_grpo_variant():
+    argvs = {name: argv_of(GOLDEN / "x") for name, (_, argv_of) in configurations().items()}
+    assert {a[0] for a in argvs.values()} == {"sft.py", "reward_model.py", "dpo.py", "grpo.py"}
+    grpo = " ".join(" ".join(a) for n, a in argvs.items() if n.startswith("grpo"))
+    for option in ("--policy_epochs 2", "--ref_refresh_every 2", "--lora_rank 4"):
+        assert option in grpo, option
+    assert configurations()["grpo_rso_2proc"][0] == 2
+    for name in argvs:
+        assert (GOLDEN / f"{name}.json").is_file(), f"tests/golden/{name}.json is missing: python -m tests.golden.stages {name}"

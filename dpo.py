@@ -27,19 +27,19 @@ import torch
 
 from data.tldr import PREF_COLUMNS, PreferenceDataset, ShardedLoader, collate_pairs, load_rows
 from data.tokenizer import get_tokenizer
-from evaluate import build_eval_set, evaluate_policy, policy_logps, response_logprobs
+from evaluation.preference import build_eval_set, evaluate_policy, policy_logps, response_logprobs
 from model.lora import AdaptersOff, LoRAConfig, apply_lora, trainable_summary
-from model.weights import build_policy, model_config
-from sft import accumulation_steps
-from utils.checkpoint import export_hf, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
-from utils.config import ConfigError, check_context, config_to_dict, parse_config, require_nonempty
+from model.weights import build_policy, model_config, save_export
+
+from utils.checkpoint import export_model, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
+from utils.config import ConfigError, accumulation_steps, check_context, config_to_dict, parse_config, require_nonempty
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
 from utils.fsdp import resolve_dtype, set_gradient_sync, shard_model
 from utils.guard import NonFiniteGuard, StopSignal, exit_on_error
 from utils.logging import Logger, progress
-from utils.losses import dpo_loss, ipo_loss
+from rlhf.losses import dpo_loss, ipo_loss
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
-from utils.stats import pair_outcomes
+from rlhf.stats import pair_outcomes
 
 
 @dataclass
@@ -346,7 +346,7 @@ def main(cfg: Config) -> dict:
     if stopping:
         stop.report(step, run_dir / "checkpoints", rank)
     else:
-        export_hf(policy, model_cfg, run_dir / "hf", rank)
+        export_model(policy, lambda sd: save_export(policy, sd, model_cfg, run_dir / "hf"), rank)
         if rank == 0:
             print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     logger.finish()

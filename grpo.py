@@ -12,7 +12,7 @@ One step (DeepSeekMath, arXiv 2402.03300, section 4), as the numbered stages of 
     2. generate           G = num_samples responses per prompt; the prompt's KV cache is shared by its group
     3. score              every reward source (--rewards) on the samples it applies to: the reward model (penalty
                           for no end token in raw RM units, then gain/bias) and functions of the text (whitened
-                          over the global batch); their weighted sum is the reward (utils/rewards.py)
+                          over the global batch); their weighted sum is the reward (rlhf/rewards.py)
     4. select             K = num_kept of G per prompt (RSO rejection sampling at temperature beta_rs, ...)
     5. advantages         group normalization over the K selected, then over the whole batch across ranks
     6. reference          log-probs of the selected responses under the frozen reference policy (with LoRA: the
@@ -21,7 +21,7 @@ One step (DeepSeekMath, arXiv 2402.03300, section 4), as the numbered stages of 
                           normaliser; mu = --policy_epochs optimizer steps per batch of rollouts
     8. log, evaluate, checkpoint
 
-The math (selection, advantages, loss, aggregation) lives in utils/grpo.py, one pure function per variant.
+The math (selection, advantages, loss, aggregation) lives in rlhf/grpo.py, one pure function per variant.
 Sampling and selection draw from a torch.Generator seeded from (seed, step, rank), so a resumed run repeats
 the same samples and losses bit for bit.
 """
@@ -48,13 +48,14 @@ from data.tldr import (
     load_rows,
     pad_prompts,
 )
+from data.synthetic import gold_reward as synthetic_gold_reward
 from data.tokenizer import END_ID, get_tokenizer
-from evaluate import build_eval_set, evaluate_policy, policy_logps
+from evaluation.preference import build_eval_set, evaluate_policy, policy_logps
 from model.sampler import SampleOutput, generate, process_logits, processed_logprobs
 from model.lora import AdaptersOff, LoRAConfig, apply_lora, has_lora, merge_adapters_, trainable_summary
-from model.weights import build_policy, build_reward_model, model_config
+from model.weights import build_policy, build_reward_model, model_config, save_export
 from utils.checkpoint import (
-    export_hf,
+    export_model,
     find_checkpoint,
     full_model_state,
     load_checkpoint,
@@ -66,7 +67,7 @@ from utils.checkpoint import (
 from utils.config import ConfigError, check_context, config_to_dict, parse_config, require_nonempty
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
 from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
-from utils.grpo import (
+from rlhf.grpo import (
     AGGREGATIONS,
     entropy_bonus,
     global_normalize,
@@ -83,7 +84,7 @@ from utils.grpo import (
 from utils.guard import NonFiniteGuard, StopSignal, check_rewards, exit_on_error
 from utils.logging import Logger, progress
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
-from utils.rewards import (
+from rlhf.rewards import (
     REWARD_MODEL,
     RewardSource,
     combine_sources,
@@ -94,6 +95,9 @@ from utils.rewards import (
     score_functions,
     source_stats,
 )
+
+
+TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: the embedded task's gold reward
 
 
 @dataclass
@@ -145,7 +149,7 @@ class Config(LoRAConfig):  # --lora_rank, --lora_alpha, --lora_dropout, --lora_t
     """The training reward, "+"-joined terms [WEIGHT*]SOURCE; a SOURCE is reward_model (--reward_model), a built-in
     function (format, length, gold_reward) or a "module:function" of (prompt text, response text) -> number, e.g.
     "reward_model + 0.5*format" or "gold_reward" (then no reward model is loaded). Each source is normalized on
-    its own, then weighted and summed (utils/rewards.py, docs/lora_rewards.md)."""
+    its own, then weighted and summed (rlhf/rewards.py, docs/lora_rewards.md)."""
     reward_column: str = "reward_fns"
     """Optional column of --train_data / --val_data naming, per row, the sources that apply to it ("gold_reward,
     format" or a list of names); rows without it, or a dataset without the column, get every source."""
@@ -268,7 +272,7 @@ class Config(LoRAConfig):  # --lora_rank, --lora_alpha, --lora_dropout, --lora_t
 
     @property
     def uses_reward_model(self) -> bool:
-        return any(s.fn is None for s in parse_rewards(self.rewards, self.reward_length_target))
+        return any(s.fn is None for s in parse_rewards(self.rewards, self.reward_length_target, TASK_REWARDS))
 
     def validate(self) -> None:
         require_nonempty(self, "policy", "rewards", "train_data", "out_dir")
@@ -453,7 +457,7 @@ def policy_update(
     epoch's loss and gradient norm before its optimizer step (stop, or skip that optimizer and scheduler step).
 
     Every aggregation is sum(w * loss) / Z with token weights w from the mask and a normaliser Z summed over
-    micro-batches and ranks before any backward (utils/grpo.py). FSDP averages gradients over ranks, so each
+    micro-batches and ranks before any backward (rlhf/grpo.py). FSDP averages gradients over ranks, so each
     rank's loss is multiplied by the world size: the reduced gradient is that of the global loss, for any world
     size and micro-batch size."""
     weigh = AGGREGATIONS[cfg.loss_type]
@@ -696,7 +700,7 @@ def main(cfg: Config) -> dict:
     prompts_per_rank, n_micro = per_rank_sizes(cfg, world)
     G, K = cfg.num_samples, cfg.kept
     gold_reward = load_function(cfg.gold_reward_fn, "--gold_reward_fn") if cfg.gold_reward_fn else None
-    sources = parse_rewards(cfg.rewards, cfg.reward_length_target)  # the reward model and/or functions
+    sources = parse_rewards(cfg.rewards, cfg.reward_length_target, TASK_REWARDS)  # the reward model and/or functions
     rm_column = reward_model_column(sources)
     model_cfg = model_config(cfg.policy, cfg.policy_random_init)
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "policy")
@@ -838,7 +842,7 @@ def main(cfg: Config) -> dict:
             #    units) without an end token -> RM gain/bias; a reward model returning NaN, or one score for every
             #    sample of every rank, stops the run here. Functions: their values, whitened over the global batch; a
             #    function that raises or returns a non-number stops the run naming itself and the row. The reward is
-            #    the weighted sum (utils/rewards.py)
+            #    the weighted sum (rlhf/rewards.py)
             with timer("score"):
                 values, raw, applies = score_sources(sources, reward_model, batch_prompts, samples, G, cfg, tok, train_name)
                 if raw is not None:
@@ -948,7 +952,7 @@ def main(cfg: Config) -> dict:
     if stopping:
         stop.report(step, run_dir / "checkpoints", rank)
     else:
-        export_hf(policy, model_cfg, run_dir / "hf", rank)
+        export_model(policy, lambda sd: save_export(policy, sd, model_cfg, run_dir / "hf"), rank)
         if rank == 0:
             print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     logger.finish()

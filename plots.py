@@ -30,7 +30,7 @@ def pipeline_diagram(out: Path) -> None:
         "rm": (3.0, 2.1, "reward model\nreward_model.py\nBradley-Terry, gain/bias"),
         "dpo": (3.0, 0.2, "DPO baseline\ndpo.py\nfrozen SFT reference"),
         "grpo": (6.2, 1.2, "GRPO\ngrpo.py\nG=64 -> K=8 (RSO)\ngroup + global norm"),
-        "eval": (9.0, 1.2, "preference\naccuracy\nevaluate.py"),
+        "eval": (9.0, 1.2, "preference\naccuracy\neval_preferences.py"),
     }
     for x, y, text in boxes.values():
         ax.add_patch(FancyBboxPatch((x, y), 2.0, 0.95, boxstyle="round,pad=0.05", fc="#eef3fb", ec="#35589a"))

@@ -25,19 +25,19 @@ import torch
 
 from data.tldr import PREF_COLUMNS, PreferenceDataset, PromptDataset, ShardedLoader, collate_pairs, load_rows, pad_prompts
 from data.tokenizer import get_tokenizer
-from evaluate import build_eval_set, evaluate_reward_model, reward_scores
+from evaluation.preference import build_eval_set, evaluate_reward_model, reward_scores
 from model.sampler import generate
-from model.weights import build_policy, build_reward_model, model_config
-from sft import accumulation_steps
-from utils.checkpoint import export_hf, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
-from utils.config import ConfigError, check_context, config_to_dict, parse_config, require_nonempty
+from model.weights import build_policy, build_reward_model, model_config, save_export
+
+from utils.checkpoint import export_model, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
+from utils.config import ConfigError, accumulation_steps, check_context, config_to_dict, parse_config, require_nonempty
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
 from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
 from utils.guard import NonFiniteGuard, StopSignal, check_rewards, exit_on_error
 from utils.logging import Logger, progress
-from utils.losses import bradley_terry_loss
+from rlhf.losses import bradley_terry_loss
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
-from utils.stats import pair_outcomes, standardizing_gain_bias
+from rlhf.stats import pair_outcomes, standardizing_gain_bias
 
 
 @dataclass
@@ -364,7 +364,7 @@ def main(cfg: Config) -> dict:
                   f"{norm['norm/raw_mean']:.4f}, std {norm['norm/raw_std']:.4f} -> gain {norm['norm/gain']:.4f}, bias {norm['norm/bias']:.4f}")
 
     # 9. export a Hugging Face-format folder (gain and bias go to reward_normalization.json)
-    export_hf(model, model_cfg, run_dir / "hf", rank)
+    export_model(model, lambda sd: save_export(model, sd, model_cfg, run_dir / "hf"), rank)
     if rank == 0:
         print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     logger.finish()

@@ -12,27 +12,26 @@ on the attention and MLP projections train (model/lora.py), and the export merge
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
 
 import torch
 
 from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, load_rows
 from data.tokenizer import get_tokenizer
 from model.lora import LoRAConfig, apply_lora, trainable_summary
-from model.weights import build_policy, model_config
-from utils.checkpoint import export_hf, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
-from utils.config import ConfigError, check_context, config_to_dict, parse_config, require_nonempty
-from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
-from utils.fsdp import resolve_dtype, set_gradient_sync, shard_model
-from utils.guard import NonFiniteGuard, StopSignal, exit_on_error
-from utils.logging import Logger, progress
-from utils.losses import sft_loss_sum
+from model.weights import build_policy, model_config, save_export
+from rlhf.losses import sft_loss_sum
+from utils.config import (
+    ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config, require_nonempty,
+)
+from utils.dist import all_reduce_sum
+from utils.fsdp import set_gradient_sync, shard_model
+from utils.guard import exit_on_error
+from utils.run import end_of_step, finish, resume, start_run
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
 @dataclass
-class Config(LoRAConfig):  # --lora_rank, --lora_alpha, --lora_dropout, --lora_targets (model/lora.py)
+class Config(RunConfig, OptimConfig, LoRAConfig):  # run, optimisation and LoRA options shared by every stage
     model: str = "gpt2"
     """Starting weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local Hugging Face-format
     folder, or with --random_init a preset (tiny, small, gpt2, ...)."""
@@ -46,8 +45,8 @@ class Config(LoRAConfig):  # --lora_rank, --lora_alpha, --lora_dropout, --lora_t
     """Validation rows (prompt, completion); empty string to skip validation."""
     val_split: str = "validation"
     """Split of --val_data."""
-    val_examples: int = 512
-    """Validation rows used (the first N), at most."""
+    val_rows: int = 512
+    """Validation rows used (the first N); 0 for all."""
     max_prompt_len: int = 512
     """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
     max_response_len: int = 64
@@ -56,18 +55,6 @@ class Config(LoRAConfig):  # --lora_rank, --lora_alpha, --lora_dropout, --lora_t
     """Global batch size (rows per optimizer step, over all ranks)."""
     micro_batch_size: int = 8
     """Rows per forward/backward on each rank; batch_size / (micro_batch_size * world) accumulation steps."""
-    steps: int = 0
-    """Optimizer steps; 0 means one epoch over the training rows."""
-    lr: float = 3e-5
-    """Peak learning rate (AdamW)."""
-    warmup_steps: int = 20
-    """Linear warmup steps before cosine decay."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
-    weight_decay: float = 0.0
-    """AdamW weight decay on weight matrices."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0 disables clipping)."""
     prompt_loss_weight: float = 0.0
     """Weight of the next-token loss on prompt tokens, relative to response tokens. 0 (the default) trains on the
     response only, as is usual for TL;DR SFT from pretrained GPT-2; a model trained from scratch (the embedded
@@ -76,66 +63,20 @@ class Config(LoRAConfig):  # --lora_rank, --lora_alpha, --lora_dropout, --lora_t
     """With --prompt_loss_weight > 0: prompt tokens per row drawn (uniformly, anew each step) for an unbiased
     estimate of the prompt loss; each drawn token is scaled by the row's prompt length / the number drawn."""
     eval_every: int = 100
-    """Validation loss every N steps (and at the end); 0 disables."""
-    save_every: int = 500
-    """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
-    keep_last: int = 2
-    """Resumable checkpoints kept (the best one is kept as well)."""
-    best_metric: str = "val/loss"
-    """Validation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned);
-    a new best is saved when it appears. Empty disables."""
-    best_mode: Literal["min", "max"] = "min"
-    """min: a lower --best_metric is better; max: a higher one."""
+    """Validation loss every N steps and after the last; 0: only after the last; -1: never."""
     out_dir: str = "runs/sft"
-    """Run directory: checkpoints/, hf/ (the Hugging Face-format export), metrics.jsonl, wandb/."""
-    resume: bool = True
-    """Resume from the newest checkpoint in --out_dir when there is one (false refuses to start over on top of one)."""
-    resume_from: str = ""
-    """Start from this checkpoint (a checkpoint folder, or another run directory) when --out_dir has none yet."""
-    on_nonfinite: Literal["stop", "skip"] = "stop"
-    """A non-finite loss or gradient norm: stop (nothing is stepped or saved; the newest checkpoint is the last
-    good state) or skip the step (no optimizer or scheduler step; its batch is dropped)."""
-    seed: int = 1
-    """Seed for initialisation and data order."""
-    device: str = "auto"
-    """auto, cuda or cpu."""
-    dtype: str = "auto"
-    """Compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU). Gradients are reduced in fp32."""
-    activation_checkpointing: bool = False
-    """Recompute block activations in backward to save memory."""
-    wandb_mode: str = "auto"
-    """online, offline, disabled, or auto (online with a wandb login, offline otherwise)."""
-    wandb_project: str = "tldr-rlhf"
-    """wandb project."""
     run_name: str = "sft"
-    """wandb run name."""
 
     def validate(self) -> None:
-        require_nonempty(self, "model", "train_data", "out_dir")
+        require_nonempty(self, "model", "train_data")
+        self.validate_run()
+        self.validate_optim()
         self.validate_lora()
-        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len", "keep_last"):
+        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("steps", "save_every", "val_examples", "grad_clip", "warmup_steps", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr}")
-        if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
-            raise ConfigError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"--device must be auto, cuda or cpu, got '{self.device}'")
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"--dtype must be auto, bf16 or fp32, got '{self.dtype}'")
-
-
-def accumulation_steps(batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    if batch_size % (micro_batch_size * world_size):
-        raise ConfigError(
-            f"--batch_size {batch_size} must be divisible by --micro_batch_size {micro_batch_size} x "
-            f"world size {world_size} = {micro_batch_size * world_size}"
-        )
-    return batch_size // (micro_batch_size * world_size)
+        if self.val_rows < 0:
+            raise ConfigError(f"--val_rows must be >= 0, got {self.val_rows}")
 
 
 def response_nll_sum(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,15 +168,11 @@ def evaluate(model, loader_batches: list[dict], device) -> float:
 def main(cfg: Config) -> dict:
     # 1. distributed set-up and every check that needs no data and no weights: sizes, the model's config, the
     #    run directory and the checkpoint to resume from (all before any model is built or put on a GPU)
-    dist_info = setup_distributed(cfg.device)
-    rank, world, device = dist_info.rank, dist_info.world_size, dist_info.device
-    accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
     model_cfg = model_config(cfg.model, cfg.random_init)
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "model")
-    meta = {"stage": "sft", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()}
-    run_dir = Path(cfg.out_dir)
-    ckpt = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
-    torch.manual_seed(cfg.seed)
+    run = start_run(cfg, {"stage": "sft", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
+    rank, world, device = run.rank, run.world, run.device
+    accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
 
     # 2. data: tokenize, shard per rank, shuffle per epoch
     tok = get_tokenizer()
@@ -248,7 +185,8 @@ def main(cfg: Config) -> dict:
     loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, collate(train))
     val_batches = []
     if cfg.val_data and cfg.eval_every >= 0:
-        val_rows = load_rows(cfg.val_data, cfg.val_split, SFT_COLUMNS)[: cfg.val_examples]
+        val_rows = load_rows(cfg.val_data, cfg.val_split, SFT_COLUMNS)
+        val_rows = val_rows[: cfg.val_rows] if cfg.val_rows else val_rows
         val = SFTDataset(val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.val_data}[{cfg.val_split}]")
         # every rank evaluates a disjoint slice of the validation rows, in fixed order
         idx = list(range(rank, len(val), world))
@@ -259,32 +197,19 @@ def main(cfg: Config) -> dict:
     model = build_policy(cfg.model, cfg.random_init)
     if cfg.lora_enabled:
         apply_lora(model, cfg)
-    if rank == 0:
-        print(f"sft: {trainable_summary(model)}")
-    shard_model(model, resolve_dtype(cfg.dtype, device), activation_checkpointing=cfg.activation_checkpointing)
+    run.say(f"sft: {trainable_summary(model)}")
+    shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing)
     model.to(device)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
 
     # 4. resume: weights, optimizer, schedule, every rank's RNG, data position, best validation so far
-    step, best = 0, None
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer, scheduler, meta, rank)
-        step, best = state["step"], state["extra"].get("best")
-        restore_loader(loader, ckpt, state["extra"])
-        if rank == 0:
-            print(f"resumed from {ckpt} at step {step}")
-
-    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0, resume_step=step)
-    if rank == 0:
-        print(f"sft: {len(train)} rows, world {world}, {accum} accumulation steps, {total_steps} steps")
+    step = resume(run, cfg, model, optimizer, scheduler, loader, total_steps)
+    run.say(f"sft: {len(train)} rows, world {world}, {accum} accumulation steps, {total_steps} steps")
     batches = iter(loader)
-    bar = progress(total_steps, step, rank == 0, "sft")
     model.train()
-    metrics = {}
-    guard = NonFiniteGuard("sft", cfg.on_nonfinite, device)
-    stopping = False
-    with StopSignal() as stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
+    metrics, stopping = {}, False
+    with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
         while step < total_steps:
             t0 = time.perf_counter()
             # 5. one optimizer step: the loss is normalised by the global count of response tokens; a non-finite
@@ -293,14 +218,14 @@ def main(cfg: Config) -> dict:
             prompt_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + rank)  # resumes exactly
             loss = accumulate_gradients(model, micro, world, device, cfg.prompt_loss_weight, cfg.prompt_loss_positions, prompt_gen)
             grad_norm = clip_grad_norm(model, cfg.grad_clip)
-            finite = guard.ok(step + 1, {"train/loss": loss, "train/grad_norm": grad_norm})
+            finite = run.guard.ok(step + 1, {"train/loss": loss, "train/grad_norm": grad_norm})
             if finite:
                 optimizer.step()
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
 
-            # 6. log
+            # 6. log, validate, checkpoint (on schedule, at the end, at a new best, or when a signal came)
             dt = time.perf_counter() - t0
             seen = all_reduce_sum(torch.tensor(float(sum(b["attention_mask"].sum() for b in micro)), device=device))
             metrics = {
@@ -312,33 +237,14 @@ def main(cfg: Config) -> dict:
                 "perf/tokens_per_second": float(seen) / dt,
                 "perf/tokens_per_second_per_device": float(seen) / dt / world,
             }
-            if cfg.eval_every > 0 and val_batches and (step % cfg.eval_every == 0 or step == total_steps):
+            if val_batches and cfg.eval_due(step, total_steps):
                 metrics["val/loss"] = evaluate(model, val_batches, device)
-            logger.log(metrics, step)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
-
-            # 7. checkpoint: on schedule, at the end, at a new best validation metric, or when a signal came
-            best, improved = update_best(best, metrics, cfg.best_metric, cfg.best_mode, step)
-            stopping = stop.requested(device)
-            if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-                save_checkpoint(
-                    run_dir, step, model, optimizer, scheduler, meta, extra={"loader": loader.state_dict(), "best": best},
-                    keep_last=cfg.keep_last, rank=rank, best=best if improved else None,
-                )
+            stopping = end_of_step(run, cfg, step, total_steps, metrics, model, optimizer, scheduler, loader)
             if stopping:
                 break
-    bar.close()
 
-    # 8. export a Hugging Face-format folder for the next stage (not after a signal: the run is not finished)
-    if stopping:
-        stop.report(step, run_dir / "checkpoints", rank)
-    else:
-        export_hf(model, model_cfg, run_dir / "hf", rank)
-        if rank == 0:
-            print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-    logger.finish()
-    cleanup_distributed()
+    # 7. export a Hugging Face-format folder for the next stage (not after a signal: the run is not finished)
+    finish(run, model, step, metrics, stopping, lambda sd: save_export(model, sd, model_cfg, run.dir / "hf"))
     return metrics
 
 

@@ -136,7 +136,7 @@ def grpo_step(policy, reference, reward_model, optimizer, scheduler, prompt_ids,
     """grpo.main()'s stages 2-7 on one batch of prompts: (seconds per stage, token counts)."""
     import grpo
     from utils.dist import all_reduce_sum
-    from utils.grpo import global_normalize, group_center, group_normalize, penalize_missing_end
+    from rlhf.grpo import global_normalize, group_center, group_normalize, penalize_missing_end
 
     G = cfg.num_samples
     timer = grpo.StageTimer(device)

@@ -21,7 +21,7 @@ import tiktoken
 import torch
 
 from data.tokenizer import END_ID, PAD_ID
-from utils.hub import hub_unreachable
+from data.hub import hub_unreachable
 
 SFT_COLUMNS = ("prompt", "completion")
 PREF_COLUMNS = ("prompt", "chosen", "rejected")
@@ -33,6 +33,8 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 class DataError(ValueError):
     """A data file, hub dataset or row that cannot be used; the message names where and why."""
+
+    exit_code = 2  # a script ends in one line `error: ...` with this code (utils/guard.py)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ N_VOCAB = 50257
 class TokenizerError(RuntimeError):
     """No source of the GPT-2 BPE files worked; the message lists each source and why it failed."""
 
+    exit_code = 2  # a script ends in one line `error: ...` with this code (utils/guard.py)
+
 
 def _encoding_from_bpe_dir(folder: str) -> tiktoken.Encoding:
     """Build the GPT-2 Encoding from a folder holding OpenAI's encoder.json and vocab.bpe."""

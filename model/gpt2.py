@@ -139,6 +139,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    fsdp_unit = True  # utils/fsdp.py shards each block as a unit of its own (the model imports nothing of FSDP)
+
     def __init__(self, cfg: GPTConfig, layer_idx: int):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)

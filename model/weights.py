@@ -15,14 +15,17 @@ import torch.nn as nn
 
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
-from utils.hub import hub_unreachable
+from model.lora import lora_scalings, merged_state_dict
+from data.hub import hub_unreachable
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
 class ModelLoadError(RuntimeError):
-    pass
+    """A model name, folder or weights file that cannot be loaded; the message names it and what was expected."""
+
+    exit_code = 2  # a script ends in one line `error: ...` with this code (utils/guard.py)
 
 
 def config_from_hf(hf: dict) -> GPTConfig:
@@ -224,3 +227,10 @@ def save_hf(state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | P
         shutil.rmtree(old)
     else:
         tmp.rename(folder)
+
+
+def save_export(model: nn.Module, state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | Path,
+                extra_files: dict | None = None) -> None:
+    """Write `model`'s full state dict as a Hugging Face-format folder, LoRA adapters merged into their base
+    weights (a plain GPT-2 that `transformers` loads). With utils.checkpoint.export_model under FSDP."""
+    save_hf(merged_state_dict(state_dict, lora_scalings(model)), cfg, folder, extra_files)

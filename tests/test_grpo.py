@@ -15,7 +15,7 @@ from model.sampler import END_ID, SampleOutput
 from model.weights import build_policy, save_hf
 from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script
 from utils.config import parse_config
-from utils.grpo import global_normalize
+from rlhf.grpo import global_normalize
 from utils.optim import build_optimizer, build_scheduler
 
 

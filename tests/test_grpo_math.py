@@ -1,4 +1,4 @@
-"""utils/grpo.py: selection, advantages, the per-token loss and the aggregation variants, against values worked
+"""rlhf/grpo.py: selection, advantages, the per-token loss and the aggregation variants, against values worked
 by hand, an independent loop implementation of RSO Algorithm 1, and invariances."""
 
 import math
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from utils.grpo import (
+from rlhf.grpo import (
     AGGREGATIONS,
     clipped_surrogate,
     dr_grpo_weights,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from utils.losses import bradley_terry_loss, dpo_logits, dpo_loss, ipo_loss, sequence_logprobs
+from rlhf.losses import bradley_terry_loss, dpo_logits, dpo_loss, ipo_loss, sequence_logprobs
 
 LOG2 = math.log(2.0)
 

@@ -16,13 +16,13 @@ import dpo
 import reward_model
 from data.tldr import PREF_COLUMNS, collate_pairs, load_rows
 from data.tokenizer import get_tokenizer
-from evaluate import build_eval_set, evaluate_reward_model, gather_pair_scores
+from evaluation.preference import build_eval_set, evaluate_reward_model, gather_pair_scores
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import build_reward_model, save_hf
 from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script, shared_file
 from utils.config import parse_config
-from utils.stats import bootstrap_ci, pair_outcomes, preference_summary, standardizing_gain_bias
+from rlhf.stats import bootstrap_ci, pair_outcomes, preference_summary, standardizing_gain_bias
 
 LOG2 = math.log(2.0)
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128)

@@ -1,4 +1,4 @@
-"""utils/rewards.py: parsing --rewards, built-in functions, per-row sources, errors naming the function and the row,
+"""rlhf/rewards.py: parsing --rewards, built-in functions, per-row sources, errors naming the function and the row,
 per-source normalization over the global batch, and the optional reward column of a dataset."""
 
 import json
@@ -9,7 +9,7 @@ import torch
 
 from data.synthetic import best_summary, gold_reward, make_post
 from data.tldr import load_optional_column
-from utils.rewards import (
+from rlhf.rewards import (
     RewardFunctionError,
     combine_sources,
     format_reward,

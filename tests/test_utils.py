@@ -7,6 +7,7 @@ import math
 import pytest
 
 import sft
+from utils.config import accumulation_steps
 from utils.config import field_docs, parse_config
 from utils.logging import Logger
 from utils.optim import cosine_with_warmup
@@ -44,8 +45,8 @@ def test_bad_value_is_refused(capsys):
 
 def test_batch_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="divisible"):
-        sft.accumulation_steps(batch_size=10, micro_batch_size=4, world_size=2)
-    assert sft.accumulation_steps(64, 8, 2) == 4
+        accumulation_steps(batch_size=10, micro_batch_size=4, world_size=2)
+    assert accumulation_steps(64, 8, 2) == 4
 
 
 def test_cosine_with_warmup_by_hand():

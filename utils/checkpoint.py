@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +36,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from model.lora import lora_scalings, merged_state_dict
-from model.weights import save_hf
 from utils.config import ConfigError
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -44,6 +43,8 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, unreadable, or from another stage or model; the message names it."""
+
+    exit_code = 2
 
 
 def _warn(message: str) -> None:
@@ -321,12 +322,11 @@ def update_best(best: dict | None, metrics: dict, metric: str, mode: str, step: 
     return {"metric": metric, "mode": mode, "value": value, "step": step}, True
 
 
-def export_hf(model: nn.Module, cfg, folder: str | Path, rank: int = 0, extra_files: dict | None = None) -> None:
-    """Gather the full weights (a collective) and write a Hugging Face-format folder on rank 0. LoRA adapters
-    are merged into their base weights first, so the folder holds a plain GPT-2."""
+def export_model(model: nn.Module, write: Callable[[dict[str, torch.Tensor]], None], rank: int = 0) -> None:
+    """Gather the full weights (a collective) and hand them to `write` on rank 0 (model.weights.save_export writes a
+    Hugging Face-format folder, LoRA adapters merged); every rank waits until it has written."""
     sd = full_model_state(model)
     if rank == 0:
-        sd = merged_state_dict(sd, lora_scalings(model))
-        save_hf(sd, cfg, folder, extra_files)
+        write(sd)
     if dist.is_initialized():
         dist.barrier()

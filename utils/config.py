@@ -26,6 +26,8 @@ class ConfigError(ValueError):
     """An option value, or a combination of options and world size, that cannot work; the message names the
     option(s) and what was expected."""
 
+    exit_code = 2  # utils/guard.py: one line, exit code 2
+
 
 def print_error(message: str) -> None:
     """`error: message` on one line, to stderr, from rank 0 only (RANK is set by torchrun; a plain run is rank 0)."""
@@ -138,6 +140,16 @@ def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def accumulation_steps(batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """Micro-batches per rank in one optimizer step, with the exact-division check."""
+    if batch_size % (micro_batch_size * world_size):
+        raise ConfigError(
+            f"--batch_size {batch_size} must be divisible by --micro_batch_size {micro_batch_size} x "
+            f"world size {world_size} = {micro_batch_size * world_size}"
+        )
+    return batch_size // (micro_batch_size * world_size)
+
+
 def check_context(model_cfg, max_prompt_len: int, max_response_len: int, what: str = "model") -> None:
     """Refuse lengths the model's position table cannot hold (GPT-2's positions are a learned table)."""
     if max_prompt_len + max_response_len > model_cfg.n_positions:
@@ -145,3 +157,84 @@ def check_context(model_cfg, max_prompt_len: int, max_response_len: int, what: s
             f"--max_prompt_len {max_prompt_len} + --max_response_len {max_response_len} exceeds the {what}'s "
             f"{model_cfg.n_positions} positions"
         )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Options every training stage shares, composed into each script's Config (a script redeclares a field to give it
+# another default or another docstring)
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    steps: int = 0
+    """Optimizer steps (GRPO: steps of rollouts and updates); 0 means one epoch over the training rows."""
+    lr: float = 3e-5
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 20
+    """Linear warmup (optimizer steps) before cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on weight matrices."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+    def validate_optim(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        for name in ("steps", "grad_clip", "warmup_steps", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    eval_every: int = 100
+    """Evaluate every N steps and after the last; 0: only after the last; -1: never."""
+    save_every: int = 500
+    """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Resumable checkpoints kept (the best one is kept as well)."""
+    best_metric: str = "val/loss"
+    """Evaluation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned); a new
+    best is saved when it appears. Empty disables."""
+    best_mode: Literal["min", "max"] = "min"
+    """min: a lower --best_metric is better; max: a higher one."""
+    out_dir: str = "runs/stage"
+    """Run directory: checkpoints/, hf/ (the Hugging Face-format export), metrics.jsonl, wandb/."""
+    resume: bool = True
+    """Resume from the newest checkpoint in --out_dir when there is one (false refuses to start over on top of one)."""
+    resume_from: str = ""
+    """Start from this checkpoint (a checkpoint folder, or another run directory) when --out_dir has none yet."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient norm: stop (nothing is stepped or saved; the newest checkpoint is the last good
+    state) or skip the step (no optimizer or scheduler step; its batch is dropped)."""
+    seed: int = 1
+    """Seed of initialisation, data order and every random stream (streams derived from seed, step and rank)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto (cuda when available), cuda or cpu."""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """Compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU). Gradients are reduced in fp32."""
+    activation_checkpointing: bool = False
+    """Recompute block activations in backward to save memory."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """online, offline, disabled, or auto (online with a wandb login, offline otherwise)."""
+    wandb_project: str = "tldr-rlhf"
+    """wandb project."""
+    run_name: str = "run"
+    """wandb run name."""
+
+    def validate_run(self) -> None:
+        require_nonempty(self, "out_dir")
+        if self.keep_last <= 0:
+            raise ConfigError(f"--keep_last must be positive, got {self.keep_last}")
+        if self.save_every < 0:
+            raise ConfigError(f"--save_every must be >= 0, got {self.save_every}")
+        if self.eval_every < -1:
+            raise ConfigError(f"--eval_every must be >= -1 (-1 never evaluates), got {self.eval_every}")
+
+    def eval_due(self, step: int, total_steps: int) -> bool:
+        """--eval_every: after step `step` (1-based) of `total_steps`, every N steps and after the last."""
+        return self.eval_every >= 0 and (step == total_steps or (self.eval_every > 0 and step % self.eval_every == 0))

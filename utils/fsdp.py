@@ -9,8 +9,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from model.gpt2 import Block
-
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
     """Parameter dtype in forward/backward: "bf16", "fp32", or "auto" (bf16 on GPU, fp32 on CPU, where bf16
@@ -35,8 +33,9 @@ def shard_model(
 
     param_dtype: compute dtype (e.g. bf16); gradients are always reduced in fp32 and the optimizer keeps fp32
     master weights. cpu_offload: keep sharded parameters on the CPU (for frozen reference and reward models;
-    needs a GPU). The wrap policy finds every GPT-2 `Block`, whether the GPT-2 is bare or inside a policy or
-    reward wrapper, so tied embedding and head always land together in the root unit.
+    needs a GPU). Every submodule whose class sets `fsdp_unit = True` (model.gpt2.Block) becomes a unit of its own,
+    whether the GPT-2 is bare or inside a policy or reward wrapper, so tied embedding and head always land together
+    in the root unit.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     kwargs = dict(mp_policy=mp, reshard_after_forward=reshard_after_forward)
@@ -45,7 +44,7 @@ def shard_model(
             raise ValueError("cpu_offload needs a GPU: FSDP offloads parameters from the GPU to the CPU")
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for m in model.modules():
-        if isinstance(m, Block):
+        if getattr(type(m), "fsdp_unit", False):
             m.activation_checkpointing = activation_checkpointing
             fully_shard(m, **kwargs)
     fully_shard(model, **kwargs)

@@ -31,23 +31,19 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from data.tldr import DataError
-from data.tokenizer import TokenizerError
-from model.weights import ModelLoadError
-from utils.checkpoint import CheckpointError
 from utils.config import ConfigError, print_error
 from utils.logging import close_progress_bars, say
-from utils.rewards import RewardFunctionError
 
 EXIT_BAD_INPUT = 2
 EXIT_NUMERICAL = 3
 EXIT_INTERRUPTED = 130
 
-USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError, TokenizerError, RewardFunctionError)
 
 
 class NumericalError(RuntimeError):
     """A non-finite loss or gradient norm, or rewards that are NaN or constant; names the stage and step."""
+
+    exit_code = EXIT_NUMERICAL
 
 
 def _all_ranks_max(values: list[float], device) -> list[float]:
@@ -60,16 +56,21 @@ def _all_ranks_max(values: list[float], device) -> list[float]:
 @contextmanager
 def exit_on_error():
     """Around a script's main(): a user error or numerical fault prints one `error: ...` line (rank 0) and exits
-    with its code instead of a traceback; any other exception propagates with its traceback (a bug)."""
+    with its code instead of a traceback; any other exception propagates with its traceback (a bug).
+
+    A user error is any exception whose class sets `exit_code` (ConfigError, DataError, TokenizerError,
+    ModelLoadError, CheckpointError, RewardSpecError, RewardFunctionError: 2; NumericalError: 3), so the packages
+    that raise them need not be imported here."""
     try:
         yield
-    except USER_ERRORS as e:
-        _exit(str(e), EXIT_BAD_INPUT)
-    except NumericalError as e:
-        _exit(str(e), EXIT_NUMERICAL)
     except KeyboardInterrupt:
         _exit("interrupted outside the training loop (start-up or export); the newest checkpoint, if any, is intact",
               EXIT_INTERRUPTED)
+    except Exception as e:
+        code = getattr(type(e), "exit_code", None)
+        if code is None:
+            raise
+        _exit(str(e), code)
 
 
 def _exit(message: str, code: int) -> None:

@@ -51,7 +51,7 @@ def configurations() -> dict[str, tuple[int, callable]]:
              "--max_response_len", "24", "--lr", "1e-3", "--warmup_steps", "1", "--eval_every", "3"]
     return {
         "sft": (1, lambda out: [
-            "sft.py", "--model", "tiny", "--random_init", "true", *sft_data, "--val_examples", "8",
+            "sft.py", "--model", "tiny", "--random_init", "true", *sft_data, "--val_rows", "8",
             "--prompt_loss_weight", "0.5", "--prompt_loss_positions", "4", *sizes, *_common(out),
         ]),
         "reward_model": (1, lambda out: [

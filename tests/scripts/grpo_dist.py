@@ -22,7 +22,7 @@ from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.sampler import SampleOutput  # noqa: E402
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402
 from utils.fsdp import shard_model  # noqa: E402
-from utils.grpo import global_normalize, group_normalize  # noqa: E402
+from rlhf.grpo import global_normalize, group_normalize  # noqa: E402
 
 VOCAB, PROMPTS, G, R = 512, 4, 4, 6
 

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.lora import LoRAConfig, adapters_disabled, apply_lora, lora_scalings, merge_adapters_, merged_state_dict  # noqa: E402
-from utils.checkpoint import export_hf, full_model_state  # noqa: E402
+from model.weights import save_export  # noqa: E402
+from utils.checkpoint import export_model, full_model_state  # noqa: E402
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402
 from utils.fsdp import shard_model  # noqa: E402
 from utils.optim import build_optimizer  # noqa: E402
@@ -92,7 +93,7 @@ def main(out: str, hf_folder: str):
     eval_ids, eval_pos, eval_mask = rows(seed=3, n=4)
     with torch.no_grad():
         logits = policy(eval_ids, eval_pos, eval_mask)
-    export_hf(policy, CFG, hf_folder, rank)
+    export_model(policy, lambda sd: save_export(policy, sd, CFG, hf_folder), rank)
 
     # 4. merge in place on the sharded parameters; compare with the merge of the full state dict
     expected = merged_state_dict(full, lora_scalings(policy)) if rank == 0 else None

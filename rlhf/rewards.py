@@ -44,17 +44,23 @@ from dataclasses import dataclass
 
 import torch
 
-from data.synthetic import gold_reward
-from data.tldr import DataError
-from utils.config import ConfigError
 
 REWARD_MODEL = "reward_model"
 END = "\n"  # the text of the end token (198)
 
 
+class RewardSpecError(ValueError):
+    """A --rewards string, or a dataset's reward column, that names no usable source; the message says which term
+    or row and what was expected. Ends the run in one line with exit code 2 (utils/guard.py)."""
+
+    exit_code = 2
+
+
 class RewardFunctionError(RuntimeError):
     """A reward function raised or returned a non-number; the message names the function, the dataset row and, when
     it raised, where (the innermost frame), so the run ends in one line (utils/guard.py) that says what to fix."""
+
+    exit_code = 2
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -73,9 +79,9 @@ def length_reward(prompt: str, response: str, target_words: int = 24) -> float:
     return -abs(words - target_words) / target_words
 
 
-# By name in --rewards. gold_reward is the embedded synthetic task's (data/synthetic.py), also reachable as
-# data.synthetic:gold_reward; both have the short name gold_reward.
-BUILTINS: dict[str, Callable[..., float]] = {"format": format_reward, "length": length_reward, "gold_reward": gold_reward}
+# By name in --rewards; a script adds task functions of its own (grpo.py adds the embedded synthetic task's
+# gold_reward, also reachable as data.synthetic:gold_reward; both have the short name gold_reward).
+BUILTINS: dict[str, Callable[..., float]] = {"format": format_reward, "length": length_reward}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -99,14 +105,16 @@ def load_function(path: str, option: str = "--rewards") -> Callable:
     try:
         fn = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"{option}: cannot load function '{path}' (expected module:function): {e}") from None
+        raise RewardSpecError(f"{option}: cannot load function '{path}' (expected module:function): {e}") from None
     if not callable(fn):
-        raise ConfigError(f"{option}: '{path}' is not callable")
+        raise RewardSpecError(f"{option}: '{path}' is not callable")
     return fn
 
 
-def parse_rewards(spec: str, length_target: int = 24) -> list[RewardSource]:
-    """Sources of a --rewards string such as "reward_model + 0.5*format" (see the module docstring)."""
+def parse_rewards(spec: str, length_target: int = 24, extra: dict[str, Callable] | None = None) -> list[RewardSource]:
+    """Sources of a --rewards string such as "reward_model + 0.5*format" (see the module docstring); `extra` adds
+    named functions to the built-ins."""
+    builtins = BUILTINS | (extra or {})
     sources = []
     for term in spec.split("+"):
         term = term.strip()
@@ -115,27 +123,27 @@ def parse_rewards(spec: str, length_target: int = 24) -> list[RewardSource]:
         try:
             weight = float(weight_text) if star else 1.0
         except ValueError:
-            raise ConfigError(f"--rewards term '{term}': the weight before '*' must be a number") from None
+            raise RewardSpecError(f"--rewards term '{term}': the weight before '*' must be a number") from None
         if not source:
-            raise ConfigError(f"--rewards '{spec}' has an empty term (expected e.g. 'reward_model + 0.5*format')")
+            raise RewardSpecError(f"--rewards '{spec}' has an empty term (expected e.g. 'reward_model + 0.5*format')")
         if source == REWARD_MODEL:
             name, fn = REWARD_MODEL, None
         elif source == "length":
             name, fn = "length", lambda p, r: length_reward(p, r, length_target)
-        elif source in BUILTINS:
-            name, fn = source, BUILTINS[source]
+        elif source in builtins:
+            name, fn = source, builtins[source]
         elif ":" in source:
             name, fn = source.rpartition(":")[2], load_function(source)
         else:
-            raise ConfigError(
-                f"unknown reward source '{source}': use {REWARD_MODEL}, a built-in ({', '.join(BUILTINS)}) or a "
+            raise RewardSpecError(
+                f"unknown reward source '{source}': use {REWARD_MODEL}, a built-in ({', '.join(builtins)}) or a "
                 f"module:function import path"
             )
         sources.append(RewardSource(name, source, weight, fn))
     names = [s.name for s in sources]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ConfigError(f"--rewards names {duplicates} more than once (sources are told apart by name: {names})")
+        raise RewardSpecError(f"--rewards names {duplicates} more than once (sources are told apart by name: {names})")
     return sources
 
 
@@ -150,13 +158,13 @@ def row_sources(values: Sequence, sources: list[RewardSource], where: str) -> to
             continue
         names = value.split(",") if isinstance(value, str) else value
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-            raise DataError(f"{where}: row {row}: the reward column must be a string or a list of names, got {value!r}")
+            raise RewardSpecError(f"{where}: row {row}: the reward column must be a string or a list of names, got {value!r}")
         names = [n.strip() for n in names if n.strip()]
         if not names:
-            raise DataError(f"{where}: row {row}: the reward column names no reward source")
+            raise RewardSpecError(f"{where}: row {row}: the reward column names no reward source")
         for n in names:
             if n not in by_name:
-                raise DataError(
+                raise RewardSpecError(
                     f"{where}: row {row}: reward source '{n}' is not in --rewards (sources: {[s.name for s in sources]})"
                 )
             applies[row, by_name[n]] = True

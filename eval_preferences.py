@@ -1,0 +1,125 @@
+"""Preference accuracy of a reward model or a policy on TL;DR comparisons (trl-lib/tldr-preference validation).
+
+    python eval_preferences.py --reward_model runs/rm/hf --val_data trl-lib/tldr-preference --val_split validation
+    python eval_preferences.py --policy runs/dpo/hf --reference runs/sft/hf --beta 0.1
+    torchrun --nproc_per_node=2 eval_preferences.py ...   # each rank scores a disjoint slice of the pairs
+    python eval_preferences.py --help                     # every option
+
+What is measured and how: evaluation/preference.py (the library the training stages call).
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from data.tldr import PREF_COLUMNS, load_rows
+from data.tokenizer import get_tokenizer
+from evaluation.preference import build_eval_set, evaluate_policy, evaluate_reward_model, format_table, log_results
+from model.weights import build_policy, build_reward_model, model_config
+from utils.config import ConfigError, check_context, config_to_dict, parse_config
+from utils.dist import cleanup_distributed, setup_distributed
+from utils.fsdp import resolve_dtype, shard_model
+from utils.guard import exit_on_error
+from utils.logging import Logger
+
+
+@dataclass
+class Config:
+    reward_model: str = ""
+    """Reward model to evaluate: a Hugging Face-format folder (reward_model.py's hf/) or hub name."""
+    policy: str = ""
+    """Policy to evaluate with its implicit reward (DPO/GRPO hf/ folder); needs --reference."""
+    reference: str = ""
+    """Reference policy of the implicit reward (usually the SFT model the policy started from)."""
+    beta: float = 0.1
+    """beta of the implicit reward beta * log(pi/pi_ref) (does not change the accuracy, only the scores)."""
+    data: str = "trl-lib/tldr-preference"
+    """Preference rows (prompt, chosen, rejected): a hub dataset name, a .jsonl/.parquet file or a folder."""
+    split: str = "validation"
+    """Split of --data (hub datasets and folders)."""
+    max_pairs: int = 0
+    """Evaluate the first N pairs only; 0 for all."""
+    max_prompt_len: int = 512
+    """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
+    max_response_len: int = 64
+    """Response tokens kept, including the "\\n" end token."""
+    micro_batch_size: int = 8
+    """Pairs per forward pass on each rank."""
+    bootstrap_samples: int = 2000
+    """Bootstrap resamples for the 95% confidence intervals."""
+    seed: int = 0
+    """Seed of the bootstrap."""
+    out_dir: str = ""
+    """When set: write preference_eval.json and metrics.jsonl there and log to wandb (see --wandb_mode)."""
+    device: str = "auto"
+    """auto, cuda or cpu."""
+    dtype: str = "auto"
+    """Compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU)."""
+    wandb_mode: str = "auto"
+    """online, offline, disabled, or auto (online with a wandb login, offline otherwise); used with --out_dir."""
+    wandb_project: str = "tldr-rlhf"
+    """wandb project."""
+    run_name: str = "evaluate"
+    """wandb run name."""
+
+    def validate(self) -> None:
+        if bool(self.reward_model) == bool(self.policy):
+            raise ConfigError("give exactly one of --reward_model or --policy")
+        if self.policy and not self.reference:
+            raise ConfigError("--policy needs --reference (the implicit reward is beta * log pi/pi_ref)")
+        if self.reference and not self.policy:
+            raise ConfigError("--reference is only used with --policy")
+        for name in ("micro_batch_size", "max_prompt_len", "max_response_len", "bootstrap_samples"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.max_pairs < 0:
+            raise ConfigError(f"--max_pairs must be >= 0, got {self.max_pairs}")
+        if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
+            raise ConfigError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
+
+
+def main(cfg: Config) -> dict:
+    # 1. distributed set-up; the models' configs and context lengths (before data is tokenized or models are built)
+    info = setup_distributed(cfg.device)
+    rank, world, device = info.rank, info.world_size, info.device
+    dtype = resolve_dtype(cfg.dtype, device)
+    for what, name in (("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)):
+        if name:
+            check_context(model_config(name), cfg.max_prompt_len, cfg.max_response_len, what)
+
+    # 2. data: this rank's disjoint slice of the pairs
+    rows = load_rows(cfg.data, cfg.split, PREF_COLUMNS)
+    rows = rows[: cfg.max_pairs] if cfg.max_pairs else rows
+    name = f"{cfg.data}[{cfg.split}]"
+    eval_set = build_eval_set(rows, get_tokenizer(), cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world, name)
+
+    # 3. models and scores
+    if cfg.reward_model:
+        model = build_reward_model(cfg.reward_model)
+        model = shard_model(model, dtype).to(device)
+        results = evaluate_reward_model(model, eval_set, device, cfg.bootstrap_samples, cfg.seed)
+        title = f"reward model {cfg.reward_model} on {name}"
+    else:
+        policy, reference = build_policy(cfg.policy), build_policy(cfg.reference)
+        policy, reference = shard_model(policy, dtype).to(device), shard_model(reference, dtype).to(device)
+        results = evaluate_policy(policy, reference, eval_set, cfg.beta, device, cfg.bootstrap_samples, cfg.seed)
+        title = f"policy {cfg.policy} vs reference {cfg.reference} (beta {cfg.beta}) on {name}"
+
+    # 4. report
+    if rank == 0:
+        print(format_table(results, title))
+    if cfg.out_dir:
+        logger = Logger(cfg.out_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
+        log_results(logger, results, step=0, prefix="eval/")
+        logger.finish()
+        if rank == 0:
+            (Path(cfg.out_dir) / "preference_eval.json").write_text(
+                json.dumps({"config": config_to_dict(cfg), "results": results}, indent=2)
+            )
+    cleanup_distributed()
+    return results
+
+
+if __name__ == "__main__":
+    with exit_on_error():
+        main(parse_config(Config, description=__doc__.split("\n\n")[0]))

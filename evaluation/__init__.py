@@ -1,0 +1,1 @@
+"""Evaluation of trained models on held-out data (preference accuracy); imports model, data, rlhf and utils."""

@@ -1,0 +1,143 @@
+"""Run plumbing every training script calls from its own visible loop: plain functions, no trainer, no hooks.
+
+    run = start_run(cfg, meta)                          # process group, run directory, checkpoint lookup, seeding
+    ... data, models, optimizer, scheduler ...
+    step = resume(run, cfg, model, optimizer, scheduler, loader, total_steps)   # then the logger and progress bar
+    with run.stop:                                      # SIGTERM / SIGINT: finish the step, save, leave
+        while step < total_steps:
+            ... one step ...
+            step += 1
+            if end_of_step(run, cfg, step, total_steps, metrics, model, optimizer, scheduler, loader):
+                break                                   # a signal came: the checkpoint is saved
+    finish(run, model, metrics, export=lambda sd: save_export(model, sd, model_cfg, run.dir / "hf"))
+
+Random streams: every random draw of a run that is not the model's initialisation comes from a torch.Generator
+seeded by stream_seed(seed, step, rank, stream name), so streams are independent of each other and of the ranks,
+and a resumed run rebuilds them bit for bit from the step alone.
+"""
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from utils.checkpoint import export_model, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
+from utils.config import RunConfig, config_to_dict
+from utils.dist import DistInfo, cleanup_distributed, setup_distributed
+from utils.fsdp import resolve_dtype
+from utils.guard import NonFiniteGuard, StopSignal
+from utils.logging import Logger, progress
+
+
+def stream_seed(*parts) -> int:
+    """A 63-bit seed from (seed, step, rank, stream name): independent streams that a resumed run can rebuild."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
+def stream(*parts, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch.Generator on `device` seeded with stream_seed(*parts)."""
+    return torch.Generator(device=device).manual_seed(stream_seed(*parts))
+
+
+@dataclass
+class Run:
+    """What a started run knows: its ranks and device, directory, the checkpoint it resumes from, its checkpoint
+    identity (`meta`), and, once resume() has run, its logger, progress bar and best evaluation so far."""
+
+    dist: DistInfo
+    dir: Path
+    meta: dict
+    checkpoint: Path | None
+    dtype: torch.dtype | None
+    guard: NonFiniteGuard
+    stop: StopSignal = field(default_factory=StopSignal)
+    logger: Logger | None = None
+    bar: object = None
+    best: dict | None = None
+    extra: dict = field(default_factory=dict)
+    """The resumed checkpoint's loop state (data position, best, a refreshed reference, ...); empty on a fresh start."""
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def world(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist.rank == 0
+
+    def say(self, message: str) -> None:
+        if self.is_main:
+            print(message)
+
+
+def start_run(cfg: RunConfig, meta: dict) -> Run:
+    """Distributed set-up, the run directory and the checkpoint to resume from (checked against `meta`: stage, model
+    config, LoRA), the global seed (the same on every rank: models are initialised identically before sharding) and
+    the compute dtype. Everything here runs before any data is read or any model is built."""
+    info = setup_distributed(cfg.device)
+    run_dir = Path(cfg.out_dir)
+    checkpoint = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
+    torch.manual_seed(cfg.seed)
+    guard = NonFiniteGuard(meta["stage"], cfg.on_nonfinite, info.device)
+    return Run(info, run_dir, meta, checkpoint, resolve_dtype(cfg.dtype, info.device), guard)
+
+
+def resume(run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_steps: int) -> int:
+    """Restore the checkpoint start_run found, if any (weights, optimizer, schedule, every rank's RNG, data position,
+    best evaluation so far; its loop state in run.extra), then open the logger and the progress bar at that step.
+    Returns the step to continue from (0 on a fresh start)."""
+    step = 0
+    if run.checkpoint is not None:
+        state = load_checkpoint(run.checkpoint, model, optimizer, scheduler, run.meta, run.rank)
+        step, run.extra = state["step"], state["extra"]
+        run.best = run.extra.get("best")
+        restore_loader(loader, run.checkpoint, run.extra)
+        run.say(f"resumed from {run.checkpoint} at step {step}")
+    run.logger = Logger(run.dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, run.is_main,
+                        resume_step=step)
+    run.bar = progress(total_steps, step, run.is_main, run.meta["stage"])
+    return step
+
+
+def end_of_step(
+    run: Run, cfg: RunConfig, step: int, total_steps: int, metrics: dict, model, optimizer, scheduler, loader,
+    best_metric: str | None = None, extra: Callable[[], dict] | None = None,
+) -> bool:
+    """Log the step's metrics, keep the best by --best_metric (or `best_metric`), and save a checkpoint on schedule,
+    at the end, at a new best, or when a signal came. `extra()` adds loop state to the checkpoint (called on every
+    rank, only when saving: it may be a collective). Returns True when the run must stop (a signal came)."""
+    run.logger.log(metrics, step)
+    run.bar.update(1)
+    run.bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.4g}" for k in ("train/loss", "reward/mean", "train/kl") if k in metrics})
+    metric = cfg.best_metric if best_metric is None else best_metric
+    run.best, improved = update_best(run.best, metrics, metric, cfg.best_mode, step)
+    stopping = run.stop.requested(run.device)
+    if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
+        state = {"loader": loader.state_dict(), "best": run.best, **(extra() if extra else {})}
+        save_checkpoint(run.dir, step, model, optimizer, scheduler, run.meta, extra=state, keep_last=cfg.keep_last,
+                        rank=run.rank, best=run.best if improved else None)
+    return stopping
+
+
+def finish(run: Run, model, step: int, metrics: dict, stopped: bool, export: Callable[[dict], None]) -> None:
+    """After the loop: a stopped run says where its checkpoint is; a finished one gathers the full weights and hands
+    them to `export` on rank 0 (model.weights.save_export: the Hugging Face-format folder). Then the logger closes
+    and the process group is torn down."""
+    run.bar.close()
+    if stopped:
+        run.stop.report(step, run.dir / "checkpoints", run.rank)
+    else:
+        export_model(model, export, run.rank)
+        run.say(f"exported {run.dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    run.logger.finish()
+    cleanup_distributed()

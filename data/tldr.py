@@ -456,6 +456,44 @@ def collate_sft(
     }
 
 
+def prompt_response_rows(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
+) -> dict:
+    """collate_sft's layout from tensors: prompts (n, P) left-padded, responses (n, R) right-padded (as the sampler
+    leaves them).
+
+    Columns that are padding in every row are dropped first (leading prompt columns, trailing response columns),
+    so a micro-batch is only as wide as its own longest prompt and response. Position ids count real tokens
+    from 0 (GPT-2's positions are absolute, so left padding must not shift them)."""
+    first = int(prompt_mask.any(0).long().argmax())  # first column where some prompt has a real token
+    width = int(response_mask.any(0).sum())  # right padding: columns with some real response token
+    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
+    response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (n, P'+R')
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # (n, P'+R')
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1) * attention_mask  # (n, P'+R')
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "prompt_len": prompt_ids.shape[1],
+    }
+
+
+def decode_responses(tok: tiktoken.Encoding, response_ids: torch.Tensor, response_mask: torch.Tensor,
+                     has_end: torch.Tensor) -> list[str]:
+    """Response texts as generated: up to and including the first end token; a stop at EOS reads as "\n"."""
+    texts = []
+    for ids, mask, ended in zip(response_ids.tolist(), response_mask.tolist(), has_end.tolist()):
+        ids = [t for t, m in zip(ids, mask) if m]
+        if ended and ids[-1] != END_ID:
+            ids = ids[:-1] + [END_ID]
+        texts.append(tok.decode(ids))
+    return texts
+
+
 def collate_pairs(
     prompts: Sequence[list[int]],
     chosen: Sequence[list[int]],

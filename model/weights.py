@@ -234,3 +234,10 @@ def save_export(model: nn.Module, state_dict: dict[str, torch.Tensor], cfg: GPTC
     """Write `model`'s full state dict as a Hugging Face-format folder, LoRA adapters merged into their base
     weights (a plain GPT-2 that `transformers` loads). With utils.checkpoint.export_model under FSDP."""
     save_hf(merged_state_dict(state_dict, lora_scalings(model)), cfg, folder, extra_files)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """No parameter of `model` takes gradients, and it runs in eval mode (a frozen reference or reward model)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

@@ -126,6 +126,25 @@ def select_rso(
     return idx, {"visited": visited, "rounds": rounds}
 
 
+SELECTIONS = ("rso", "top_bottom", "uniform", "all")
+
+
+def select(
+    rewards_BG: torch.Tensor, method: str, k: int, beta_rs: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, dict]:
+    """Columns (B, K) of the kept samples of each prompt's group by `method` (one of SELECTIONS; "all" keeps G), and
+    per-prompt stats: candidates visited and rounds."""
+    if method == "rso":
+        return select_rso(rewards_BG, k, beta_rs, generator)
+    if method == "top_bottom":
+        return select_top_bottom(rewards_BG, k)
+    if method == "uniform":
+        return select_uniform(rewards_BG, k, generator)
+    if method == "all":
+        return select_all(rewards_BG)
+    raise ValueError(f"unknown selection {method!r}; expected one of {SELECTIONS}")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Advantages
 
@@ -161,6 +180,16 @@ def global_normalize(
     mean = total / count
     var = (total_sq / count - mean * mean).clamp(min=0.0)
     return ((a - mean) / (var.sqrt() + eps)).to(advantages.dtype)
+
+
+def advantages(
+    rewards_BK: torch.Tensor, scale_by_std: bool, global_norm: bool,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> torch.Tensor:
+    """Advantages (B*K,) of the kept samples: group normalization (or Dr. GRPO's centring without std), then, with
+    global_norm, whitening over the whole batch across ranks (`reduce_sum` sums over ranks)."""
+    a = (group_normalize(rewards_BK) if scale_by_std else group_center(rewards_BK)).flatten()  # (B*K,)
+    return global_normalize(a, reduce_sum) if global_norm else a
 
 
 # ----------------------------------------------------------------------------------------------------

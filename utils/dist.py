@@ -95,3 +95,27 @@ def all_reduce_mean_dict(metrics: dict[str, float], device: torch.device) -> dic
     t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
     t = all_reduce_sum(t) / (dist.get_world_size() if dist.is_initialized() else 1)
     return dict(zip(keys, t.tolist()))
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def global_mean_std(x: torch.Tensor) -> tuple[float, float]:
+    """Mean and population std of x over all ranks (count, sum and sum of squares reduced together in fp64)."""
+    x = x.double().flatten()
+    count = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+    n, s, sq = all_reduce_sum(torch.stack([count, x.sum(), (x * x).sum()])).tolist()
+    mean = s / n
+    return mean, max(sq / n - mean * mean, 0.0) ** 0.5
+
+
+def all_reduce_max(x: float, device) -> float:
+    """The largest of a scalar over ranks."""
+    t = torch.tensor(x, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)

@@ -73,3 +73,14 @@ def gathered_params(model: nn.Module):
         for m in units:
             m.reshard()
             m.set_reshard_after_forward(True, recurse=False)
+
+
+@torch.no_grad()
+def copy_params_(src: nn.Module, dst: nn.Module) -> None:
+    """Copy every parameter (this rank's shard, for models FSDP sharded alike: same model, same ranks) of `src` into
+    `dst`, matched by name. Outside forward only."""
+    for (name, p), (dst_name, q) in zip(src.named_parameters(), dst.named_parameters(), strict=True):
+        if name != dst_name:
+            raise RuntimeError(f"parameter {dst_name} does not match {name}")
+        local = p.to_local() if hasattr(p, "to_local") else p
+        (q.to_local() if hasattr(q, "to_local") else q).copy_(local)

@@ -2,6 +2,9 @@
 tests and plots read, and tqdm progress bars."""
 
 import json
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 import math
 import os
 import sys
@@ -106,3 +109,23 @@ def close_progress_bars() -> None:
 
 def progress(total: int, initial: int, enabled: bool, desc: str):
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True)
+
+
+class StageTimer:
+    """Wall-clock seconds per named stage; synchronises the GPU so a stage is charged for its own kernels."""
+
+    def __init__(self, device):
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds[name] += time.perf_counter() - t0

@@ -32,10 +32,10 @@ def _common(out: Path) -> list[str]:
 
 def _grpo(out: Path, *extra: str) -> list[str]:
     return [
-        "grpo.py", "--policy", "tiny", "--policy_random_init", "true", "--reward_model", "tiny",
+        "grpo.py", "--model", "tiny", "--random_init", "true", "--reward_model", "tiny",
         "--reward_random_init", "true", "--train_data", str(DATA / "prompts" / "train.jsonl"),
         "--val_data", str(DATA / "sft" / "validation.jsonl"), "--pref_data", str(DATA / "preference" / "validation.jsonl"),
-        "--pref_pairs", "4", "--eval_prompts", "4", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "10",
+        "--pref_rows", "4", "--val_rows", "4", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "10",
         "--max_prompt_len", "96", "--pref_max_response_len", "24", "--prompts_per_step", "4", "--micro_batch_size", "8",
         "--steps", "3", "--lr", "1e-3", "--warmup_steps", "1", "--beta", "0.1", "--eval_every", "3", "--table_every", "0",
         "--rewards", "reward_model + 0.5*format", *_common(out), *extra,
@@ -55,11 +55,11 @@ def configurations() -> dict[str, tuple[int, callable]]:
             "--prompt_loss_weight", "0.5", "--prompt_loss_positions", "4", *sizes, *_common(out),
         ]),
         "reward_model": (1, lambda out: [
-            "reward_model.py", "--model", "tiny", "--random_init", "true", *pref_data, "--val_pairs", "8",
+            "reward_model.py", "--model", "tiny", "--random_init", "true", *pref_data, "--val_rows", "8",
             "--norm_prompts", "4", "--norm_samples_per_prompt", "2", "--norm_batch_size", "2", *sizes, *_common(out),
         ]),
         "dpo": (1, lambda out: [
-            "dpo.py", "--model", "tiny", "--random_init", "true", *pref_data, "--val_pairs", "8",
+            "dpo.py", "--model", "tiny", "--random_init", "true", *pref_data, "--val_rows", "8",
             "--label_smoothing", "0.1", *sizes, *_common(out),
         ]),
         "grpo_rso": (1, lambda out: _grpo(out)),

@@ -28,7 +28,6 @@ Sampling and selection draw from a torch.Generator seeded from (seed, step, rank
 same samples and losses bit for bit.
 """
 
-import copy
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -37,28 +36,26 @@ from typing import Literal
 import torch
 
 from data.synthetic import gold_reward as synthetic_gold_reward
-from data.tldr import (
-    PREF_COLUMNS, PROMPT_COLUMNS, DataError, PromptDataset, ShardedLoader, decode_responses, load_optional_column,
-    load_rows, pad_prompts, prompt_response_rows,
-)
+from data.tldr import PROMPT_COLUMNS, PromptDataset, ShardedLoader, decode_responses, load_rows, prompt_response_rows
 from data.tokenizer import get_tokenizer
-from evaluation.preference import build_eval_set, evaluate_policy, policy_logps
-from model.lora import AdaptersOff, LoRAConfig, apply_lora, merge_adapters_, trainable_summary
-from model.sampler import SampleOutput, generate, process_logits, processed_logprobs
-from model.weights import build_policy, build_reward_model, freeze, model_config, save_export
+from evaluation.preference import evaluate_policy, policy_logps
+from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table
+from model.lora import LoRAConfig, trainable_summary
+from model.sampler import SampleOutput, process_logits, processed_logprobs
+from model.weights import model_config, save_export
 from rlhf.grpo import (
-    AGGREGATIONS, SELECTIONS, advantages, entropy_bonus, grpo_token_loss, penalize_missing_end, select, token_entropy,
+    AGGREGATIONS, advantages, entropy_bonus, grpo_token_loss, penalize_missing_end, select, token_entropy,
 )
-from rlhf.rewards import (
-    REWARD_MODEL, RewardSource, combine_sources, load_function, normalize_sources, parse_rewards, row_sources,
-    score_functions, source_stats,
-)
+from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards, source_stats
+from rollouts.models import Models, build_models, refresh_reference
+from rollouts.prompts import PromptSet, prompt_set, source_applies
+from rollouts.sampling import RewardSpec, Scores, rollout, source_values
 from utils.checkpoint import full_model_state, set_full_model_state
 from utils.config import ConfigError, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
 from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world
-from utils.fsdp import copy_params_, gathered_params, set_gradient_sync, shard_model
+from utils.fsdp import gathered_params, set_gradient_sync
 from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
-from utils.logging import StageTimer
+from utils.logging import StageTimer, perf_metrics
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 from utils.run import end_of_step, finish, resume, start_run, stream
 
@@ -247,159 +244,7 @@ def per_rank_sizes(cfg: Config, world: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# What a step works on: the models, the reward sources, a set of prompts
-
-
-@dataclass
-class Models:
-    """The trained policy, its frozen reference (with LoRA: the policy with adapters off) and the frozen reward model
-    (None when --rewards does not use it), all FSDP-sharded on the run's device."""
-
-    policy: torch.nn.Module
-    reference: torch.nn.Module
-    reward_model: torch.nn.Module | None
-
-
-def build_models(cfg: Config, sources: list[RewardSource], dtype, device) -> Models:
-    """Build and shard the three models. The reference is a frozen copy of the starting weights (random init
-    included); with LoRA it is the policy itself with adapters off, no copy. The reward model is built only when a
-    source needs it."""
-    policy = build_policy(cfg.model, cfg.random_init)
-    reference = None if cfg.lora_enabled else freeze(copy.deepcopy(policy))
-    if cfg.lora_enabled:
-        apply_lora(policy, cfg)
-    uses_rm = any(s.fn is None for s in sources)
-    reward_model = freeze(build_reward_model(cfg.reward_model, cfg.reward_random_init)) if uses_rm else None
-    shard_model(policy, dtype, activation_checkpointing=cfg.activation_checkpointing)
-    policy.to(device)
-    for frozen in (reference, reward_model):
-        if frozen is not None:
-            shard_model(frozen, dtype, cpu_offload=cfg.frozen_cpu_offload)
-            if not cfg.frozen_cpu_offload:
-                frozen.to(device)
-    return Models(policy, AdaptersOff(policy) if reference is None else reference, reward_model)
-
-
-@dataclass
-class RewardSpec:
-    """The reward sources (--rewards) with their weights and which are whitened over the batch; the tokenizer that
-    decodes responses for the functions, and where the prompts come from (for error messages)."""
-
-    sources: list[RewardSource]
-    normalize_fns: bool
-    tok: object
-
-    @property
-    def rm_column(self) -> int | None:
-        """Column of the reward model among the sources; None when it is not one of them."""
-        return next((i for i, s in enumerate(self.sources) if s.name == REWARD_MODEL), None)
-
-    @property
-    def weights_S(self) -> torch.Tensor:
-        return torch.tensor([s.weight for s in self.sources], dtype=torch.float64)
-
-    @property
-    def normalize_S(self) -> torch.Tensor:
-        return torch.tensor([s.fn is not None and self.normalize_fns for s in self.sources])
-
-
-@dataclass
-class PromptSet:
-    """Prompts of this rank with what the reward sources need: token ids (B, P) left-padded, texts, dataset rows
-    (for error messages), which sources apply to each prompt (B, S), and the dataset's name."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-    texts: list[str]
-    rows: list[int]
-    applies: torch.Tensor
-    where: str
-
-
-def prompt_set(dataset: PromptDataset, index: list[int], applies: torch.Tensor, device, where: str) -> PromptSet:
-    ids, mask = (t.to(device) for t in pad_prompts([dataset.prompts[i] for i in index]))  # (B, P) left-padded
-    return PromptSet(ids, mask, [dataset.texts[i] for i in index], list(index), applies[index], where)
-
-
-def source_applies(cfg: Config, data: str, split: str, n_rows: int, sources: list[RewardSource]) -> torch.Tensor:
-    """(n_rows, S) bool: the sources each row of `data` names in its --reward_column; every source without one."""
-    column = load_optional_column(data, split, cfg.reward_column) if cfg.reward_column else None
-    if column is None:
-        return torch.ones(n_rows, len(sources), dtype=torch.bool)
-    if len(column) != n_rows:
-        raise DataError(f"{data}[{split}]: {len(column)} values in column {cfg.reward_column!r} for {n_rows} rows")
-    return row_sources(column, sources, f"{data}[{split}] column {cfg.reward_column!r}")
-
-
-# ----------------------------------------------------------------------------------------------------
 # Stages 2-7
-
-
-@torch.no_grad()
-def rollout(policy, prompt_ids, prompt_mask, cfg: Config, num_samples: int, generator, greedy: bool = False) -> SampleOutput:
-    """Generate num_samples responses per prompt in calls of cfg.gen_prompts prompts, parameters gathered once.
-    Returns (B * num_samples, max_new_tokens) tensors grouped by prompt."""
-    was_training = policy.training
-    policy.eval()
-    parts = []
-    with gathered_params(policy):
-        for s in range(0, prompt_ids.shape[0], cfg.gen_prompts):
-            ids, mask = prompt_ids[s : s + cfg.gen_prompts], prompt_mask[s : s + cfg.gen_prompts]
-            first = int(mask.any(0).long().argmax())  # this chunk's own left padding only
-            parts.append(generate(
-                policy, ids[:, first:], mask[:, first:], num_samples, cfg.max_new_tokens,
-                temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
-            ))
-    policy.train(was_training)
-    fields = ("response_ids", "response_mask", "logprobs", "has_end")
-    return SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
-
-
-@torch.no_grad()
-def score(reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: int, micro: int) -> torch.Tensor:
-    """Raw reward-model score (N,) of every prompt + response row, read at the row's last real token: the end token,
-    or the last sampled token when the response ran out of tokens. Row n belongs to prompt n // group."""
-    N = samples.response_ids.shape[0]
-    scores = []
-    with gathered_params(reward_model):
-        for s in range(0, N, micro):
-            rows = torch.arange(s, min(s + micro, N), device=prompt_ids.device)
-            batch = prompt_response_rows(
-                prompt_ids[rows // group], prompt_mask[rows // group], samples.response_ids[rows], samples.response_mask[rows]
-            )
-            scores.append(reward_model(batch["input_ids"], batch["position_ids"], batch["attention_mask"]))
-    return torch.cat(scores).float()
-
-
-@dataclass
-class Scores:
-    """Stage 3's output for N = B * group samples, row n belonging to prompt n // group. values (N, S) fp64: each
-    source on the samples it applies to, before any whitening (the reward model's after penalty and gain/bias);
-    raw (N,): the reward model's raw scores, or None; applies (N, S); total (N,): the training reward."""
-
-    values: torch.Tensor
-    raw: torch.Tensor | None
-    applies: torch.Tensor
-    total: torch.Tensor | None = None
-
-
-@torch.no_grad()
-def source_values(spec: RewardSpec, reward_model, prompts: PromptSet, samples: SampleOutput, group: int, cfg: Config) -> Scores:
-    """Every function on the samples it applies to (0 elsewhere and in the reward-model column) and the reward
-    model's raw score of every sample; the caller turns raw scores into the reward-model column."""
-    device = prompts.ids.device
-    N = samples.response_ids.shape[0]
-    applies = prompts.applies.repeat_interleave(group, 0)  # (N, S)
-    values = torch.zeros(applies.shape, dtype=torch.float64)
-    if any(s.fn is not None for s in spec.sources):
-        of = [n // group for n in range(N)]
-        texts = decode_responses(spec.tok, samples.response_ids, samples.response_mask, samples.has_end)
-        values = score_functions(spec.sources, applies, [prompts.texts[b] for b in of], texts,
-                                 [prompts.rows[b] for b in of], prompts.where)
-    raw = None
-    if reward_model is not None:
-        raw = score(reward_model, prompts.ids, prompts.mask, samples, group, cfg.score_micro_batch_size)  # (N,)
-    return Scores(values.to(device), raw, applies.to(device))
 
 
 def score_rewards(spec: RewardSpec, reward_model, prompts: PromptSet, samples: SampleOutput, cfg: Config, step: int) -> Scores:
@@ -585,18 +430,15 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
 
 
 # ----------------------------------------------------------------------------------------------------
-# Stages 0 and 8: reference refresh, metrics, evaluation
+# Stage 8: metrics
 
 
-@torch.no_grad()
-def refresh_reference(models: Models) -> None:
-    """The reference becomes the current policy. With LoRA (the reference is the policy with adapters off) the
-    adapters are merged into the base weights and B is zeroed; otherwise every parameter shard of the policy is
-    copied into the reference's. Outside forward only."""
-    if isinstance(models.reference, AdaptersOff):
-        merge_adapters_(models.policy)
-    else:
-        copy_params_(models.policy, models.reference)
+def gold_metrics(gold_reward, tok, prompts: PromptSet, samples: SampleOutput, group: int) -> dict:
+    """Mean and std over all ranks of a monitored reward function (--gold_reward_fn) on every sample of the step."""
+    texts = decode_responses(tok, samples.response_ids, samples.response_mask, samples.has_end)
+    gold = [float(gold_reward(prompts.texts[n // group], t)) for n, t in enumerate(texts)]
+    mean, std = global_mean_std(torch.tensor(gold, device=prompts.ids.device))
+    return {"reward/gold_mean": mean, "reward/gold_std": std}
 
 
 def step_metrics(r: StepResult, spec: RewardSpec, cfg: Config, per_row_sources: bool) -> dict:
@@ -634,88 +476,20 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg: Config, per_row_sources: 
     return metrics
 
 
-def timing_metrics(metrics: dict, seconds: dict, step_seconds: float, world: int) -> dict:
-    generated = metrics.pop("perf/generated_tokens")
-    out = {"perf/step_seconds": step_seconds, "perf/tokens_per_second": generated / step_seconds,
-           "perf/tokens_per_second_per_device": generated / step_seconds / world}
-    for name, s in seconds.items():
-        out[f"perf/{name}_seconds"], out[f"perf/{name}_share"] = s, s / step_seconds
-    return out
-
-
-@torch.no_grad()
-def evaluate_summaries(models: Models, spec: RewardSpec, val: PromptSet, cfg: Config, step: int) -> dict:
-    """One greedy (or sampled) summary per validation prompt, scored by every source, over all ranks.
-
-    eval/reward: the weighted sum of the sources' values before any batch whitening (reward model: gain/bias
-    normalized, no penalty; functions: raw); eval/reward_penalized: the reward model's with the missing-end penalty;
-    eval/reward_<name>: each function's mean over the prompts it applies to."""
-    device = val.ids.device
-    generator = stream(cfg.seed, step, rank_and_world()[0], "eval", device=device)
-    samples = rollout(models.policy, val.ids, val.mask, cfg, 1, generator, greedy=cfg.eval_greedy)
-    scores = source_values(spec, models.reward_model, val, samples, 1, cfg)
-    values, applies, rm = scores.values, scores.applies, spec.rm_column
-    penalized = torch.zeros(values.shape[0], device=device)
-    if rm is not None:
-        values[:, rm] = models.reward_model.normalize(scores.raw).double()
-        penalized = models.reward_model.normalize(penalize_missing_end(scores.raw, samples.has_end, cfg.missing_end_penalty))
-    total = combine_sources(torch.where(applies, values, 0.0), spec.weights_S)  # (n,)
-    count_S, mean_S, _ = source_stats(values, applies, all_reduce_sum)
-    count = torch.tensor(float(values.shape[0]), device=device, dtype=torch.float64)
-    n, r, rp, end, length = all_reduce_sum(torch.stack([
-        count, total.sum(), penalized.double().sum(), samples.has_end.double().sum(), samples.response_mask.double().sum(),
-    ])).tolist()
-    out = {"eval/reward": r / n, "eval/end_fraction": end / n, "eval/response_length": length / n}
-    if rm is not None:
-        out["eval/reward_penalized"] = rp / n
-    for i, source in enumerate(spec.sources):
-        if source.fn is not None and count_S[i] > 0:
-            out[f"eval/reward_{source.name}"] = float(mean_S[i])
-    return out
-
-
-def sample_table(spec: RewardSpec, prompts: PromptSet, r: StepResult, cfg: Config) -> tuple[list[str], list[list]]:
-    """Columns and rows of the sample table: the first cfg.table_prompts prompts of this rank with their selected
-    samples: prompt, response, each source's value (None where it does not apply), reward, advantage, has_end."""
-    s, table = r.samples, []
-    for b in range(min(cfg.table_prompts, r.rows_BK.shape[0])):
-        for j, n in enumerate(r.rows_BK[b].tolist()):
-            values, applies = r.scores.values[n].tolist(), r.scores.applies[n].tolist()
-            table.append([
-                spec.tok.decode(prompts.ids[b][prompts.mask[b]].tolist()),
-                spec.tok.decode(s.response_ids[n][s.response_mask[n]].tolist()),
-                *(float(v) if a else None for v, a in zip(values, applies)),
-                float(r.scores.total[n]), float(r.advantages[b * r.rows_BK.shape[1] + j]), bool(s.has_end[n]),
-            ])
-    return ["prompt", "response", *(x.name for x in spec.sources), "reward", "advantage", "has_end"], table
-
-
 # ----------------------------------------------------------------------------------------------------
 # Set-up and the loop
 
 
-def load_eval_sets(cfg: Config, tok, sources, rank: int, world: int, device):
-    """This rank's validation prompts (the summary evaluation) and preference pairs, or None for each that is off."""
-    val = pref = None
-    if cfg.val_data and cfg.eval_every >= 0:
-        rows = load_rows(cfg.val_data, cfg.val_split, PROMPT_COLUMNS)
-        n = min(cfg.val_rows or len(rows), len(rows))
-        applies = source_applies(cfg, cfg.val_data, cfg.val_split, len(rows), sources)
-        per_rank = n // world  # the same number on every rank: the evaluation ends in collectives
-        where = f"{cfg.val_data}[{cfg.val_split}]"
-        if per_rank == 0:
-            raise DataError(f"{where}: {n} validation prompts cannot be split over {world} ranks; use more rows, "
-                            f"or --val_data '' to skip the summary evaluation")
-        mine = list(range(rank * per_rank, (rank + 1) * per_rank))
-        dataset = PromptDataset([rows[i] for i in mine], tok, cfg.max_prompt_len, name=where)
-        val = prompt_set(dataset, list(range(per_rank)), applies[mine], device, where)
-        val.rows = mine
+def check_models(cfg: Config, sources: list[RewardSource]):
+    """The policy's config, after checking that the policy and reward model hold the prompt and response lengths
+    (before any weights are read)."""
+    model_cfg = model_config(cfg.model, cfg.random_init)
+    check_context(model_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "policy")
     if cfg.pref_data and cfg.eval_every >= 0:
-        rows = load_rows(cfg.pref_data, cfg.pref_split, PREF_COLUMNS)
-        rows = rows[: cfg.pref_rows] if cfg.pref_rows else rows
-        pref = build_eval_set(rows, tok, cfg.max_prompt_len, cfg.pref_max_response_len, cfg.micro_batch_size, rank,
-                              world, name=f"{cfg.pref_data}[{cfg.pref_split}]")
-    return val, pref
+        check_context(model_cfg, cfg.max_prompt_len, cfg.pref_max_response_len, "policy")
+    if any(s.fn is None for s in sources):
+        check_context(model_config(cfg.reward_model, cfg.reward_random_init), cfg.max_prompt_len, cfg.max_new_tokens, "reward model")
+    return model_cfg
 
 
 def main(cfg: Config) -> dict:
@@ -723,12 +497,7 @@ def main(cfg: Config) -> dict:
     # the process group, run directory and checkpoint to resume from, before any model is built or put on a GPU
     sources = cfg.sources()  # the reward model and/or functions
     gold_reward = load_function(cfg.gold_reward_fn, "--gold_reward_fn") if cfg.gold_reward_fn else None
-    model_cfg = model_config(cfg.model, cfg.random_init)
-    check_context(model_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "policy")
-    if cfg.pref_data and cfg.eval_every >= 0:
-        check_context(model_cfg, cfg.max_prompt_len, cfg.pref_max_response_len, "policy")
-    if any(s.fn is None for s in sources):
-        check_context(model_config(cfg.reward_model, cfg.reward_random_init), cfg.max_prompt_len, cfg.max_new_tokens, "reward model")
+    model_cfg = check_models(cfg, sources)
     run = start_run(cfg, {"stage": "grpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     rank, world, device = run.rank, run.world, run.device
     prompts_per_rank, n_micro = per_rank_sizes(cfg, world)
@@ -738,7 +507,7 @@ def main(cfg: Config) -> dict:
     tok = get_tokenizer()
     train_name = f"{cfg.train_data}[{cfg.train_split}]"
     train = PromptDataset(load_rows(cfg.train_data, cfg.train_split, PROMPT_COLUMNS), tok, cfg.max_prompt_len, name=train_name)
-    train_applies = source_applies(cfg, cfg.train_data, cfg.train_split, len(train), sources)  # (rows, S)
+    train_applies = source_applies(cfg.reward_column, cfg.train_data, cfg.train_split, len(train), sources)  # (rows, S)
     loader = ShardedLoader(len(train), prompts_per_rank, rank, world, cfg.seed, collate=lambda idx: idx)
     total_steps = cfg.steps or loader.batches_per_epoch
     val, pref = load_eval_sets(cfg, tok, sources, rank, world, device)
@@ -756,7 +525,7 @@ def main(cfg: Config) -> dict:
     ref_pref = policy_logps(models.reference, pref, device) if pref is not None else None
 
     def evaluate(step: int) -> dict:
-        out = evaluate_summaries(models, spec, val, cfg, step) if val is not None else {}
+        out = evaluate_summaries(models.policy, models.reward_model, spec, val, cfg, step) if val is not None else {}
         if pref is not None:
             out.update({f"eval/pref_{k}": v for k, v in evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device).items()})
         return out
@@ -787,14 +556,14 @@ def main(cfg: Config) -> dict:
             # 8. log and evaluate
             metrics = step_metrics(result, spec, cfg, per_row_sources=not bool(train_applies.all()))
             if gold_reward is not None:  # a monitored reward, e.g. the synthetic task's gold reward
-                texts = decode_responses(tok, result.samples.response_ids, result.samples.response_mask, result.samples.has_end)
-                gold = [float(gold_reward(prompts.texts[n // cfg.num_samples], t)) for n, t in enumerate(texts)]
-                metrics["reward/gold_mean"], metrics["reward/gold_std"] = global_mean_std(torch.tensor(gold, device=device))
-            metrics.update(timing_metrics(metrics, seconds | result.seconds, time.perf_counter() - t_step, world))
+                metrics.update(gold_metrics(gold_reward, tok, prompts, result.samples, cfg.num_samples))
+            generated = metrics.pop("perf/generated_tokens")
+            metrics.update(perf_metrics(seconds | result.seconds, time.perf_counter() - t_step, generated, world))
             if cfg.eval_due(step, total_steps):
                 metrics.update(evaluate(step))
             if cfg.table_every > 0 and step % cfg.table_every == 0:
-                run.logger.table("samples", *sample_table(spec, prompts, result, cfg), step)
+                run.logger.table("samples", *sample_table(spec, prompts, result.samples, result.scores, result.rows_BK,
+                                                           result.advantages, cfg.table_prompts), step)
 
             # 9. checkpoint: on schedule, at the end, at a new best evaluation metric, or when a signal came
             extra = (lambda: {"reference": full_model_state(models.reference)}) if save_reference else None

@@ -198,8 +198,7 @@ def main(cfg: Config) -> dict:
     if cfg.lora_enabled:
         apply_lora(model, cfg)
     run.say(f"sft: {trainable_summary(model)}")
-    shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing)
-    model.to(device)
+    shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing).to(device)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
 

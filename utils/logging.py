@@ -129,3 +129,13 @@ class StageTimer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.seconds[name] += time.perf_counter() - t0
+
+
+def perf_metrics(seconds: dict[str, float], step_seconds: float, generated_tokens: float, world: int) -> dict:
+    """perf/ metrics of a step: its seconds, generated tokens per second (overall and per device), and each stage's
+    seconds and share of the step."""
+    out = {"perf/step_seconds": step_seconds, "perf/tokens_per_second": generated_tokens / step_seconds,
+           "perf/tokens_per_second_per_device": generated_tokens / step_seconds / world}
+    for name, s in seconds.items():
+        out[f"perf/{name}_seconds"], out[f"perf/{name}_share"] = s, s / step_seconds
+    return out

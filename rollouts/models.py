@@ -1,0 +1,53 @@
+"""The three models of a GRPO run: the trained policy, its frozen reference and the frozen reward model."""
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from model.lora import AdaptersOff, apply_lora, merge_adapters_
+from model.weights import build_policy, build_reward_model, freeze
+from rlhf.rewards import RewardSource
+from utils.fsdp import copy_params_, shard_model
+
+
+@dataclass
+class Models:
+    """The trained policy, its frozen reference (with LoRA: the policy with adapters off) and the frozen reward model
+    (None when --rewards does not use it), all FSDP-sharded on the run's device."""
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module
+    reward_model: torch.nn.Module | None
+
+
+def build_models(cfg, sources: list[RewardSource], dtype, device) -> Models:
+    """Build and shard the three models from grpo.Config's options (model, random_init, reward_model,
+    reward_random_init, lora_*, activation_checkpointing, frozen_cpu_offload). The reference is a frozen copy of the
+    starting weights (random init included); with LoRA it is the policy itself with adapters off, no copy. The
+    reward model is built only when a source needs it."""
+    policy = build_policy(cfg.model, cfg.random_init)
+    reference = None if cfg.lora_enabled else freeze(copy.deepcopy(policy))
+    if cfg.lora_enabled:
+        apply_lora(policy, cfg)
+    uses_rm = any(s.fn is None for s in sources)
+    reward_model = freeze(build_reward_model(cfg.reward_model, cfg.reward_random_init)) if uses_rm else None
+    shard_model(policy, dtype, activation_checkpointing=cfg.activation_checkpointing)
+    policy.to(device)
+    for frozen in (reference, reward_model):
+        if frozen is not None:
+            shard_model(frozen, dtype, cpu_offload=cfg.frozen_cpu_offload)
+            if not cfg.frozen_cpu_offload:
+                frozen.to(device)
+    return Models(policy, AdaptersOff(policy) if reference is None else reference, reward_model)
+
+
+@torch.no_grad()
+def refresh_reference(models: Models) -> None:
+    """The reference becomes the current policy. With LoRA (the reference is the policy with adapters off) the
+    adapters are merged into the base weights and B is zeroed; otherwise every parameter shard of the policy is
+    copied into the reference's. Outside forward only."""
+    if isinstance(models.reference, AdaptersOff):
+        merge_adapters_(models.policy)
+    else:
+        copy_params_(models.policy, models.reference)

@@ -1,0 +1,102 @@
+"""Sampling responses from the policy and scoring them with the reward sources: GRPO's stages 2 and 3 and its summary
+evaluation. Every function takes the run's `cfg` (grpo.Config) for the sampling and scoring options it reads."""
+
+from dataclasses import dataclass
+
+import torch
+
+from data.tldr import decode_responses, prompt_response_rows
+from model.sampler import SampleOutput, generate
+from rlhf.rewards import REWARD_MODEL, RewardSource, score_functions
+from rollouts.prompts import PromptSet
+from utils.fsdp import gathered_params
+
+
+@dataclass
+class RewardSpec:
+    """The reward sources (--rewards) with their weights and which are whitened over the batch; the tokenizer that
+    decodes responses for the functions, and where the prompts come from (for error messages)."""
+
+    sources: list[RewardSource]
+    normalize_fns: bool
+    tok: object
+
+    @property
+    def rm_column(self) -> int | None:
+        """Column of the reward model among the sources; None when it is not one of them."""
+        return next((i for i, s in enumerate(self.sources) if s.name == REWARD_MODEL), None)
+
+    @property
+    def weights_S(self) -> torch.Tensor:
+        return torch.tensor([s.weight for s in self.sources], dtype=torch.float64)
+
+    @property
+    def normalize_S(self) -> torch.Tensor:
+        return torch.tensor([s.fn is not None and self.normalize_fns for s in self.sources])
+
+
+@torch.no_grad()
+def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, greedy: bool = False) -> SampleOutput:
+    """Generate num_samples responses per prompt in calls of cfg.gen_prompts prompts, parameters gathered once.
+    Returns (B * num_samples, max_new_tokens) tensors grouped by prompt."""
+    was_training = policy.training
+    policy.eval()
+    parts = []
+    with gathered_params(policy):
+        for s in range(0, prompt_ids.shape[0], cfg.gen_prompts):
+            ids, mask = prompt_ids[s : s + cfg.gen_prompts], prompt_mask[s : s + cfg.gen_prompts]
+            first = int(mask.any(0).long().argmax())  # this chunk's own left padding only
+            parts.append(generate(
+                policy, ids[:, first:], mask[:, first:], num_samples, cfg.max_new_tokens,
+                temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
+            ))
+    policy.train(was_training)
+    fields = ("response_ids", "response_mask", "logprobs", "has_end")
+    return SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
+
+
+@torch.no_grad()
+def score(reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: int, micro: int) -> torch.Tensor:
+    """Raw reward-model score (N,) of every prompt + response row, read at the row's last real token: the end token,
+    or the last sampled token when the response ran out of tokens. Row n belongs to prompt n // group."""
+    N = samples.response_ids.shape[0]
+    scores = []
+    with gathered_params(reward_model):
+        for s in range(0, N, micro):
+            rows = torch.arange(s, min(s + micro, N), device=prompt_ids.device)
+            batch = prompt_response_rows(
+                prompt_ids[rows // group], prompt_mask[rows // group], samples.response_ids[rows], samples.response_mask[rows]
+            )
+            scores.append(reward_model(batch["input_ids"], batch["position_ids"], batch["attention_mask"]))
+    return torch.cat(scores).float()
+
+
+@dataclass
+class Scores:
+    """Stage 3's output for N = B * group samples, row n belonging to prompt n // group. values (N, S) fp64: each
+    source on the samples it applies to, before any whitening (the reward model's after penalty and gain/bias);
+    raw (N,): the reward model's raw scores, or None; applies (N, S); total (N,): the training reward."""
+
+    values: torch.Tensor
+    raw: torch.Tensor | None
+    applies: torch.Tensor
+    total: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def source_values(spec: RewardSpec, reward_model, prompts: PromptSet, samples: SampleOutput, group: int, cfg) -> Scores:
+    """Every function on the samples it applies to (0 elsewhere and in the reward-model column) and the reward
+    model's raw score of every sample; the caller turns raw scores into the reward-model column."""
+    device = prompts.ids.device
+    N = samples.response_ids.shape[0]
+    applies = prompts.applies.repeat_interleave(group, 0)  # (N, S)
+    values = torch.zeros(applies.shape, dtype=torch.float64)
+    if any(s.fn is not None for s in spec.sources):
+        of = [n // group for n in range(N)]
+        texts = decode_responses(spec.tok, samples.response_ids, samples.response_mask, samples.has_end)
+        values = score_functions(spec.sources, applies, [prompts.texts[b] for b in of], texts,
+                                 [prompts.rows[b] for b in of], prompts.where)
+    raw = None
+    if reward_model is not None:
+        raw = score(reward_model, prompts.ids, prompts.mask, samples, group, cfg.score_micro_batch_size)  # (N,)
+    return Scores(values.to(device), raw, applies.to(device))

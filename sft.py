@@ -26,7 +26,7 @@ from utils.config import (
 from utils.dist import all_reduce_sum
 from utils.fsdp import set_gradient_sync, shard_model
 from utils.guard import exit_on_error
-from utils.run import end_of_step, finish, resume, start_run
+from utils.run import end_of_step, finish, resume, start_run, stream
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
@@ -214,7 +214,7 @@ def main(cfg: Config) -> dict:
             # 5. one optimizer step: the loss is normalised by the global count of response tokens; a non-finite
             #    loss or gradient norm stops the run, or skips the step (--on_nonfinite)
             micro = [next(batches) for _ in range(accum)]
-            prompt_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + rank)  # resumes exactly
+            prompt_gen = stream(cfg.seed, step, rank, "prompt_positions")  # rebuilt from the step: resumes exactly
             loss = accumulate_gradients(model, micro, world, device, cfg.prompt_loss_weight, cfg.prompt_loss_positions, prompt_gen)
             grad_norm = clip_grad_norm(model, cfg.grad_clip)
             finite = run.guard.ok(step + 1, {"train/loss": loss, "train/grad_norm": grad_norm})

@@ -138,7 +138,7 @@ def main() -> None:
     # 2. SFT
     run_stage("sft.py", {
         "model": args.model, "random_init": "true", "train_data": paths["sft_train"], "val_data": paths["sft_validation"],
-        "val_examples": 128, "steps": args.sft_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc,
+        "val_rows": 128, "steps": args.sft_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc,
         "lr": 3e-3, "warmup_steps": 10, "eval_every": 100, "save_every": 0, "max_prompt_len": 192,
         "max_response_len": 32, "out_dir": out / "sft", "run_name": "demo-sft", **common,
     }, args.nproc)
@@ -152,7 +152,7 @@ def main() -> None:
     # 4. reward model on those pairs, normalised on samples of the SFT policy
     run_stage("reward_model.py", {
         "model": out / "sft" / "hf", "train_data": pairs["train"], "val_data": pairs["validation"],
-        "val_pairs": 256, "steps": args.rm_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 1e-3,
+        "val_rows": 256, "steps": args.rm_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 1e-3,
         "warmup_steps": 5, "eval_every": 25, "save_every": 0, "max_prompt_len": 192, "max_response_len": 32,
         "norm_prompts": 64, "norm_samples_per_prompt": 4, "out_dir": out / "rm", "run_name": "demo-rm", **common,
     }, args.nproc)
@@ -160,7 +160,7 @@ def main() -> None:
     # 5. DPO from the SFT policy against a frozen copy of it, on the same pairs
     run_stage("dpo.py", {
         "model": out / "sft" / "hf", "train_data": pairs["train"], "val_data": pairs["validation"],
-        "val_pairs": 256, "steps": args.dpo_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 5e-4,
+        "val_rows": 256, "steps": args.dpo_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 5e-4,
         "beta": 0.1, "warmup_steps": 5, "eval_every": 20, "save_every": 0, "max_prompt_len": 192,
         "max_response_len": 32, "out_dir": out / "dpo", "run_name": "demo-dpo", **common,
     }, args.nproc)
@@ -196,7 +196,7 @@ def main() -> None:
         "grpo_pref_accuracy": last("grpo", "eval/pref_accuracy"),
         "seconds": time.time() - t0,
     }
-    from plots import demo_curves, pipeline_diagram
+    from evaluation.plots import demo_curves, pipeline_diagram
 
     assets = Path(args.assets)
     assets.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Pictures for the README: the pipeline diagram and the demo's curves, drawn from metrics.jsonl files.
 
-    python plots.py --run runs/demo --out assets
+    python -m evaluation.plots --run runs/demo --out assets
 """
 
 import argparse

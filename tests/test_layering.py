@@ -1,0 +1,76 @@
+"""The import graph goes one way: scripts -> packages; rlhf/ -> torch only; utils/ -> none of the project's other
+packages; model/ and data/ -> nothing of utils/; no script imports a script, no test file imports another."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"sft", "reward_model", "dpo", "grpo", "eval_preferences", "demo"}
+PACKAGES = {"model", "data", "rlhf", "rollouts", "evaluation", "utils", "bench", "tests"}
+
+
+def project_imports(file: Path) -> set[str]:
+    """Top-level project modules or packages that `file` imports (anywhere in it, functions included)."""
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found |= {n.split(".")[0] for n in names} & (SCRIPTS | PACKAGES)
+    return found
+
+
+def package_files(package: str) -> list[Path]:
+    return sorted((ROOT / package).glob("*.py"))
+
+
+def test_packages_import_one_way():
+    allowed = {
+        "rlhf": {"rlhf"},
+        "utils": {"utils"},
+        "model": {"model", "data"},
+        "data": {"data"},
+        "rollouts": {"rollouts", "model", "data", "rlhf", "utils"},
+        "evaluation": {"evaluation", "rollouts", "model", "data", "rlhf", "utils"},
+    }
+    bad = []
+    for package, ok in allowed.items():
+        for file in package_files(package):
+            extra = project_imports(file) - ok
+            if extra:
+                bad.append(f"{file.relative_to(ROOT)} imports {sorted(extra)}")
+    assert not bad, bad
+
+
+def test_rlhf_imports_nothing_but_torch_and_the_standard_library():
+    import sys
+
+    stdlib = set(sys.stdlib_module_names)
+    for file in package_files("rlhf"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                top = node.module.split(".")[0]
+            elif isinstance(node, ast.Import):
+                top = node.names[0].name.split(".")[0]
+            else:
+                continue
+            assert top in stdlib or top in ("torch", "rlhf"), f"{file.name} imports {top}"
+
+
+def test_scripts_import_packages_never_scripts():
+    for name in SCRIPTS:
+        imported = project_imports(ROOT / f"{name}.py")
+        assert not imported & SCRIPTS, f"{name}.py imports scripts {sorted(imported & SCRIPTS)}"
+    for package in ("model", "data", "rlhf", "rollouts", "evaluation", "utils"):
+        for file in package_files(package):
+            assert not project_imports(file) & SCRIPTS, f"{file.relative_to(ROOT)} imports a script"
+
+
+def test_no_test_file_imports_another():
+    for file in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.split(".")[-1].startswith("test_"), f"{file.relative_to(ROOT)} imports {node.module}"

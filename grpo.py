@@ -52,12 +52,12 @@ from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, Scores, rollout, source_values
 from utils.checkpoint import full_model_state, set_full_model_state
 from utils.config import ConfigError, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
-from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world
+from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world, stream
 from utils.fsdp import gathered_params, set_gradient_sync
 from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
 from utils.logging import StageTimer, perf_metrics
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
-from utils.run import end_of_step, finish, resume, start_run, stream
+from utils.run import end_of_step, finish, resume, start_run
 
 TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: the embedded task's gold reward
 

@@ -23,10 +23,10 @@ from rlhf.losses import sft_loss_sum
 from utils.config import (
     ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config, require_nonempty,
 )
-from utils.dist import all_reduce_sum
+from utils.dist import all_reduce_sum, stream
 from utils.fsdp import set_gradient_sync, shard_model
 from utils.guard import exit_on_error
-from utils.run import end_of_step, finish, resume, start_run, stream
+from utils.run import end_of_step, finish, resume, start_run
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 

@@ -9,9 +9,7 @@ from rlhf.grpo import penalize_missing_end
 from rlhf.rewards import combine_sources, source_stats
 from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, rollout, source_values
-from utils.dist import all_reduce_sum, rank_and_world
-from utils.run import stream
-
+from utils.dist import all_reduce_sum, rank_and_world, stream
 
 @torch.no_grad()
 def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, cfg, step: int) -> dict:
@@ -43,7 +41,6 @@ def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, c
             out[f"eval/reward_{source.name}"] = float(mean_S[i])
     return out
 
-
 def sample_table(spec: RewardSpec, prompts: PromptSet, samples, scores, rows_BK: torch.Tensor, advantages: torch.Tensor,
                  n_prompts: int) -> tuple[list[str], list[list]]:
     """Columns and rows of a table of training samples: the first n_prompts prompts of this rank with their selected
@@ -60,7 +57,6 @@ def sample_table(spec: RewardSpec, prompts: PromptSet, samples, scores, rows_BK:
                 float(scores.total[n]), float(advantages[b * rows_BK.shape[1] + j]), bool(samples.has_end[n]),
             ])
     return ["prompt", "response", *(x.name for x in spec.sources), "reward", "advantage", "has_end"], table
-
 
 def load_eval_sets(cfg, tok, sources, rank: int, world: int, device) -> tuple[PromptSet | None, object]:
     """This rank's validation prompts (the summary evaluation) and preference pairs, or None for each that is off."""

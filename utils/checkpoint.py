@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from utils.config import ConfigError
+from utils.dist import stream_seed
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -287,7 +288,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, me
     if len(rngs) == world:
         set_rng_state(rngs[rank])
     else:  # resumed on another world size: per-rank streams cannot be matched, reseed deterministically
-        torch.manual_seed(state["step"] * 1000 + rank)
+        torch.manual_seed(stream_seed(state["step"], rank, "resume"))
     return {"step": state["step"], "extra": state["extra"]}
 
 

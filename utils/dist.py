@@ -6,6 +6,7 @@ every case. Nothing here runs at import.
 
 import atexit
 import gc
+import hashlib
 import os
 import socket
 from dataclasses import dataclass
@@ -119,3 +120,13 @@ def all_reduce_max(x: float, device) -> float:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def stream_seed(*parts) -> int:
+    """A 63-bit seed from (seed, step, rank, stream name): independent streams that a resumed run can rebuild."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
+def stream(*parts, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch.Generator on `device` seeded with stream_seed(*parts)."""
+    return torch.Generator(device=device).manual_seed(stream_seed(*parts))

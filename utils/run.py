@@ -12,11 +12,10 @@
     finish(run, model, metrics, export=lambda sd: save_export(model, sd, model_cfg, run.dir / "hf"))
 
 Random streams: every random draw of a run that is not the model's initialisation comes from a torch.Generator
-seeded by stream_seed(seed, step, rank, stream name), so streams are independent of each other and of the ranks,
-and a resumed run rebuilds them bit for bit from the step alone.
+seeded by utils.dist.stream(seed, step, rank, stream name), so streams are independent of each other and of the
+ranks, and a resumed run rebuilds them bit for bit from the step alone.
 """
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,16 +28,6 @@ from utils.dist import DistInfo, cleanup_distributed, setup_distributed
 from utils.fsdp import resolve_dtype
 from utils.guard import NonFiniteGuard, StopSignal
 from utils.logging import Logger, progress
-
-
-def stream_seed(*parts) -> int:
-    """A 63-bit seed from (seed, step, rank, stream name): independent streams that a resumed run can rebuild."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
-
-
-def stream(*parts, device: torch.device | str = "cpu") -> torch.Generator:
-    """A torch.Generator on `device` seeded with stream_seed(*parts)."""
-    return torch.Generator(device=device).manual_seed(stream_seed(*parts))
 
 
 @dataclass

@@ -167,9 +167,9 @@ def main() -> None:
 
     # 6. GRPO from the SFT policy against the reward model; the gold reward is only watched, never trained on
     run_stage("grpo.py", {
-        "policy": out / "sft" / "hf", "reward_model": out / "rm" / "hf", "train_data": paths["prompts_train"],
-        "val_data": paths["sft_validation"], "pref_data": pairs["validation"], "pref_pairs": 256,
-        "eval_prompts": 64, "num_samples": 16, "num_kept": 8, "max_new_tokens": 24, "max_prompt_len": 192,
+        "model": out / "sft" / "hf", "reward_model": out / "rm" / "hf", "train_data": paths["prompts_train"],
+        "val_data": paths["sft_validation"], "pref_data": pairs["validation"], "pref_rows": 256,
+        "val_rows": 64, "num_samples": 16, "num_kept": 8, "max_new_tokens": 24, "max_prompt_len": 192,
         "prompts_per_step": 16, "micro_batch_size": 64, "steps": args.grpo_steps, "lr": 3e-4, "warmup_steps": 3,
         "beta": 0.4, "missing_end_penalty": 2.0, "eval_every": 10, "save_every": 0, "table_every": 10,
         "gold_reward_fn": "data.synthetic:gold_reward", "out_dir": out / "grpo", "run_name": "demo-grpo", **common,

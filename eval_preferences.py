@@ -11,6 +11,7 @@ What is measured and how: evaluation/preference.py (the library the training sta
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
@@ -33,12 +34,13 @@ class Config:
     """Reference policy of the implicit reward (usually the SFT model the policy started from)."""
     beta: float = 0.1
     """beta of the implicit reward beta * log(pi/pi_ref) (does not change the accuracy, only the scores)."""
-    data: str = "trl-lib/tldr-preference"
-    """Preference rows (prompt, chosen, rejected): a hub dataset name, a .jsonl/.parquet file or a folder."""
-    split: str = "validation"
-    """Split of --data (hub datasets and folders)."""
-    max_pairs: int = 0
-    """Evaluate the first N pairs only; 0 for all."""
+    val_data: str = "trl-lib/tldr-preference"
+    """Preference rows (prompt, chosen, rejected) to evaluate on: a hub dataset name, a .jsonl/.parquet file or a
+    folder."""
+    val_split: str = "validation"
+    """Split of --val_data (hub datasets and folders)."""
+    val_rows: int = 0
+    """Pairs evaluated (the first N); 0 for all."""
     max_prompt_len: int = 512
     """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
     max_response_len: int = 64
@@ -51,15 +53,15 @@ class Config:
     """Seed of the bootstrap."""
     out_dir: str = ""
     """When set: write preference_eval.json and metrics.jsonl there and log to wandb (see --wandb_mode)."""
-    device: str = "auto"
-    """auto, cuda or cpu."""
-    dtype: str = "auto"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto (cuda when available), cuda or cpu."""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU)."""
-    wandb_mode: str = "auto"
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     """online, offline, disabled, or auto (online with a wandb login, offline otherwise); used with --out_dir."""
     wandb_project: str = "tldr-rlhf"
     """wandb project."""
-    run_name: str = "evaluate"
+    run_name: str = "eval_preferences"
     """wandb run name."""
 
     def validate(self) -> None:
@@ -72,10 +74,8 @@ class Config:
         for name in ("micro_batch_size", "max_prompt_len", "max_response_len", "bootstrap_samples"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        if self.max_pairs < 0:
-            raise ConfigError(f"--max_pairs must be >= 0, got {self.max_pairs}")
-        if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
-            raise ConfigError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
+        if self.val_rows < 0:
+            raise ConfigError(f"--val_rows must be >= 0, got {self.val_rows}")
 
 
 def main(cfg: Config) -> dict:
@@ -88,9 +88,9 @@ def main(cfg: Config) -> dict:
             check_context(model_config(name), cfg.max_prompt_len, cfg.max_response_len, what)
 
     # 2. data: this rank's disjoint slice of the pairs
-    rows = load_rows(cfg.data, cfg.split, PREF_COLUMNS)
-    rows = rows[: cfg.max_pairs] if cfg.max_pairs else rows
-    name = f"{cfg.data}[{cfg.split}]"
+    rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)
+    rows = rows[: cfg.val_rows] if cfg.val_rows else rows
+    name = f"{cfg.val_data}[{cfg.val_split}]"
     eval_set = build_eval_set(rows, get_tokenizer(), cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world, name)
 
     # 3. models and scores

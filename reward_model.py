@@ -18,78 +18,38 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-from data.tldr import PREF_COLUMNS, PreferenceDataset, PromptDataset, ShardedLoader, collate_pairs, load_rows, pad_prompts
+from data.tldr import PromptDataset, pad_prompts
 from data.tokenizer import get_tokenizer
-from evaluation.preference import build_eval_set, evaluate_reward_model, reward_scores
+from evaluation.pairs import PairConfig, load_pairs
+from evaluation.preference import evaluate_reward_model, reward_scores
 from model.sampler import generate
 from model.weights import build_policy, build_reward_model, model_config, save_export
-
-from utils.checkpoint import export_model, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
-from utils.config import ConfigError, accumulation_steps, check_context, config_to_dict, parse_config, require_nonempty
-from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed
-from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
-from utils.guard import NonFiniteGuard, StopSignal, check_rewards, exit_on_error
-from utils.logging import Logger, progress
 from rlhf.losses import bradley_terry_loss
-from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 from rlhf.stats import pair_outcomes, standardizing_gain_bias
+from utils.config import (
+    ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config, require_nonempty,
+)
+from utils.dist import all_reduce_sum
+from utils.fsdp import gathered_params, set_gradient_sync, shard_model
+from utils.guard import check_rewards, exit_on_error
+from utils.optim import build_optimization, guarded_step, step_throughput
+from utils.run import end_of_step, finish, resume, start_run
 
 
 @dataclass
-class Config:
+class Config(RunConfig, OptimConfig, PairConfig):  # run, optimisation and preference-pair options (evaluation/pairs.py)
     model: str = "runs/sft/hf"
     """Starting weights: an SFT export (Hugging Face-format folder; a new scalar head is added), a reward-model
     folder (its head is kept), a hub name (gpt2, ...), or with --random_init a preset (tiny, small, gpt2, ...)."""
     random_init: bool = False
     """Start from random GPT-2 initialisation of the preset named by --model instead of loading weights."""
-    train_data: str = "trl-lib/tldr-preference"
-    """Training pairs (prompt, chosen, rejected): a hub dataset name, a .jsonl/.parquet file, or a folder."""
-    train_split: str = "train"
-    """Split of --train_data (hub datasets and folders)."""
-    val_data: str = "trl-lib/tldr-preference"
-    """Validation pairs; empty string to skip validation."""
-    val_split: str = "validation"
-    """Split of --val_data."""
-    val_pairs: int = 512
-    """Validation pairs used (the first N), at most; 0 for all."""
-    max_prompt_len: int = 512
-    """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
     max_response_len: int = 64
     """Response tokens kept, including the "\\n" end token (also the sampling length of the normalisation)."""
-    batch_size: int = 64
-    """Global batch size in pairs per optimizer step, over all ranks."""
-    micro_batch_size: int = 8
-    """Pairs per forward/backward on each rank (2x rows: chosen and rejected in one pass)."""
-    steps: int = 0
-    """Optimizer steps; 0 means one epoch over the training pairs."""
     lr: float = 1e-5
-    """Peak learning rate (AdamW)."""
-    warmup_steps: int = 20
-    """Linear warmup steps before cosine decay."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
-    weight_decay: float = 0.0
-    """AdamW weight decay on weight matrices."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0 disables clipping)."""
-    overfit_batch: bool = False
-    """Debugging: train every step on the first global batch (the loss should go towards 0)."""
-    eval_every: int = 100
-    """Validation accuracy every N steps, before the first step and at the end; 0 only at the end."""
-    save_every: int = 500
-    """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
-    keep_last: int = 2
-    """Resumable checkpoints kept (the best one is kept as well)."""
-    best_metric: str = "val/accuracy"
-    """Validation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned);
-    a new best is saved when it appears. Empty disables."""
-    best_mode: Literal["min", "max"] = "max"
-    """min: a lower --best_metric is better; max: a higher one."""
     sft_policy: str = ""
     """Policy whose samples fit the reward normalisation: an SFT export folder or hub name; empty: --model
     (with --random_init, a random policy of that preset)."""
@@ -101,49 +61,26 @@ class Config:
     """Normalisation prompts per generation call on each rank."""
     norm_temperature: float = 1.0
     """Sampling temperature of the normalisation responses (use the temperature GRPO samples at)."""
+    eval_every: int = 100
+    """Validation preference accuracy every N steps, before the first step and after the last; 0: only after the
+    last; -1: never."""
+    best_metric: str = "val/accuracy"
+    best_mode: Literal["min", "max"] = "max"
     out_dir: str = "runs/rm"
-    """Run directory: checkpoints/, hf/ (the Hugging Face-format export), metrics.jsonl, wandb/."""
-    resume: bool = True
-    """Resume from the newest checkpoint in --out_dir when there is one (false refuses to start over on top of one)."""
-    resume_from: str = ""
-    """Start from this checkpoint (a checkpoint folder, or another run directory) when --out_dir has none yet."""
-    on_nonfinite: Literal["stop", "skip"] = "stop"
-    """A non-finite loss or gradient norm: stop (nothing is stepped or saved; the newest checkpoint is the last
-    good state) or skip the step (no optimizer or scheduler step; its batch is dropped)."""
-    seed: int = 1
-    """Seed for the head's initialisation, data order and normalisation samples."""
-    device: str = "auto"
-    """auto, cuda or cpu."""
-    dtype: str = "auto"
-    """Compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU). Gradients are reduced in fp32."""
-    activation_checkpointing: bool = False
-    """Recompute block activations in backward to save memory."""
-    wandb_mode: str = "auto"
-    """online, offline, disabled, or auto (online with a wandb login, offline otherwise)."""
-    wandb_project: str = "tldr-rlhf"
-    """wandb project."""
     run_name: str = "reward_model"
-    """wandb run name."""
 
     def validate(self) -> None:
-        require_nonempty(self, "model", "train_data", "out_dir")
-        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len", "norm_samples_per_prompt",
-                     "norm_batch_size", "keep_last"):
+        require_nonempty(self, "model")
+        self.validate_run()
+        self.validate_optim()
+        self.validate_pairs()
+        for name in ("norm_samples_per_prompt", "norm_batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("norm_prompts", "val_pairs", "steps", "save_every", "grad_clip", "warmup_steps", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.norm_prompts < 0:
+            raise ConfigError(f"--norm_prompts must be >= 0, got {self.norm_prompts}")
         if self.norm_prompts == 1 and self.norm_samples_per_prompt == 1:
             raise ConfigError("the normalisation needs at least 2 samples (--norm_prompts x --norm_samples_per_prompt)")
-        if self.wandb_mode not in ("online", "offline", "disabled", "auto"):
-            raise ConfigError(f"--wandb_mode must be online, offline, disabled or auto, got '{self.wandb_mode}'")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"--device must be auto, cuda or cpu, got '{self.device}'")
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"--dtype must be auto, bf16 or fp32, got '{self.dtype}'")
 
 
 def accumulate_gradients(model, micro_batches: list[dict], world: int, n_pairs: int, device) -> dict[str, float]:
@@ -234,141 +171,70 @@ def main(cfg: Config) -> dict:
     # 1. distributed set-up and every check that needs no data and no weights: sizes, the models' configs (the
     #    normalisation's SFT policy too, so a wrong folder fails now and not after training), the run directory and
     #    the checkpoint to resume from (all before any model is built or put on a GPU)
-    dist_info = setup_distributed(cfg.device)
-    rank, world, device = dist_info.rank, dist_info.world_size, dist_info.device
-    accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
     model_cfg = model_config(cfg.model, cfg.random_init)
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "reward model")
-    policy_name = cfg.sft_policy or cfg.model
+    policy_name, policy_random_init = cfg.sft_policy or cfg.model, cfg.random_init and not cfg.sft_policy
     if cfg.norm_prompts > 0:
-        policy_random_init = cfg.random_init and not cfg.sft_policy
         check_context(model_config(policy_name, policy_random_init), cfg.max_prompt_len, cfg.max_response_len, "SFT policy")
-    meta = {"stage": "reward_model", "model_config": model_cfg.to_dict()}
-    run_dir = Path(cfg.out_dir)
-    ckpt = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
-    torch.manual_seed(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, device)
+    run = start_run(cfg, {"stage": "reward_model", "model_config": model_cfg.to_dict()})
+    world, device = run.world, run.device
+    accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
 
     # 2. data: tokenize, shard per rank, shuffle per epoch; validation pairs split disjointly over ranks
     tok = get_tokenizer()
-    train_rows = load_rows(cfg.train_data, cfg.train_split, PREF_COLUMNS)
-    train = PreferenceDataset(train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]")
-
-    def collate(idx):
-        return collate_pairs([train.prompts[i] for i in idx], [train.chosen[i] for i in idx], [train.rejected[i] for i in idx])
-
-    loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, collate)
-    val_set = None
-    if cfg.val_data:
-        val_rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)
-        val_rows = val_rows[: cfg.val_pairs] if cfg.val_pairs else val_rows
-        val_set = build_eval_set(
-            val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world,
-            name=f"{cfg.val_data}[{cfg.val_split}]",
-        )
-    total_steps = cfg.steps or max(1, loader.batches_per_epoch // accum)
+    data = load_pairs(cfg, tok, run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
+    total_steps = cfg.steps or max(1, data.loader.batches_per_epoch // accum)
 
     # 3. model, FSDP, optimizer. Training changes the rewards, so a loaded normalisation no longer holds.
     model = build_reward_model(cfg.model, cfg.random_init)
     model.gain.fill_(1.0)
     model.bias.fill_(0.0)
-    shard_model(model, dtype, activation_checkpointing=cfg.activation_checkpointing)
+    shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing)
     model.to(device)
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
-    scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    optimizer, scheduler = build_optimization(model, cfg, total_steps)
 
     # 4. resume: weights, optimizer, schedule, every rank's RNG, data position, best validation so far
-    step, best = 0, None
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer, scheduler, meta, rank)
-        step, best = state["step"], state["extra"].get("best")
-        restore_loader(loader, ckpt, state["extra"])
-        if rank == 0:
-            print(f"resumed from {ckpt} at step {step}")
-
-    logger = Logger(run_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0, resume_step=step)
-    if rank == 0:
-        print(f"reward model: {len(train)} pairs, world {world}, {accum} accumulation steps, {total_steps} steps")
-    if val_set is not None and step == 0 and cfg.eval_every > 0:
-        logger.log({f"val/{k}": v for k, v in evaluate_reward_model(model, val_set, device).items()}, step=0)
-    batches = iter(loader)
-    # --overfit_batch: always the first global batch of epoch 0, drawn without moving the loader (so resume is exact)
-    fixed = [collate(loader.batch_indices(0, i)) for i in range(accum)] if cfg.overfit_batch else None
-    bar = progress(total_steps, step, rank == 0, "reward model")
+    step = resume(run, cfg, model, optimizer, scheduler, data.loader, total_steps)
+    run.say(f"reward model: {len(data.train)} pairs, world {world}, {accum} accumulation steps, {total_steps} steps")
+    batches = data.step_batches(accum, cfg.overfit_batch)
     model.train()
-    metrics = {}
-    guard = NonFiniteGuard("reward_model", cfg.on_nonfinite, device)
-    stopping = False
-    with StopSignal() as stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
-        while step < total_steps:
+    if data.val_set is not None and step == 0 and cfg.eval_every > 0:
+        run.logger.log({f"val/{k}": v for k, v in evaluate_reward_model(model, data.val_set, device).items()}, step=0)
+    metrics, stopping = {}, False
+    with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
+        while step < total_steps and not stopping:
             t0 = time.perf_counter()
             # 5. one optimizer step: Bradley-Terry loss summed over pairs / global number of pairs; a non-finite loss
             #    or gradient norm stops the run, or skips the step (--on_nonfinite)
-            micro = fixed or [next(batches) for _ in range(accum)]
+            micro = next(batches)
             metrics = accumulate_gradients(model, micro, world, cfg.batch_size, device)
-            metrics["train/grad_norm"] = clip_grad_norm(model, cfg.grad_clip)
-            finite = guard.ok(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
-            if finite:
-                optimizer.step()
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            guarded_step(model, optimizer, scheduler, run.guard, step + 1, metrics, cfg.grad_clip)
             step += 1
 
-            # 6. log; validation accuracy with its bootstrap interval
-            dt = time.perf_counter() - t0
-            seen = all_reduce_sum(torch.tensor(float(sum(b["attention_mask"].sum() for b in micro)), device=device))
-            metrics.update({
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/skipped": float(not finite),
-                "perf/step_seconds": dt,
-                "perf/tokens_per_second": float(seen) / dt,
-                "perf/tokens_per_second_per_device": float(seen) / dt / world,
-            })
-            if val_set is not None and (step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)):
-                val = evaluate_reward_model(model, val_set, device)
-                metrics.update({f"val/{k}": v for k, v in val.items()})
-            logger.log(metrics, step)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.3f}")
+            # 6. log, validation accuracy with its bootstrap interval, checkpoint (on schedule, at the end, at a new
+            #    best, or when a signal came)
+            metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
+            if data.val_set is not None and cfg.eval_due(step, total_steps):
+                metrics.update({f"val/{k}": v for k, v in evaluate_reward_model(model, data.val_set, device).items()})
+            stopping = end_of_step(run, cfg, step, total_steps, metrics, model, optimizer, scheduler, data.loader)
 
-            # 7. checkpoint: on schedule, at the end, at a new best validation metric, or when a signal came
-            best, improved = update_best(best, metrics, cfg.best_metric, cfg.best_mode, step)
-            stopping = stop.requested(device)
-            if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-                save_checkpoint(
-                    run_dir, step, model, optimizer, scheduler, meta, extra={"loader": loader.state_dict(), "best": best},
-                    keep_last=cfg.keep_last, rank=rank, best=best if improved else None,
-                )
-            if stopping:
-                break
-    bar.close()
-    if stopping:  # the run is not finished: no normalisation, no export
-        stop.report(step, run_dir / "checkpoints", rank)
-        logger.finish()
-        cleanup_distributed()
-        return metrics
-
-    # 8. reward normalisation on samples of the SFT policy (GRPO reads gain * r + bias)
-    if cfg.norm_prompts > 0:
-        policy = build_policy(policy_name, cfg.random_init and not cfg.sft_policy)
-        shard_model(policy, dtype)
+    # 7. reward normalisation on samples of the SFT policy (GRPO reads gain * r + bias); not after a signal
+    if cfg.norm_prompts > 0 and not stopping:
+        policy = build_policy(policy_name, policy_random_init)
+        shard_model(policy, run.dtype)
         policy.to(device)
-        prompt_rows = normalization_prompts(train_rows, cfg.norm_prompts, cfg.seed)
+        prompt_rows = normalization_prompts(data.rows, cfg.norm_prompts, cfg.seed)
         prompts = PromptDataset(prompt_rows, tok, cfg.max_prompt_len, name="normalisation prompts").prompts
-        norm = fit_normalization(model, policy, prompts, cfg, rank, world, device, step)
+        norm = fit_normalization(model, policy, prompts, cfg, run.rank, world, device, step)
         del policy
-        logger.log(norm, step)
+        run.logger.log(norm, step)
         metrics.update(norm)
-        if rank == 0:
-            print(f"reward normalisation over {int(norm['norm/samples'])} samples of {policy_name}: raw mean "
-                  f"{norm['norm/raw_mean']:.4f}, std {norm['norm/raw_std']:.4f} -> gain {norm['norm/gain']:.4f}, bias {norm['norm/bias']:.4f}")
+        run.say(f"reward normalisation over {int(norm['norm/samples'])} samples of {policy_name}: raw mean "
+                f"{norm['norm/raw_mean']:.4f}, std {norm['norm/raw_std']:.4f} -> gain {norm['norm/gain']:.4f}, "
+                f"bias {norm['norm/bias']:.4f}")
 
-    # 9. export a Hugging Face-format folder (gain and bias go to reward_normalization.json)
-    export_model(model, lambda sd: save_export(model, sd, model_cfg, run_dir / "hf"), rank)
-    if rank == 0:
-        print(f"exported {run_dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-    logger.finish()
-    cleanup_distributed()
+    # 8. export a Hugging Face-format folder (gain and bias go to reward_normalization.json; not after a signal)
+    finish(run, model, step, metrics, stopping, lambda sd: save_export(model, sd, model_cfg, run.dir / "hf"))
     return metrics
 
 

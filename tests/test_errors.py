@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import dpo
-import evaluate
+import eval_preferences
 import grpo
 import reward_model
 import sft
@@ -36,7 +36,7 @@ from utils.config import parse_config
 from utils.guard import exit_on_error
 from utils.optim import build_optimizer
 
-SCRIPTS = {"sft": sft, "reward_model": reward_model, "dpo": dpo, "grpo": grpo, "evaluate": evaluate}
+SCRIPTS = {"sft": sft, "reward_model": reward_model, "dpo": dpo, "grpo": grpo, "eval_preferences": eval_preferences}
 TINY = PRESETS["tiny"]
 
 
@@ -131,7 +131,7 @@ def base_args(script, f, out_dir) -> list[str]:
                 "--train_data", str(f["sft"]), "--val_data", "", "--pref_data", "", "--eval_every", "-1",
                 "--num_samples", "4", "--num_kept", "2", "--max_new_tokens", "4", "--prompts_per_step", "2",
                 "--micro_batch_size", "4", "--table_every", "0", *common]
-    return ["--data", str(f["pref"]), "--max_prompt_len", "64", "--max_response_len", "16"]
+    return ["--val_data", str(f["pref"]), "--max_prompt_len", "64", "--max_response_len", "16"]
 
 
 def run_cli(script: str, argv: list[str], capsys) -> tuple[int, str]:
@@ -169,7 +169,7 @@ CASES = [
     ("missing_value", "sft", lambda f, out: ["--lr"], ["argument --lr: expected one argument"]),
     ("bad_choice", "grpo", lambda f, out: ["--on_nonfinite", "ignore"], ["--on_nonfinite: invalid choice: 'ignore'", "'stop', 'skip'"]),
     ("empty_required_option", "sft", lambda f, out: ["--train_data", ""], ["--train_data is empty; expected training rows"]),
-    ("missing_required_option", "evaluate", lambda f, out: [], ["give exactly one of --reward_model or --policy"]),
+    ("missing_required_option", "eval_preferences", lambda f, out: [], ["give exactly one of --reward_model or --policy"]),
     ("non_positive_size", "reward_model", lambda f, out: ["--micro_batch_size", "0"], ["--micro_batch_size must be positive, got 0"]),
     ("out_of_range_value", "dpo", lambda f, out: ["--label_smoothing", "0.7"], ["--label_smoothing must be in [0, 0.5), got 0.7"]),
     ("cuda_without_gpu", "sft", lambda f, out: ["--device", "cuda"], ["--device cuda", "no CUDA device is available"]),

@@ -153,7 +153,7 @@ def test_loss_choice_and_offload_needs_gpu():
         parse_config(dpo.Config, ["--loss", "ipo", "--label_smoothing", "0.1"])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
-            parse_config(dpo.Config, ["--reference_cpu_offload", "true"])
+            parse_config(dpo.Config, ["--frozen_cpu_offload", "true"])
 
 
 @pytest.mark.parametrize("stage", ["reward_model", "dpo"])
@@ -194,7 +194,7 @@ def test_evaluate_reward_model_on_real_pairs_two_processes(tmp_path):
     save_hf(rm.state_dict(), rm.cfg, folder)
     out = tmp_path / "eval"
     run_script([
-        "evaluate.py", "--reward_model", str(folder), "--data", str(data), "--max_pairs", "64",
+        "eval_preferences.py", "--reward_model", str(folder), "--val_data", str(data), "--val_rows", "64",
         "--max_prompt_len", "96", "--max_response_len", "32", "--micro_batch_size", "5", "--out_dir", str(out), "--wandb_mode", "disabled",
     ], nproc=2)
     res = json.loads((out / "preference_eval.json").read_text())["results"]
@@ -220,7 +220,7 @@ def test_evaluate_reward_model_on_real_pairs_two_processes(tmp_path):
 
 def common_args(data, run, steps):
     return [
-        "--train_data", str(data), "--val_data", str(data), "--val_pairs", "16", "--steps", str(steps),
+        "--train_data", str(data), "--val_data", str(data), "--val_rows", "16", "--steps", str(steps),
         "--batch_size", "8", "--micro_batch_size", "2", "--warmup_steps", "1", "--max_prompt_len", "64",
         "--max_response_len", "16", "--wandb_mode", "disabled", "--out_dir", str(run),
     ]
@@ -304,8 +304,8 @@ def test_two_process_dpo_starts_at_log2_learns_and_evaluates(tmp_path):
     assert changed_and_unchanged(init, run / "hf") == []
 
     # the stand-alone evaluation of the export against its reference agrees with the last validation
-    run_script(["evaluate.py", "--policy", str(run / "hf"), "--reference", str(init), "--data", str(data),
-                "--max_pairs", "16", "--max_prompt_len", "64", "--max_response_len", "16", "--out_dir", str(tmp_path / "eval"),
+    run_script(["eval_preferences.py", "--policy", str(run / "hf"), "--reference", str(init), "--val_data", str(data),
+                "--val_rows", "16", "--max_prompt_len", "64", "--max_response_len", "16", "--out_dir", str(tmp_path / "eval"),
                 "--wandb_mode", "disabled"])
     res = json.loads((tmp_path / "eval" / "preference_eval.json").read_text())["results"]
     assert res["accuracy"] == m[5]["val/accuracy"]

@@ -175,7 +175,7 @@ def test_data_position_is_checked_and_converted_between_global_batch_sizes():
         ShardedLoader(40, 24, 0, 1, seed=3, collate=lambda idx: idx).load_state_dict(one.state_dict())
 
 
-@pytest.mark.parametrize("script", ["sft", "reward_model", "dpo", "grpo", "evaluate"])
+@pytest.mark.parametrize("script", ["sft", "reward_model", "dpo", "grpo", "eval_preferences"])
 def test_every_script_help_documents_every_option(script, capsys):
     import importlib
 

@@ -1,9 +1,11 @@
-"""Optimizer and learning-rate schedule shared by every stage."""
+"""Optimizer, learning-rate schedule and the guarded optimizer step shared by every stage."""
 
 import math
 
 import torch
 import torch.nn as nn
+
+from utils.dist import all_reduce_sum
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> torch.optim.AdamW:
@@ -37,3 +39,34 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
         norm = norm.full_tensor()
     return float(norm)
+
+
+def build_optimization(model: nn.Module, cfg, total_steps: int):
+    """(AdamW, its warmup-cosine schedule) over `model`'s trainable parameters, from an OptimConfig's --lr,
+    --weight_decay, --warmup_steps and --min_lr_ratio."""
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    return optimizer, build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+
+
+def guarded_step(model: nn.Module, optimizer, scheduler, guard, step: int, metrics: dict, grad_clip: float) -> bool:
+    """Clip the gradient norm, then step the optimizer and the schedule unless `guard` (utils/guard.py) finds
+    metrics["train/loss"] or the norm non-finite: it raises (--on_nonfinite stop) or the step is skipped (skip).
+    Gradients are cleared either way. Adds train/grad_norm, train/lr and train/skipped to `metrics`; `step` is the
+    1-based number of the step being taken. Returns whether the optimizer stepped."""
+    metrics["train/grad_norm"] = clip_grad_norm(model, grad_clip)
+    stepped = guard.ok(step, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
+    if stepped:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics.update({"train/lr": scheduler.get_last_lr()[0], "train/skipped": float(not stepped)})
+    return stepped
+
+
+def step_throughput(micro_batches: list[dict], seconds: float, world: int, device) -> dict[str, float]:
+    """perf/ metrics of one optimizer step of `seconds`: tokens (attention-mask ones, all ranks) per second, in all and
+    per device. A collective."""
+    tokens = float(sum(b["attention_mask"].sum() for b in micro_batches))
+    seen = float(all_reduce_sum(torch.tensor(tokens, device=device)))
+    return {"perf/step_seconds": seconds, "perf/tokens_per_second": seen / seconds,
+            "perf/tokens_per_second_per_device": seen / seconds / world}

@@ -351,3 +351,19 @@ def test_dpo_resumes_exactly_after_sigkill_and_exits_cleanly_on_sigterm(tmp_path
     keys = ("train/loss", "train/grad_norm", "train/accuracy", "train/lr", "val/accuracy", "val/bt_loss")
     context = f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at}), SIGTERM after step {stopped.group(1)}"
     assert_same_metrics(full, read_metrics(run), keys, context)
+
+
+@pytest.mark.parametrize("stage", ["reward_model", "dpo"])
+def test_eval_every_minus_one_never_reads_or_evaluates_the_validation_pairs(stage, tmp_path):
+    module = reward_model if stage == "reward_model" else dpo
+    data = write_pref_rows(tmp_path / "pairs.jsonl", n=16)
+    run = tmp_path / "run"
+    args = ["--model", "tiny", "--random_init", "true", "--eval_every", "-1", "--lr", "1e-3",
+            *common_args(data, run, 2), "--val_data", str(tmp_path / "missing.jsonl")]
+    if stage == "reward_model":
+        args += ["--norm_prompts", "0"]
+    module.main(parse_config(module.Config, args))  # the missing validation file is never opened
+    m = read_metrics(run)
+    assert [x["step"] for x in m] == [1, 2]
+    assert not [k for x in m for k in x if k.startswith("val/")]
+    assert (run / "hf" / "model.safetensors").is_file()

@@ -6,6 +6,7 @@ benchmark module must import there.
 """
 
 import datetime
+import importlib.util
 import math
 import os
 import platform
@@ -193,12 +194,11 @@ def _git(*args: str) -> str:
 
 def environment(device: torch.device) -> dict:
     """Device name, software versions, date, commit: the header of every result file."""
-    try:
-        import transformers  # lazy: optional, and heavy
+    transformers_version = None
+    if importlib.util.find_spec("transformers") is not None:  # optional, and heavy: imported only when present
+        import transformers
 
         transformers_version = transformers.__version__
-    except ImportError:
-        transformers_version = None
     env = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": str(device),

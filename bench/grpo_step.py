@@ -1,12 +1,13 @@
 """One full GRPO step at a named configuration: time and share per stage, generated and total tokens/s per
 device, peak memory.
 
-The step is grpo.main()'s stages 2-7 (generate, score, select, advantages, reference log-probs, update), called
-through grpo.py's own stage functions on FSDP-sharded models built as main() builds them (policy, frozen reference
-copy, frozen reward model; bf16 parameters on GPU, fp32 on CPU), with grpo.StageTimer (which synchronises the GPU
-around each stage). grpo.py has no single-step function, so `grpo_step` below repeats main()'s glue between the
-stage functions; if that loop changes, this must follow. Data loading (stage 1) and logging (stage 8) are left
-out: prompts are random token ids already on the device.
+The step is grpo.train_step, the function grpo.main() calls for its stages 2-7 (generate, score, select,
+advantages, reference log-probs, update), on models built by rollouts.models.build_models as main() builds them
+(policy, frozen reference copy, frozen reward model, FSDP-sharded; bf16 parameters on GPU, fp32 on CPU), with the
+reward sources of --rewards in a rollouts.sampling.RewardSpec and the prompts in a rollouts.prompts.PromptSet.
+Stage seconds are train_step's own (StepResult.seconds, from utils.logging.StageTimer, which synchronises the GPU
+around each stage), so a change to the step is measured as soon as it is made. Data loading (stage 1) and logging
+(stage 8) are left out: prompts are random token ids already on the device.
 
 Figures (world size 1, so "per device" is the whole step):
 - step seconds: median over `repeats` steps after `warmup` untimed steps;
@@ -18,15 +19,22 @@ Figures (world size 1, so "per device" is the whole step):
 - peak memory over the timed steps: torch.cuda.max_memory_allocated on GPU, the process's max RSS on CPU.
 """
 
-import copy
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
+import grpo
 from bench import common
 from bench.common import mib, peak_memory, random_prompts, reset_peak_memory, result, synchronize
+from data.tokenizer import get_tokenizer
+from rollouts.models import Models, build_models
+from rollouts.prompts import PromptSet
+from rollouts.sampling import RewardSpec
+from utils.dist import setup_distributed
+from utils.fsdp import resolve_dtype
+from utils.optim import build_optimizer, build_scheduler
 
 BENCH = "grpo"
 STAGES = ("generate", "score", "select", "advantages", "reference", "update")
@@ -62,14 +70,15 @@ class GRPOBenchConfig:
     """Untimed steps first (allocator, kernel selection, first-call set-up)."""
     repeats: int = 3
     """Timed steps; medians are reported."""
+    rewards: str = "reward_model"
+    """grpo --rewards: the reward model alone (the reference step), or functions too, which then score the random
+    prompts' and responses' decoded text."""
 
-    def grpo_config(self):
+    def grpo_config(self) -> grpo.Config:
         """grpo.Config of this benchmark (everything else at grpo.py's defaults: temperature 1, beta 0.04, ...)."""
-        import grpo
-
         cfg = grpo.Config(
-            policy=self.preset, policy_random_init=True, reward_model=self.preset, reward_random_init=True,
-            max_prompt_len=self.prompt_len, num_samples=self.num_samples, max_new_tokens=self.max_new_tokens,
+            model=self.preset, random_init=True, reward_model=self.preset, reward_random_init=True,
+            rewards=self.rewards, max_prompt_len=self.prompt_len, num_samples=self.num_samples, max_new_tokens=self.max_new_tokens,
             gen_prompts=self.gen_prompts, selection=self.selection, num_kept=self.num_kept,
             prompts_per_step=self.prompts, micro_batch_size=self.micro_batch_size,
             score_micro_batch_size=self.score_micro_batch_size, warmup_steps=0,
@@ -79,9 +88,10 @@ class GRPOBenchConfig:
 
     def describe(self) -> str:
         kept = f"{self.selection} keeps {self.num_samples if self.selection == 'all' else self.num_kept}"
+        rewards = "" if self.rewards == "reward_model" else f", rewards {self.rewards}"
         return (f"{self.preset}, {self.prompts} prompts ({self.min_prompt_len}-{self.prompt_len} tokens) x "
                 f"{self.num_samples} samples x {self.max_new_tokens} new tokens, {kept}, micro-batch "
-                f"{self.micro_batch_size}, RM micro-batch {self.score_micro_batch_size}")
+                f"{self.micro_batch_size}, RM micro-batch {self.score_micro_batch_size}{rewards}")
 
 
 def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
@@ -104,118 +114,86 @@ def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
                             score_micro_batch_size=64)]
 
 
-def build(bcfg: GRPOBenchConfig, device: torch.device):
-    """(grpo.Config, policy, reference, reward model, optimizer, scheduler, world size), as grpo.main builds them."""
-    import grpo
-    from model.weights import build_policy, build_reward_model
-    from utils.dist import setup_distributed
-    from utils.fsdp import resolve_dtype, shard_model
-    from utils.optim import build_optimizer, build_scheduler
+@dataclass
+class StepInputs:
+    """What grpo.main() hands grpo.train_step, built as main() builds it."""
 
+    cfg: grpo.Config
+    models: Models
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    prompts: PromptSet
+    spec: RewardSpec
+    world: int
+
+
+def build(bcfg: GRPOBenchConfig, device: torch.device) -> StepInputs:
+    """grpo.main()'s set-up for train_step, with random weights (seed 0, as bench/trl_grpo.py's export) and random
+    prompts instead of a dataset: every reward source applies to every prompt."""
     cfg = bcfg.grpo_config()
     world = setup_distributed(device.type).world_size
     grpo.per_rank_sizes(cfg, world)  # the exact-division checks of main()
-    dtype = resolve_dtype(cfg.dtype, device)
+    sources = cfg.sources()
     torch.manual_seed(0)
-    policy = build_policy(cfg.policy, cfg.policy_random_init)
-    reference = grpo.freeze(copy.deepcopy(policy))
-    reward_model = grpo.freeze(build_reward_model(cfg.reward_model, cfg.reward_random_init))
-    shard_model(policy, dtype, activation_checkpointing=cfg.activation_checkpointing)
-    policy.to(device)
-    for frozen in (reference, reward_model):
-        shard_model(frozen, dtype)
-        frozen.to(device)
-    optimizer = build_optimizer(policy, cfg.lr, cfg.weight_decay)
+    models = build_models(cfg, sources, resolve_dtype(cfg.dtype, device), device)
+    # only reward functions read text: without them no tokenizer is loaded (the GPU image may lack its BPE files)
+    tok = get_tokenizer() if any(s.fn is not None for s in sources) else None
+    spec = RewardSpec(sources, cfg.normalize_reward_fns, tok)
+    optimizer = build_optimizer(models.policy, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, 1000, cfg.min_lr_ratio)
-    policy.train()
-    return cfg, policy, reference, reward_model, optimizer, scheduler, world
+    ids, mask = random_prompts(bcfg.prompts, bcfg.prompt_len, bcfg.min_prompt_len, models.policy.cfg.vocab_size, seed=0)
+    texts = [tok.decode(i[m].tolist()) if tok else "" for i, m in zip(ids, mask)]
+    prompts = PromptSet(ids.to(device), mask.to(device), texts, list(range(bcfg.prompts)),
+                        torch.ones(bcfg.prompts, len(sources), dtype=torch.bool), f"bench {bcfg.name} random prompts")
+    models.policy.train()
+    return StepInputs(cfg, models, optimizer, scheduler, prompts, spec, world)
 
 
-def grpo_step(policy, reference, reward_model, optimizer, scheduler, prompt_ids, prompt_mask, cfg, world, device,
-              generator) -> tuple[dict[str, float], dict[str, int]]:
-    """grpo.main()'s stages 2-7 on one batch of prompts: (seconds per stage, token counts)."""
-    import grpo
-    from utils.dist import all_reduce_sum
-    from rlhf.grpo import global_normalize, group_center, group_normalize, penalize_missing_end
-
-    G = cfg.num_samples
-    timer = grpo.StageTimer(device)
-    # 2. generate G responses per prompt; rows b*G .. b*G+G-1 belong to prompt b
-    with timer("generate"):
-        samples = grpo.rollout(policy, prompt_ids, prompt_mask, cfg, G, generator)
-    # 3. score: raw RM score -> penalty without an end token -> RM gain/bias
-    with timer("score"):
-        raw = grpo.score(reward_model, prompt_ids, prompt_mask, samples, G, cfg.score_micro_batch_size)
-        rewards = reward_model.normalize(penalize_missing_end(raw, samples.has_end, cfg.missing_end_penalty))
-    # 4. select K of G per prompt
-    with timer("select"):
-        idx_BK, _ = grpo.select(rewards.view(-1, G), cfg, generator)
-        rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]
-        rows_N = rows_BK.flatten()
-    # 5. advantages over the selected samples, then over the global batch
-    with timer("advantages"):
-        rewards_BK = rewards[rows_BK]
-        advantages = (group_normalize(rewards_BK) if cfg.scale_by_std else group_center(rewards_BK)).flatten()
-        if cfg.global_norm:
-            advantages = global_normalize(advantages, all_reduce_sum)
-        batches = grpo.build_training_batches(prompt_ids, prompt_mask, samples, rows_N, advantages, G,
-                                              cfg.micro_batch_size)
-    # 6. reference log-probs (and the old policy's with mu > 1)
-    with timer("reference"):
-        grpo.add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
-        if cfg.policy_epochs > 1:
-            grpo.add_logprobs(policy, batches, "old_logprobs", cfg, gather=False)
-    # 7. update the policy
-    with timer("update"):
-        grpo.policy_update(policy, optimizer, scheduler, batches, cfg, world, device)
-    generated = int(samples.response_mask.sum())
-    counts = {
-        "sequences": samples.response_ids.shape[0],
+def token_counts(r: grpo.StepResult, prompts: PromptSet, G: int) -> dict[str, int]:
+    """Sampled sequences, generated tokens, every token of every sampled sequence, trained sequences and tokens."""
+    generated = int(r.samples.response_mask.sum())
+    return {
+        "sequences": r.samples.response_ids.shape[0],
         "generated_tokens": generated,
-        "total_tokens": int(prompt_mask.sum()) * G + generated,
-        "trained_sequences": int(rows_N.numel()),
-        "trained_tokens": int(sum(int(b["attention_mask"].sum()) for b in batches)),
+        "total_tokens": int(prompts.mask.sum()) * G + generated,
+        "trained_sequences": r.rows_BK.numel(),
+        "trained_tokens": int(sum(int(b["attention_mask"].sum()) for b in r.batches)),
     }
-    return dict(timer.seconds), counts
 
 
 def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
-    """Warm-up and timed steps at one configuration: per-step seconds (wall clock, device synchronised), stage
-    seconds, token counts and peak memory."""
-    cfg, policy, reference, reward_model, optimizer, scheduler, world = build(bcfg, device)
-    prompt_ids, prompt_mask = (
-        t.to(device) for t in random_prompts(bcfg.prompts, bcfg.prompt_len, bcfg.min_prompt_len,
-                                             policy.cfg.vocab_size, seed=0))
+    """Warm-up and timed grpo.train_step calls at one configuration: per-step seconds (wall clock, device
+    synchronised), train_step's stage seconds, token counts and peak memory."""
+    s = build(bcfg, device)
 
-    def one_step(i: int):
-        generator = torch.Generator(device=device).manual_seed(1000 + i)
+    def one_step(step: int):
         common.wait_if_asked(device)
         busy0, cpu0 = common.machine_busy_seconds(), time.process_time()
         synchronize(device)
         t0 = time.perf_counter()
-        stages, counts = grpo_step(policy, reference, reward_model, optimizer, scheduler, prompt_ids, prompt_mask,
-                                   cfg, world, device, generator)
+        r = grpo.train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, step)
         synchronize(device)
         seconds = time.perf_counter() - t0
         others = None
         if busy0 is not None:
             others = max(0.0, (common.machine_busy_seconds() - busy0 - (time.process_time() - cpu0)) / seconds)
-        return seconds, stages, counts, others
+        return seconds, r.seconds, token_counts(r, s.prompts, s.cfg.num_samples), others
 
     for i in range(bcfg.warmup):
         one_step(i)
     was_reset = reset_peak_memory(device)
     steps = [one_step(bcfg.warmup + i) for i in range(bcfg.repeats)]
     peak, peak_what = peak_memory(device, was_reset)
-    del policy, reference, reward_model, optimizer
+    world = s.world
+    del s
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
         "world_size": world,
-        "step_seconds": [s[0] for s in steps],
-        "stage_seconds": {k: [s[1].get(k, 0.0) for s in steps] for k in STAGES},
+        "step_seconds": [t[0] for t in steps],
+        "stage_seconds": {k: [t[1][k] for t in steps] for k in STAGES},  # KeyError if train_step renames a stage
         "counts": steps[-1][2],
-        "others_cores": [s[3] for s in steps if s[3] is not None],
+        "others_cores": [t[3] for t in steps if t[3] is not None],
         "peak_memory_bytes": peak,
         "peak_memory_what": peak_what,
     }

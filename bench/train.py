@@ -6,8 +6,8 @@ micro-batches (sft.accumulate_gradients, reward_model.accumulate_gradients, dpo.
 clipping, AdamW step, zero_grad; models FSDP2-sharded in a one-process group with the scripts' dtype rule (bf16
 parameters on GPU, fp32 on CPU). Batches are random token ids in data.tldr's layout (left-padded prompts,
 right-padded responses ending with the end token), built by data.tldr.collate_sft / collate_pairs, so padding and
-position ids are what training sees. When a script does not import or its function changed signature, the figure
-is reported as not measured, with the reason.
+position ids are what training sees. A script that does not import, or whose function changed signature, fails the
+benchmark with its error: the figures are of the scripts' own code or none.
 
 FLOPs (forward + backward, per optimizer step), the PaLM/Chinchilla convention:
     model FLOPs = sum over real (non-padding) tokens of (6 N + 12 L d T)
@@ -27,7 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import measure, result, skipped
+import dpo
+import reward_model
+import sft
+from bench.common import measure, result
 from data.tldr import collate_pairs, collate_sft
 from data.tokenizer import END_ID
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
@@ -195,10 +198,6 @@ def unique_params(model: torch.nn.Module) -> int:
 
 def bench_sft(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
     name = f"{cfg.name} SFT"
-    try:
-        from sft import accumulate_gradients  # lazy: the script is being edited by others
-    except Exception as e:
-        return [skipped(BENCH, name, f"sft.py does not import ({type(e).__name__}: {e})", config=cfg)]
     torch.manual_seed(0)
     model = GPT2LMHeadModel(PRESETS[cfg.preset])
     n, head = matmul_params(model.cfg, unique_params(model), lm_head=True)
@@ -208,24 +207,17 @@ def bench_sft(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
     model.train()
 
     def step():
-        loss = accumulate_gradients(model, micro, world, device)
+        loss = sft.accumulate_gradients(model, micro, world, device)
         optimizer_step(model, optimizer)
         return loss
 
-    try:
-        t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
-    except TypeError as e:  # its signature changed under us
-        return [skipped(BENCH, name, f"sft.accumulate_gradients signature changed ({e})", config=cfg)]
+    t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
     flops = flops_per_step(model.cfg, n, head, micro)
     return throughput_rows(f"{name} (sft.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n, "rows")
 
 
 def bench_reward_model(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
     name = f"{cfg.name} reward model"
-    try:
-        import reward_model
-    except Exception as e:
-        return [skipped(BENCH, name, f"reward_model.py does not import ({type(e).__name__}: {e})", config=cfg)]
     torch.manual_seed(0)
     model = RewardModel(PRESETS[cfg.preset])
     n, head = matmul_params(model.cfg, unique_params(model), lm_head=False)
@@ -239,10 +231,7 @@ def bench_reward_model(cfg: TrainConfig, device: torch.device, world: int) -> li
         optimizer_step(model, optimizer)
         return metrics
 
-    try:
-        t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
-    except TypeError as e:
-        return [skipped(BENCH, name, f"reward_model.accumulate_gradients signature changed ({e})", config=cfg)]
+    t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
     flops = flops_per_step(model.cfg, n, head, micro)
     return throughput_rows(f"{name} (reward_model.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n,
                            "pairs")
@@ -250,10 +239,6 @@ def bench_reward_model(cfg: TrainConfig, device: torch.device, world: int) -> li
 
 def bench_dpo(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
     name = f"{cfg.name} DPO"
-    try:
-        import dpo
-    except Exception as e:
-        return [skipped(BENCH, name, f"dpo.py does not import ({type(e).__name__}: {e})", config=cfg)]
     torch.manual_seed(0)
     policy = GPT2LMHeadModel(PRESETS[cfg.preset])
     n, head = matmul_params(policy.cfg, unique_params(policy), lm_head=True)
@@ -275,10 +260,7 @@ def bench_dpo(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
         optimizer_step(policy, optimizer)
         return metrics
 
-    try:
-        t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
-    except TypeError as e:
-        return [skipped(BENCH, name, f"dpo.accumulate_gradients signature changed ({e})", config=cfg)]
+    t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
     flops = flops_per_step(policy.cfg, n, head, micro, forward_passes=4.0)  # + the reference's forward
     return throughput_rows(f"{name} (dpo.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n, "pairs",
                            formula="8N + 16LdT (with the reference's forward)")

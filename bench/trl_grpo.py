@@ -17,7 +17,8 @@ transformers' generate over the whole batch of prompts x G in one call (TRL's pa
 A TRL step is the wall-clock time between consecutive optimizer steps (callback on_step_end): generation,
 scoring, reference log-probs, forward/backward over the micro-batches and the optimizer step, plus the trainer's
 own bookkeeping. It runs in a subprocess (`python -m bench.trl_grpo`) so that the trainer, accelerate and its
-memory peak are kept apart from the other benchmarks. When trl is not importable, the table says so.
+memory peak are kept apart from the other benchmarks. When trl, datasets or accelerate is not installed
+(importlib.util.find_spec), the table says so; when they are, a TRL run that fails fails the benchmark.
 """
 
 import argparse
@@ -190,11 +191,11 @@ def run_trl(bcfg: GRPOBenchConfig, device: torch.device, timeout_s: int = 1800) 
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return [skipped(BENCH, name, f"timed out after {timeout_s} s", config=bcfg)]
-        if proc.returncode != 0 or not out_file.is_file():
+        if proc.returncode != 0 or not out_file.is_file():  # trl is installed (run() checked): a failure is a bug
             tail = (proc.stdout[-1500:] + proc.stderr[-3000:]).strip()
             print(tail, flush=True)
             last = tail.splitlines()[-1] if tail else "no output"
-            return [skipped(BENCH, name, f"the TRL run failed (exit {proc.returncode}): {last}", config=bcfg)]
+            raise RuntimeError(f"{name}: python -m bench.trl_grpo failed (exit {proc.returncode}): {last}")
         m = json.loads(out_file.read_text())
     step = statistics.median(m["step_seconds"])
     mean_len = statistics.median(m["completion_mean_length"]) if m["completion_mean_length"] else bcfg.max_new_tokens

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+import grpo
 from bench import common, grpo_step, lora_memory, run_all, sampler, train, trl_grpo
 from bench.common import random_prompts
 from data.tldr import collate_sft
@@ -108,8 +109,19 @@ def test_sampler_same_weights_and_token_counts(tmp_path, one_thread):
     assert sum(r["value"] for r in stages) == pytest.approx(total)
 
 
-def test_grpo_step_stages_and_token_counts(one_thread, fresh_process_group):
+def test_grpo_step_stages_and_token_counts(one_thread, fresh_process_group, monkeypatch):
+    results = []  # every grpo.train_step call of the benchmark: it times the step main() runs, not a copy of it
+
+    def recording_train_step(*args, **kwargs):
+        results.append(real_train_step(*args, **kwargs))
+        return results[-1]
+
+    real_train_step = grpo.train_step
+    monkeypatch.setattr(grpo, "train_step", recording_train_step)
     m = grpo_step.measure_steps(GRPO, torch.device("cpu"))
+    assert len(results) == GRPO.warmup + GRPO.repeats
+    assert set(results[-1].seconds) == set(grpo_step.STAGES)
+    assert m["stage_seconds"] == {k: [r.seconds[k] for r in results[GRPO.warmup :]] for k in grpo_step.STAGES}
     rows = grpo_step.step_rows(GRPO, m)
     step = by_name(rows, "grpo", "ours: step")["value"]
     stage_sum = sum(by_name(rows, "grpo", f"ours: {k}")["value"] for k in grpo_step.STAGES)
@@ -121,8 +133,20 @@ def test_grpo_step_stages_and_token_counts(one_thread, fresh_process_group):
     assert 0 < c["generated_tokens"] <= c["sequences"] * GRPO.max_new_tokens
     assert c["total_tokens"] == int(prompt_mask.sum()) * GRPO.num_samples + c["generated_tokens"]
     assert c["trained_sequences"] == GRPO.prompts * GRPO.num_kept
+    assert c["generated_tokens"] == int(results[-1].samples.response_mask.sum())
     assert by_name(rows, "grpo", "generated tokens/s per device")["value"] == pytest.approx(c["generated_tokens"] / step)
     assert m["peak_memory_bytes"] > 2**20
+
+
+def test_changed_signature_fails_the_run(tmp_path, micro_configs, monkeypatch):
+    """A script function whose signature changed is an error of the run (exit 1, error in the JSON), never a
+    "not measured" row."""
+    monkeypatch.setattr(train.sft, "accumulate_gradients", lambda model, micro_batches: 0.0)
+    out = tmp_path / "results.json"
+    assert run_all.main(["--device", "cpu", "--only", "train", "--out", str(out), "--threads", "1"]) == 1
+    doc = json.loads(out.read_text())
+    assert len(doc["errors"]) == 1 and doc["errors"][0].startswith("train: TypeError"), doc["errors"]
+    assert not any((r["note"] or "").startswith("not measured") for r in doc["results"])
 
 
 def test_flops_formula_by_hand():

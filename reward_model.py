@@ -33,7 +33,7 @@ from rlhf.stats import pair_outcomes, standardizing_gain_bias
 from utils.config import (
     ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config, require_nonempty,
 )
-from utils.dist import all_reduce_sum
+from utils.dist import all_reduce_sum, stream
 from utils.fsdp import gathered_params, set_gradient_sync, shard_model
 from utils.guard import check_rewards, exit_on_error
 from utils.optim import build_optimization, guarded_step, step_throughput
@@ -128,7 +128,7 @@ def fit_normalization(
     G = cfg.norm_samples_per_prompt
     per_rank = math.ceil(len(prompts) / world)
     mine = list(range(rank * per_rank, (rank + 1) * per_rank))
-    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank)
+    generator = stream(cfg.seed, step, rank, "normalization", device=device)  # the one per-rank stream scheme
     reward_model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # count, sum, sum of squares, responses with an end
     counted = []  # this rank's rewards of real prompts, for the NaN / constant check

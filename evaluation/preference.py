@@ -11,17 +11,14 @@ reward_model.py, dpo.py and grpo.py call build_eval_set once, then evaluate_rewa
 every rank (the scoring is collective under FSDP); dpo.py's training forward is response_logprobs.
 """
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from data.tldr import PREF_COLUMNS, PreferenceDataset, collate_pairs, encode_response, load_rows
-from data.tokenizer import get_tokenizer
+from data.tldr import PreferenceDataset, collate_pairs, encode_response
 from rlhf.losses import sequence_logprobs
 from rlhf.stats import preference_summary
 

@@ -53,7 +53,7 @@ def test_two_process_sft_lowers_loss_and_resumes_exactly_after_sigkill_and_sigte
     def args(run):
         return [
             "sft.py", "--model", "tiny", "--random_init", "true", "--train_data", str(data), "--val_data", str(data),
-            "--val_examples", "16", "--steps", "6", "--batch_size", "8", "--micro_batch_size", "2", "--lr", "3e-3",
+            "--val_rows", "16", "--steps", "6", "--batch_size", "8", "--micro_batch_size", "2", "--lr", "3e-3",
             "--warmup_steps", "1", "--eval_every", "2", "--save_every", "1", "--keep_last", "2",
             "--max_prompt_len", "64", "--wandb_mode", "disabled", "--out_dir", str(run),
         ]

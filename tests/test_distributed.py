@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script
+from tests.helpers import read_metrics, write_sft_rows
 
 pytestmark = pytest.mark.slow
 
@@ -28,27 +29,8 @@ def test_loss_and_gradients_independent_of_world_size_and_accumulation(tmp_path)
     assert ref["loss"] > 5.0  # random tiny model over a 50k vocabulary: near log(50257) = 10.8
 
 
-def write_rows(path, n=64, seed=0):
-    """TL;DR-shaped rows made up on the spot, so the test needs no downloaded data."""
-    import random
-
-    rng = random.Random(seed)
-    words = "cat dog car house job money friend sister brother school game phone rent boss date trip".split()
-    with open(path, "w") as f:
-        for _ in range(n):
-            post = " ".join(rng.choice(words) for _ in range(rng.randint(10, 40)))
-            summary = " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))
-            prompt = f"SUBREDDIT: r/{rng.choice(words)}\n\nTITLE: {rng.choice(words)} {rng.choice(words)}\n\nPOST: {post}\n\nTL;DR:"
-            f.write(json.dumps({"prompt": prompt, "completion": " " + summary}) + "\n")
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-
-
 def test_two_process_sft_lowers_loss_and_resumes_exactly_after_sigkill_and_sigterm(tmp_path):
-    data = tmp_path / "rows.jsonl"
-    write_rows(data)
+    data = write_sft_rows(tmp_path / "rows.jsonl")
 
     def args(run):
         return [

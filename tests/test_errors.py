@@ -30,10 +30,10 @@ import sft
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import save_hf
+from tests import helpers
 from tests.conftest import ROOT, checkpoint_step, free_port
 from utils.checkpoint import latest_checkpoint, save_checkpoint
 from utils.config import parse_config
-from utils.guard import exit_on_error
 from utils.optim import build_optimizer
 
 SCRIPTS = {"sft": sft, "reward_model": reward_model, "dpo": dpo, "grpo": grpo, "eval_preferences": eval_preferences}
@@ -127,7 +127,7 @@ def base_args(script, f, out_dir) -> list[str]:
         return ["--model", "tiny", "--random_init", "true", "--train_data", str(f["pref"]), "--val_data", "",
                 "--max_response_len", "16", "--batch_size", "4", "--micro_batch_size", "2", *extra, *common]
     if script == "grpo":
-        return ["--policy", str(f["policy"]), "--reward_model", "tiny", "--reward_random_init", "true",
+        return ["--model", str(f["policy"]), "--reward_model", "tiny", "--reward_random_init", "true",
                 "--train_data", str(f["sft"]), "--val_data", "", "--pref_data", "", "--eval_every", "-1",
                 "--num_samples", "4", "--num_kept", "2", "--max_new_tokens", "4", "--prompts_per_step", "2",
                 "--micro_batch_size", "4", "--table_every", "0", *common]
@@ -136,16 +136,8 @@ def base_args(script, f, out_dir) -> list[str]:
 
 def run_cli(script: str, argv: list[str], capsys) -> tuple[int, str]:
     """`python SCRIPT.py ARGV` in this process: (exit code, the `error:` line). Asserts the error is one line
-    and carries no traceback."""
-    module = SCRIPTS[script]
-    with pytest.raises(SystemExit) as info:
-        with exit_on_error():
-            module.main(parse_config(module.Config, argv))
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err, err
-    return info.value.code, lines[0]
+    and carries no traceback (tests/helpers.py)."""
+    return helpers.run_cli(SCRIPTS[script], argv, capsys)
 
 
 def log_case(case: str, script: str, message: str, code: int, f) -> None:
@@ -208,7 +200,7 @@ CASES = [
      ["model folder", "sft/hf does not exist (expected a Hugging Face-format folder)"]),
     ("model_folder_without_config", "sft", lambda f, out: ["--model", str(f["no_config"]), "--random_init", "false"],
      ["has no config.json (expected a Hugging Face-format folder)"]),
-    ("model_folder_without_weights", "grpo", lambda f, out: ["--policy", str(f["no_weights"])],
+    ("model_folder_without_weights", "grpo", lambda f, out: ["--model", str(f["no_weights"])],
      ["has no model.safetensors or pytorch_model.bin"]),
     ("unreadable_weights", "sft", lambda f, out: ["--model", str(f["bad_weights"]), "--random_init", "false"],
      ["cannot read weights file", "model.safetensors"]),
@@ -332,32 +324,29 @@ def test_reward_model_nan_or_constant_is_caught_at_rollout(rm, fragment, inputs,
     assert latest_checkpoint(out) is None
 
 
-def test_grpo_update_skips_a_nonfinite_step_and_leaves_weights_and_schedule_alone():
-    from data.tldr import pad_prompts
-    from model.sampler import SampleOutput
+def test_grpo_step_skips_a_nonfinite_update_and_leaves_weights_and_schedule_alone():
+    from model.weights import freeze
+    from rollouts.models import Models
     from utils.guard import NonFiniteGuard, NumericalError
     from utils.optim import build_scheduler
 
     torch.manual_seed(0)
     policy = GPT2LMHeadModel(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32))
-    reference = grpo.freeze(GPT2LMHeadModel(policy.cfg))
-    prompt_ids, prompt_mask = pad_prompts([[11, 12, 13], [14, 15]])
-    mask = torch.ones(8, 4, dtype=torch.bool)
-    samples = SampleOutput(torch.randint(0, 256, (8, 4)), mask, torch.zeros(8, 4), torch.ones(8, dtype=torch.bool))
-    cfg = grpo.Config(max_new_tokens=4, micro_batch_size=4, beta=0.1, lr=1e-2, warmup_steps=1)
+    reference = freeze(GPT2LMHeadModel(policy.cfg))
+    # a NaN weight of the KL term: sampling, rewards and advantages are finite, the update's loss and gradients not
+    cfg = grpo.Config(rewards="length", num_samples=4, num_kept=4, max_new_tokens=4, prompts_per_step=2,
+                      micro_batch_size=4, beta=float("nan"), lr=1e-2, warmup_steps=1)
     optimizer = build_optimizer(policy, cfg.lr, 0.0)
     scheduler = build_scheduler(optimizer, 1, 10)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     guard = NonFiniteGuard("grpo", "skip", torch.device("cpu"), max_consecutive_skips=2)
-    nan_advantages = torch.full((8,), float("nan"))
-    batches = grpo.build_training_batches(prompt_ids, prompt_mask, samples, torch.arange(8), nan_advantages, 4, 4)
-    grpo.add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
-    metrics = grpo.policy_update(policy, optimizer, scheduler, batches, cfg, 1, torch.device("cpu"), guard, step=7)
-    assert metrics["train/skipped"] == 1.0 and scheduler.last_epoch == 0
+    models, (prompts, spec) = Models(policy, reference, None), helpers.prompts_and_rewards(cfg)
+    result = grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, 6, guard)  # 0-based: step 7
+    assert result.advantages.isfinite().all() and result.update["train/skipped"] == 1.0 and scheduler.last_epoch == 0
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
     assert all(p.grad is None for p in policy.parameters())
     with pytest.raises(NumericalError, match="grpo: non-finite train/loss and train/grad_norm at step 8.*2 steps in a row"):
-        grpo.policy_update(policy, optimizer, scheduler, batches, cfg, 1, torch.device("cpu"), guard, step=8)
+        grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, 7, guard)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -8,14 +8,16 @@ import signal
 import pytest
 import torch
 
-from data.tldr import collate_sft, pad_prompts
-from grpo import Config, add_logprobs, build_training_batches, freeze, policy_update, prompt_response_rows
+from data.tldr import collate_sft, pad_prompts, prompt_response_rows
+from grpo import Config, train_step
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
-from model.sampler import END_ID, SampleOutput
-from model.weights import build_policy, save_hf
-from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script
-from utils.config import parse_config
+from model.sampler import END_ID
+from model.weights import build_policy, freeze
 from rlhf.grpo import global_normalize
+from rollouts.models import Models
+from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script
+from tests.helpers import WORDS, end_biased_policy, prompts_and_rewards, read_metrics
+from utils.config import parse_config
 from utils.optim import build_optimizer, build_scheduler
 
 
@@ -38,35 +40,24 @@ def test_rows_from_sampler_tensors_equal_collate_sft():
         assert torch.equal(ours[key], ref[key]), key
 
 
-def tiny_rollout(G=4, R=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    prompt_ids, prompt_mask = pad_prompts([[11, 12, 13], [14, 15]])
-    N = 2 * G
-    lengths = torch.randint(1, R + 1, (N,), generator=g)
-    mask = torch.arange(R)[None] < lengths[:, None]
-    ids = torch.where(mask, torch.randint(0, 256, (N, R), generator=g), 50256)
-    return prompt_ids, prompt_mask, SampleOutput(ids, mask, torch.zeros(N, R), lengths < R)
-
-
-def test_update_trains_the_policy_and_leaves_the_frozen_reference_alone():
+def test_step_trains_the_policy_and_leaves_the_frozen_reference_alone():
     torch.manual_seed(0)
     policy = GPT2LMHeadModel(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32))
-    reference = freeze(GPT2LMHeadModel(policy.cfg))
-    before_ref = {k: v.clone() for k, v in reference.state_dict().items()}
+    models = Models(policy, freeze(GPT2LMHeadModel(policy.cfg)), None)  # another random model: the KL is not 0
+    before_ref = {k: v.clone() for k, v in models.reference.state_dict().items()}
     before_policy = {k: v.clone() for k, v in policy.state_dict().items()}
-    prompt_ids, prompt_mask, samples = tiny_rollout()
-    advantages = global_normalize(torch.randn(8, generator=torch.Generator().manual_seed(1)))
-    cfg = Config(max_new_tokens=5, micro_batch_size=4, beta=0.1, lr=1e-2, warmup_steps=1)
-    batches = build_training_batches(prompt_ids, prompt_mask, samples, torch.arange(8), advantages, 4, 4)
-    add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
-    assert not any(b["ref_logprobs"].requires_grad for b in batches)
+    cfg = Config(rewards="length", num_samples=8, num_kept=4, max_new_tokens=5, prompts_per_step=2, micro_batch_size=4,
+                 beta=0.1, lr=1e-2, warmup_steps=1)
     optimizer = build_optimizer(policy, cfg.lr, 0.0)
     assert all(p.requires_grad for group in optimizer.param_groups for p in group["params"])
-    metrics = policy_update(policy, optimizer, build_scheduler(optimizer, 1, 10), batches, cfg, 1, torch.device("cpu"))
-    assert all(p.grad is None for p in reference.parameters())
-    assert all(torch.equal(v, before_ref[k]) for k, v in reference.state_dict().items())
+    prompts, spec = prompts_and_rewards(cfg)
+    r = train_step(models, optimizer, build_scheduler(optimizer, 1, 10), prompts, spec, cfg, step=0)
+    assert len(r.batches) == 2 and not any(b["ref_logprobs"].requires_grad for b in r.batches)
+    assert r.advantages.abs().max() > 0  # the length reward tells the samples apart
+    assert all(p.grad is None for p in models.reference.parameters())
+    assert all(torch.equal(v, before_ref[k]) for k, v in models.reference.state_dict().items())
     assert all(not torch.equal(v, before_policy[k]) for k, v in policy.state_dict().items())
-    assert metrics["train/kl"] > 0 and metrics["train/clip_fraction"] == 0.0  # mu = 1: ratio exactly 1
+    assert r.update["train/kl"] > 0 and r.update["train/clip_fraction"] == 0.0  # mu = 1: ratio exactly 1
 
 
 def test_config_rejects_inconsistent_options():
@@ -105,8 +96,7 @@ def test_global_normalization_and_gradients_do_not_depend_on_world_size_or_micro
 
 def write_prompt_rows(prompts_path, pref_path, n=48, seed=0):
     """TL;DR-shaped prompt rows and preference pairs made up on the spot."""
-    rng = random.Random(seed)
-    words = "cat dog car house job money friend sister brother school game phone rent boss date trip".split()
+    rng, words = random.Random(seed), WORDS
     with open(prompts_path, "w") as f, open(pref_path, "w") as g:
         for _ in range(n):
             post = " ".join(rng.choice(words) for _ in range(rng.randint(10, 40)))
@@ -116,31 +106,18 @@ def write_prompt_rows(prompts_path, pref_path, n=48, seed=0):
             g.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
 
 
-def read_metrics(run_dir):
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-
-
 @pytest.mark.slow
 def test_two_process_grpo_trains_every_parameter_and_resumes_exactly_after_sigkill(tmp_path):
     prompts, pref = tmp_path / "prompts.jsonl", tmp_path / "pref.jsonl"
     write_prompt_rows(prompts, pref)
-    torch.manual_seed(0)
-    start = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128))
-    with torch.no_grad():
-        # make "\n" likely (its logit is h . wte[END], h the final layer norm's output), so responses end at
-        # different lengths and some hit the limit (about half with this model)
-        direction = torch.randn(32)
-        direction /= direction.norm()
-        start.transformer.ln_f.bias.copy_(3 * direction)
-        start.transformer.wte.weight[END_ID] = 2.2 * direction
-    save_hf(start.state_dict(), start.cfg, tmp_path / "policy")
+    end_biased_policy(tmp_path / "policy", n_positions=128)
     full_run = tmp_path / "full"
 
     def args(run):
         return [
-            "grpo.py", "--policy", str(tmp_path / "policy"), "--reward_model", "tiny", "--reward_random_init", "true",
-            "--train_data", str(prompts), "--val_data", str(prompts), "--pref_data", str(pref), "--pref_pairs", "8",
-            "--eval_prompts", "4", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "12",
+            "grpo.py", "--model", str(tmp_path / "policy"), "--reward_model", "tiny", "--reward_random_init", "true",
+            "--train_data", str(prompts), "--val_data", str(prompts), "--pref_data", str(pref), "--pref_rows", "8",
+            "--val_rows", "4", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "12",
             "--max_prompt_len", "64", "--prompts_per_step", "4", "--micro_batch_size", "4", "--steps", "4",
             "--lr", "1e-3", "--warmup_steps", "1", "--beta", "0.1", "--eval_every", "2", "--save_every", "1",
             "--keep_last", "2", "--table_every", "1", "--wandb_mode", "disabled", "--out_dir", str(run),

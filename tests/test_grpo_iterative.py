@@ -6,58 +6,57 @@ the reward on the embedded synthetic task and resume bit for bit."""
 import copy
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
+import grpo
 from data.synthetic import write_task
-from grpo import Config, add_logprobs, build_training_batches, freeze, policy_update, refresh_reference
+from grpo import Config, train_step
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.lora import AdaptersOff, LoRAConfig, apply_lora
-from model.sampler import END_ID
-from model.weights import save_hf
+from model.weights import freeze
+from rollouts.models import Models, refresh_reference
 from tests.conftest import assert_same_metrics, run_script
-from tests.test_errors import base_args, inputs, run_cli  # noqa: F401 (inputs is a fixture)
-from tests.test_grpo import tiny_rollout
+from tests.helpers import (
+    ZERO_REWARD, adapted_weight_names, changed_weights, end_biased_policy, prompts_and_rewards, read_metrics, run_cli,
+    write_sft_rows,
+)
 from utils.optim import build_optimizer, build_scheduler
 
-CPU = torch.device("cpu")
 SMALL = GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32)
 
 
-def one_step(policy, reference, cfg, advantages, optimizer, scheduler) -> dict:
-    """One GRPO step on the fixed rollout: reference (and, mu > 1, sampling-policy) log-probs, then the update."""
-    prompt_ids, prompt_mask, samples = tiny_rollout()
-    batches = build_training_batches(prompt_ids, prompt_mask, samples, torch.arange(8), advantages, 4, cfg.micro_batch_size)
-    add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
-    if cfg.policy_epochs > 1:
-        add_logprobs(policy, batches, "old_logprobs", cfg, gather=False)
-    return policy_update(policy, optimizer, scheduler, batches, cfg, 1, CPU)
+def tiny_config(**options) -> Config:
+    """GRPO on 2 prompts x 8 samples of 5 tokens, 4 kept each: two micro-batches of 4 rows, the length reward."""
+    return Config(**{"rewards": "length", "num_samples": 8, "num_kept": 4, "max_new_tokens": 5, "prompts_per_step": 2,
+                     "micro_batch_size": 4, "warmup_steps": 1, **options})
 
 
 def test_second_of_two_updates_moves_the_ratio_off_one_and_clipping_engages():
-    torch.manual_seed(0)
-    policy = GPT2LMHeadModel(SMALL)
-    reference = freeze(copy.deepcopy(policy))
-    # crafted: strong advantages of both signs and a large step, so the first update moves every token's ratio
-    advantages = torch.tensor([2.0, -2.0] * 4)
-    cfg = Config(max_new_tokens=5, micro_batch_size=4, beta=0.0, lr=5e-2, warmup_steps=1, grad_clip=0.0, policy_epochs=2)
-    optimizer = build_optimizer(policy, cfg.lr, 0.0)
-    m = one_step(policy, reference, cfg, advantages, optimizer, build_scheduler(optimizer, 1, 10))
+    updates, samples = {}, {}
+    for mu in (2, 1):  # the same starting policy and step seed: the same samples, selection and advantages
+        torch.manual_seed(0)
+        policy = GPT2LMHeadModel(SMALL)
+        models = Models(policy, freeze(copy.deepcopy(policy)), None)
+        # crafted: no KL, no clipping of the gradient and a large step, so the first update moves every token's ratio
+        cfg = tiny_config(beta=0.0, lr=5e-2, grad_clip=0.0, policy_epochs=mu)
+        optimizer = build_optimizer(policy, cfg.lr, 0.0)
+        prompts, spec = prompts_and_rewards(cfg)
+        r = train_step(models, optimizer, build_scheduler(optimizer, 1, 10), prompts, spec, cfg, step=0)
+        assert ("old_logprobs" in r.batches[0]) == (mu > 1)  # mu > 1: the sampling policy's log-probs, kept
+        updates[mu], samples[mu] = r.update, r.samples.response_ids[r.rows_BK.flatten()]
+    m = updates[2]
     # update 1: the old log-probs are the sampling policy's, i.e. the current ones: ratio exactly 1, nothing clipped
     assert m["train/epoch_1/ratio_deviation"] == 0.0 and m["train/epoch_1/clip_fraction"] == 0.0
     # update 2: the policy moved, the ratio left [1 - eps, 1 + eps] on some tokens and the clip took over there
     assert m["train/epoch_2/ratio_deviation"] > 0.1
     assert m["train/epoch_2/clip_fraction"] > 0.1
     assert m["train/clip_fraction"] == pytest.approx(m["train/epoch_2/clip_fraction"] / 2)
-
     # with mu = 1 the same batch never clips: one update, ratio exactly 1 in value
-    torch.manual_seed(0)
-    policy = GPT2LMHeadModel(SMALL)
-    cfg1 = Config(**{**cfg.__dict__, "policy_epochs": 1})
-    optimizer = build_optimizer(policy, cfg1.lr, 0.0)
-    m1 = one_step(policy, reference, cfg1, advantages, optimizer, build_scheduler(optimizer, 1, 10))
-    assert m1["train/clip_fraction"] == 0.0 and m1["train/ratio_deviation"] == 0.0
+    assert torch.equal(samples[1], samples[2])
+    assert updates[1]["train/clip_fraction"] == 0.0 and updates[1]["train/ratio_deviation"] == 0.0
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full_copy", "lora_adapters_off"])
@@ -66,18 +65,23 @@ def test_after_a_reference_refresh_the_kl_term_is_exactly_zero(lora):
     policy = GPT2LMHeadModel(SMALL)
     if lora:
         apply_lora(policy, LoRAConfig(lora_rank=4, lora_alpha=8.0))
-        reference = AdaptersOff(policy)
+        models = Models(policy, AdaptersOff(policy), None)
     else:
-        reference = freeze(copy.deepcopy(policy))
-    cfg = Config(max_new_tokens=5, micro_batch_size=4, beta=0.1, lr=2e-2, warmup_steps=1)
+        models = Models(policy, freeze(copy.deepcopy(policy)), None)
+    # 16 prompts x 8 samples, all kept: the KL is a mean over enough sampled tokens to show the drift step by step
+    cfg = tiny_config(beta=0.1, lr=2e-2, prompts_per_step=16, selection="all", micro_batch_size=32)
     optimizer = build_optimizer(policy, cfg.lr, 0.0)
     scheduler = build_scheduler(optimizer, 1, 10)
-    advantages = torch.tensor([1.0, -1.0] * 4)
-    kls = [one_step(policy, reference, cfg, advantages, optimizer, scheduler)["train/kl"] for _ in range(3)]
+    prompts, spec = prompts_and_rewards(cfg)
+
+    def kl(step: int) -> float:
+        return train_step(models, optimizer, scheduler, prompts, spec, cfg, step).update["train/kl"]
+
+    kls = [kl(step) for step in range(3)]
     assert kls[0] == 0.0 and kls[1] > 0 and kls[2] > kls[1]  # the policy drifts from the reference
-    refresh_reference(policy, reference)
-    assert one_step(policy, reference, cfg, advantages, optimizer, scheduler)["train/kl"] == 0.0  # exactly, not ~
-    assert one_step(policy, reference, cfg, advantages, optimizer, scheduler)["train/kl"] > 0
+    refresh_reference(models)
+    assert kl(3) == 0.0  # exactly, not ~
+    assert kl(4) > 0
 
 
 def test_entropy_bonus_is_the_loss_when_advantages_and_beta_are_zero_and_raises_the_entropy():
@@ -85,19 +89,20 @@ def test_entropy_bonus_is_the_loss_when_advantages_and_beta_are_zero_and_raises_
     policy = GPT2LMHeadModel(SMALL)
     with torch.no_grad():  # larger logits (the head is tied to wte): a peaked distribution, well below log(V)
         policy.transformer.wte.weight.mul_(30)
-    reference = freeze(copy.deepcopy(policy))
-    zero = torch.zeros(8)
-    cfg = Config(max_new_tokens=5, micro_batch_size=4, beta=0.0, lr=1e-2, warmup_steps=1, loss_type="bnpo",
-                 entropy_coef=0.5)
+    models = Models(policy, freeze(copy.deepcopy(policy)), None)
+    cfg = tiny_config(beta=0.0, lr=1e-2, loss_type="bnpo", entropy_coef=0.5)
     optimizer = build_optimizer(policy, cfg.lr, 0.0)
     scheduler = build_scheduler(optimizer, 1, 10)
-    steps = [one_step(policy, reference, cfg, zero, optimizer, scheduler) for _ in range(4)]
+    prompts, spec = prompts_and_rewards(cfg, [ZERO_REWARD])  # every advantage exactly 0
+    steps = [train_step(models, optimizer, scheduler, prompts, spec, cfg, step) for step in range(4)]
+    assert all(not r.advantages.any() for r in steps)
     # token-mean aggregation: loss = -coef * mean token entropy (the surrogate is 0 with zero advantages)
-    assert steps[0]["train/loss"] == pytest.approx(-0.5 * steps[0]["train/entropy"], rel=1e-5)
-    entropies = [m["train/entropy"] for m in steps]
+    first = steps[0].update
+    assert first["train/loss"] == pytest.approx(-0.5 * first["train/entropy"], rel=1e-5)
+    entropies = [r.update["train/entropy"] for r in steps]
     assert all(b > a for a, b in zip(entropies, entropies[1:])) and entropies[-1] > entropies[0] + 0.5, entropies
-    no_bonus = Config(**{**cfg.__dict__, "entropy_coef": 0.0})
-    assert one_step(policy, reference, no_bonus, zero, optimizer, scheduler)["train/grad_norm"] == 0.0
+    no_bonus = replace(cfg, entropy_coef=0.0)
+    assert train_step(models, optimizer, scheduler, prompts, spec, no_bonus, 4).update["train/grad_norm"] == 0.0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -119,14 +124,19 @@ def returns_text(prompt, response):
     ("raises_on_second_call", "raised on row {row} of {data}[train] (response "),
     ("returns_text", "returned 'high' (str) on row {row} of {data}[train]"),
 ])
-def test_a_reward_function_that_fails_stops_naming_itself_and_the_row(fn, fragment, inputs, tmp_path, capsys):  # noqa: F811
-    out = tmp_path / "run"
-    args = base_args("grpo", inputs, out) + ["--rewards", f"format + tests.test_grpo_iterative:{fn}", "--seed", "3"]
-    code, message = run_cli("grpo", args, capsys)
+def test_a_reward_function_that_fails_stops_naming_itself_and_the_row(fn, fragment, tmp_path, capsys):
+    rows = write_sft_rows(tmp_path / "rows.jsonl", n=16)
+    args = [
+        "--model", "tiny", "--random_init", "true", "--rewards", f"format + tests.test_grpo_iterative:{fn}",
+        "--train_data", str(rows), "--val_data", "", "--pref_data", "", "--eval_every", "-1", "--num_samples", "4",
+        "--num_kept", "2", "--max_new_tokens", "4", "--max_prompt_len", "64", "--prompts_per_step", "2",
+        "--micro_batch_size", "4", "--steps", "1", "--seed", "3", "--wandb_mode", "disabled", "--out_dir", str(tmp_path / "run"),
+    ]
+    code, message = run_cli(grpo, args, capsys)
     assert code == 2, message
     assert f"error: reward function 'tests.test_grpo_iterative:{fn}'" in message
     row = int(message.split(" on row ")[1].split()[0])
-    assert fragment.format(row=row, data=inputs["sft"]) in message, message
+    assert fragment.format(row=row, data=rows) in message, message
     if fn == "raises_on_second_call":
         assert "ZeroDivisionError: boom (at " in message and "test_grpo_iterative.py:" in message
 
@@ -135,28 +145,10 @@ def test_a_reward_function_that_fails_stops_naming_itself_and_the_row(fn, fragme
 # End to end: two processes, rule-based rewards, no reward model
 
 
-def end_biased_policy(folder, seed=0):
-    """A random tiny GPT-2 whose "\\n" is likely (about half the responses end by themselves), saved as a
-    Hugging Face folder: the embedded task's gold reward pays 1 for ending, which GRPO can learn in a few steps."""
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=256))
-    with torch.no_grad():
-        direction = torch.randn(32)
-        direction /= direction.norm()
-        model.transformer.ln_f.bias.copy_(3 * direction)
-        model.transformer.wte.weight[END_ID] = 2.2 * direction
-    save_hf(model.state_dict(), model.cfg, folder)
-    return model
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-
-
 def grpo_args(policy, prompts, val, run, *extra):
     return [
-        "grpo.py", "--policy", str(policy), "--train_data", str(prompts), "--val_data", str(val), "--pref_data", "",
-        "--eval_prompts", "8", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "16", "--max_prompt_len",
+        "grpo.py", "--model", str(policy), "--train_data", str(prompts), "--val_data", str(val), "--pref_data", "",
+        "--val_rows", "8", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "16", "--max_prompt_len",
         "192", "--prompts_per_step", "8", "--micro_batch_size", "16", "--steps", "5", "--warmup_steps", "1",
         "--beta", "0.05", "--eval_every", "5", "--save_every", "3", "--keep_last", "5", "--table_every", "3",
         "--wandb_mode", "disabled", "--out_dir", str(run), *extra,
@@ -193,8 +185,6 @@ def test_two_process_grpo_with_lora_and_the_gold_reward_function_improves_it(tmp
     kl = {x["step"]: x["train/epoch_1/kl"] for x in m}
     assert kl[1] == kl[3] == kl[5] == 0.0 and kl[2] > 0 and kl[4] > 0, kl
     # the export is a plain GPT-2: the adapted projections moved (LoRA merged), nothing else did
-    from tests.test_lora import adapted_weight_names, changed_weights
-
     assert changed_weights(tmp_path / "policy", run / "hf") == adapted_weight_names(start.cfg)
     columns = json.loads((run / "samples.jsonl").read_text().splitlines()[0])["columns"]
     assert columns == ["prompt", "response", "gold_reward", "reward", "advantage", "has_end"]

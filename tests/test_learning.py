@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_script
+from tests.conftest import run_script
 
 RM_ACCURACY_MIN = 0.65  # chance is 0.5
 DPO_ACCURACY_MIN = 0.65

@@ -25,6 +25,9 @@ from model.lora import (
 )
 from model.weights import save_hf
 from tests.conftest import run_script
+from tests.helpers import (
+    adapted_weight_names, changed_weights, pair_run_args, read_metrics, write_pref_rows, write_sft_rows,
+)
 from utils.optim import build_optimizer
 
 CFG = GPTConfig(vocab_size=512, n_positions=64, n_layer=2, n_head=2, n_embd=32)
@@ -181,19 +184,6 @@ def test_two_process_fsdp_lora_trains_adapters_only_and_matches_one_process(tmp_
 # The stages with --lora_rank
 
 
-def adapted_weight_names(cfg: GPTConfig) -> set[str]:
-    """Hugging Face names of the weights LoRA adapts by default (the export merges the adapters into these)."""
-    return {f"transformer.h.{i}.{m}.weight" for i in range(cfg.n_layer) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
-
-
-def changed_weights(before_folder, after_folder) -> set[str]:
-    from safetensors.torch import load_file
-
-    before, after = load_file(str(before_folder / "model.safetensors")), load_file(str(after_folder / "model.safetensors"))
-    assert before.keys() == after.keys()  # a plain GPT-2: no adapter keys
-    return {k for k in before if not torch.equal(before[k], after[k])}
-
-
 def test_every_option_of_the_lora_stages_is_documented():
     import dataclasses
 
@@ -212,8 +202,6 @@ def test_two_process_dpo_with_lora_starts_at_its_reference_and_trains_only_the_a
     import json
     import math
 
-    from tests.test_reward_dpo import common_args, read_metrics, write_pref_rows
-
     data = write_pref_rows(tmp_path / "pairs.jsonl")
     torch.manual_seed(0)
     init = tmp_path / "sft"
@@ -221,7 +209,7 @@ def test_two_process_dpo_with_lora_starts_at_its_reference_and_trains_only_the_a
     save_hf(start.state_dict(), start.cfg, init)
     run = tmp_path / "run"
     run_script(["dpo.py", "--model", str(init), "--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2",
-                "--eval_every", "5", *common_args(data, run, 5)], nproc=2)
+                "--eval_every", "5", *pair_run_args(data, run, 5)], nproc=2)
     m = read_metrics(run)
     # the reference is the policy with adapters off, and B = 0 at the start: every pair ties, the loss is log 2
     assert m[0]["val/bt_loss"] == pytest.approx(math.log(2), abs=1e-6) and m[0]["val/n_ties"] == 16
@@ -234,10 +222,7 @@ def test_two_process_dpo_with_lora_starts_at_its_reference_and_trains_only_the_a
 
 @pytest.mark.slow
 def test_sft_with_lora_lowers_the_loss_and_exports_merged_weights(tmp_path):
-    from tests.test_distributed import read_metrics, write_rows
-
-    data = tmp_path / "rows.jsonl"
-    write_rows(data, n=16)
+    data = write_sft_rows(tmp_path / "rows.jsonl", n=16)
     torch.manual_seed(0)
     init = tmp_path / "init"
     start = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128))

@@ -9,6 +9,7 @@ import torch
 
 from data.synthetic import best_summary, gold_reward, make_post
 from data.tldr import load_optional_column
+from grpo import TASK_REWARDS
 from rlhf.rewards import (
     RewardFunctionError,
     combine_sources,
@@ -28,7 +29,8 @@ def test_parse_rewards_weights_names_and_functions():
     assert [(s.name, s.weight) for s in sources] == [("reward_model", 1.0), ("format", 0.5), ("length", -0.25), ("gold_reward", 1.0)]
     assert sources[0].fn is None and sources[3].fn is gold_reward
     assert sources[2].fn("p", " a b c d\n") == 0.0 and sources[2].fn("p", " a b\n") == -0.5  # target 4 words
-    assert parse_rewards("gold_reward")[0].fn is gold_reward  # the registry's name for the same function
+    # grpo.py's name for the same function (rlhf/rewards.py knows only format and length)
+    assert parse_rewards("gold_reward", extra=TASK_REWARDS)[0].fn is gold_reward
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -42,7 +44,7 @@ def test_parse_rewards_weights_names_and_functions():
 ])
 def test_parse_rewards_errors(spec, match):
     with pytest.raises(ValueError, match=match):
-        parse_rewards(spec)
+        parse_rewards(spec, extra=TASK_REWARDS)
 
 
 def test_builtin_functions():

@@ -9,6 +9,7 @@ uneven split of a fixed vector (5 values on rank 0, the rest on rank 1).
 """
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,12 +18,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.tldr import pad_prompts  # noqa: E402
-from grpo import Config, add_logprobs, build_training_batches, freeze, policy_update  # noqa: E402
+from grpo import Config, add_logprobs, build_training_batches, policy_update  # noqa: E402
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.sampler import SampleOutput  # noqa: E402
+from model.weights import freeze  # noqa: E402
+from rlhf.grpo import global_normalize, group_normalize  # noqa: E402
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402
 from utils.fsdp import shard_model  # noqa: E402
-from rlhf.grpo import global_normalize, group_normalize  # noqa: E402
 
 VOCAB, PROMPTS, G, R = 512, 4, 4, 6
 
@@ -92,18 +94,16 @@ def main(out: str, micro: int):
     local = SampleOutput(*(getattr(samples, f)[rows] for f in ("response_ids", "response_mask", "logprobs", "has_end")))
     prompt_ids, prompt_mask = pad_prompts(prompts[p0 : p0 + per_rank], pad_id=0)  # pads inside the small vocabulary
     advantages = global_normalize(group_normalize(rewards[rows].view(per_rank, G)).flatten(), all_reduce_sum)
-    rows_N = torch.arange(per_rank * G)
+    # the update alone on these fixed micro-batches (grpo.train_step's stages 5-7 without sampling): the batches and
+    # the reference log-probs do not depend on the loss type, the gradients do
+    cfg = Config(temperature=0.9, beta=0.1, eps_low=0.2, eps_high=0.28, max_new_tokens=R, micro_batch_size=micro, grad_clip=0.0)
+    batches = build_training_batches(prompt_ids, prompt_mask, local, torch.arange(per_rank * G), advantages, G, micro)
+    add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
     for loss_type in ("grpo", "bnpo", "dr_grpo"):
-        cfg = Config(
-            loss_type=loss_type, temperature=0.9, beta=0.1, eps_low=0.2, eps_high=0.28, max_new_tokens=R,
-            micro_batch_size=micro, grad_clip=0.0,
-        )
-        batches = build_training_batches(prompt_ids, prompt_mask, local, rows_N, advantages, G, micro)
-        add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
         recorder = GradRecorder(policy)
-        metrics = policy_update(policy, recorder, ConstantLR(), batches, cfg, world, info.device)
-        assert all(p.grad is None for p in reference.parameters())
+        metrics = policy_update(policy, recorder, ConstantLR(), batches, replace(cfg, loss_type=loss_type), world, info.device)
         results[loss_type] = {"loss": metrics["train/loss"], "kl": metrics["train/kl"], "grads": recorder.grads}
+    assert all(p.grad is None for p in reference.parameters())
     if rank == 0:
         torch.save(results, out)
     cleanup_distributed()

@@ -1,5 +1,7 @@
-"""Peak host memory of one GRPO update of GPT-2 124M (random weights, CPU, fp32, one process): full fine-tuning with
-a frozen reference copy against LoRA, whose reference is the same weights with the adapters off.
+"""Peak host memory of one GRPO step (grpo.train_step: generate, score, select, reference, update) of GPT-2 124M
+(random weights, CPU, fp32, one process) on 2 prompts x 8 samples of 128 + 16 tokens, rewarded by the `length`
+function: full fine-tuning with a frozen reference copy against LoRA, whose reference is the same weights with the
+adapters off.
 
     python tests/scripts/lora_memory.py 0     # full fine-tuning + reference copy
     python tests/scripts/lora_memory.py 8     # LoRA r=8 on c_attn, c_proj, c_fc
@@ -20,10 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from grpo import Config, add_logprobs, build_training_batches, freeze, policy_update  # noqa: E402
+from grpo import Config, train_step  # noqa: E402
 from model.gpt2 import PRESETS, GPT2LMHeadModel  # noqa: E402
 from model.lora import AdaptersOff, LoRAConfig, apply_lora  # noqa: E402
-from model.sampler import SampleOutput  # noqa: E402
+from model.weights import freeze  # noqa: E402
+from rollouts.models import Models  # noqa: E402
+from tests.helpers import prompts_and_rewards  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
 
 PROMPTS, G, P, R = 2, 8, 128, 16
@@ -49,18 +53,13 @@ def main(rank: int) -> None:
         reference = freeze(copy.deepcopy(policy))
         held = bytes_of(policy.parameters()) + bytes_of(reference.parameters())
     g = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(0, 50000, (PROMPTS, P), generator=g)
-    prompt_mask = torch.ones(PROMPTS, P, dtype=torch.bool)
-    samples = SampleOutput(
-        torch.randint(0, 50000, (PROMPTS * G, R), generator=g), torch.ones(PROMPTS * G, R, dtype=torch.bool),
-        torch.zeros(PROMPTS * G, R), torch.ones(PROMPTS * G, dtype=torch.bool),
-    )
-    cfg = Config(max_new_tokens=R, micro_batch_size=8, beta=0.04, lr=1e-4, warmup_steps=1)
-    advantages = torch.randn(PROMPTS * G, generator=g)
-    batches = build_training_batches(prompt_ids, prompt_mask, samples, torch.arange(PROMPTS * G), advantages, G, 8)
-    add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
+    cfg = Config(rewards="length", num_samples=G, selection="all", max_new_tokens=R, prompts_per_step=PROMPTS,
+                 micro_batch_size=8, beta=0.04, lr=1e-4, warmup_steps=1)
+    prompts, spec = prompts_and_rewards(cfg, prompts=torch.randint(0, 50000, (PROMPTS, P), generator=g).tolist())
     optimizer = build_optimizer(policy, cfg.lr, 0.0)
-    metrics = policy_update(policy, optimizer, build_scheduler(optimizer, 1, 10), batches, cfg, 1, torch.device("cpu"))
+    result = train_step(Models(policy, reference, None), optimizer, build_scheduler(optimizer, 1, 10), prompts, spec,
+                        cfg, step=0)
+    metrics = result.update
     state = bytes_of(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     mib = 2**20

@@ -20,6 +20,7 @@ from evaluation.preference import build_eval_set, evaluate_reward_model, gather_
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import build_reward_model, save_hf
+from tests.helpers import pair_run_args, read_metrics, write_pref_rows
 from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script, shared_file
 from utils.config import parse_config
 from rlhf.stats import bootstrap_ci, pair_outcomes, preference_summary, standardizing_gain_bias
@@ -32,22 +33,6 @@ TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128)
 # Data and models made up on the spot
 
 
-def write_pref_rows(path, n=48, seed=0):
-    """TL;DR-shaped preference rows with a learnable signal: chosen summaries end with a "good" word, rejected
-    ones with a "bad" word."""
-    rng = random.Random(seed)
-    words = "cat dog car house job money friend sister brother school game phone rent boss date trip".split()
-    good, bad = "happy great love kind calm".split(), "angry awful hate rude sad".split()
-    with open(path, "w") as f:
-        for _ in range(n):
-            post = " ".join(rng.choice(words) for _ in range(rng.randint(10, 40)))
-            prompt = f"SUBREDDIT: r/{rng.choice(words)}\n\nTITLE: {rng.choice(words)} {rng.choice(words)}\n\nPOST: {post}\n\nTL;DR:"
-            chosen = " " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) + " " + rng.choice(good)
-            rejected = " " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) + " " + rng.choice(bad)
-            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
-    return path
-
-
 def random_pairs(n, seed=0):
     g = torch.Generator().manual_seed(seed)
 
@@ -55,10 +40,6 @@ def random_pairs(n, seed=0):
         return torch.randint(0, 50000, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
 
     return [seq(3, 9) for _ in range(n)], [seq(1, 6) + [198] for _ in range(n)], [seq(1, 6) + [198] for _ in range(n)]
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
 def changed_and_unchanged(before_folder, after_folder):
@@ -218,14 +199,6 @@ def test_evaluate_reward_model_on_real_pairs_two_processes(tmp_path):
 # Two-process training runs
 
 
-def common_args(data, run, steps):
-    return [
-        "--train_data", str(data), "--val_data", str(data), "--val_rows", "16", "--steps", str(steps),
-        "--batch_size", "8", "--micro_batch_size", "2", "--warmup_steps", "1", "--max_prompt_len", "64",
-        "--max_response_len", "16", "--wandb_mode", "disabled", "--out_dir", str(run),
-    ]
-
-
 def tiny_folders(tmp_path):
     """A tiny random reward model and policy saved as Hugging Face folders: the runs' starting points."""
     torch.manual_seed(0)
@@ -242,7 +215,7 @@ def test_two_process_reward_model_fits_a_fixed_batch_and_normalizes(tmp_path):
     run = tmp_path / "run"
     run_script(["reward_model.py", "--model", str(init), "--sft_policy", str(policy), "--lr", "1e-3", "--overfit_batch", "true",
                 "--eval_every", "5", "--norm_prompts", "6", "--norm_samples_per_prompt", "2", "--norm_batch_size", "2",
-                *common_args(data, run, 5)], nproc=2)
+                *pair_run_args(data, run, 5)], nproc=2)
     m = read_metrics(run)
     assert [x["step"] for x in m] == [0, 1, 2, 3, 4, 5, 5]
     assert m[5]["train/loss"] < m[1]["train/loss"] - 0.15  # the same 8 pairs at every step
@@ -264,7 +237,7 @@ def test_two_process_reward_model_resumes_exactly_after_sigkill(tmp_path):
     def args(run):
         return ["reward_model.py", "--model", str(init), "--sft_policy", str(policy), "--lr", "1e-3", "--eval_every", "3",
                 "--save_every", "1", "--keep_last", "2", "--norm_prompts", "4", "--norm_samples_per_prompt", "2",
-                *common_args(data, run, 6)]
+                *pair_run_args(data, run, 6)]
 
     run_script(args(tmp_path / "full"), nproc=2)
     full = read_metrics(tmp_path / "full")
@@ -293,7 +266,7 @@ def test_two_process_dpo_starts_at_log2_learns_and_evaluates(tmp_path):
     save_hf(pol.state_dict(), pol.cfg, init)
     run = tmp_path / "run"
     run_script(["dpo.py", "--model", str(init), "--lr", "2e-3", "--eval_every", "5", "--label_smoothing", "0.1",
-                *common_args(data, run, 5)], nproc=2)
+                *pair_run_args(data, run, 5)], nproc=2)
     m = read_metrics(run)
     assert [x["step"] for x in m] == [0, 1, 2, 3, 4, 5]
     # the policy starts equal to its reference: every implicit reward is 0, every pair a tie
@@ -317,7 +290,7 @@ def test_ipo_one_process_starts_at_its_target_and_learns(tmp_path):
     data = write_pref_rows(tmp_path / "pairs.jsonl", n=16)
     run = tmp_path / "run"
     run_script(["dpo.py", "--model", "tiny", "--random_init", "true", "--loss", "ipo", "--beta", "0.5", "--lr", "1e-3",
-                "--overfit_batch", "true", "--eval_every", "0", *common_args(data, run, 4), "--val_data", ""])
+                "--overfit_batch", "true", "--eval_every", "0", *pair_run_args(data, run, 4), "--val_data", ""])
     m = read_metrics(run)
     assert [x["step"] for x in m] == [1, 2, 3, 4]
     assert m[0]["train/loss"] == pytest.approx(1.0, abs=1e-6)  # h = 0: (0 - 1/(2 * 0.5))^2
@@ -330,7 +303,7 @@ def test_dpo_resumes_exactly_after_sigkill_and_exits_cleanly_on_sigterm(tmp_path
 
     def args(run):
         return ["dpo.py", "--model", "tiny", "--random_init", "true", "--lr", "2e-3", "--eval_every", "2",
-                "--save_every", "1", "--keep_last", "1", *common_args(data, run, 6)]
+                "--save_every", "1", "--keep_last", "1", *pair_run_args(data, run, 6)]
 
     run_script(args(tmp_path / "full"))
     full = read_metrics(tmp_path / "full")
@@ -359,7 +332,7 @@ def test_eval_every_minus_one_never_reads_or_evaluates_the_validation_pairs(stag
     data = write_pref_rows(tmp_path / "pairs.jsonl", n=16)
     run = tmp_path / "run"
     args = ["--model", "tiny", "--random_init", "true", "--eval_every", "-1", "--lr", "1e-3",
-            *common_args(data, run, 2), "--val_data", str(tmp_path / "missing.jsonl")]
+            *pair_run_args(data, run, 2), "--val_data", str(tmp_path / "missing.jsonl")]
     if stage == "reward_model":
         args += ["--norm_prompts", "0"]
     module.main(parse_config(module.Config, args))  # the missing validation file is never opened

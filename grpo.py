@@ -194,6 +194,12 @@ class Config(RunConfig, OptimConfig, LoRAConfig):  # run, optimisation and LoRA 
         """K actually kept per prompt."""
         return self.num_samples if self.selection == "all" else self.num_kept
 
+    def keep_best_by(self, summaries: bool, preferences: bool) -> str:
+        """--best_metric; its default eval/reward needs the summary evaluation, else eval/pref_accuracy or none."""
+        if self.best_metric != "eval/reward" or summaries:
+            return self.best_metric
+        return "eval/pref_accuracy" if preferences else ""
+
     def sources(self) -> list[RewardSource]:
         """The reward sources of --rewards (imports their functions: a typo fails here)."""
         return parse_rewards(self.rewards, self.reward_length_target, TASK_REWARDS)
@@ -530,9 +536,6 @@ def main(cfg: Config) -> dict:
             out.update({f"eval/pref_{k}": v for k, v in evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device).items()})
         return out
 
-    best_metric = cfg.best_metric
-    if best_metric == "eval/reward" and val is None:  # the default, without the summary evaluation
-        best_metric = "eval/pref_accuracy" if pref is not None else ""
     if step == 0 and cfg.eval_every > 0:
         run.logger.log(evaluate(0), 0)
     batches_iter, metrics, stopping = iter(loader), {}, False
@@ -557,8 +560,8 @@ def main(cfg: Config) -> dict:
             metrics = step_metrics(result, spec, cfg, per_row_sources=not bool(train_applies.all()))
             if gold_reward is not None:  # a monitored reward, e.g. the synthetic task's gold reward
                 metrics.update(gold_metrics(gold_reward, tok, prompts, result.samples, cfg.num_samples))
-            generated = metrics.pop("perf/generated_tokens")
-            metrics.update(perf_metrics(seconds | result.seconds, time.perf_counter() - t_step, generated, world))
+            generated, step_seconds = metrics.pop("perf/generated_tokens"), time.perf_counter() - t_step
+            metrics.update(perf_metrics(seconds | result.seconds, step_seconds, generated, world))
             if cfg.eval_due(step, total_steps):
                 metrics.update(evaluate(step))
             if cfg.table_every > 0 and step % cfg.table_every == 0:
@@ -568,7 +571,7 @@ def main(cfg: Config) -> dict:
             # 9. checkpoint: on schedule, at the end, at a new best evaluation metric, or when a signal came
             extra = (lambda: {"reference": full_model_state(models.reference)}) if save_reference else None
             stopping = end_of_step(run, cfg, step, total_steps, metrics, models.policy, optimizer, scheduler, loader,
-                                   best_metric=best_metric, extra=extra)
+                                   best_metric=cfg.keep_best_by(val is not None, pref is not None), extra=extra)
             if stopping:
                 break
 

@@ -51,7 +51,7 @@ from rollouts.models import Models, build_models, refresh_reference
 from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, Scores, rollout, source_values
 from utils.checkpoint import full_model_state, set_full_model_state
-from utils.config import ConfigError, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
+from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
 from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world, stream
 from utils.fsdp import gathered_params, set_gradient_sync
 from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
@@ -63,7 +63,7 @@ TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: 
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, LoRAConfig):  # run, optimisation and LoRA options shared by every stage
+class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisation, data, LoRA options of every stage
     # --- models
     model: str = "runs/sft/hf"
     """Starting policy, also the frozen reference (with LoRA: the policy's own base weights, adapters off): a
@@ -79,24 +79,13 @@ class Config(RunConfig, OptimConfig, LoRAConfig):  # run, optimisation and LoRA 
     """Keep the frozen models' (reference, reward model) sharded parameters on the CPU between uses (needs a GPU).
     With LoRA the reference is the policy itself and is not offloaded."""
     # --- data
-    train_data: str = "trl-lib/tldr"
-    """Training prompts (column prompt): a hub dataset name, a .jsonl/.parquet file, or a folder of them."""
-    train_split: str = "train"
-    """Split of --train_data (hub datasets and folders)."""
-    val_data: str = "trl-lib/tldr"
-    """Validation prompts whose summaries every reward source scores in evaluation; empty string to skip."""
-    val_split: str = "validation"
-    """Split of --val_data."""
     val_rows: int = 256
-    """Validation prompts used (the first N); 0 for all."""
     pref_data: str = "trl-lib/tldr-preference"
     """Preference pairs for the implicit-reward accuracy (evaluation/preference.py); empty string to skip."""
     pref_split: str = "validation"
     """Split of --pref_data."""
     pref_rows: int = 512
     """Preference pairs used (the first N); 0 for all."""
-    max_prompt_len: int = 512
-    """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
     # --- sampling
     num_samples: int = 64
     """G: responses sampled per prompt."""
@@ -205,17 +194,18 @@ class Config(RunConfig, OptimConfig, LoRAConfig):  # run, optimisation and LoRA 
         return parse_rewards(self.rewards, self.reward_length_target, TASK_REWARDS)
 
     def validate(self) -> None:
-        require_nonempty(self, "model", "rewards", "train_data")
+        require_nonempty(self, "model", "rewards")
         if any(s.fn is None for s in self.sources()):
             require_nonempty(self, "reward_model")
+        self.validate_data()
         self.validate_run()
         self.validate_optim()
         self.validate_lora()
-        for name in ("ref_refresh_every", "entropy_coef", "eps_low", "eps_high", "beta", "val_rows", "pref_rows"):
+        for name in ("ref_refresh_every", "entropy_coef", "eps_low", "eps_high", "beta", "pref_rows"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
         for name in (
-            "num_samples", "num_kept", "max_new_tokens", "max_prompt_len", "gen_prompts", "prompts_per_step",
+            "num_samples", "num_kept", "max_new_tokens", "gen_prompts", "prompts_per_step",
             "micro_batch_size", "score_micro_batch_size", "policy_epochs", "pref_max_response_len", "table_prompts",
             "reward_length_target",
         ):

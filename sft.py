@@ -21,7 +21,7 @@ from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.losses import sft_loss_sum
 from utils.config import (
-    ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config, require_nonempty,
+    ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config, require_nonempty,
 )
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import set_gradient_sync, shard_model
@@ -31,24 +31,12 @@ from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, LoRAConfig):  # run, optimisation and LoRA options shared by every stage
+class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisation, data and LoRA options shared by every stage
     model: str = "gpt2"
     """Starting weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local Hugging Face-format
     folder, or with --random_init a preset (tiny, small, gpt2, ...)."""
     random_init: bool = False
     """Start from random GPT-2 initialisation of the preset named by --model instead of loading weights."""
-    train_data: str = "trl-lib/tldr"
-    """Training rows (prompt, completion): a hub dataset name, a .jsonl/.parquet file, or a folder of them."""
-    train_split: str = "train"
-    """Split of --train_data (hub datasets and folders)."""
-    val_data: str = "trl-lib/tldr"
-    """Validation rows (prompt, completion); empty string to skip validation."""
-    val_split: str = "validation"
-    """Split of --val_data."""
-    val_rows: int = 512
-    """Validation rows used (the first N); 0 for all."""
-    max_prompt_len: int = 512
-    """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
     max_response_len: int = 64
     """Response tokens kept, including the "\\n" end token."""
     batch_size: int = 64
@@ -68,15 +56,14 @@ class Config(RunConfig, OptimConfig, LoRAConfig):  # run, optimisation and LoRA 
     run_name: str = "sft"
 
     def validate(self) -> None:
-        require_nonempty(self, "model", "train_data")
+        require_nonempty(self, "model")
+        self.validate_data()
         self.validate_run()
         self.validate_optim()
         self.validate_lora()
-        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len"):
+        for name in ("batch_size", "micro_batch_size", "max_response_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        if self.val_rows < 0:
-            raise ConfigError(f"--val_rows must be >= 0, got {self.val_rows}")
 
 
 def response_nll_sum(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,23 +11,13 @@ from dataclasses import dataclass
 
 from data.tldr import PREF_COLUMNS, PreferenceDataset, ShardedLoader, collate_pairs, load_rows
 from evaluation.preference import EvalSet, build_eval_set
-from utils.config import ConfigError, require_nonempty
+from utils.config import ConfigError, DataConfig
 
 
 @dataclass
-class PairConfig:
+class PairConfig(DataConfig):
     train_data: str = "trl-lib/tldr-preference"
-    """Training pairs (prompt, chosen, rejected): a hub dataset name, a .jsonl/.parquet file, or a folder."""
-    train_split: str = "train"
-    """Split of --train_data (hub datasets and folders)."""
     val_data: str = "trl-lib/tldr-preference"
-    """Validation pairs; empty string to skip validation."""
-    val_split: str = "validation"
-    """Split of --val_data."""
-    val_rows: int = 512
-    """Validation pairs used (the first N); 0 for all."""
-    max_prompt_len: int = 512
-    """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
     max_response_len: int = 64
     """Response tokens kept, including the "\\n" end token."""
     batch_size: int = 64
@@ -38,12 +28,10 @@ class PairConfig:
     """Debugging: train every step on the first global batch (the loss should fall quickly)."""
 
     def validate_pairs(self) -> None:
-        require_nonempty(self, "train_data")
-        for name in ("batch_size", "micro_batch_size", "max_prompt_len", "max_response_len"):
+        self.validate_data()
+        for name in ("batch_size", "micro_batch_size", "max_response_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        if self.val_rows < 0:
-            raise ConfigError(f"--val_rows must be >= 0, got {self.val_rows}")
 
 
 @dataclass

@@ -165,6 +165,31 @@ def check_context(model_cfg, max_prompt_len: int, max_response_len: int, what: s
 
 
 @dataclasses.dataclass
+class DataConfig:
+    train_data: str = "trl-lib/tldr"
+    """Training rows: a hub dataset name, a .jsonl/.parquet file, or a folder of them; columns prompt, completion
+    (sft.py), prompt, chosen, rejected (reward_model.py, dpo.py), prompt (grpo.py)."""
+    train_split: str = "train"
+    """Split of --train_data (hub datasets and folders)."""
+    val_data: str = "trl-lib/tldr"
+    """Held-out rows, the same columns as --train_data (grpo.py: prompts whose summaries are scored); empty string to
+    skip this evaluation."""
+    val_split: str = "validation"
+    """Split of --val_data."""
+    val_rows: int = 512
+    """Held-out rows used (the first N); 0 for all."""
+    max_prompt_len: int = 512
+    """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
+
+    def validate_data(self) -> None:
+        require_nonempty(self, "train_data")
+        if self.val_rows < 0:
+            raise ConfigError(f"--val_rows must be >= 0, got {self.val_rows}")
+        if self.max_prompt_len <= 0:
+            raise ConfigError(f"--max_prompt_len must be positive, got {self.max_prompt_len}")
+
+
+@dataclasses.dataclass
 class OptimConfig:
     steps: int = 0
     """Optimizer steps (GRPO: steps of rollouts and updates); 0 means one epoch over the training rows."""

@@ -33,7 +33,7 @@ from model.weights import build_policy, model_config, save_export
 from rlhf.losses import dpo_loss, ipo_loss
 from rlhf.stats import pair_outcomes
 from utils.config import (
-    ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config, require_nonempty,
+    ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config,
 )
 from utils.dist import all_reduce_sum
 from utils.fsdp import resolve_dtype, set_gradient_sync, shard_model
@@ -83,11 +83,7 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisati
         if self.frozen_cpu_offload and (self.device == "cpu" or not torch.cuda.is_available()):
             raise ConfigError("--frozen_cpu_offload needs a GPU (FSDP offloads shards from GPU to CPU memory); "
                               "on CPU leave it false: the reference already lives in CPU memory")
-        require_nonempty(self, "model")
-        self.validate_lora()
-        self.validate_pairs()
-        self.validate_optim()
-        self.validate_run()
+        self.validate_shared()  # --model, data, run, optimisation (and LoRA) options
 
 
 def preference_loss_fn(cfg: Config):

@@ -194,13 +194,10 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
         return parse_rewards(self.rewards, self.reward_length_target, TASK_REWARDS)
 
     def validate(self) -> None:
-        require_nonempty(self, "model", "rewards")
+        require_nonempty(self, "rewards")
         if any(s.fn is None for s in self.sources()):
             require_nonempty(self, "reward_model")
-        self.validate_data()
-        self.validate_run()
-        self.validate_optim()
-        self.validate_lora()
+        self.validate_shared()  # --model, data, run, optimisation and LoRA options
         for name in ("ref_refresh_every", "entropy_coef", "eps_low", "eps_high", "beta", "pref_rows"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")

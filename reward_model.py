@@ -31,7 +31,7 @@ from model.weights import build_policy, build_reward_model, model_config, save_e
 from rlhf.losses import bradley_terry_loss
 from rlhf.stats import pair_outcomes, standardizing_gain_bias
 from utils.config import (
-    ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config, require_nonempty,
+    ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config,
 )
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import gathered_params, set_gradient_sync, shard_model
@@ -70,10 +70,7 @@ class Config(RunConfig, OptimConfig, PairConfig):  # run, optimisation and prefe
     run_name: str = "reward_model"
 
     def validate(self) -> None:
-        require_nonempty(self, "model")
-        self.validate_run()
-        self.validate_optim()
-        self.validate_pairs()
+        self.validate_shared()  # --model, data, run, optimisation (and LoRA) options
         for name in ("norm_samples_per_prompt", "norm_batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")

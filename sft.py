@@ -21,7 +21,7 @@ from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.losses import sft_loss_sum
 from utils.config import (
-    ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config, require_nonempty,
+    ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config,
 )
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import set_gradient_sync, shard_model
@@ -56,11 +56,7 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
     run_name: str = "sft"
 
     def validate(self) -> None:
-        require_nonempty(self, "model")
-        self.validate_data()
-        self.validate_run()
-        self.validate_optim()
-        self.validate_lora()
+        self.validate_shared()  # --model, data, run, optimisation (and LoRA) options
         for name in ("batch_size", "micro_batch_size", "max_response_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")

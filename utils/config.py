@@ -260,6 +260,14 @@ class RunConfig:
         if self.eval_every < -1:
             raise ConfigError(f"--eval_every must be >= -1 (-1 never evaluates), got {self.eval_every}")
 
+    def validate_shared(self) -> None:
+        """Check the model name and every shared option group the script's Config composes (data, preference pairs,
+        run, optimisation, LoRA); each script's validate() calls this, then checks its own options."""
+        require_nonempty(self, "model")
+        for group in ("validate_data", "validate_pairs", "validate_run", "validate_optim", "validate_lora"):
+            if hasattr(self, group):
+                getattr(self, group)()
+
     def eval_due(self, step: int, total_steps: int) -> bool:
         """--eval_every: after step `step` (1-based) of `total_steps`, every N steps and after the last."""
         return self.eval_every >= 0 and (step == total_steps or (self.eval_every > 0 and step % self.eval_every == 0))

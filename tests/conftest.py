@@ -126,6 +126,18 @@ def run_and_interrupt(args: list[str], run_dir: Path, min_step: int, sig: int, n
     return code, log.read_text()
 
 
+def kill_and_rerun(args: list[str], run_dir: Path, min_step: int, nproc: int = 1) -> int:
+    """SIGKILL a run (launcher and workers) once it has a checkpoint of step >= min_step, check it died, then rerun
+    the same command to the end. Returns the step of the checkpoint the rerun resumed from."""
+    import signal
+
+    code, _ = run_and_interrupt(args, run_dir, min_step, signal.SIGKILL, nproc=nproc)
+    assert code != 0, f"the run ended ({code}) before it could be killed"
+    killed_at = checkpoint_step(run_dir)
+    run_script(args, nproc=nproc)
+    return killed_at
+
+
 def assert_same_metrics(full: list[dict], resumed: list[dict], keys: tuple[str, ...], context: str = "") -> None:
     """The resumed run's metrics.jsonl reads as the uninterrupted run's: same steps, and bit-identical values."""
     assert [m["step"] for m in resumed] == [m["step"] for m in full], context

@@ -3,7 +3,6 @@ two-process end-to-end run that changes every parameter and resumes exactly."""
 
 import json
 import random
-import signal
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from model.sampler import END_ID
 from model.weights import build_policy, freeze
 from rlhf.grpo import global_normalize
 from rollouts.models import Models
-from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script
+from tests.conftest import assert_same_metrics, kill_and_rerun, run_script
 from tests.helpers import WORDS, end_biased_policy, prompts_and_rewards, read_metrics
 from utils.config import parse_config
 from utils.optim import build_optimizer, build_scheduler
@@ -146,10 +145,7 @@ def test_two_process_grpo_trains_every_parameter_and_resumes_exactly_after_sigki
     # to the last bit, and the sample tables read as one run.
     run = tmp_path / "run"
     kill_at = random.randint(1, 2)
-    code, _ = run_and_interrupt(args(run), run, kill_at, signal.SIGKILL, nproc=2)
-    assert code != 0
-    killed_at = checkpoint_step(run)
-    run_script(args(run), nproc=2)
+    killed_at = kill_and_rerun(args(run), run, kill_at, nproc=2)
     keys = ("train/loss", "train/grad_norm", "train/kl", "reward/raw_mean", "reward/mean", "rs/acceptance_rate",
             "sample/response_length", "eval/reward", "eval/pref_accuracy")
     assert_same_metrics(full, read_metrics(run), keys, f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at})")

@@ -21,7 +21,7 @@ from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import build_reward_model, save_hf
 from tests.helpers import pair_run_args, read_metrics, write_pref_rows
-from tests.conftest import assert_same_metrics, checkpoint_step, run_and_interrupt, run_script, shared_file
+from tests.conftest import assert_same_metrics, kill_and_rerun, checkpoint_step, run_and_interrupt, run_script, shared_file
 from utils.config import parse_config
 from rlhf.stats import bootstrap_ci, pair_outcomes, preference_summary, standardizing_gain_bias
 
@@ -248,10 +248,7 @@ def test_two_process_reward_model_resumes_exactly_after_sigkill(tmp_path):
     # normalisation runs), then rerun the same command to the end
     run = tmp_path / "run"
     kill_at = random.randint(1, 5)
-    code, _ = run_and_interrupt(args(run), run, kill_at, signal.SIGKILL, nproc=2)
-    assert code != 0
-    killed_at = checkpoint_step(run)
-    run_script(args(run), nproc=2)
+    killed_at = kill_and_rerun(args(run), run, kill_at, nproc=2)
     keys = ("train/loss", "train/grad_norm", "train/accuracy", "val/accuracy", "val/bt_loss", "norm/gain", "norm/bias")
     assert_same_metrics(full, read_metrics(run), keys, f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at})")
     assert json.loads((run / "hf" / "reward_normalization.json").read_text()) == saved

@@ -73,6 +73,9 @@ class GRPOBenchConfig:
     rewards: str = "reward_model"
     """grpo --rewards: the reward model alone (the reference step), or functions too, which then score the random
     prompts' and responses' decoded text."""
+    lora_rank: int = 0
+    """grpo --lora_rank: 0 trains every weight against a frozen reference copy; r > 0 trains LoRA adapters and the
+    reference is the policy with its adapters off."""
 
     def grpo_config(self) -> grpo.Config:
         """grpo.Config of this benchmark (everything else at grpo.py's defaults: temperature 1, beta 0.04, ...)."""
@@ -81,7 +84,7 @@ class GRPOBenchConfig:
             rewards=self.rewards, max_prompt_len=self.prompt_len, num_samples=self.num_samples, max_new_tokens=self.max_new_tokens,
             gen_prompts=self.gen_prompts, selection=self.selection, num_kept=self.num_kept,
             prompts_per_step=self.prompts, micro_batch_size=self.micro_batch_size,
-            score_micro_batch_size=self.score_micro_batch_size, warmup_steps=0,
+            score_micro_batch_size=self.score_micro_batch_size, warmup_steps=0, lora_rank=self.lora_rank,
         )
         cfg.validate()
         return cfg

@@ -1,21 +1,20 @@
 """Memory held by GRPO's trainable policy and its reference: full fine-tuning with a frozen reference copy
 against LoRA, whose reference is the same weights with the adapters off (model/lora.py).
 
-Measured, not computed: both set-ups are built on the device, one optimizer step is taken on a small batch so
-AdamW's state exists, and the bytes of every parameter and optimizer-state tensor they hold are counted (on
-CUDA also torch.cuda.memory_allocated after the step, activations freed). Parameters in the training dtype:
-bf16 on CUDA, fp32 on CPU. Activations are the same in both and are not part of the figure.
+Measured, not computed: each set-up is built as grpo.main() builds it (bench/grpo_step.py's `build`: FSDP-sharded,
+bf16 parameters on CUDA, fp32 on CPU), one real grpo.train_step is taken (generation, a reward function, reference
+log-probs, the update), and the bytes of every parameter of the policy and the reference and of AdamW's state are
+counted after it; on CUDA also torch.cuda.memory_allocated after the step (activations freed). Activations are the
+same in both and are not part of the figure. model/lora.py's lora_memory_report gives the same parameter and state
+bytes from the model's shape alone (`python -m model.lora`), without running anything.
 """
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from bench import common
-from model.gpt2 import PRESETS, GPT2LMHeadModel
-from model.lora import AdaptersOff, LoRAConfig, apply_lora
-from utils.optim import build_optimizer
+from bench.grpo_step import GRPOBenchConfig, build
 
 BENCH = "lora"
 
@@ -35,46 +34,44 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _held(model_name: str, rank: int, device: torch.device, dtype: torch.dtype) -> tuple[int, int, int | None]:
-    """(bytes of policy + reference parameters and AdamW state, trainable parameters, CUDA bytes allocated)."""
-    torch.manual_seed(0)
-    policy = GPT2LMHeadModel(PRESETS[model_name]).to(device=device, dtype=dtype)
-    if rank:
-        apply_lora(policy, LoRAConfig(lora_rank=rank))
-        policy.to(device=device, dtype=dtype)
-        reference_params = []  # the same weights, adapters off
-        reference = AdaptersOff(policy)
-    else:
-        reference = copy.deepcopy(policy).requires_grad_(False)
-        reference_params = list(reference.parameters())
-    optimizer = build_optimizer(policy, 1e-4, 0.0)
-    ids = torch.randint(0, 50000, (2, 32), device=device)
-    pos = torch.arange(32, device=device).expand(2, 32)
-    with torch.no_grad():
-        reference(ids, pos)
-    policy(ids, pos).float().logsumexp(-1).mean().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+def step_config(cfg: LoRAMemoryConfig) -> GRPOBenchConfig:
+    """One small GRPO step: 2 prompts of up to 128 tokens x 8 samples x 16 new tokens, every sample kept, the
+    `length` reward function (no reward model, so only the policy and its reference are held)."""
+    return GRPOBenchConfig(f"{cfg.name}-step", cfg.preset, prompts=2, num_samples=8, num_kept=8, selection="all",
+                           max_new_tokens=16, prompt_len=128, min_prompt_len=96, gen_prompts=2, micro_batch_size=8,
+                           score_micro_batch_size=16, warmup=0, repeats=1, rewards="length")
+
+
+def held_after_step(bcfg: GRPOBenchConfig, device: torch.device) -> tuple[int, int, int | None]:
+    """(bytes of policy + reference parameters and AdamW state after one grpo.train_step, trainable parameters,
+    CUDA bytes allocated)."""
+    import grpo
+
+    s = build(bcfg, device)
+    grpo.train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, 0)
+    policy, reference = s.models.policy, s.models.reference
+    reference_params = [] if reference.__class__.__name__ == "AdaptersOff" else list(reference.parameters())
+    state = [t for st in s.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
     held = _bytes(policy.parameters()) + _bytes(reference_params) + _bytes(state)
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-    del policy, reference, optimizer
+    del s, policy, reference, state
     return held, trainable, allocated
 
 
 def run(device: torch.device, quick: bool) -> list[dict]:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = "bf16" if device.type == "cuda" else "fp32"
     rows = []
     for cfg in configs(device, quick):
+        step = step_config(cfg)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        full, full_trainable, full_alloc = _held(cfg.preset, 0, device, dtype)
+        full, full_trainable, full_alloc = held_after_step(step, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        lora, lora_trainable, lora_alloc = _held(cfg.preset, cfg.rank, device, dtype)
+        lora, lora_trainable, lora_alloc = held_after_step(replace(step, lora_rank=cfg.rank), device)
         mib = 2**20
-        what = f"{str(dtype).removeprefix('torch.')} parameters, AdamW"
+        what = f"{dtype} parameters, AdamW, after one grpo.train_step"
         rows += [
             common.result(BENCH, "full fine-tune + reference copy: held", full / mib, "MiB", config=cfg,
                           note=f"{what}; trainable {full_trainable:,}"),

@@ -41,11 +41,10 @@ from data.tokenizer import get_tokenizer
 from evaluation.preference import evaluate_policy, policy_logps
 from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table
 from model.lora import LoRAConfig, trainable_summary
-from model.sampler import SampleOutput, process_logits, processed_logprobs
+from model.sampler import SampleOutput
 from model.weights import model_config, save_export
-from rlhf.grpo import (
-    AGGREGATIONS, advantages, entropy_bonus, grpo_token_loss, penalize_missing_end, select, token_entropy,
-)
+from rlhf.grpo import AGGREGATIONS, advantages, entropy_bonus, grpo_token_loss, penalize_missing_end, select
+from rlhf.logprobs import processed_logprobs
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards, source_stats
 from rollouts.models import Models, build_models, refresh_reference
 from rollouts.prompts import PromptSet, prompt_set, source_applies
@@ -146,6 +145,10 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
     entropy_coef: float = 0.0
     """Entropy bonus: subtract entropy_coef x the token entropy of the (temperature / top-k / top-p processed)
     policy from the loss, aggregated like the loss; 0 disables."""
+    entropy_every: int = 1
+    """Log train/entropy every N steps (1: every step; 0: never). It comes from the log-softmax the log-probs
+    already compute, but still costs an exp and a multiply-sum over the vocabulary at every response token; a
+    step that does not log it skips that. With --entropy_coef > 0 it is computed (and logged) every step."""
     # --- batch sizes (and the shared optimisation options, with GRPO's defaults)
     prompts_per_step: int = 256
     """Global prompts per step, over all ranks (x num_kept sequences in the update)."""
@@ -198,7 +201,7 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
         if any(s.fn is None for s in self.sources()):
             require_nonempty(self, "reward_model")
         self.validate_shared()  # --model, data, run, optimisation and LoRA options
-        for name in ("ref_refresh_every", "entropy_coef", "eps_low", "eps_high", "beta", "pref_rows"):
+        for name in ("ref_refresh_every", "entropy_coef", "entropy_every", "eps_low", "eps_high", "beta", "pref_rows"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
         for name in (
@@ -282,36 +285,41 @@ def add_logprobs(model, batches: list[dict], key: str, cfg: Config, gather: bool
     whose training forward this must match)."""
     with gathered_params(model) if gather else nullcontext():
         for batch in batches:
-            logits = response_logits(model, batch)
-            batch[key] = processed_logprobs(logits, batch["response_ids"], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+            logits = response_logits(model, batch)  # (n, R, V)
+            batch[key], _ = processed_logprobs(logits, batch["response_ids"], cfg.temperature, cfg.top_k, cfg.top_p)
 
 
 # Per-token sums of one epoch of the update, summed over micro-batches and ranks
 UPDATE_SUMS = ("loss", "kl", "clipped", "entropy", "sampler_gap", "outside_support", "tokens", "ratio_deviation")
 
 
-def micro_batch_loss(policy, batch: dict, w: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(w * per-token loss) of one micro-batch (with its graph) and its UPDATE_SUMS (no graph)."""
+def micro_batch_loss(
+    policy, batch: dict, w: torch.Tensor, cfg: Config, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum(w * per-token loss) of one micro-batch (with its graph) and its UPDATE_SUMS (no graph). The entropy is
+    computed when it is a bonus or `with_entropy` (else its sum is 0)."""
     mask = batch["response_mask"]
     logits = response_logits(policy, batch)  # (n, R, V)
-    logp = processed_logprobs(logits, batch["response_ids"], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    # the processed log-probs and the entropy of what is sampled (temperature, top-k and top-p applied) in one
+    # chunked pass over the vocabulary (rlhf/logprobs.py); the entropy is differentiable, used only as a bonus
+    with_entropy = with_entropy or cfg.entropy_coef > 0
+    logp, entropy = processed_logprobs(logits, batch["response_ids"], cfg.temperature, cfg.top_k, cfg.top_p, with_entropy)
     # mu = 1: old = current, detached, so the ratio is 1 in value and d ratio = d logp (trl PR #2565);
     # mu > 1: the sampling policy's log-probs, so the ratio moves away from 1 after the first step
     old = logp.detach() if cfg.policy_epochs == 1 else batch["old_logprobs"]
     loss_NT, stats = grpo_token_loss(logp, old, batch["ref_logprobs"], batch["advantages"], mask, cfg.eps_low,
                                      cfg.eps_high, cfg.beta)
-    # the entropy of what is sampled: temperature, top-k and top-p applied (differentiable when it is a bonus)
-    with nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
-        entropy = token_entropy(process_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p))  # (n, R)
     if cfg.entropy_coef > 0:
         loss_NT = entropy_bonus(loss_NT, entropy, mask, cfg.entropy_coef)
     loss = (w * loss_NT).sum()
     with torch.no_grad():
+        zero = torch.zeros((), dtype=torch.float64, device=mask.device)
         in_support = mask & torch.isfinite(logp)  # outside: a token the training forward's top-k/top-p set excludes
         gap = torch.where(in_support, (logp.detach() - batch["sampler_logprobs"]).abs(), 0.0)
         sums = torch.stack([
             loss.detach().double(), stats["kl"].sum().double(), stats["clipped"].sum().double(),
-            (entropy.detach() * mask).sum().double(), gap.sum().double(), (mask & ~in_support).sum().double(),
+            (entropy.detach() * mask).sum().double() if with_entropy else zero, gap.sum().double(),
+            (mask & ~in_support).sum().double(),
             mask.sum().double(), stats["ratio_deviation"].sum().double(),
         ])
     return loss, sums
@@ -333,11 +341,12 @@ def policy_update(
     normaliser = all_reduce_sum(sum(z for _, z in weights).to(device).double()).float()
     sums = torch.zeros(cfg.policy_epochs, len(UPDATE_SUMS), dtype=torch.float64, device=device)
     grad_norm, skipped = 0.0, 0
+    log_entropy = cfg.entropy_coef > 0 or (cfg.entropy_every > 0 and step % cfg.entropy_every == 0)
     for epoch in range(cfg.policy_epochs):
         epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
         for i, (batch, (w, _)) in enumerate(zip(batches, weights)):
             set_gradient_sync(policy, i == len(batches) - 1)
-            loss, micro_sums = micro_batch_loss(policy, batch, w, cfg)
+            loss, micro_sums = micro_batch_loss(policy, batch, w, cfg, log_entropy)
             (loss * world / normaliser).backward()
             epoch_loss += loss.detach().double()
             sums[epoch] += micro_sums
@@ -357,13 +366,14 @@ def policy_update(
         "train/kl": total["kl"] / tokens,
         "train/clip_fraction": total["clipped"] / tokens,
         "train/ratio_deviation": total["ratio_deviation"] / tokens,
-        "train/entropy": total["entropy"] / tokens,
         "train/logprob_gap_to_sampler": total["sampler_gap"] / tokens,
         "train/outside_top_k_p_fraction": total["outside_support"] / tokens,
         "train/grad_norm": grad_norm / mu,
         "train/lr": scheduler.get_last_lr()[0],
         "train/skipped": skipped / mu,
     }
+    if log_entropy:
+        metrics["train/entropy"] = total["entropy"] / tokens
     if mu > 1:  # how far each update moved from the sampling policy: epoch 1 is exactly 0
         for epoch, e in enumerate(per_epoch, start=1):
             for name, key in (("clip_fraction", "clipped"), ("ratio_deviation", "ratio_deviation"), ("kl", "kl")):

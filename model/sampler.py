@@ -5,8 +5,9 @@ computed exactly as it would be alone (GPT-2's positions are absolute). Each pro
 keys and values copied to its `num_samples` samples: 64 samples of one prompt cost one prefill, not 64.
 
 The token distribution is processed in a fixed order: logits in fp32, divided by the temperature, then top-k,
-then top-p (nucleus) masking. `processed_logprobs` applies exactly the same processing to training-time
-logits, so the log-probs of a GRPO ratio and KL describe the distribution the tokens were drawn from.
+then top-p (nucleus) masking. `processed_logprobs` (and rlhf/logprobs.py's chunked copy, which grpo.py's update
+uses) applies exactly the same processing to training-time logits, so the log-probs of a GRPO ratio and KL
+describe the distribution the tokens were drawn from.
 
 Decoding stops per row at the first end token ("\\n", id 198) or EOS (50256); later positions are padding.
 Under FSDP, wrap the call in `utils.fsdp.gathered_params(model)` so parameters are gathered once per call.
@@ -51,7 +52,9 @@ def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 
 def processed_logprobs(
     logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
 ) -> torch.Tensor:
-    """log p(target) (B, T) in fp32 under the same processing the sampler used."""
+    """log p(target) (B, T) in fp32 under the same processing the sampler used. The plain whole-tensor form;
+    grpo.py's reference and update use rlhf/logprobs.py, the same numbers in chunks with the entropy beside them
+    (model/ may not import rlhf/; tests/test_logprobs.py checks the two agree)."""
     logp = process_logits(logits_BTV, temperature, top_k, top_p).log_softmax(-1)
     return torch.gather(logp, -1, targets_BT.unsqueeze(-1)).squeeze(-1)
 

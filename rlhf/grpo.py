@@ -292,12 +292,13 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.
 def entropy_bonus(loss_NT: torch.Tensor, entropy_NT: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
     """loss - coef * H per response token (0 on masked tokens), aggregated like the loss: the entropy bonus of PPO
     (Schulman et al. 2017, eq. 9), which keeps the policy from collapsing onto a few tokens. `entropy_NT` must carry
-    the gradient (token_entropy of the processed logits)."""
+    the gradient (rlhf/logprobs.py processed_logprobs(..., with_entropy=True), as grpo.py computes it)."""
     return loss_NT - coef * torch.where(mask, entropy_NT, 0.0)
 
 
 def token_entropy(logits_BTV: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of softmax(logits) at each position (B, T), fp32; -inf logits (masked tokens) count 0."""
+    """Entropy (nats) of softmax(logits) at each position (B, T), fp32; -inf logits (masked tokens) count 0. The
+    plain whole-tensor form; the update uses rlhf/logprobs.py's chunked one (tests/test_logprobs.py: equal)."""
     logp = logits_BTV.float().log_softmax(-1)
     p = logp.exp()
     return -(p * torch.where(p > 0, logp, 0.0)).sum(-1)

@@ -5,6 +5,7 @@ the reward on the embedded synthetic task and resume bit for bit."""
 
 import copy
 import json
+import math
 import shutil
 from dataclasses import replace
 
@@ -103,6 +104,24 @@ def test_entropy_bonus_is_the_loss_when_advantages_and_beta_are_zero_and_raises_
     assert all(b > a for a, b in zip(entropies, entropies[1:])) and entropies[-1] > entropies[0] + 0.5, entropies
     no_bonus = replace(cfg, entropy_coef=0.0)
     assert train_step(models, optimizer, scheduler, prompts, spec, no_bonus, 4).update["train/grad_norm"] == 0.0
+
+
+def test_entropy_every_logs_the_entropy_on_its_steps_only_and_changes_nothing_else():
+    torch.manual_seed(0)
+    start = GPT2LMHeadModel(SMALL)
+    updates = {}
+    for every, step in ((1, 0), (2, 0), (2, 1), (0, 1)):  # train_step's step is 0-based: --entropy_every 2 logs step 2
+        policy = copy.deepcopy(start)
+        models = Models(policy, freeze(copy.deepcopy(start)), None)
+        cfg = tiny_config(entropy_every=every)
+        optimizer = build_optimizer(policy, cfg.lr, 0.0)
+        prompts, spec = prompts_and_rewards(cfg)
+        scheduler = build_scheduler(optimizer, 1, 10)
+        updates[every, step] = train_step(models, optimizer, scheduler, prompts, spec, cfg, step).update
+    assert "train/entropy" in updates[1, 0] and "train/entropy" in updates[2, 1]
+    assert "train/entropy" not in updates[2, 0] and "train/entropy" not in updates[0, 1]
+    assert updates[2, 0] == {k: v for k, v in updates[1, 0].items() if k != "train/entropy"}
+    assert 0 < updates[1, 0]["train/entropy"] <= math.log(SMALL.vocab_size)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""The update's vocabulary work in one chunked pass: the processed (temperature / top-k / top-p) log-prob of each
+target token and, when asked, the entropy of the processed distribution, from logits (n, R, V) and targets (n, R).
+
+Why chunks: with GPT-2's 50,257-token vocabulary the (positions x V) fp32 tensors dominate a small model's update.
+Doing the processing, log-softmax, gather and entropy as separate whole-batch operations made several
+logits-sized temporaries (412 MB each at 128 x 16 positions) and read them from main memory again and again. Here
+every step runs on `chunk` positions at a time, so apart from the logits themselves and their gradient nothing of
+size (positions x V) is alive, and each chunk's rows are still in cache for the next operation.
+
+The backward is a custom autograd function that recomputes each chunk's processed log-softmax from the saved
+logits (not a saved (positions x V) log-softmax), with the gradients of PPO's two per-token terms:
+
+    d log p_t / d z_j = [j = t] - p_j          d H / d z_j = -p_j (log p_j + H)
+
+where z are the processed logits (logits / temperature, -inf outside the top-k / top-p set; the set is a
+constant of the backward, as in the unchunked masked_fill) and H = -sum_j p_j log p_j. Tokens outside the set
+get no gradient. The entropy is computed from the same log-softmax as the log-prob (one exp more per row), and
+only when asked: logging it every N steps (grpo --entropy_every) makes it free on the other steps.
+
+`process_logits` is the same processing as model/sampler.py's (the sampler's own copy; model/ may not import
+rlhf/, see tests/test_layering.py); tests/test_logprobs.py checks the two agree bit for bit.
+"""
+
+import torch
+
+CHUNK = 32  # positions per chunk: 32 x 50,257 fp32 is 6.4 MB, a few of them fit a CPU's last-level cache
+
+
+def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """fp32 logits (..., V) divided by the temperature, with tokens outside the top-k / top-p set at -inf; the
+    order is temperature, then top-k, then top-p, as the sampler draws (model/sampler.py). Temperature 0 (greedy)
+    is treated as 1."""
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _finite(logp_cV: torch.Tensor, masked: bool) -> torch.Tensor:
+    """The log-softmax with -inf (tokens outside top-k / top-p, probability 0) replaced by the lowest float, so that
+    p * log p is 0 there instead of NaN; unchanged (no pass over it) when nothing is masked."""
+    return logp_cV.clamp(min=torch.finfo(logp_cV.dtype).min) if masked else logp_cV
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """(log p(target) (M,), entropy (M,) or None) from logits (M, V) and targets (M,); see the module docstring.
+    Saves the logits (alive anyway: the caller holds them) and the entropy (M,), nothing of size (M, V)."""
+
+    @staticmethod
+    def forward(ctx, logits_MV, targets_M, temperature, top_k, top_p, with_entropy, chunk):
+        M, masked = logits_MV.shape[0], top_k > 0 or top_p < 1.0
+        logp_M = torch.empty(M, dtype=torch.float32, device=logits_MV.device)
+        entropy_M = torch.empty(M, dtype=torch.float32, device=logits_MV.device) if with_entropy else None
+        for s in range(0, M, chunk):
+            logp_cV = process_logits(logits_MV[s : s + chunk], temperature, top_k, top_p).log_softmax(-1)  # (c, V)
+            logp_M[s : s + chunk] = logp_cV.gather(-1, targets_M[s : s + chunk, None]).squeeze(-1)
+            if with_entropy:  # H = -sum p log p from the same log-softmax: one exp and one multiply-sum more
+                entropy_M[s : s + chunk] = -(logp_cV.exp() * _finite(logp_cV, masked)).sum(-1)
+        ctx.save_for_backward(logits_MV, targets_M, entropy_M)
+        ctx.settings = (temperature, top_k, top_p, chunk)
+        ctx.set_materialize_grads(False)  # an output nobody differentiates (the logged entropy) gets grad None
+        return logp_M, entropy_M
+
+    @staticmethod
+    def backward(ctx, grad_logp_M, grad_entropy_M):
+        logits_MV, targets_M, entropy_M = ctx.saved_tensors
+        temperature, top_k, top_p, chunk = ctx.settings
+        if grad_logp_M is None and grad_entropy_M is None:
+            return (None,) * 7
+        masked = top_k > 0 or top_p < 1.0
+        # d z / d logits = 1 / temperature (0 outside the set, zeroed below): folded into the (c, 1) upstream grads
+        scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0
+        grad_MV = torch.empty_like(logits_MV)
+        in_place = grad_MV.dtype == torch.float32  # write each chunk's fp32 gradient straight into the result
+        for s in range(0, logits_MV.shape[0], chunk):
+            e = min(s + chunk, logits_MV.shape[0])
+            z_cV = process_logits(logits_MV[s:e], temperature, top_k, top_p)  # (c, V)
+            out_cV = grad_MV[s:e] if in_place else torch.empty_like(z_cV)
+            if grad_entropy_M is None:
+                torch.softmax(z_cV, -1, out=out_cV)  # p, in one kernel (2.4x faster than exp of the log-softmax)
+            else:  # -p_j (log p_j + H) g_H needs log p too
+                torch.log_softmax(z_cV, -1, out=out_cV)
+                term_cV = (_finite(out_cV, masked) + entropy_M[s:e, None]).mul_(-scale * grad_entropy_M[s:e, None])
+                out_cV.exp_()  # p
+                term_cV.mul_(out_cV)
+            if grad_logp_M is not None:  # ([j = t] - p_j) g
+                g_c1 = grad_logp_M[s:e, None] * scale
+                out_cV.mul_(-g_c1).scatter_add_(-1, targets_M[s:e, None], g_c1)
+                if grad_entropy_M is not None:
+                    out_cV.add_(term_cV)
+            else:
+                out_cV.copy_(term_cV)
+            if masked:  # outside the top-k / top-p set the processed logit is a constant -inf: no gradient
+                out_cV.masked_fill_(z_cV == float("-inf"), 0.0)
+            if not in_place:
+                grad_MV[s:e] = out_cV
+        return grad_MV, None, None, None, None, None, None
+
+
+def processed_logprobs(
+    logits_NRV: torch.Tensor,
+    targets_NR: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(target) (n, R), entropy (n, R) or None), fp32, of the processed distribution at every position, in
+    chunks of `chunk` positions. Both are differentiable with respect to the logits; a target outside the top-k /
+    top-p set has log-prob -inf (the caller masks or floors it)."""
+    *lead, V = logits_NRV.shape
+    logits_MV = logits_NRV.reshape(-1, V)
+    logp_M, entropy_M = _ChunkedLogprobs.apply(
+        logits_MV, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk
+    )
+    return logp_M.view(lead), entropy_M.view(lead) if entropy_M is not None else None

@@ -1,0 +1,133 @@
+"""rlhf/logprobs.py: the chunked log-probs and entropy equal the unchunked functions they replace (model/sampler.py's
+processed_logprobs, rlhf/grpo.py's token_entropy of the processed logits) in value and gradient, for temperature,
+top-k, top-p, padded rows and targets outside the top-k / top-p set; nothing of size (positions x V) is saved for
+the backward; the processing is the sampler's, bit for bit."""
+
+import math
+
+import pytest
+import torch
+
+from model import sampler
+from rlhf.grpo import LOGPROB_FLOOR, token_entropy
+from rlhf.logprobs import process_logits, processed_logprobs
+
+SETTINGS = [
+    {},
+    {"temperature": 0.7},
+    {"temperature": 1.6},
+    {"top_k": 20},
+    {"top_p": 0.8},
+    {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+]
+
+
+def logits_targets_mask(n=3, R=7, V=500, seed=0):
+    """Peaked logits (n, R, V); targets mostly among each row's 5 likeliest tokens (inside any top-k / top-p set),
+    some anywhere (often outside); the last row padded after 4 tokens, its padding targets a fixed id."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, R, V, generator=g) * 3
+    top5 = torch.topk(logits, 5, dim=-1).indices  # (n, R, 5)
+    pick = top5.gather(-1, torch.randint(5, (n, R, 1), generator=g)).squeeze(-1)
+    targets = torch.where(torch.rand(n, R, generator=g) < 0.7, pick, torch.randint(V, (n, R), generator=g))
+    mask = torch.ones(n, R, dtype=torch.bool)
+    mask[-1, 4:] = False
+    targets[-1, 4:] = V - 1
+    return logits, targets, mask
+
+
+def objective(logp, entropy, mask, g_logp, g_entropy):
+    """A weighted sum as the GRPO loss forms it: masked tokens replaced by 0, out-of-set log-probs floored."""
+    kept = torch.where(mask, logp, 0.0).clamp(min=LOGPROB_FLOOR)
+    return (g_logp * kept).sum() + (g_entropy * torch.where(mask, entropy, 0.0)).sum()
+
+
+@pytest.mark.parametrize("proc", SETTINGS, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "plain")
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_values_and_gradients_equal_the_unchunked_functions(proc, chunk):
+    logits, targets, mask = logits_targets_mask()
+    g = torch.Generator().manual_seed(1)
+    g_logp, g_entropy = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+
+    x_old = logits.clone().requires_grad_()
+    logp_old = sampler.processed_logprobs(x_old, targets, **proc)
+    entropy_old = token_entropy(sampler.process_logits(x_old, **proc))
+    grad_old, = torch.autograd.grad(objective(logp_old, entropy_old, mask, g_logp, g_entropy), x_old)
+
+    x_new = logits.clone().requires_grad_()
+    logp_new, entropy_new = processed_logprobs(x_new, targets, with_entropy=True, chunk=chunk, **proc)
+    grad_new, = torch.autograd.grad(objective(logp_new, entropy_new, mask, g_logp, g_entropy), x_new)
+
+    if proc.get("top_k") or proc.get("top_p"):
+        assert torch.isinf(logp_old).any() and torch.isfinite(logp_old[mask]).any()  # both kinds of target occur
+    assert torch.equal(torch.isinf(logp_new), torch.isinf(logp_old))
+    torch.testing.assert_close(logp_new, logp_old, rtol=0, atol=1e-6)  # bit for bit today: the same row operations
+    torch.testing.assert_close(entropy_new, entropy_old, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad_new, grad_old, rtol=0, atol=1e-6)
+    assert torch.isfinite(grad_new).all()
+    # log-prob only (the logged entropy is detached): the same gradient as the log-prob branch alone
+    x_lp = logits.clone().requires_grad_()
+    logp_only, entropy_logged = processed_logprobs(x_lp, targets, with_entropy=True, chunk=chunk, **proc)
+    grad_lp, = torch.autograd.grad(objective(logp_only, entropy_logged.detach(), mask, g_logp, g_entropy), x_lp)
+    x_ref = logits.clone().requires_grad_()
+    grad_ref, = torch.autograd.grad(
+        objective(sampler.processed_logprobs(x_ref, targets, **proc), torch.zeros_like(mask, dtype=torch.float),
+                  mask, g_logp, g_entropy), x_ref)
+    torch.testing.assert_close(grad_lp, grad_ref, rtol=0, atol=1e-6)
+
+
+def test_entropy_only_gradient_and_no_entropy_when_not_asked():
+    logits, targets, _ = logits_targets_mask()
+    x = logits.clone().requires_grad_()
+    _, entropy = processed_logprobs(x, targets, top_k=30, chunk=5)
+    assert entropy is None
+    _, entropy = processed_logprobs(x, targets, top_k=30, with_entropy=True, chunk=5)
+    grad, = torch.autograd.grad(entropy.sum(), x)
+    x_old = logits.clone().requires_grad_()
+    grad_old, = torch.autograd.grad(token_entropy(sampler.process_logits(x_old, top_k=30)).sum(), x_old)
+    torch.testing.assert_close(grad, grad_old, rtol=0, atol=1e-6)
+
+
+def test_hand_computed_values():
+    V = 8
+    logits = torch.zeros(1, 2, V)
+    logits[0, 1, :2] = math.log(3.0)  # row 2: tokens 0 and 1 three times as likely as each of the other 6
+    logp, entropy = processed_logprobs(logits, torch.tensor([[5, 0]]), with_entropy=True)
+    assert logp[0, 0] == pytest.approx(-math.log(8)) and entropy[0, 0] == pytest.approx(math.log(8))
+    p = torch.tensor([3.0, 3, 1, 1, 1, 1, 1, 1]) / 12
+    assert logp[0, 1] == pytest.approx(math.log(0.25)) and entropy[0, 1] == pytest.approx(float(-(p * p.log()).sum()))
+    logp, entropy = processed_logprobs(logits, torch.tensor([[5, 0]]), top_k=2, with_entropy=True)  # row 1: a tie
+    assert logp[0, 1] == pytest.approx(math.log(0.5)) and entropy[0, 1] == pytest.approx(math.log(2))
+
+
+def test_bf16_logits_get_a_bf16_gradient_equal_to_the_fp32_one_rounded():
+    logits, targets, _ = logits_targets_mask()
+    x16 = logits.bfloat16().requires_grad_()
+    logp, _ = processed_logprobs(x16, targets, temperature=0.7, chunk=4)
+    assert logp.dtype == torch.float32
+    grad16, = torch.autograd.grad(logp.sum(), x16)
+    x32 = logits.bfloat16().float().requires_grad_()
+    grad32, = torch.autograd.grad(processed_logprobs(x32, targets, temperature=0.7, chunk=4)[0].sum(), x32)
+    assert grad16.dtype == torch.bfloat16 and torch.equal(grad16, grad32.bfloat16())
+
+
+def test_only_the_logits_and_per_position_vectors_are_saved_for_backward():
+    """The unchunked path saved a (positions x V) log-softmax besides the logits; this saves nothing of that size."""
+    logits, targets, _ = logits_targets_mask(V=2000)
+    x = logits.clone().requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        processed_logprobs(x, targets, temperature=0.7, top_k=10, with_entropy=True, chunk=4)
+    big = [t for t in saved if t.numel() >= x[0, 0].numel()]
+    assert len(big) == 1 and big[0].data_ptr() == x.data_ptr(), [tuple(t.shape) for t in big]
+
+
+@pytest.mark.parametrize("proc", SETTINGS[1:], ids=str)
+def test_processing_is_the_samplers_bit_for_bit(proc):
+    logits, _, _ = logits_targets_mask()
+    assert torch.equal(process_logits(logits, **proc), sampler.process_logits(logits, **proc))

@@ -5,8 +5,8 @@ computed exactly as it would be alone (GPT-2's positions are absolute). Each pro
 keys and values copied to its `num_samples` samples: 64 samples of one prompt cost one prefill, not 64.
 
 The token distribution is processed in a fixed order: logits in fp32, divided by the temperature, then top-k,
-then top-p (nucleus) masking. `processed_logprobs` (and rlhf/logprobs.py's chunked copy, which grpo.py's update
-uses) applies exactly the same processing to training-time logits, so the log-probs of a GRPO ratio and KL
+then top-p (nucleus) masking (rlhf/logprobs.py's `process_logits`). `processed_logprobs` here (and rlhf/logprobs.py's
+chunked pass, which grpo.py's update uses) applies exactly the same processing to training-time logits, so the log-probs of a GRPO ratio and KL
 describe the distribution the tokens were drawn from.
 
 Decoding stops per row at the first end token ("\\n", id 198) or EOS (50256); later positions are padding.
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from model.gpt2 import KVCache
+from rlhf.logprobs import process_logits  # the one definition of the processing, shared with the update
 
 END_ID, EOS_ID, PAD_ID = 198, 50256, 50256  # GPT-2's "\n", <|endoftext|>, and the id used for padding
 
@@ -28,25 +29,6 @@ class SampleOutput:
     response_mask: torch.Tensor  # (N, R) bool; True up to and including the first end token
     logprobs: torch.Tensor  # (N, R) fp32 log-prob of each token under the processed distribution; 0 where masked
     has_end: torch.Tensor  # (N,) bool; False when max_new_tokens ran out first
-
-
-def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """fp32 logits (..., V) divided by the temperature, with tokens outside the top-k / top-p set at -inf.
-    temperature 0 means greedy and is treated as 1 here (the log-probs of greedy tokens under the model)."""
-    logits = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 def processed_logprobs(

@@ -17,8 +17,8 @@ constant of the backward, as in the unchunked masked_fill) and H = -sum_j p_j lo
 get no gradient. The entropy is computed from the same log-softmax as the log-prob (one exp more per row), and
 only when asked: logging it every N steps (grpo --entropy_every) makes it free on the other steps.
 
-`process_logits` is the same processing as model/sampler.py's (the sampler's own copy; model/ may not import
-rlhf/, see tests/test_layering.py); tests/test_logprobs.py checks the two agree bit for bit.
+`process_logits` is the one definition of the processing: model/sampler.py draws tokens with it, so the update's
+log-probs describe the distribution the tokens were drawn from.
 """
 
 import torch

@@ -10,7 +10,7 @@ import torch
 
 from model import sampler
 from rlhf.grpo import LOGPROB_FLOOR, token_entropy
-from rlhf.logprobs import process_logits, processed_logprobs
+from rlhf.logprobs import processed_logprobs
 
 SETTINGS = [
     {},
@@ -125,9 +125,3 @@ def test_only_the_logits_and_per_position_vectors_are_saved_for_backward():
         processed_logprobs(x, targets, temperature=0.7, top_k=10, with_entropy=True, chunk=4)
     big = [t for t in saved if t.numel() >= x[0, 0].numel()]
     assert len(big) == 1 and big[0].data_ptr() == x.data_ptr(), [tuple(t.shape) for t in big]
-
-
-@pytest.mark.parametrize("proc", SETTINGS[1:], ids=str)
-def test_processing_is_the_samplers_bit_for_bit(proc):
-    logits, _, _ = logits_targets_mask()
-    assert torch.equal(process_logits(logits, **proc), sampler.process_logits(logits, **proc))

@@ -434,26 +434,15 @@ def collate_sft(
     lengths = [len(r) for r in responses]
     if min(lengths) == 0:
         raise ValueError(f"collate_sft: row {lengths.index(0)} is an empty response")
-    B, P, R = len(responses), prompt_ids.shape[1], max(lengths)
+    B, R = len(responses), max(lengths)
     response_ids = torch.full((B, R), pad_id, dtype=torch.long)  # (B, R)
     response_mask = torch.zeros((B, R), dtype=torch.bool)  # (B, R)
     for i, r in enumerate(responses):
         response_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         response_mask[i, : len(r)] = True
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P+R)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, P+R)
-    # GPT-2 has learned absolute positions: a left-padded row must still see position 0 at its first
-    # real token, or its logits differ from the same row unpadded. Pads get 0: they are masked out of
-    # attention and losses, so their value is irrelevant, and 0 is always a valid position index.
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1) * attention_mask  # (B, P+R)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "response_ids": response_ids,
-        "response_mask": response_mask,
-        "prompt_len": P,
-    }
+    # GPT-2 has learned absolute positions: a left-padded row must still see position 0 at its first real token, or
+    # its logits differ from the same row unpadded (prompt_response_rows counts positions over real tokens only)
+    return prompt_response_rows(prompt_ids, prompt_mask, response_ids, response_mask)
 
 
 def prompt_response_rows(
@@ -471,6 +460,7 @@ def prompt_response_rows(
     response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (n, P'+R')
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # (n, P'+R')
+    # pads get position 0: they are masked out of attention and losses, and 0 is always a valid position index
     position_ids = (attention_mask.long().cumsum(dim=1) - 1) * attention_mask  # (n, P'+R')
     return {
         "input_ids": input_ids,

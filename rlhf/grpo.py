@@ -149,18 +149,25 @@ def select(
 # Advantages
 
 
+# Group statistics are computed in float64 and the advantages returned in fp32. In fp32 the mean of K identical
+# rewards is often a few ulp off the reward itself (the partial sums round), so a group that scored all alike got a
+# small advantage of one sign on every sample instead of 0 (divided by std + eps ~ 1e-4 it reaches 1e-3 to 1e-2) and
+# shifted every other group through the global mean. The rewards are fp32: K * r is exact in float64 for any
+# K < 2**29, so the float64 mean of identical rewards is the reward itself and their advantages are exactly 0.
+
+
 def group_normalize(rewards_BK: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """GRPO outcome advantage (DeepSeekMath, arXiv 2402.03300, section 4.1.2): (r - mean) / (std + eps) within each
-    prompt's group (B, K). std is the sample std (Bessel-corrected), as in TRL."""
-    r = rewards_BK.float()
-    return (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
+    prompt's group (B, K), statistics in float64, result fp32. std is the sample std (Bessel-corrected), as in TRL."""
+    r = rewards_BK.double()
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).float()
 
 
 def group_center(rewards_BK: torch.Tensor) -> torch.Tensor:
-    """Dr. GRPO advantage (Liu et al. 2025, arXiv 2503.20783): r - mean within each group, no std division,
-    which would up-weight prompts whose samples all score alike (too easy or too hard)."""
-    r = rewards_BK.float()
-    return r - r.mean(1, keepdim=True)
+    """Dr. GRPO advantage (Liu et al. 2025, arXiv 2503.20783): r - mean within each group (mean in float64, result
+    fp32), no std division, which would up-weight prompts whose samples all score alike (too easy or too hard)."""
+    r = rewards_BK.double()
+    return (r - r.mean(1, keepdim=True)).float()
 
 
 def global_normalize(

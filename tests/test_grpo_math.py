@@ -143,6 +143,20 @@ def test_group_normalization_by_hand():
     assert torch.equal(group_center(r), torch.tensor([[-1.5, -0.5, 0.5, 1.5], [0.0, 0.0, 0.0, 0.0]]))
 
 
+@pytest.mark.parametrize("K", [8, 16, 64])
+def test_a_group_that_scored_all_alike_gets_exactly_zero_advantage(K):
+    """2,000 groups of K identical fp32 rewards: every advantage is exactly 0. Statistics in fp32 (what the same
+    formula gives without float64) leave hundreds of those groups a few ulp off, which divided by std + eps becomes
+    an advantage of one sign on every sample of the group."""
+    g = torch.Generator().manual_seed(0)
+    r = (torch.randn(2000, 1, generator=g) * 3).expand(2000, K).contiguous()  # (groups, K) fp32, rows all alike
+    assert torch.equal(group_normalize(r), torch.zeros(2000, K))
+    assert torch.equal(group_center(r), torch.zeros(2000, K))
+    fp32 = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)
+    assert int((fp32 != 0).any(1).sum()) > 100  # the fp32 statistics this replaces
+    assert group_normalize(r).dtype == torch.float32
+
+
 def test_global_normalization_by_hand():
     a = torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3, population var (4 + 1 + 0 + 9) / 4 = 3.5
     out = global_normalize(a, eps=0.0)

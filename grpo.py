@@ -14,12 +14,15 @@ One step (DeepSeekMath, arXiv 2402.03300, section 4); main() runs 0, 1, 8 and 9,
     3. score              every reward source (--rewards) on the samples it applies to: the reward model (penalty
                           for no end token in raw RM units, then gain/bias) and functions of the text (whitened
                           over the global batch); their weighted sum is the reward (rlhf/rewards.py)
-    4. select             K = num_kept of G per prompt (RSO rejection sampling at temperature beta_rs, ...)
-    5. advantages         group normalization over the K selected, then over the whole batch across ranks
+    4. select             K = num_kept of G per prompt (RSO rejection sampling at temperature beta_rs, ...); with
+                          --min_group_std the groups whose kept rewards tie are dropped (DAPO's dynamic sampling)
+    5. advantages         group normalization over the K selected (float64 statistics), then over the whole batch
+                          across ranks; with --kl_in reward after beta x the KL estimate leaves each reward
     6. reference          log-probs of the selected responses under the frozen reference policy (with LoRA: the
                           policy with its adapters off); with mu > 1 also the sampling policy's
-    7. update             clipped ratio + beta * k3 KL - entropy_coef * entropy, response tokens only, loss / global
-                          normaliser; mu = --policy_epochs optimizer steps per batch of rollouts
+    7. update             clipped ratio (per token, or per sequence: --importance_level) x the rollout correction
+                          + beta * KL estimate (--kl_estimator) - entropy_coef * entropy, response tokens only, loss /
+                          global normaliser; mu = --policy_epochs optimizer steps per batch of rollouts
     8. log, evaluate      one line of metrics per step; every --eval_every steps the evaluation
     9. checkpoint
 
@@ -43,7 +46,10 @@ from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_tabl
 from model.lora import LoRAConfig, trainable_summary
 from model.sampler import SampleOutput
 from model.weights import model_config, save_export
-from rlhf.grpo import AGGREGATIONS, advantages, entropy_bonus, grpo_token_loss, penalize_missing_end, select
+from rlhf.grpo import (
+    AGGREGATIONS, advantages, entropy_bonus, grpo_token_loss, informative_groups, mismatch_stats, penalize_missing_end,
+    rollout_correction, select, sequence_kl,
+)
 from rlhf.logprobs import processed_logprobs
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards, source_stats
 from rollouts.models import Models, build_models, refresh_reference
@@ -122,6 +128,10 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
     """K: samples kept per prompt for the update (ignored by --selection all)."""
     beta_rs: float = 2.0
     """RSO temperature: acceptance probability exp((r - r_max) / beta_rs) on normalized rewards."""
+    min_group_std: float = 0.0
+    """Dynamic sampling (DAPO, arXiv 2503.14476): drop the groups whose K kept rewards have a std (float64) below
+    this, measured after selection; they would have advantage ~0 and only dilute the batch. The batch shrinks (the
+    share dropped is logged as sample/dropped_group_fraction); no other prompts are drawn. 0 keeps every group."""
     # --- advantages and loss
     scale_by_std: bool = True
     """Divide by the group's std in group normalization; false gives Dr. GRPO's r - mean (arXiv 2503.20783)."""
@@ -134,8 +144,30 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
     """Clip the ratio below at 1 - eps_low."""
     eps_high: float = 0.2
     """Clip the ratio above at 1 + eps_high (DAPO's clip-higher uses 0.28)."""
+    importance_level: Literal["token", "sequence"] = "token"
+    """token: one ratio pi/pi_old per token (GRPO); sequence: GSPO's (arXiv 2507.18071) one ratio per response,
+    exp(mean over its tokens of the log-ratio), clipped per sequence, each sequence counting once whatever its
+    length under every --loss_type. GSPO clips much tighter (eps_low 3e-4, eps_high 4e-4 in the paper)."""
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    """Correct the policy loss for the sampler / trainer mismatch, rho = exp(training-forward log-prob - sampler
+    log-prob) at the sampling weights: tis multiplies it by min(rho, cap) (truncated importance sampling), mis by
+    rho, or 0 beyond the cap (masked); per token, or per sequence with --importance_level sequence. The mismatch is
+    logged whatever this is (train/mismatch/*)."""
+    rollout_correction_cap: float = 3.0
+    """The cap of --rollout_correction (> 0)."""
     beta: float = 0.04
-    """Weight of the k3 KL to the reference policy (also the beta of the implicit reward in evaluation)."""
+    """Weight of the KL to the reference policy (also the beta of the implicit reward in evaluation)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(pi || pi_ref), log r = ref - logp: k1 = -log r, k2 = (log r)^2 / 2,
+    k3 = r - 1 - log r (DeepSeekMath's). As a loss term k2's gradient is unbiased, k3's is the forward KL's and k1's
+    is 0 in expectation (arXiv 2512.21852; docs/grpo.md)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where beta x KL goes: loss (a per-token term of the loss) or reward (beta x the response's summed estimate,
+    detached, subtracted from its reward before group normalization; with k1 the unbiased policy-gradient choice).
+    Selection uses the reward without it."""
+    kl_ratio: bool = False
+    """Multiply the loss's KL estimate by the ratio pi/pi_old (pi_old detached, value 1 when on-policy): the
+    gradient-corrected estimator, whose gradient is unbiased for k1 and k3 (--kl_in loss only)."""
     policy_epochs: int = 1
     """mu: optimizer steps over each batch of rollouts. The ratio's old log-probs are the sampling policy's,
     computed once before the first step (ratio exactly 1 there); 1: the detached current ones (ratio 1 in value)."""
@@ -201,7 +233,8 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
         if any(s.fn is None for s in self.sources()):
             require_nonempty(self, "reward_model")
         self.validate_shared()  # --model, data, run, optimisation and LoRA options
-        for name in ("ref_refresh_every", "entropy_coef", "entropy_every", "eps_low", "eps_high", "beta", "pref_rows"):
+        for name in ("ref_refresh_every", "entropy_coef", "entropy_every", "eps_low", "eps_high", "beta", "pref_rows",
+                     "min_group_std"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
         for name in (
@@ -220,6 +253,10 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
             raise ConfigError(f"--beta_rs must be > 0, got {self.beta_rs}")
         if self.kept < 2 and self.scale_by_std:
             raise ConfigError("group normalization with std scaling needs at least 2 kept samples per prompt")
+        if not self.rollout_correction_cap > 0:
+            raise ConfigError(f"--rollout_correction_cap must be > 0, got {self.rollout_correction_cap}")
+        if self.kl_ratio and self.kl_in != "loss":
+            raise ConfigError("--kl_ratio weights the loss's KL term: it needs --kl_in loss, got --kl_in reward")
         if not self.temperature > 0:
             raise ConfigError(f"--temperature must be > 0 (greedy evaluation: --eval_greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1 or self.top_k < 0:
@@ -272,6 +309,27 @@ def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_
     return batches
 
 
+def kept_advantages(rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Advantages (B*K,): those of the kept groups (`keep_B`), globally normalized over the kept groups of every rank
+    only; 0 for the groups dynamic sampling dropped (--min_group_std), which are not trained on."""
+    adv_BK = torch.zeros(rewards_BK.shape, dtype=torch.float32, device=rewards_BK.device)
+    adv_N = advantages(rewards_BK[keep_B], cfg.scale_by_std, cfg.global_norm, all_reduce_sum)  # (kept groups * K,)
+    adv_BK[keep_B] = adv_N.view(-1, rewards_BK.shape[1])
+    return adv_BK.flatten()
+
+
+def pad_micro_batches(batches: list[dict], filler_source: dict, device) -> list[dict]:
+    """`batches` followed by filler micro-batches up to the largest count of any rank. Every rank must run as many
+    forward / backward passes as the others (each gathers and reduces FSDP shards): with --min_group_std the
+    ranks can keep different numbers of groups. A filler is one row of `filler_source` with an empty response
+    mask: weight 0, nothing added to any normaliser or sum."""
+    n_micro = int(all_reduce_max(float(len(batches)), device))
+    filler = {k: (v[:1] if torch.is_tensor(v) else v) for k, v in filler_source.items()}
+    filler["response_mask"] = torch.zeros_like(filler["response_mask"])
+    filler["advantages"], filler["filler"] = torch.zeros_like(filler["advantages"]), True
+    return batches + [dict(filler) for _ in range(n_micro - len(batches))]
+
+
 def response_logits(model, batch: dict) -> torch.Tensor:
     """Logits (n, R, V) at the columns P-1 .. P+R-2 that predict the response tokens."""
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
@@ -290,14 +348,16 @@ def add_logprobs(model, batches: list[dict], key: str, cfg: Config, gather: bool
 
 
 # Per-token sums of one epoch of the update, summed over micro-batches and ranks
-UPDATE_SUMS = ("loss", "kl", "clipped", "entropy", "sampler_gap", "outside_support", "tokens", "ratio_deviation")
+UPDATE_SUMS = ("loss", "kl", "clipped", "entropy", "sampler_gap", "outside_support", "tokens", "ratio_deviation",
+               "mismatch_tokens", "mismatch_outside", "mismatch_gap", "corrected")
 
 
 def micro_batch_loss(
     policy, batch: dict, w: torch.Tensor, cfg: Config, with_entropy: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(w * per-token loss) of one micro-batch (with its graph) and its UPDATE_SUMS (no graph). The entropy is
-    computed when it is a bonus or `with_entropy` (else its sum is 0)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sum(w * per-token loss) of one micro-batch (with its graph), its UPDATE_SUMS and the largest |log gap| between
+    the training forward and the sampler (no graph). The entropy is computed when it is a bonus or `with_entropy`
+    (else its sum is 0)."""
     mask = batch["response_mask"]
     logits = response_logits(policy, batch)  # (n, R, V)
     # the processed log-probs and the entropy of what is sampled (temperature, top-k and top-p applied) in one
@@ -307,13 +367,21 @@ def micro_batch_loss(
     # mu = 1: old = current, detached, so the ratio is 1 in value and d ratio = d logp (trl PR #2565);
     # mu > 1: the sampling policy's log-probs, so the ratio moves away from 1 after the first step
     old = logp.detach() if cfg.policy_epochs == 1 else batch["old_logprobs"]
-    loss_NT, stats = grpo_token_loss(logp, old, batch["ref_logprobs"], batch["advantages"], mask, cfg.eps_low,
-                                     cfg.eps_high, cfg.beta)
+    # the sampler / trainer mismatch at the sampling weights: `old` is the training forward's, the tokens were drawn
+    # with the sampler's own log-probs; --rollout_correction reweights the policy term by their ratio
+    correction, corrected = rollout_correction(old, batch["sampler_logprobs"], mask, cfg.rollout_correction,
+                                               cfg.rollout_correction_cap, cfg.importance_level)
+    loss_NT, stats = grpo_token_loss(
+        logp, old, batch["ref_logprobs"], batch["advantages"], mask, cfg.eps_low, cfg.eps_high,
+        cfg.beta if cfg.kl_in == "loss" else 0.0, cfg.kl_estimator, cfg.kl_ratio, cfg.importance_level, w,
+        correction if cfg.rollout_correction != "none" else None,
+    )
     if cfg.entropy_coef > 0:
         loss_NT = entropy_bonus(loss_NT, entropy, mask, cfg.entropy_coef)
     loss = (w * loss_NT).sum()
     with torch.no_grad():
         zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+        mismatch = mismatch_stats(old, batch["sampler_logprobs"], mask)  # tokens, outside the band, sum |gap|, max
         in_support = mask & torch.isfinite(logp)  # outside: a token the training forward's top-k/top-p set excludes
         gap = torch.where(in_support, (logp.detach() - batch["sampler_logprobs"]).abs(), 0.0)
         sums = torch.stack([
@@ -321,8 +389,9 @@ def micro_batch_loss(
             (entropy.detach() * mask).sum().double() if with_entropy else zero, gap.sum().double(),
             (mask & ~in_support).sum().double(),
             mask.sum().double(), stats["ratio_deviation"].sum().double(),
+            *mismatch[:3], corrected.sum().double(),
         ])
-    return loss, sums
+    return loss, sums, mismatch[3]
 
 
 def policy_update(
@@ -338,18 +407,21 @@ def policy_update(
     size and micro-batch size."""
     weigh = AGGREGATIONS[cfg.loss_type]
     weights = [weigh(b["response_mask"], cfg.max_new_tokens) for b in batches]
-    normaliser = all_reduce_sum(sum(z for _, z in weights).to(device).double()).float()
+    normaliser = all_reduce_sum(sum((z for _, z in weights), torch.zeros(())).to(device).double()).float()
+    if float(normaliser) == 0:  # --min_group_std dropped every group of every rank: no step, on every rank alike
+        return {"train/skipped": 1.0, "train/lr": scheduler.get_last_lr()[0]}
     sums = torch.zeros(cfg.policy_epochs, len(UPDATE_SUMS), dtype=torch.float64, device=device)
-    grad_norm, skipped = 0.0, 0
+    grad_norm, skipped, gap_max = 0.0, 0, torch.zeros((), dtype=torch.float64, device=device)
     log_entropy = cfg.entropy_coef > 0 or (cfg.entropy_every > 0 and step % cfg.entropy_every == 0)
     for epoch in range(cfg.policy_epochs):
         epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
         for i, (batch, (w, _)) in enumerate(zip(batches, weights)):
             set_gradient_sync(policy, i == len(batches) - 1)
-            loss, micro_sums = micro_batch_loss(policy, batch, w, cfg, log_entropy)
+            loss, micro_sums, micro_gap_max = micro_batch_loss(policy, batch, w, cfg, log_entropy)
             (loss * world / normaliser).backward()
             epoch_loss += loss.detach().double()
             sums[epoch] += micro_sums
+            gap_max = torch.maximum(gap_max, micro_gap_max)
         epoch_grad_norm = clip_grad_norm(policy, cfg.grad_clip)
         grad_norm += epoch_grad_norm
         if guard is None or guard.ok(step, {"train/loss": float(epoch_loss), "train/grad_norm": epoch_grad_norm}):
@@ -371,7 +443,13 @@ def policy_update(
         "train/grad_norm": grad_norm / mu,
         "train/lr": scheduler.get_last_lr()[0],
         "train/skipped": skipped / mu,
+        # sampler / trainer mismatch at the sampling weights (token ratio exp(train - sampler) outside [0.9, 1.1])
+        "train/mismatch/outside_band_fraction": total["mismatch_outside"] / max(total["mismatch_tokens"], 1.0),
+        "train/mismatch/mean_abs_log_gap": total["mismatch_gap"] / max(total["mismatch_tokens"], 1.0),
+        "train/mismatch/max_abs_log_gap": all_reduce_max(float(gap_max), device),
     }
+    if cfg.rollout_correction != "none":  # response tokens whose weight was truncated (tis) or masked (mis)
+        metrics["train/rollout_correction_fraction"] = total["corrected"] / tokens
     if log_entropy:
         metrics["train/entropy"] = total["entropy"] / tokens
     if mu > 1:  # how far each update moved from the sampling policy: epoch 1 is exactly 0
@@ -384,8 +462,9 @@ def policy_update(
 @dataclass
 class StepResult:
     """What one GRPO step produced on this rank: G samples per prompt and their Scores, the kept columns (B, K) and
-    rows (B, K) of the samples, selection stats, the kept rewards (B, K) and advantages (B*K,), the training
-    micro-batches, the update's global metrics and each stage's seconds."""
+    rows (B, K) of the samples, selection stats, the kept rewards (B, K) and advantages (B*K,, 0 in dropped groups),
+    the training micro-batches, the update's global metrics, each stage's seconds, which groups were trained on
+    (B,) (all but those --min_group_std dropped) and beta x KL taken from each kept reward with --kl_in reward."""
 
     samples: SampleOutput
     scores: Scores
@@ -397,6 +476,8 @@ class StepResult:
     batches: list[dict]
     update: dict
     seconds: dict
+    trained_B: torch.Tensor
+    kl_penalty_BK: torch.Tensor
 
 
 def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: RewardSpec, cfg: Config, step: int,
@@ -415,21 +496,42 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
     with timer("select"):
         idx_BK, rs = select(scores.total.view(-1, G), cfg.selection, cfg.kept, cfg.beta_rs, generator)  # (B, K)
         rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]  # (B, K) rows of N
+        # dynamic sampling (--min_group_std): drop the groups whose kept rewards (nearly) tie
+        keep_B = informative_groups(scores.total[rows_BK], cfg.min_group_std)  # (B,)
     # 5. advantages: group normalization over the *selected* samples, then over the global batch (all ranks)
     with timer("advantages"):
         rewards_BK = scores.total[rows_BK]  # (B, K)
-        adv = advantages(rewards_BK, cfg.scale_by_std, cfg.global_norm, all_reduce_sum)  # (B*K,)
-        batches = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten(), adv, G, cfg.micro_batch_size)
+        adv = kept_advantages(rewards_BK, keep_B, cfg)  # (B*K,)
+        kept_N = keep_B.repeat_interleave(cfg.kept)  # (B*K,)
+        batches = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten()[kept_N], adv[kept_N], G,
+                                         cfg.micro_batch_size)
+        if cfg.min_group_std > 0:  # as many micro-batches on every rank, whatever each kept
+            filler_source = batches[0] if batches else build_training_batches(
+                prompts.ids, prompts.mask, samples, rows_BK.flatten()[:1], adv[:1], G, 1)[0]
+            batches = pad_micro_batches(batches, filler_source, device)
     # 6. reference log-probs (frozen, parameters gathered once; with LoRA the policy with adapters off); with mu > 1
-    #    also the sampling policy's (the weights that generated), from the training forward so the first ratio is 1
+    #    or the KL in the reward also the sampling policy's (the weights that generated), from the training forward so
+    #    the first ratio is 1
     with timer("reference"):
         add_logprobs(models.reference, batches, "ref_logprobs", cfg, gather=True)
-        if cfg.policy_epochs > 1:
+        if cfg.policy_epochs > 1 or cfg.kl_in == "reward":
             add_logprobs(models.policy, batches, "old_logprobs", cfg, gather=False)
+    # 5'. --kl_in reward: beta x the response's KL estimate leaves its reward, and the advantages are recomputed
+    kl_penalty_BK = torch.zeros_like(rewards_BK)
+    if cfg.kl_in == "reward":
+        with timer("advantages"):
+            real = [b for b in batches if not b.get("filler")]
+            kl_N = torch.cat([sequence_kl(b["old_logprobs"], b["ref_logprobs"], b["response_mask"], cfg.kl_estimator)
+                              for b in real]) if real else rewards_BK.new_zeros(0)  # (kept rows,)
+            kl_penalty_BK[keep_B] = cfg.beta * kl_N.float().view(-1, cfg.kept)
+            adv = kept_advantages(rewards_BK - kl_penalty_BK, keep_B, cfg)
+            for s, b in zip(range(0, len(kl_N), cfg.micro_batch_size), real):
+                b["advantages"] = adv[kept_N][s : s + cfg.micro_batch_size]
     # 7. update the policy; a non-finite loss or gradient norm stops the run, or skips the optimizer step
     with timer("update"):
         update = policy_update(models.policy, optimizer, scheduler, batches, cfg, world, device, guard, step + 1)
-    return StepResult(samples, scores, idx_BK, rows_BK, rs, rewards_BK, adv, batches, update, dict(timer.seconds))
+    return StepResult(samples, scores, idx_BK, rows_BK, rs, rewards_BK, adv, batches, update, dict(timer.seconds), keep_B,
+                      kl_penalty_BK)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -452,7 +554,8 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg: Config, per_row_sources: 
     n_prompts, visited, rounds, ended, generated, kept_len, train_tokens = all_reduce_sum(torch.stack([
         torch.tensor(float(r.idx_BK.shape[0]), dtype=torch.float64, device=device), r.selection["visited"].double().sum(),
         r.selection["rounds"].double().sum(), r.samples.has_end.double().sum(), r.samples.response_mask.double().sum(),
-        r.samples.response_mask[rows_N].double().sum(), sum(b["attention_mask"].sum() for b in r.batches).double(),
+        r.samples.response_mask[rows_N].double().sum(),
+        sum((b["attention_mask"].sum() for b in r.batches if not b.get("filler")), torch.zeros((), device=device)).double(),
     ])).tolist()
     n_samples = n_prompts * G
     metrics = {
@@ -468,6 +571,12 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg: Config, per_row_sources: 
         "perf/update_tokens_per_second": train_tokens * cfg.policy_epochs / r.seconds["update"],
         "perf/generated_tokens": generated,
     }
+    if cfg.min_group_std > 0:  # dynamic sampling: the share of groups whose kept rewards tied, not trained on
+        metrics["sample/dropped_group_fraction"] = 1.0 - float(all_reduce_sum(r.trained_B.double().sum())) / n_prompts
+    if cfg.kl_in == "reward":  # beta x the summed KL estimate taken from each trained sample's reward
+        penalty = r.kl_penalty_BK[r.trained_B].double()
+        count, total = all_reduce_sum(torch.stack([penalty.new_tensor(float(penalty.numel())), penalty.sum()])).tolist()
+        metrics["reward/kl_penalty_mean"] = total / max(count, 1.0)
     if r.scores.raw is not None:
         metrics["reward/raw_mean"], metrics["reward/raw_std"] = global_mean_std(r.scores.raw)
     # every source on the samples it applies to, before whitening (the reward model's: penalty, gain/bias)

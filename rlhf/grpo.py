@@ -17,6 +17,7 @@ gain * missing_end_penalty.
 Shapes: B prompts, G samples per prompt, K selected, N = B * K sequences, T response tokens.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -170,6 +171,16 @@ def group_center(rewards_BK: torch.Tensor) -> torch.Tensor:
     return (r - r.mean(1, keepdim=True)).float()
 
 
+def informative_groups(rewards_BK: torch.Tensor, min_std: float) -> torch.Tensor:
+    """DAPO's dynamic sampling filter (arXiv 2503.14476, eq. 11), as a threshold: True (B,) for the groups whose kept
+    rewards have a sample std (float64) of at least `min_std`. A group that scored all alike has advantage 0 and only
+    dilutes the batch; continuous reward-model rewards rarely tie exactly, hence a threshold rather than equality.
+    min_std = 0 keeps every group."""
+    if min_std <= 0:
+        return torch.ones(rewards_BK.shape[0], dtype=torch.bool, device=rewards_BK.device)
+    return rewards_BK.double().std(1) >= min_std
+
+
 def global_normalize(
     advantages: torch.Tensor,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
@@ -220,6 +231,43 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=KL_CLAMP)
 
 
+# KL estimators (Schulman, "Approximating KL divergence", 2020) of KL(pi || pi_ref) per token, with samples from pi
+# and log r = ref - logp: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. k1 and k3 are unbiased in value; what
+# the update uses is their gradient (arXiv 2512.21852 compares them). Differentiated as a loss term, on-policy:
+#   k1:  E[grad k1] = E[grad logp] = 0: no pull towards the reference at all
+#   k2:  E[grad k2] = E[(logp - ref) grad logp] = grad KL(pi || pi_ref): unbiased
+#   k3:  E[grad k3] = -sum_y pi_ref(y) grad logp(y) = grad KL(pi_ref || pi): the *forward* KL's gradient (biased)
+# and in the reward (detached, through the policy gradient), k1 gives E[k1 grad logp] = grad KL(pi || pi_ref).
+# Weighting k1 or k3 by the ratio rho = pi / pi_old (pi_old detached; value 1 on-policy) makes the loss term an
+# importance-sampled estimate of KL(pi || pi_ref) whose gradient is unbiased: E_old[grad(rho k)] = grad E_pi[k].
+# tests/test_grpo_math.py checks each of these on a toy categorical policy.
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) (any shape) by `estimator` (one of KL_ESTIMATORS): k1 = logp - ref,
+    k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1. Log-ratios are clamped to +-LOG_RATIO_CLAMP
+    and the estimate to +-KL_CLAMP (k1 can be negative; k2 and k3 are >= 0)."""
+    if estimator == "k3":
+        return k3_kl(logp, ref_logp)
+    log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return (-log_ratio).clamp(-KL_CLAMP, KL_CLAMP)
+    if estimator == "k2":
+        return (0.5 * log_ratio * log_ratio).clamp(max=KL_CLAMP)
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+def sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str) -> torch.Tensor:
+    """KL estimate of each whole response (N,): the sum over its tokens (`mask`) of `estimator`'s per-token
+    estimate, log-probs floored at LOGPROB_FLOOR as in the loss; times beta, the penalty that --kl_in reward
+    subtracts from the response's reward (InstructGPT-style, there with k1 per token)."""
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    logp = torch.where(mask, logp, zero).clamp(min=LOGPROB_FLOOR)
+    ref_logp = torch.where(mask, ref_logp, zero).clamp(min=LOGPROB_FLOOR)
+    return torch.where(mask, kl_estimate(logp, ref_logp, estimator), zero).sum(1)
+
+
 def clipped_surrogate(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,6 +281,77 @@ def clipped_surrogate(
     return -torch.minimum(unclipped, clipped), is_clipped
 
 
+def sequence_clipped_surrogate(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages_N: torch.Tensor, mask: torch.Tensor, eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO's sequence-level clipped objective (arXiv 2507.18071, eqs. 5-7), negated to a loss (N,):
+    -min(s A, clip(s, 1 - eps_low, 1 + eps_high) A) with s = exp(mean over the response's tokens of
+    (logp - old_logp)), one ratio per sequence, clipped per sequence. logp and old_logp (N, T) must be 0 (finite)
+    where `mask` is False. Returns the loss, whether each sequence is clipped, and s (N,)."""
+    m = mask.float()
+    log_s = ((logp - old_logp) * m).sum(1) / m.sum(1).clamp(min=1.0)  # (N,) length-normalised log-ratio
+    s = torch.exp(log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = s * advantages_N
+    clipped = s.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages_N
+    return -torch.minimum(unclipped, clipped), clipped < unclipped, s
+
+
+def spread_sequence_loss(loss_N: torch.Tensor, weights_NT: torch.Tensor) -> torch.Tensor:
+    """A per-sequence loss (N,) as a per-token one (N, T) that the aggregation's token weights w turn back into
+    exactly loss_i: loss_i / sum_t w_it on each weighted token, so sum_t w_it * out_it = loss_i. Every sequence then
+    counts once, with weight 1 / Z, under every --loss_type. (Broadcasting loss_i to every token instead makes
+    sum_t w_it * loss_i = |o_i| * loss_i under the token-sum aggregations: a long response would weigh more.)"""
+    seq_weight = weights_NT.sum(1, keepdim=True)  # (N, 1)
+    return torch.where(weights_NT > 0, loss_N[:, None] / seq_weight.clamp(min=1e-12), 0.0)
+
+
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+MISMATCH_BAND = (0.9, 1.1)  # a token whose trainer / sampler probability ratio lies outside counts as mismatched
+
+
+def rollout_correction(
+    train_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, method: str, cap: float, level: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights (detached) that correct the policy loss for the sampler / trainer mismatch: the tokens were
+    drawn from the sampler's distribution (its own log-probs, e.g. a KV-cache or bf16 inference path), the loss is
+    that of the trainer's (the training forward at the same weights); rho = exp(train_logp - sampler_logp).
+
+        tis  truncated importance sampling: w = min(rho, cap)              (Yao et al. 2025, "off-policy RL" note)
+        mis  masked importance sampling:    w = rho if rho <= cap else 0   (tokens / sequences beyond the cap drop)
+
+    `level` "token": one rho per token, weights (N, T); "sequence": rho = exp(mean over the response of the log
+    gap), GSPO's length-normalised ratio, one weight per sequence (N, 1). Returns the weights (1 where masked and
+    for method "none") and where they differ from rho (N, T) (truncated or masked; False for "none")."""
+    if method not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {method!r}; expected one of {ROLLOUT_CORRECTIONS}")
+    m = mask & torch.isfinite(train_logp) & torch.isfinite(sampler_logp)
+    gap = torch.where(m, train_logp - sampler_logp, 0.0).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (N, T)
+    if level == "sequence":
+        gap = (gap.sum(1) / m.sum(1).clamp(min=1)).unsqueeze(1)  # (N, 1)
+    elif level != "token":
+        raise ValueError(f"unknown importance level {level!r}; expected token or sequence")
+    rho = torch.exp(gap)
+    if method == "none":
+        return torch.ones_like(rho), torch.zeros_like(mask)
+    beyond = rho > cap
+    w = rho.clamp(max=cap) if method == "tis" else torch.where(beyond, 0.0, rho)
+    return w, beyond.expand_as(mask) & mask
+
+
+def mismatch_stats(train_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sampler / trainer mismatch of one micro-batch, over its response tokens where both log-probs are finite:
+    fp64 [tokens, tokens whose exp(train_logp - sampler_logp) lies outside MISMATCH_BAND, sum of |log gap|, max of
+    |log gap|] (sums reduce over ranks by summing, the max by max). The mean alone hides a tail of mismatched
+    tokens, hence the share outside the band and the max."""
+    m = mask & torch.isfinite(train_logp) & torch.isfinite(sampler_logp)
+    gap = torch.where(m, train_logp.double() - sampler_logp.double(), 0.0)
+    lo, hi = math.log(MISMATCH_BAND[0]), math.log(MISMATCH_BAND[1])
+    outside = m & ((gap < lo) | (gap > hi))
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    return torch.stack([m.sum().double(), outside.sum().double(), gap.abs().sum(), gap.abs().max() if m.any() else zero])
+
+
 def grpo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -242,21 +361,46 @@ def grpo_token_loss(
     eps_low: float,
     eps_high: float,
     beta: float,
+    kl_estimator: str = "k3",
+    kl_ratio: bool = False,
+    importance_level: str = "token",
+    weights_NT: torch.Tensor | None = None,
+    correction: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token GRPO loss (N, T), 0 on masked tokens: clipped surrogate + beta * k3 KL.
+    """Per-token GRPO loss (N, T), 0 on masked tokens: policy term + beta * KL estimate.
+
+    The policy term is the clipped surrogate with one ratio per token (`importance_level` "token"), or GSPO's with
+    one length-normalised ratio per sequence ("sequence": spread over the tokens with the aggregation's token
+    weights `weights_NT`, so each sequence counts once whatever its length), times the rollout `correction`
+    weights when given ((N, T) or (N, 1), detached). The KL estimate is `kl_estimator`'s (KL_ESTIMATORS), times
+    the ratio pi / pi_old (pi_old detached) with `kl_ratio`; beta = 0 when the KL is in the reward instead.
 
     Masked positions are replaced by 0 before any arithmetic: their log-probs can be -inf (padding outside a
     top-k set), and -inf * 0 would be NaN in the value and in the gradient. Response tokens outside a top-k /
     top-p set are floored (see above). Returns the loss and per-token `kl`, `clipped` and `ratio_deviation`
-    |rho - 1| (N, T), detached and masked, for logging (rho is exactly 1 in the first of mu > 1 updates)."""
+    |rho - 1| (N, T), detached and masked, for logging (rho is exactly 1 in the first of mu > 1 updates; at
+    sequence level the sequence's ratio and clipping on each of its tokens)."""
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     logp = torch.where(mask, logp, zero).clamp(min=LOGPROB_FLOOR)
     old_logp = torch.where(mask, old_logp, zero).clamp(min=LOGPROB_FLOOR)
     ref_logp = torch.where(mask, ref_logp, zero).clamp(min=LOGPROB_FLOOR)
-    surrogate, is_clipped = clipped_surrogate(logp, old_logp, advantages_N[:, None], eps_low, eps_high)
-    kl = k3_kl(logp, ref_logp)
-    loss = torch.where(mask, surrogate + beta * kl, zero)
-    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+    token_ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if importance_level == "token":
+        surrogate, is_clipped = clipped_surrogate(logp, old_logp, advantages_N[:, None], eps_low, eps_high)
+        ratio = token_ratio.detach()
+    elif importance_level == "sequence":
+        if weights_NT is None:
+            raise ValueError("the sequence-level importance ratio needs the aggregation's token weights")
+        loss_N, clipped_N, s_N = sequence_clipped_surrogate(logp, old_logp, advantages_N, mask, eps_low, eps_high)
+        surrogate = spread_sequence_loss(loss_N, weights_NT)
+        is_clipped, ratio = clipped_N[:, None].expand_as(mask), s_N[:, None].detach().expand_as(logp)
+    else:
+        raise ValueError(f"unknown importance level {importance_level!r}; expected token or sequence")
+    if correction is not None:
+        surrogate = surrogate * correction
+    kl = kl_estimate(logp, ref_logp, kl_estimator)
+    kl_term = token_ratio * kl if kl_ratio else kl
+    loss = torch.where(mask, surrogate + beta * kl_term, zero)
     return loss, {
         "kl": (kl * mask).detach(), "clipped": (is_clipped & mask), "ratio_deviation": ((ratio - 1.0).abs() * mask),
     }
@@ -266,13 +410,15 @@ def grpo_token_loss(
 # Aggregation: every variant is sum_{i,t} w_it * loss_it / Z, with token weights w that depend on the mask only
 # and a normaliser Z that is a sum over sequences. So Z can be summed over micro-batches and ranks before any
 # backward pass, and the gradient does not depend on how the batch is split. Each returns (w (N, T), Z part).
+# A row without response tokens (the filler micro-batches that keep ranks in step when --min_group_std dropped
+# groups) has w = 0 and adds nothing to Z.
 
 
 def grpo_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`grpo` (DeepSeekMath eq. 3): mean over each sequence's tokens, then mean over sequences:
     w_it = 1 / |o_i|, Z = number of sequences."""
     m = mask.float()
-    return m / m.sum(1, keepdim=True).clamp(min=1.0), torch.tensor(float(mask.shape[0]), device=mask.device)
+    return m / m.sum(1, keepdim=True).clamp(min=1.0), mask.any(1).sum().float()
 
 
 def token_mean_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,7 +431,7 @@ def token_mean_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.T
 def dr_grpo_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`dr_grpo` (Dr. GRPO, arXiv 2503.20783): no per-sequence 1/|o_i|; a constant normaliser
     Z = number of sequences x max_new_tokens, w_it = 1."""
-    return mask.float(), torch.tensor(float(mask.shape[0] * max_new_tokens), device=mask.device)
+    return mask.float(), mask.any(1).sum().float() * max_new_tokens
 
 
 AGGREGATIONS: dict[str, Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]] = {

@@ -1,0 +1,291 @@
+"""The GRPO objective options (docs/grpo.md, "Objective options"): GSPO's sequence-level ratio, the sampler / trainer
+mismatch and its rollout correction, the KL estimators and where the KL goes, dynamic sampling. Each against values
+worked by hand or exact expectations on a toy categorical policy, then each end to end in a two-process gloo run of
+grpo.py on the embedded task."""
+
+import math
+
+import pytest
+import torch
+
+from rlhf.grpo import (
+    AGGREGATIONS,
+    dr_grpo_weights,
+    grpo_token_loss,
+    grpo_weights,
+    informative_groups,
+    kl_estimate,
+    mismatch_stats,
+    rollout_correction,
+    sequence_clipped_surrogate,
+    sequence_kl,
+    spread_sequence_loss,
+)
+from tests.conftest import run_script
+from tests.helpers import end_biased_policy, read_metrics
+
+
+def ragged_mask(lengths, T):
+    return torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def aggregate(loss, mask, name, max_new_tokens=6):
+    w, z = AGGREGATIONS[name](mask, max_new_tokens)
+    return (w * loss).sum() / z
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Sequence-level importance ratio (GSPO, arXiv 2507.18071)
+
+
+def test_sequence_ratio_and_its_clipping_by_hand():
+    mask = ragged_mask([2, 3], 3)
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]])
+    old = torch.tensor([[-1.2, -2.4, 0.0], [-1.0, -1.0, -1.3]])  # log-ratios (0.2, 0.4) and (0, 0, 0.3)
+    loss, clipped, s = sequence_clipped_surrogate(logp, old, torch.tensor([1.0, -1.0]), mask, 0.2, 0.05)
+    assert torch.allclose(s, torch.tensor([math.exp(0.3), math.exp(0.1)]))  # exp of the *mean* log-ratio
+    # A = 1: s = 1.35 > 1 + 0.05, clipped to 1.05; A = -1: min(-1.105, -1.05) = -1.105, the unclipped branch
+    assert torch.allclose(loss, torch.tensor([-1.05, math.exp(0.1)]))
+    assert clipped.tolist() == [True, False]
+
+
+@pytest.mark.parametrize("name", sorted(AGGREGATIONS))
+def test_a_sequence_weighs_the_same_whatever_its_length_under_every_aggregation(name):
+    """Two responses with the same per-token log-ratio and advantage, 2 and 6 tokens long: the sum over each one's
+    tokens of d loss / d logp is the same. Broadcasting the sequence loss to every token instead (the bug class)
+    makes the long one weigh 3x under the token-sum aggregations."""
+    T = 6
+    mask = ragged_mask([2, 6], T)
+    logp = torch.full((2, T), -1.0, requires_grad=True)
+    old = torch.full((2, T), -1.05)  # ratio exp(0.05) on every token: inside the clip range
+    adv = torch.tensor([1.0, 1.0])
+    w, _ = AGGREGATIONS[name](mask, T)
+    loss, _ = grpo_token_loss(logp, old, old, adv, mask, 0.2, 0.2, 0.0, importance_level="sequence", weights_NT=w)
+    (grad,) = torch.autograd.grad(aggregate(loss, mask, name), logp)
+    per_sequence = grad.sum(1)
+    assert torch.allclose(per_sequence[0], per_sequence[1]), (name, per_sequence)
+    loss_N, _, _ = sequence_clipped_surrogate(logp, old, adv, mask, 0.2, 0.2)
+    (broadcast,) = torch.autograd.grad(aggregate(loss_N[:, None] * mask, mask, name), logp)
+    ratio = broadcast.sum(1)[1] / broadcast.sum(1)[0]
+    assert float(ratio) == pytest.approx(1.0 if name == "grpo" else 3.0, rel=1e-5), name
+
+
+def test_spread_sequence_loss_gives_back_each_sequence_loss():
+    mask = ragged_mask([1, 4, 2], 4)
+    loss_N = torch.tensor([0.5, -2.0, 3.0])
+    for name in AGGREGATIONS:
+        w, _ = AGGREGATIONS[name](mask, 4)
+        assert torch.allclose((w * spread_sequence_loss(loss_N, w)).sum(1), loss_N), name
+
+
+def test_token_and_sequence_level_give_the_same_gradient_at_ratio_one():
+    """mu = 1 (old = logp.detach()): both ratios are 1 in value; with the per-sequence mean (--loss_type grpo) the
+    gradients are the same, -A_i / |o_i| per token (GSPO paper, section 4.2), the KL term included."""
+    g = torch.Generator().manual_seed(0)
+    N, T = 5, 6
+    mask = ragged_mask([6, 1, 3, 4, 2], T)
+    logp = (-torch.rand(N, T, generator=g) * 3).requires_grad_()
+    ref = -torch.rand(N, T, generator=g) * 3
+    adv = torch.randn(N, generator=g)
+    w, z = grpo_weights(mask, T)
+    grads, values = {}, {}
+    for level in ("token", "sequence"):
+        loss, _ = grpo_token_loss(logp, logp.detach(), ref, adv, mask, 0.2, 0.2, 0.1, importance_level=level,
+                                  weights_NT=w)
+        total = (w * loss).sum() / z
+        (grads[level],) = torch.autograd.grad(total, logp)
+        values[level] = float(total.detach())
+    assert torch.allclose(grads["token"], grads["sequence"], atol=1e-7)
+    assert values["token"] == pytest.approx(values["sequence"], abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Sampler / trainer mismatch and its correction
+
+
+def test_mismatch_stats_by_hand():
+    mask = ragged_mask([3, 2], 3)
+    train = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -0.5, 9.0]])
+    sampler = torch.tensor([[-1.05, -1.8, -3.0], [-1.0, -1.5, 0.0]])  # gaps 0.05, -0.2, 0 | 0, 1.0 | (masked)
+    tokens, outside, gap_sum, gap_max = mismatch_stats(train, sampler, mask).tolist()
+    # the band [0.9, 1.1] in log space is [-0.105, 0.095]: -0.2 and 1.0 lie outside
+    assert (tokens, outside) == (5.0, 2.0)
+    assert gap_sum == pytest.approx(0.05 + 0.2 + 1.0) and gap_max == pytest.approx(1.0)
+
+
+def test_truncated_and_masked_importance_weights_by_hand():
+    mask = ragged_mask([3, 1], 3)
+    sampler = torch.zeros(2, 3)
+    train = torch.tensor([[0.05, 2.0, -1.0], [1.5, 0.0, 0.0]])  # rho = e^0.05, e^2 = 7.39, e^-1 | e^1.5 = 4.48
+    w, beyond = rollout_correction(train, sampler, mask, "tis", 3.0, "token")
+    assert torch.allclose(w, torch.tensor([[math.exp(0.05), 3.0, math.exp(-1.0)], [3.0, 1.0, 1.0]]))
+    assert beyond.tolist() == [[False, True, False], [True, False, False]]
+    w, beyond = rollout_correction(train, sampler, mask, "mis", 3.0, "token")
+    assert torch.allclose(w, torch.tensor([[math.exp(0.05), 0.0, math.exp(-1.0)], [0.0, 1.0, 1.0]]))
+    # per sequence: the mean log gap, (0.05 + 2 - 1) / 3 = 0.35 (inside the cap) and 1.5 (beyond)
+    w, beyond = rollout_correction(train, sampler, mask, "tis", 3.0, "sequence")
+    assert w.shape == (2, 1) and torch.allclose(w[:, 0], torch.tensor([math.exp(0.35), 3.0]))
+    assert beyond.tolist() == [[False] * 3, [True, False, False]]
+    w, _ = rollout_correction(train, sampler, mask, "mis", 3.0, "sequence")
+    assert torch.allclose(w[:, 0], torch.tensor([math.exp(0.35), 0.0]))
+    w, beyond = rollout_correction(train, sampler, mask, "none", 3.0, "token")
+    assert torch.equal(w, torch.ones(2, 3)) and not beyond.any()
+
+
+def test_the_correction_weights_the_policy_term_only():
+    mask = ragged_mask([2], 2)
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    adv, c = torch.tensor([2.0]), torch.tensor([[0.5, 0.0]])
+    loss, _ = grpo_token_loss(logp, logp.detach(), ref, adv, mask, 0.2, 0.2, 0.1, correction=c)
+    loss.sum().backward()
+    kl_grad = 0.1 * (1 - torch.exp(ref - logp.detach()))  # d k3 / d logp = 1 - exp(ref - logp)
+    assert torch.allclose(logp.grad, -adv * c + kl_grad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. KL estimators and where the KL goes (arXiv 2512.21852)
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([-1.0, -0.5]), torch.tensor([-2.0, -0.5])  # logp - ref = 1, 0
+    assert torch.allclose(kl_estimate(logp, ref, "k1"), torch.tensor([1.0, 0.0]))
+    assert torch.allclose(kl_estimate(logp, ref, "k2"), torch.tensor([0.5, 0.0]))
+    assert torch.allclose(kl_estimate(logp, ref, "k3"), torch.tensor([math.exp(-1.0) + 1.0 - 1.0, 0.0]))
+    mask = ragged_mask([2, 1], 2)
+    two = torch.stack([logp, logp]), torch.stack([ref, ref])
+    assert torch.allclose(sequence_kl(*two, mask, "k1"), torch.tensor([1.0, 1.0]))  # the masked token leaves out
+    with pytest.raises(ValueError, match="k4"):
+        kl_estimate(logp, ref, "k4")
+
+
+def toy_policy():
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(7, generator=g, dtype=torch.float64).requires_grad_()
+    ref = torch.randn(7, generator=g, dtype=torch.float64).log_softmax(0)
+    return theta, ref
+
+
+def expected_gradient(term) -> torch.Tensor:
+    """E_{y ~ pi_old}[grad term(y)] exactly, on the toy categorical policy pi = softmax(theta), pi_old = pi
+    (detached): sum_y pi_old(y) grad term(logp(y), old(y), ref(y))."""
+    theta, ref = toy_policy()
+    logp = theta.log_softmax(0)
+    old = logp.detach()
+    (grad,) = torch.autograd.grad((old.exp() * term(logp, old, ref)).sum(), theta)
+    return grad
+
+
+def true_gradients():
+    theta, ref = toy_policy()
+    logp = theta.log_softmax(0)
+    (reverse,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)  # grad KL(pi || pi_ref)
+    theta, ref = toy_policy()
+    logp = theta.log_softmax(0)
+    (forward,) = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), theta)  # grad KL(pi_ref || pi)
+    return reverse, forward
+
+
+def test_expected_gradient_of_each_estimator_on_a_toy_categorical_policy():
+    """The expectations the options table in docs/grpo.md states, exactly (sums over the 7 outcomes)."""
+    reverse, forward = true_gradients()
+    assert not torch.allclose(reverse, forward, atol=1e-3)  # the toy can tell them apart
+
+    def in_loss(name, ratio=False):
+        return expected_gradient(lambda lp, old, ref: (torch.exp(lp - old) if ratio else 1.0) * kl_estimate(lp, ref, name))
+
+    assert torch.allclose(in_loss("k1"), torch.zeros(7, dtype=torch.float64), atol=1e-12)  # k1 in the loss: no pull at all
+    assert torch.allclose(in_loss("k2"), reverse, atol=1e-12)  # k2 in the loss: unbiased on-policy
+    assert torch.allclose(in_loss("k3"), forward, atol=1e-12)  # k3 in the loss: the forward KL's gradient
+    assert torch.allclose(in_loss("k3", ratio=True), reverse, atol=1e-12)  # --kl_ratio: corrected
+    assert torch.allclose(in_loss("k1", ratio=True), reverse, atol=1e-12)
+    # in the reward: a detached penalty through the policy gradient, -(r - beta k1) grad logp with r = 0, beta = 1
+    in_reward = expected_gradient(lambda lp, old, ref: kl_estimate(old, ref, "k1") * lp)
+    assert torch.allclose(in_reward, reverse, atol=1e-12)
+
+
+def test_kl_ratio_term_in_the_loss_matches_the_estimator():
+    """grpo_token_loss with kl_ratio: beta * rho * k, rho = exp(logp - old) with old detached."""
+    mask = ragged_mask([2], 2)
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old, ref = torch.tensor([[-1.1, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    loss, stats = grpo_token_loss(logp, old, ref, torch.tensor([0.0]), mask, 0.2, 0.2, 0.5, "k2", True)
+    k2 = 0.5 * (logp.detach() - ref) ** 2
+    assert torch.allclose(loss.detach(), 0.5 * torch.exp(logp.detach() - old) * k2)
+    assert torch.allclose(stats["kl"], k2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Dynamic sampling (DAPO, arXiv 2503.14476)
+
+
+def test_groups_with_near_zero_spread_are_dropped():
+    r = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.5, 0.5, 0.5, 0.5 + 1e-6], [0.0, 1.0, 0.0, 1.0]])
+    assert informative_groups(r, 1e-3).tolist() == [False, False, True]  # the near-tie goes too
+    assert informative_groups(r, 0.0).tolist() == [True, True, True]
+    assert informative_groups(r, 0.6).tolist() == [False, False, False]  # std of the last: 0.577
+
+
+def test_rows_without_response_tokens_add_nothing_to_the_normaliser():
+    """The filler rows that keep ranks in step after dynamic sampling: weight 0, no count in Z."""
+    mask = ragged_mask([3, 0, 2], 4)
+    for weigh, z in ((grpo_weights, 2.0), (dr_grpo_weights, 2.0 * 4)):
+        w, got = weigh(mask, 4)
+        assert float(got) == z and (w[1] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Each option end to end: two gloo processes, grpo.py on the embedded task's prompts and gold reward
+
+
+OPTIONS = {
+    "sequence_ratio": ["--importance_level", "sequence", "--eps_low", "3e-4", "--eps_high", "4e-4", "--policy_epochs", "2"],
+    "tis": ["--rollout_correction", "tis", "--rollout_correction_cap", "1.0"],
+    "mis": ["--rollout_correction", "mis", "--rollout_correction_cap", "1.0", "--importance_level", "sequence"],
+    "kl_in_reward": ["--kl_in", "reward", "--kl_estimator", "k1"],
+    "kl_ratio": ["--kl_estimator", "k2", "--kl_ratio", "true"],
+    "dynamic_sampling": ["--min_group_std", "0.1"],
+}
+
+
+@pytest.fixture(scope="module")
+def embedded_task(tmp_path_factory):
+    from data.synthetic import write_task
+
+    folder = tmp_path_factory.mktemp("embedded")
+    files = write_task(folder / "task", seed=0, n_sft_train=4, n_sft_val=4, n_pref_train=4, n_pref_val=4, n_prompts=32)
+    end_biased_policy(folder / "policy", n_positions=256)  # ends about half the time: the gold reward varies
+    return files["prompts_train"], folder / "policy"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path):
+    prompts, policy = embedded_task
+    run_script([
+        "grpo.py", "--model", str(policy), "--rewards", "gold_reward", "--train_data", str(prompts), "--val_data", "",
+        "--pref_data", "", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "8", "--max_prompt_len", "128",
+        "--prompts_per_step", "4", "--micro_batch_size", "4", "--steps", "3", "--lr", "1e-3", "--warmup_steps", "1",
+        "--beta", "0.1", "--eval_every", "-1", "--table_every", "0", "--save_every", "0", "--seed", "2",
+        "--wandb_mode", "disabled", "--out_dir", str(tmp_path / "run"), *OPTIONS[option],
+    ], nproc=2)
+    steps = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    trained = [m for m in steps if m["train/skipped"] == 0]
+    assert trained, steps
+    for m in trained:  # fp32 on the CPU: the sampler's KV-cache path and the training forward agree closely
+        assert 0 <= m["train/mismatch/outside_band_fraction"] < 0.01
+        assert 0 <= m["train/mismatch/mean_abs_log_gap"] <= m["train/mismatch/max_abs_log_gap"] < 1e-3
+    if option == "sequence_ratio":  # the second epoch's sequence ratios leave GSPO's narrow range
+        assert any(m["train/epoch_2/clip_fraction"] > 0 for m in trained)
+    if option in ("tis", "mis"):  # cap 1: about the tokens (sequences) whose ratio rounds above 1
+        assert all(0 < m["train/rollout_correction_fraction"] < 1 for m in trained)
+    if option == "kl_in_reward":  # the policy == the reference at step 1 (k1 = 0), apart after the first update
+        assert steps[0]["reward/kl_penalty_mean"] == 0 and steps[-1]["reward/kl_penalty_mean"] != 0
+    if option == "kl_ratio":
+        assert steps[0]["train/kl"] == 0 and steps[-1]["train/kl"] > 0  # k2 >= 0
+    if option == "dynamic_sampling":  # some groups tie (gold rewards are multiples of 0.25), some do not
+        dropped = [m["sample/dropped_group_fraction"] for m in steps]
+        # an odd number of the 4 groups dropped: the two ranks kept different numbers of micro-batches (one group
+        # each), so one of them ran filler micro-batches to stay in step with the other's collectives
+        assert any(d in (0.25, 0.75) for d in dropped), dropped

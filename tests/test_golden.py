@@ -47,7 +47,8 @@ def test_golden_configurations_cover_every_stage_and_grpo_variant():
     argvs = {name: argv_of(GOLDEN / "x") for name, (_, argv_of) in configurations().items()}
     assert {a[0] for a in argvs.values()} == {"sft.py", "reward_model.py", "dpo.py", "grpo.py"}
     grpo = " ".join(" ".join(a) for n, a in argvs.items() if n.startswith("grpo"))
-    for option in ("--policy_epochs 2", "--ref_refresh_every 2", "--lora_rank 4"):
+    for option in ("--policy_epochs 2", "--ref_refresh_every 2", "--lora_rank 4", "--importance_level sequence",
+                   "--rollout_correction tis", "--kl_in reward", "--min_group_std"):
         assert option in grpo, option
     assert configurations()["grpo_rso_2proc"][0] == 2
     for name in argvs:

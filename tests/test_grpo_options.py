@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from grpo import Config
 from rlhf.grpo import (
     AGGREGATIONS,
     dr_grpo_weights,
@@ -23,6 +24,7 @@ from rlhf.grpo import (
 )
 from tests.conftest import run_script
 from tests.helpers import end_biased_policy, read_metrics
+from utils.config import parse_config
 
 
 def ragged_mask(lengths, T):
@@ -232,6 +234,18 @@ def test_rows_without_response_tokens_add_nothing_to_the_normaliser():
     for weigh, z in ((grpo_weights, 2.0), (dr_grpo_weights, 2.0 * 4)):
         w, got = weigh(mask, 4)
         assert float(got) == z and (w[1] == 0).all()
+
+
+def test_config_names_the_offending_option(capsys):
+    for argv, fragment in (
+        (["--kl_ratio", "true", "--kl_in", "reward"], "--kl_ratio weights the loss's KL term: it needs --kl_in loss"),
+        (["--rollout_correction_cap", "0"], "--rollout_correction_cap must be > 0, got 0.0"),
+        (["--min_group_std", "-0.1"], "--min_group_std must be >= 0, got -0.1"),
+        (["--importance_level", "segment"], "--importance_level: invalid choice: 'segment'"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(Config, argv)
+        assert fragment in capsys.readouterr().err, argv
 
 
 # ----------------------------------------------------------------------------------------------------

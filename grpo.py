@@ -255,6 +255,9 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
             raise ConfigError("group normalization with std scaling needs at least 2 kept samples per prompt")
         if not self.rollout_correction_cap > 0:
             raise ConfigError(f"--rollout_correction_cap must be > 0, got {self.rollout_correction_cap}")
+        if self.min_group_std > 0 and self.kept < 2:
+            raise ConfigError(f"--min_group_std measures the spread of each group's kept rewards: it needs at least 2 "
+                              f"kept samples per prompt, got {self.kept}")
         if self.kl_ratio and self.kl_in != "loss":
             raise ConfigError("--kl_ratio weights the loss's KL term: it needs --kl_in loss, got --kl_in reward")
         if not self.temperature > 0:

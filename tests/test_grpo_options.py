@@ -241,6 +241,7 @@ def test_config_names_the_offending_option(capsys):
         (["--kl_ratio", "true", "--kl_in", "reward"], "--kl_ratio weights the loss's KL term: it needs --kl_in loss"),
         (["--rollout_correction_cap", "0"], "--rollout_correction_cap must be > 0, got 0.0"),
         (["--min_group_std", "-0.1"], "--min_group_std must be >= 0, got -0.1"),
+        (["--min_group_std", "0.1", "--num_kept", "1", "--scale_by_std", "false"], "it needs at least 2 kept samples"),
         (["--importance_level", "segment"], "--importance_level: invalid choice: 'segment'"),
     ):
         with pytest.raises(SystemExit):

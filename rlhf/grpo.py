@@ -240,7 +240,7 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 # and in the reward (detached, through the policy gradient), k1 gives E[k1 grad logp] = grad KL(pi || pi_ref).
 # Weighting k1 or k3 by the ratio rho = pi / pi_old (pi_old detached; value 1 on-policy) makes the loss term an
 # importance-sampled estimate of KL(pi || pi_ref) whose gradient is unbiased: E_old[grad(rho k)] = grad E_pi[k].
-# tests/test_grpo_math.py checks each of these on a toy categorical policy.
+# tests/test_grpo_options.py checks each of these exactly on a toy categorical policy.
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 

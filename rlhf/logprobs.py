@@ -17,13 +17,23 @@ constant of the backward, as in the unchunked masked_fill) and H = -sum_j p_j lo
 get no gradient. The entropy is computed from the same log-softmax as the log-prob (one exp more per row), and
 only when asked: logging it every N steps (grpo --entropy_every) makes it free on the other steps.
 
+`linear_processed_logprobs` goes one step further for the update and the reference: it takes the hidden states and
+the LM head's weight and runs the head's matmul chunk by chunk inside the same pass, so the (positions x V) logits
+are never materialised either. Its backward walks the vocabulary in blocks, from the processed log-softmax saved in
+fp32 (the one (positions x V) tensor it keeps, and only when a gradient is needed), and turns each block's logit
+gradient into its share of the hidden states' and the weight's gradients at once (two matmuls), so no (positions x V)
+gradient exists either. Where the plain path keeps the logits, their log-softmax chunk by chunk and then a
+logits-sized gradient, this keeps one logits-sized tensor.
+
 `process_logits` is the one definition of the processing: model/sampler.py draws tokens with it, so the update's
 log-probs describe the distribution the tokens were drawn from.
 """
 
 import torch
+import torch.nn.functional as F
 
 CHUNK = 32  # positions per chunk: 32 x 50,257 fp32 is 6.4 MB, a few of them fit a CPU's last-level cache
+BLOCK_BYTES = 16 * 2**20  # the fused backward's vocabulary block: (positions x block) fp32 of about this size
 
 
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -123,5 +133,92 @@ def processed_logprobs(
     logits_MV = logits_NRV.reshape(-1, V)
     logp_M, entropy_M = _ChunkedLogprobs.apply(
         logits_MV, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk
+    )
+    return logp_M.view(lead), entropy_M.view(lead) if entropy_M is not None else None
+
+
+class _LinearChunkedLogprobs(torch.autograd.Function):
+    """(log p(target) (M,), entropy (M,) or None) from hidden states (M, C) and the head weight (V, C): the logits
+    of `chunk` positions at a time, F.linear as nn.Linear computes them. Saves the hidden states and the weight
+    (alive anyway), the entropy (M,) and, when an input needs a gradient, the processed log-softmax (M, V) fp32."""
+
+    @staticmethod
+    def forward(ctx, hidden_MC, weight_VC, targets_M, temperature, top_k, top_p, with_entropy, chunk):
+        M, V = hidden_MC.shape[0], weight_VC.shape[0]
+        masked = top_k > 0 or top_p < 1.0
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        logp_MV = torch.empty(M, V, dtype=torch.float32, device=hidden_MC.device) if needs_grad else None
+        logp_M = torch.empty(M, dtype=torch.float32, device=hidden_MC.device)
+        entropy_M = torch.empty(M, dtype=torch.float32, device=hidden_MC.device) if with_entropy else None
+        for s in range(0, M, chunk):
+            z_cV = process_logits(F.linear(hidden_MC[s : s + chunk], weight_VC), temperature, top_k, top_p)  # (c, V)
+            logp_cV = torch.log_softmax(z_cV, -1, out=logp_MV[s : s + chunk]) if needs_grad else z_cV.log_softmax(-1)
+            logp_M[s : s + chunk] = logp_cV.gather(-1, targets_M[s : s + chunk, None]).squeeze(-1)
+            if with_entropy:
+                entropy_M[s : s + chunk] = -(logp_cV.exp() * _finite(logp_cV, masked)).sum(-1)
+        ctx.save_for_backward(hidden_MC, weight_VC, targets_M, logp_MV, entropy_M, logp_M)
+        ctx.settings = (temperature, masked)
+        ctx.set_materialize_grads(False)
+        return logp_M, entropy_M
+
+    @staticmethod
+    def backward(ctx, grad_logp_M, grad_entropy_M):
+        hidden_MC, weight_VC, targets_M, logp_MV, entropy_M, logp_M = ctx.saved_tensors
+        temperature, masked = ctx.settings
+        if grad_logp_M is None and grad_entropy_M is None:
+            return (None,) * 8
+        scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0  # d z / d logits
+        M, V = logp_MV.shape
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden_MC = torch.zeros(M, hidden_MC.shape[1], dtype=torch.float32, device=hidden_MC.device)
+        grad_weight_VC = torch.empty_like(weight_VC) if want_weight else None
+        g_M1 = grad_logp_M[:, None] * scale if grad_logp_M is not None else None
+        # the target's one-hot term, only where the target is inside the top-k / top-p set (outside, the processed
+        # logit is a constant -inf and gets no gradient, as in the unfused pass)
+        if g_M1 is not None and masked:
+            g_M1 = torch.where(torch.isfinite(logp_M)[:, None], g_M1, 0.0)
+        block = max(1, BLOCK_BYTES // (4 * M))
+        for v in range(0, V, block):
+            e = min(v + block, V)
+            logp_Mb = logp_MV[:, v:e]
+            if grad_entropy_M is not None:  # -p_j (log p_j + H) g_H; p_j = 0 outside the set, where log p_j -> 0
+                log_Mb = logp_Mb.nan_to_num(neginf=0.0) if masked else logp_Mb
+                grad_Mb = (log_Mb + entropy_M[:, None]).mul_(-scale * grad_entropy_M[:, None])
+                p_Mb = logp_Mb.exp()
+                grad_Mb.mul_(p_Mb)
+                if g_M1 is not None:  # - p_j g
+                    grad_Mb.sub_(p_Mb.mul_(g_M1))
+            else:
+                grad_Mb = logp_Mb.exp().mul_(-g_M1)
+            if g_M1 is not None:  # + [j = t] g
+                inside = (targets_M >= v) & (targets_M < e)
+                rows = inside.nonzero().squeeze(-1)
+                grad_Mb[rows, targets_M[rows] - v] += g_M1[rows, 0]
+            grad_Mb = grad_Mb.to(weight_VC.dtype)
+            if want_hidden:
+                grad_hidden_MC += (grad_Mb @ weight_VC[v:e]).float()  # (M, C)
+            if want_weight:
+                grad_weight_VC[v:e] = grad_Mb.T @ hidden_MC  # (b, C)
+        grad_hidden_MC = grad_hidden_MC.to(hidden_MC.dtype) if want_hidden else None
+        return grad_hidden_MC, grad_weight_VC, None, None, None, None, None, None
+
+
+def linear_processed_logprobs(
+    hidden_NRC: torch.Tensor,
+    weight_VC: torch.Tensor,
+    targets_NR: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """processed_logprobs(F.linear(hidden, weight), targets, ...) without the (n, R, V) logits: the LM head applied
+    `chunk` positions at a time inside the pass. Differentiable with respect to the hidden states and the weight
+    (a frozen weight gets no gradient computed). GPT2LMHeadModel.forward(..., head=...) calls it with its tied head
+    weight, inside the root module's forward, so FSDP has the weight gathered."""
+    *lead, C = hidden_NRC.shape
+    logp_M, entropy_M = _LinearChunkedLogprobs.apply(
+        hidden_NRC.reshape(-1, C), weight_VC, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk
     )
     return logp_M.view(lead), entropy_M.view(lead) if entropy_M is not None else None

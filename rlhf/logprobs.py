@@ -19,11 +19,9 @@ only when asked: logging it every N steps (grpo --entropy_every) makes it free o
 
 `linear_processed_logprobs` goes one step further for the update and the reference: it takes the hidden states and
 the LM head's weight and runs the head's matmul chunk by chunk inside the same pass, so the (positions x V) logits
-are never materialised either. Its backward walks the vocabulary in blocks, from the processed log-softmax saved in
-fp32 (the one (positions x V) tensor it keeps, and only when a gradient is needed), and turns each block's logit
-gradient into its share of the hidden states' and the weight's gradients at once (two matmuls), so no (positions x V)
-gradient exists either. Where the plain path keeps the logits, their log-softmax chunk by chunk and then a
-logits-sized gradient, this keeps one logits-sized tensor.
+are never materialised. It saves the processed probabilities in fp32 (the one (positions x V) tensor it keeps, and
+only when a gradient is needed: the exp it takes for the entropy anyway), and its backward is two matmuls on them
+(see the class) instead of a recomputed softmax, a logits-sized gradient and two matmuls on that gradient.
 
 `process_logits` is the one definition of the processing: model/sampler.py draws tokens with it, so the update's
 log-probs describe the distribution the tokens were drawn from.
@@ -138,69 +136,80 @@ def processed_logprobs(
 
 
 class _LinearChunkedLogprobs(torch.autograd.Function):
-    """(log p(target) (M,), entropy (M,) or None) from hidden states (M, C) and the head weight (V, C): the logits
-    of `chunk` positions at a time, F.linear as nn.Linear computes them. Saves the hidden states and the weight
-    (alive anyway), the entropy (M,) and, when an input needs a gradient, the processed log-softmax (M, V) fp32."""
+    """(log p(target) (M,), entropy (M,) or None) from hidden states h (M, C) and the head weight W (V, C): the
+    logits of `chunk` positions at a time, F.linear as nn.Linear computes them. Saves h and W (alive anyway), the
+    entropy (M,) and, when an input needs a gradient, the processed probabilities P (M, V) fp32.
+
+    With P saved, the backward of the log-prob term needs no pass over (M, V) at all. The logit gradient is
+    G = diag(g) (onehot(t) - P), so
+        dh = G W = g * (W[t] - P W)            dW = G^T h = onehot(t)^T (g * h) - P^T (g * h)
+    two matmuls on P and a row gather / index-add. The entropy term (only when it is a bonus) adds
+    -diag(g_H) Q with Q = P log P + P H, built in vocabulary blocks."""
 
     @staticmethod
-    def forward(ctx, hidden_MC, weight_VC, targets_M, temperature, top_k, top_p, with_entropy, chunk):
+    def forward(ctx, hidden_MC, weight_VC, targets_M, temperature, top_k, top_p, with_entropy, chunk, lead):
         M, V = hidden_MC.shape[0], weight_VC.shape[0]
         masked = top_k > 0 or top_p < 1.0
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        logp_MV = torch.empty(M, V, dtype=torch.float32, device=hidden_MC.device) if needs_grad else None
-        logp_M = torch.empty(M, dtype=torch.float32, device=hidden_MC.device)
-        entropy_M = torch.empty(M, dtype=torch.float32, device=hidden_MC.device) if with_entropy else None
+        probs_MV = torch.empty(M, V, dtype=torch.float32, device=hidden_MC.device) if needs_grad else None
+        # the outputs in the caller's shape `lead` (not views of flat tensors: FSDP hooks a module's outputs)
+        logp_out = torch.empty(lead, dtype=torch.float32, device=hidden_MC.device)
+        entropy_out = torch.empty(lead, dtype=torch.float32, device=hidden_MC.device) if with_entropy else None
+        logp_M = logp_out.view(-1)
+        entropy_M = entropy_out.view(-1) if with_entropy else None
         for s in range(0, M, chunk):
             z_cV = process_logits(F.linear(hidden_MC[s : s + chunk], weight_VC), temperature, top_k, top_p)  # (c, V)
-            logp_cV = torch.log_softmax(z_cV, -1, out=logp_MV[s : s + chunk]) if needs_grad else z_cV.log_softmax(-1)
+            logp_cV = z_cV.log_softmax(-1)
             logp_M[s : s + chunk] = logp_cV.gather(-1, targets_M[s : s + chunk, None]).squeeze(-1)
+            if needs_grad or with_entropy:
+                p_cV = torch.exp(logp_cV, out=probs_MV[s : s + chunk]) if needs_grad else logp_cV.exp()
             if with_entropy:
-                entropy_M[s : s + chunk] = -(logp_cV.exp() * _finite(logp_cV, masked)).sum(-1)
-        ctx.save_for_backward(hidden_MC, weight_VC, targets_M, logp_MV, entropy_M, logp_M)
+                entropy_M[s : s + chunk] = -(p_cV * _finite(logp_cV, masked)).sum(-1)
+        ctx.save_for_backward(hidden_MC, weight_VC, targets_M, probs_MV, entropy_out, logp_out)  # outputs, not views
         ctx.settings = (temperature, masked)
         ctx.set_materialize_grads(False)
-        return logp_M, entropy_M
+        return logp_out, entropy_out
 
     @staticmethod
     def backward(ctx, grad_logp_M, grad_entropy_M):
-        hidden_MC, weight_VC, targets_M, logp_MV, entropy_M, logp_M = ctx.saved_tensors
+        hidden_MC, weight_VC, targets_M, probs_MV, entropy_out, logp_out = ctx.saved_tensors
         temperature, masked = ctx.settings
         if grad_logp_M is None and grad_entropy_M is None:
-            return (None,) * 8
+            return (None,) * 9
+        logp_M, entropy_M = logp_out.reshape(-1), entropy_out.reshape(-1) if entropy_out is not None else None
+        grad_logp_M = grad_logp_M.reshape(-1) if grad_logp_M is not None else None
+        grad_entropy_M = grad_entropy_M.reshape(-1) if grad_entropy_M is not None else None
         scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0  # d z / d logits
-        M, V = logp_MV.shape
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        M, V = probs_MV.shape
+        dtype = weight_VC.dtype
+        probs = probs_MV if dtype == torch.float32 else probs_MV.to(dtype)  # the matmuls run in the head's dtype
         grad_hidden_MC = torch.zeros(M, hidden_MC.shape[1], dtype=torch.float32, device=hidden_MC.device)
-        grad_weight_VC = torch.empty_like(weight_VC) if want_weight else None
-        g_M1 = grad_logp_M[:, None] * scale if grad_logp_M is not None else None
-        # the target's one-hot term, only where the target is inside the top-k / top-p set (outside, the processed
-        # logit is a constant -inf and gets no gradient, as in the unfused pass)
-        if g_M1 is not None and masked:
-            g_M1 = torch.where(torch.isfinite(logp_M)[:, None], g_M1, 0.0)
-        block = max(1, BLOCK_BYTES // (4 * M))
-        for v in range(0, V, block):
-            e = min(v + block, V)
-            logp_Mb = logp_MV[:, v:e]
-            if grad_entropy_M is not None:  # -p_j (log p_j + H) g_H; p_j = 0 outside the set, where log p_j -> 0
-                log_Mb = logp_Mb.nan_to_num(neginf=0.0) if masked else logp_Mb
-                grad_Mb = (log_Mb + entropy_M[:, None]).mul_(-scale * grad_entropy_M[:, None])
-                p_Mb = logp_Mb.exp()
-                grad_Mb.mul_(p_Mb)
-                if g_M1 is not None:  # - p_j g
-                    grad_Mb.sub_(p_Mb.mul_(g_M1))
-            else:
-                grad_Mb = logp_Mb.exp().mul_(-g_M1)
-            if g_M1 is not None:  # + [j = t] g
-                inside = (targets_M >= v) & (targets_M < e)
-                rows = inside.nonzero().squeeze(-1)
-                grad_Mb[rows, targets_M[rows] - v] += g_M1[rows, 0]
-            grad_Mb = grad_Mb.to(weight_VC.dtype)
+        grad_weight_VC = torch.zeros(V, weight_VC.shape[1], dtype=torch.float32, device=weight_VC.device) if want_weight else None
+        if grad_logp_M is not None:
+            g_M1 = grad_logp_M[:, None] * scale  # (M, 1)
+            # the target's one-hot term only where the target is inside the top-k / top-p set: outside, its
+            # processed logit is a constant -inf and gets no gradient, as in the unfused pass
+            g_target_M1 = torch.where(torch.isfinite(logp_M)[:, None], g_M1, 0.0) if masked else g_M1
             if want_hidden:
-                grad_hidden_MC += (grad_Mb @ weight_VC[v:e]).float()  # (M, C)
+                grad_hidden_MC += g_target_M1 * weight_VC[targets_M].float() - g_M1 * (probs @ weight_VC).float()
             if want_weight:
-                grad_weight_VC[v:e] = grad_Mb.T @ hidden_MC  # (b, C)
+                gh_MC = (g_M1 * hidden_MC.float()).to(dtype)
+                grad_weight_VC -= (probs.T @ gh_MC).float()
+                grad_weight_VC.index_add_(0, targets_M, g_target_M1 * hidden_MC.float())
+        if grad_entropy_M is not None:  # d H / d z_j = -p_j (log p_j + H), in vocabulary blocks
+            gH_M1 = grad_entropy_M[:, None] * scale
+            block = max(1, BLOCK_BYTES // (4 * M))
+            for v in range(0, V, block):
+                p_Mb = probs_MV[:, v : v + block]
+                q_Mb = (torch.special.xlogy(p_Mb, p_Mb) + p_Mb * entropy_M[:, None]).mul_(-gH_M1).to(dtype)  # (M, b)
+                if want_hidden:
+                    grad_hidden_MC += (q_Mb @ weight_VC[v : v + block]).float()
+                if want_weight:
+                    grad_weight_VC[v : v + block] += (q_Mb.T @ hidden_MC).float()
         grad_hidden_MC = grad_hidden_MC.to(hidden_MC.dtype) if want_hidden else None
-        return grad_hidden_MC, grad_weight_VC, None, None, None, None, None, None
+        grad_weight_VC = grad_weight_VC.to(dtype) if want_weight else None
+        return grad_hidden_MC, grad_weight_VC, None, None, None, None, None, None, None
 
 
 def linear_processed_logprobs(
@@ -218,7 +227,7 @@ def linear_processed_logprobs(
     (a frozen weight gets no gradient computed). GPT2LMHeadModel.forward(..., head=...) calls it with its tied head
     weight, inside the root module's forward, so FSDP has the weight gathered."""
     *lead, C = hidden_NRC.shape
-    logp_M, entropy_M = _LinearChunkedLogprobs.apply(
-        hidden_NRC.reshape(-1, C), weight_VC, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk
+    return _LinearChunkedLogprobs.apply(
+        hidden_NRC.reshape(-1, C), weight_VC, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk,
+        tuple(lead),
     )
-    return logp_M.view(lead), entropy_M.view(lead) if entropy_M is not None else None

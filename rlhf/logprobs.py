@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 32  # positions per chunk: 32 x 50,257 fp32 is 6.4 MB, a few of them fit a CPU's last-level cache
-BLOCK_BYTES = 16 * 2**20  # the fused backward's vocabulary block: (positions x block) fp32 of about this size
+BLOCK_BYTES = 16 * 2**20  # the fused backward's entropy term: vocabulary blocks of (positions x block) fp32 this size
+GPU_CHUNK_BYTES = 32 * 2**20  # the fused pass on a GPU: as many positions as make ~32 MB of fp32 logits per chunk (a few
+# kernel launches per micro-batch, and a chunk's temporaries stay small), against CHUNK positions on a CPU
 
 
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -138,7 +140,8 @@ def processed_logprobs(
 class _LinearChunkedLogprobs(torch.autograd.Function):
     """(log p(target) (M,), entropy (M,) or None) from hidden states h (M, C) and the head weight W (V, C): the
     logits of `chunk` positions at a time, F.linear as nn.Linear computes them. Saves h and W (alive anyway), the
-    entropy (M,) and, when an input needs a gradient, the processed probabilities P (M, V) fp32.
+    entropy (M,) and, when an input needs a gradient, the processed probabilities P (M, V) (fp32, or the head's 16-bit
+    dtype).
 
     With P saved, the backward of the log-prob term needs no pass over (M, V) at all. The logit gradient is
     G = diag(g) (onehot(t) - P), so
@@ -151,7 +154,10 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
         M, V = hidden_MC.shape[0], weight_VC.shape[0]
         masked = top_k > 0 or top_p < 1.0
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        probs_MV = torch.empty(M, V, dtype=torch.float32, device=hidden_MC.device) if needs_grad else None
+        # P in the head's dtype when that is 16-bit: the backward's matmuls run in it (as nn.Linear's would on the
+        # bf16 logit gradient), so rounding P first costs no precision they keep, and halves the saved tensor
+        probs_dtype = weight_VC.dtype if weight_VC.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        probs_MV = torch.empty(M, V, dtype=probs_dtype, device=hidden_MC.device) if needs_grad else None
         # the outputs in the caller's shape `lead` (not views of flat tensors: FSDP hooks a module's outputs)
         logp_out = torch.empty(lead, dtype=torch.float32, device=hidden_MC.device)
         entropy_out = torch.empty(lead, dtype=torch.float32, device=hidden_MC.device) if with_entropy else None
@@ -161,8 +167,12 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
             z_cV = process_logits(F.linear(hidden_MC[s : s + chunk], weight_VC), temperature, top_k, top_p)  # (c, V)
             logp_cV = z_cV.log_softmax(-1)
             logp_M[s : s + chunk] = logp_cV.gather(-1, targets_M[s : s + chunk, None]).squeeze(-1)
-            if needs_grad or with_entropy:
-                p_cV = torch.exp(logp_cV, out=probs_MV[s : s + chunk]) if needs_grad else logp_cV.exp()
+            if needs_grad and probs_dtype == torch.float32:  # exp straight into the saved P
+                p_cV = torch.exp(logp_cV, out=probs_MV[s : s + chunk])
+            elif needs_grad or with_entropy:
+                p_cV = logp_cV.exp()
+                if needs_grad:
+                    probs_MV[s : s + chunk] = p_cV
             if with_entropy:
                 entropy_M[s : s + chunk] = -(p_cV * _finite(logp_cV, masked)).sum(-1)
         ctx.save_for_backward(hidden_MC, weight_VC, targets_M, probs_MV, entropy_out, logp_out)  # outputs, not views
@@ -183,7 +193,7 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         M, V = probs_MV.shape
         dtype = weight_VC.dtype
-        probs = probs_MV if dtype == torch.float32 else probs_MV.to(dtype)  # the matmuls run in the head's dtype
+        probs = probs_MV.to(dtype)  # the matmuls run in the head's dtype (no copy when P already has it)
         grad_hidden_MC = torch.zeros(M, hidden_MC.shape[1], dtype=torch.float32, device=hidden_MC.device)
         grad_weight_VC = torch.zeros(V, weight_VC.shape[1], dtype=torch.float32, device=weight_VC.device) if want_weight else None
         if grad_logp_M is not None:
@@ -201,7 +211,7 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
             gH_M1 = grad_entropy_M[:, None] * scale
             block = max(1, BLOCK_BYTES // (4 * M))
             for v in range(0, V, block):
-                p_Mb = probs_MV[:, v : v + block]
+                p_Mb = probs_MV[:, v : v + block].float()
                 q_Mb = (torch.special.xlogy(p_Mb, p_Mb) + p_Mb * entropy_M[:, None]).mul_(-gH_M1).to(dtype)  # (M, b)
                 if want_hidden:
                     grad_hidden_MC += (q_Mb @ weight_VC[v : v + block]).float()
@@ -220,13 +230,15 @@ def linear_processed_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     with_entropy: bool = False,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """processed_logprobs(F.linear(hidden, weight), targets, ...) without the (n, R, V) logits: the LM head applied
-    `chunk` positions at a time inside the pass. Differentiable with respect to the hidden states and the weight
+    `chunk` positions at a time inside the pass (default: CHUNK on a CPU, GPU_CHUNK_BYTES of logits on a GPU). Differentiable with respect to the hidden states and the weight
     (a frozen weight gets no gradient computed). GPT2LMHeadModel.forward(..., head=...) calls it with its tied head
     weight, inside the root module's forward, so FSDP has the weight gathered."""
     *lead, C = hidden_NRC.shape
+    if chunk is None:
+        chunk = CHUNK if hidden_NRC.device.type == "cpu" else max(CHUNK, GPU_CHUNK_BYTES // (4 * weight_VC.shape[0]))
     return _LinearChunkedLogprobs.apply(
         hidden_NRC.reshape(-1, C), weight_VC, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk,
         tuple(lead),

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from model import sampler
-from rlhf.grpo import LOGPROB_FLOOR, token_entropy
 from rlhf import logprobs
+from rlhf.grpo import LOGPROB_FLOOR, token_entropy
 from rlhf.logprobs import linear_processed_logprobs, processed_logprobs
 
 SETTINGS = [
@@ -138,7 +138,7 @@ def test_fused_head_equals_the_logits_path(proc, chunk, block_bytes, monkeypatch
     n, R, C, V = 3, 7, 16, 500
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(n, R, C, generator=g), torch.randn(V, C, generator=g) * 0.7
-    logits, targets, mask = logits_targets_mask(n, R, V)
+    _, targets, mask = logits_targets_mask(n, R, V)
     top5 = torch.topk(torch.nn.functional.linear(hidden, weight), 5, dim=-1).indices
     targets = torch.where(torch.rand(n, R, generator=g) < 0.7, top5[..., 0], targets)  # mostly inside the set
     g_logp, g_entropy = torch.randn(n, R, generator=g), torch.randn(n, R, generator=g)
@@ -173,13 +173,14 @@ def test_fused_head_keeps_no_logits_and_saves_nothing_without_a_gradient():
     n, R, C, V = 4, 8, 16, 3000
     hidden, weight = torch.randn(n, R, C), torch.randn(V, C)
     targets = torch.randint(V, (n, R))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
     for requires_grad in (False, True):
-        saved = []
-
-        def pack(t):
-            saved.append(t)
-            return t
-
+        saved.clear()
         h = hidden.clone().requires_grad_(requires_grad)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             linear_processed_logprobs(h, weight, targets, top_k=10, with_entropy=True, chunk=4)

@@ -34,6 +34,7 @@ same samples and losses bit for bit.
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -50,7 +51,7 @@ from rlhf.grpo import (
     AGGREGATIONS, advantages, entropy_bonus, grpo_token_loss, informative_groups, mismatch_stats, penalize_missing_end,
     rollout_correction, select, sequence_kl,
 )
-from rlhf.logprobs import processed_logprobs
+from rlhf.logprobs import linear_processed_logprobs
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards, source_stats
 from rollouts.models import Models, build_models, refresh_reference
 from rollouts.prompts import PromptSet, prompt_set, source_applies
@@ -333,10 +334,15 @@ def pad_micro_batches(batches: list[dict], filler_source: dict, device) -> list[
     return batches + [dict(filler) for _ in range(n_micro - len(batches))]
 
 
-def response_logits(model, batch: dict) -> torch.Tensor:
-    """Logits (n, R, V) at the columns P-1 .. P+R-2 that predict the response tokens."""
+def response_logprobs(model, batch: dict, cfg: Config, with_entropy: bool = False):
+    """(processed log-probs (n, R), entropy (n, R) or None) of the response tokens, predicted at the columns
+    P-1 .. P+R-2: temperature, top-k and top-p applied as the sampler drew them, in one chunked pass with the LM head
+    inside it (rlhf/logprobs.py), so the (n, R, V) logits are never materialised."""
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
-    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], logits_slice=slice(P - 1, P + R - 1))
+    head = partial(linear_processed_logprobs, targets_NR=batch["response_ids"], temperature=cfg.temperature,
+                   top_k=cfg.top_k, top_p=cfg.top_p, with_entropy=with_entropy)
+    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                 logits_slice=slice(P - 1, P + R - 1), head=head)
 
 
 @torch.no_grad()
@@ -346,8 +352,7 @@ def add_logprobs(model, batches: list[dict], key: str, cfg: Config, gather: bool
     whose training forward this must match)."""
     with gathered_params(model) if gather else nullcontext():
         for batch in batches:
-            logits = response_logits(model, batch)  # (n, R, V)
-            batch[key], _ = processed_logprobs(logits, batch["response_ids"], cfg.temperature, cfg.top_k, cfg.top_p)
+            batch[key], _ = response_logprobs(model, batch, cfg)
 
 
 # Per-token sums of one epoch of the update, summed over micro-batches and ranks
@@ -362,11 +367,10 @@ def micro_batch_loss(
     the training forward and the sampler (no graph). The entropy is computed when it is a bonus or `with_entropy`
     (else its sum is 0)."""
     mask = batch["response_mask"]
-    logits = response_logits(policy, batch)  # (n, R, V)
     # the processed log-probs and the entropy of what is sampled (temperature, top-k and top-p applied) in one
     # chunked pass over the vocabulary (rlhf/logprobs.py); the entropy is differentiable, used only as a bonus
     with_entropy = with_entropy or cfg.entropy_coef > 0
-    logp, entropy = processed_logprobs(logits, batch["response_ids"], cfg.temperature, cfg.top_k, cfg.top_p, with_entropy)
+    logp, entropy = response_logprobs(policy, batch, cfg, with_entropy)  # (n, R) each
     # mu = 1: old = current, detached, so the ratio is 1 in value and d ratio = d logp (trl PR #2565);
     # mu > 1: the sampling policy's log-probs, so the ratio moves away from 1 after the first step
     old = logp.detach() if cfg.policy_epochs == 1 else batch["old_logprobs"]

@@ -13,13 +13,14 @@ every rank (the scoring is collective under FSDP); dpo.py's training forward is 
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from data.tldr import PreferenceDataset, collate_pairs, encode_response
-from rlhf.losses import sequence_logprobs
+from rlhf.logprobs import linear_processed_logprobs
 from rlhf.stats import preference_summary
 
 # (label, key prefix of the accuracy fields, field holding the number of pairs) of each reported subset
@@ -37,13 +38,14 @@ SUBSETS = (
 def response_logprobs(model: nn.Module, batch: dict, device) -> torch.Tensor:
     """log pi(y | x) of every row (2B,), summed over response tokens, in fp32; differentiable.
 
-    The LM head runs only at the columns P-1 .. P+R-2 that predict the response (see data/tldr.py)."""
+    The LM head runs only at the columns P-1 .. P+R-2 that predict the response (see data/tldr.py), inside
+    rlhf/logprobs.py's chunked pass (GRPO's function), so the (2B, R, V) logits are never materialised."""
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
-    logits = model(
+    logp_BR, _ = model(
         batch["input_ids"].to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device),
-        logits_slice=slice(P - 1, P + R - 1),
-    )  # (2B, R, V)
-    return sequence_logprobs(logits, batch["response_ids"].to(device), batch["response_mask"].to(device))  # (2B,)
+        logits_slice=slice(P - 1, P + R - 1), head=partial(linear_processed_logprobs, targets_NR=batch["response_ids"].to(device)),
+    )  # (2B, R)
+    return (logp_BR * batch["response_mask"].to(device)).sum(-1)  # (2B,)
 
 
 def reward_scores(model: nn.Module, batch: dict, device) -> torch.Tensor:

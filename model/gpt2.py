@@ -217,13 +217,18 @@ class GPT2LMHeadModel(nn.Module):
         init_gpt2_weights(self, cfg.n_layer)
 
     def forward(
-        self, input_ids, position_ids, attention_mask=None, kv_cache=None, logits_slice: slice | torch.Tensor | None = None
+        self, input_ids, position_ids, attention_mask=None, kv_cache=None, logits_slice: slice | torch.Tensor | None = None,
+        head=None,
     ):
         """Returns logits (B, T', V) for the positions in `logits_slice`: a slice of columns, a (B, T') long tensor
-        of column indices per row, or None for all positions."""
+        of column indices per row, or None for all positions. With `head`, returns head(hidden (B, T', C), head
+        weight (V, C)) instead: a function that needs less than the logits (rlhf/logprobs.py's fused log-probs)
+        applies the head itself, here, where FSDP has the tied weight gathered."""
         h = self.transformer(input_ids, position_ids, attention_mask, kv_cache)  # (B, T, C)
         if isinstance(logits_slice, torch.Tensor):
             h = h.gather(1, logits_slice[..., None].expand(-1, -1, h.shape[-1]))  # (B, T', C)
         elif logits_slice is not None:
             h = h[:, logits_slice]
+        if head is not None:
+            return head(h, self.lm_head.weight)
         return self.lm_head(h)  # (B, T', V)

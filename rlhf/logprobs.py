@@ -17,13 +17,23 @@ constant of the backward, as in the unchunked masked_fill) and H = -sum_j p_j lo
 get no gradient. The entropy is computed from the same log-softmax as the log-prob (one exp more per row), and
 only when asked: logging it every N steps (grpo --entropy_every) makes it free on the other steps.
 
+`linear_processed_logprobs` goes one step further for the update and the reference: it takes the hidden states and
+the LM head's weight and runs the head's matmul chunk by chunk inside the same pass, so the (positions x V) logits
+are never materialised. It saves the processed probabilities in fp32 (the one (positions x V) tensor it keeps, and
+only when a gradient is needed: the exp it takes for the entropy anyway), and its backward is two matmuls on them
+(see the class) instead of a recomputed softmax, a logits-sized gradient and two matmuls on that gradient.
+
 `process_logits` is the one definition of the processing: model/sampler.py draws tokens with it, so the update's
 log-probs describe the distribution the tokens were drawn from.
 """
 
 import torch
+import torch.nn.functional as F
 
 CHUNK = 32  # positions per chunk: 32 x 50,257 fp32 is 6.4 MB, a few of them fit a CPU's last-level cache
+BLOCK_BYTES = 16 * 2**20  # the fused backward's entropy term: vocabulary blocks of (positions x block) fp32 this size
+GPU_CHUNK_BYTES = 32 * 2**20  # the fused pass on a GPU: as many positions as make ~32 MB of fp32 logits per chunk (a few
+# kernel launches per micro-batch, and a chunk's temporaries stay small), against CHUNK positions on a CPU
 
 
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -125,3 +135,111 @@ def processed_logprobs(
         logits_MV, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk
     )
     return logp_M.view(lead), entropy_M.view(lead) if entropy_M is not None else None
+
+
+class _LinearChunkedLogprobs(torch.autograd.Function):
+    """(log p(target) (M,), entropy (M,) or None) from hidden states h (M, C) and the head weight W (V, C): the
+    logits of `chunk` positions at a time, F.linear as nn.Linear computes them. Saves h and W (alive anyway), the
+    entropy (M,) and, when an input needs a gradient, the processed probabilities P (M, V) (fp32, or the head's 16-bit
+    dtype).
+
+    With P saved, the backward of the log-prob term needs no pass over (M, V) at all. The logit gradient is
+    G = diag(g) (onehot(t) - P), so
+        dh = G W = g * (W[t] - P W)            dW = G^T h = onehot(t)^T (g * h) - P^T (g * h)
+    two matmuls on P and a row gather / index-add. The entropy term (only when it is a bonus) adds
+    -diag(g_H) Q with Q = P log P + P H, built in vocabulary blocks."""
+
+    @staticmethod
+    def forward(ctx, hidden_MC, weight_VC, targets_M, temperature, top_k, top_p, with_entropy, chunk, lead):
+        M, V = hidden_MC.shape[0], weight_VC.shape[0]
+        masked = top_k > 0 or top_p < 1.0
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # P in the head's dtype when that is 16-bit: the backward's matmuls run in it (as nn.Linear's would on the
+        # bf16 logit gradient), so rounding P first costs no precision they keep, and halves the saved tensor
+        probs_dtype = weight_VC.dtype if weight_VC.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        probs_MV = torch.empty(M, V, dtype=probs_dtype, device=hidden_MC.device) if needs_grad else None
+        # the outputs in the caller's shape `lead` (not views of flat tensors: FSDP hooks a module's outputs)
+        logp_out = torch.empty(lead, dtype=torch.float32, device=hidden_MC.device)
+        entropy_out = torch.empty(lead, dtype=torch.float32, device=hidden_MC.device) if with_entropy else None
+        logp_M = logp_out.view(-1)
+        entropy_M = entropy_out.view(-1) if with_entropy else None
+        for s in range(0, M, chunk):
+            z_cV = process_logits(F.linear(hidden_MC[s : s + chunk], weight_VC), temperature, top_k, top_p)  # (c, V)
+            logp_cV = z_cV.log_softmax(-1)
+            logp_M[s : s + chunk] = logp_cV.gather(-1, targets_M[s : s + chunk, None]).squeeze(-1)
+            if needs_grad and probs_dtype == torch.float32:  # exp straight into the saved P
+                p_cV = torch.exp(logp_cV, out=probs_MV[s : s + chunk])
+            elif needs_grad or with_entropy:
+                p_cV = logp_cV.exp()
+                if needs_grad:
+                    probs_MV[s : s + chunk] = p_cV
+            if with_entropy:
+                entropy_M[s : s + chunk] = -(p_cV * _finite(logp_cV, masked)).sum(-1)
+        ctx.save_for_backward(hidden_MC, weight_VC, targets_M, probs_MV, entropy_out, logp_out)  # outputs, not views
+        ctx.settings = (temperature, masked)
+        ctx.set_materialize_grads(False)
+        return logp_out, entropy_out
+
+    @staticmethod
+    def backward(ctx, grad_logp_M, grad_entropy_M):
+        hidden_MC, weight_VC, targets_M, probs_MV, entropy_out, logp_out = ctx.saved_tensors
+        temperature, masked = ctx.settings
+        if grad_logp_M is None and grad_entropy_M is None:
+            return (None,) * 9
+        logp_M, entropy_M = logp_out.reshape(-1), entropy_out.reshape(-1) if entropy_out is not None else None
+        grad_logp_M = grad_logp_M.reshape(-1) if grad_logp_M is not None else None
+        grad_entropy_M = grad_entropy_M.reshape(-1) if grad_entropy_M is not None else None
+        scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0  # d z / d logits
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        M, V = probs_MV.shape
+        dtype = weight_VC.dtype
+        probs = probs_MV.to(dtype)  # the matmuls run in the head's dtype (no copy when P already has it)
+        grad_hidden_MC = torch.zeros(M, hidden_MC.shape[1], dtype=torch.float32, device=hidden_MC.device)
+        grad_weight_VC = torch.zeros(V, weight_VC.shape[1], dtype=torch.float32, device=weight_VC.device) if want_weight else None
+        if grad_logp_M is not None:
+            g_M1 = grad_logp_M[:, None] * scale  # (M, 1)
+            # the target's one-hot term only where the target is inside the top-k / top-p set: outside, its
+            # processed logit is a constant -inf and gets no gradient, as in the unfused pass
+            g_target_M1 = torch.where(torch.isfinite(logp_M)[:, None], g_M1, 0.0) if masked else g_M1
+            if want_hidden:
+                grad_hidden_MC += g_target_M1 * weight_VC[targets_M].float() - g_M1 * (probs @ weight_VC).float()
+            if want_weight:
+                gh_MC = (g_M1 * hidden_MC.float()).to(dtype)
+                grad_weight_VC -= (probs.T @ gh_MC).float()
+                grad_weight_VC.index_add_(0, targets_M, g_target_M1 * hidden_MC.float())
+        if grad_entropy_M is not None:  # d H / d z_j = -p_j (log p_j + H), in vocabulary blocks
+            gH_M1 = grad_entropy_M[:, None] * scale
+            block = max(1, BLOCK_BYTES // (4 * M))
+            for v in range(0, V, block):
+                p_Mb = probs_MV[:, v : v + block].float()
+                q_Mb = (torch.special.xlogy(p_Mb, p_Mb) + p_Mb * entropy_M[:, None]).mul_(-gH_M1).to(dtype)  # (M, b)
+                if want_hidden:
+                    grad_hidden_MC += (q_Mb @ weight_VC[v : v + block]).float()
+                if want_weight:
+                    grad_weight_VC[v : v + block] += (q_Mb.T @ hidden_MC).float()
+        grad_hidden_MC = grad_hidden_MC.to(hidden_MC.dtype) if want_hidden else None
+        grad_weight_VC = grad_weight_VC.to(dtype) if want_weight else None
+        return grad_hidden_MC, grad_weight_VC, None, None, None, None, None, None, None
+
+
+def linear_processed_logprobs(
+    hidden_NRC: torch.Tensor,
+    weight_VC: torch.Tensor,
+    targets_NR: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """processed_logprobs(F.linear(hidden, weight), targets, ...) without the (n, R, V) logits: the LM head applied
+    `chunk` positions at a time inside the pass (default: CHUNK on a CPU, GPU_CHUNK_BYTES of logits on a GPU). Differentiable with respect to the hidden states and the weight
+    (a frozen weight gets no gradient computed). GPT2LMHeadModel.forward(..., head=...) calls it with its tied head
+    weight, inside the root module's forward, so FSDP has the weight gathered."""
+    *lead, C = hidden_NRC.shape
+    if chunk is None:
+        chunk = CHUNK if hidden_NRC.device.type == "cpu" else max(CHUNK, GPU_CHUNK_BYTES // (4 * weight_VC.shape[0]))
+    return _LinearChunkedLogprobs.apply(
+        hidden_NRC.reshape(-1, C), weight_VC, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk,
+        tuple(lead),
+    )

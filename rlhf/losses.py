@@ -21,11 +21,6 @@ def sft_loss_sum(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, mask_BT: to
     return (nll * mask_BT).sum()
 
 
-def sequence_logprobs(logits_BRV: torch.Tensor, targets_BR: torch.Tensor, mask_BR: torch.Tensor) -> torch.Tensor:
-    """log pi(y | x) of each row: the sum of the masked response tokens' log-probs (B,), in fp32."""
-    return (token_logprobs(logits_BRV, targets_BR) * mask_BR).sum(-1)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Pairwise preference losses. Each returns one loss per pair (B,); the caller sums them and divides by
 # the global number of pairs.

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from model import sampler
+from rlhf import logprobs
 from rlhf.grpo import LOGPROB_FLOOR, token_entropy
-from rlhf.logprobs import processed_logprobs
+from rlhf.logprobs import linear_processed_logprobs, processed_logprobs
 
 SETTINGS = [
     {},
@@ -125,3 +126,126 @@ def test_only_the_logits_and_per_position_vectors_are_saved_for_backward():
         processed_logprobs(x, targets, temperature=0.7, top_k=10, with_entropy=True, chunk=4)
     big = [t for t in saved if t.numel() >= x[0, 0].numel()]
     assert len(big) == 1 and big[0].data_ptr() == x.data_ptr(), [tuple(t.shape) for t in big]
+
+
+@pytest.mark.parametrize("proc", SETTINGS, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "plain")
+@pytest.mark.parametrize("chunk,block_bytes", [(1, 64), (4, 4000), (1000, 16 * 2**20)])
+def test_fused_head_equals_the_logits_path(proc, chunk, block_bytes, monkeypatch):
+    """linear_processed_logprobs(h, W) == processed_logprobs(F.linear(h, W)) in value and in the gradients of the
+    hidden states and the weight, for every processing, chunk and vocabulary block size (block_bytes 64: one token
+    per block), with padded rows and targets outside the top-k / top-p set."""
+    monkeypatch.setattr(logprobs, "BLOCK_BYTES", block_bytes)
+    n, R, C, V = 3, 7, 16, 500
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(n, R, C, generator=g), torch.randn(V, C, generator=g) * 0.7
+    _, targets, mask = logits_targets_mask(n, R, V)
+    top5 = torch.topk(torch.nn.functional.linear(hidden, weight), 5, dim=-1).indices
+    targets = torch.where(torch.rand(n, R, generator=g) < 0.7, top5[..., 0], targets)  # mostly inside the set
+    g_logp, g_entropy = torch.randn(n, R, generator=g), torch.randn(n, R, generator=g)
+
+    h_old, w_old = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp_old, entropy_old = processed_logprobs(torch.nn.functional.linear(h_old, w_old), targets, with_entropy=True,
+                                               **proc)
+    grads_old = torch.autograd.grad(objective(logp_old, entropy_old, mask, g_logp, g_entropy), (h_old, w_old))
+
+    h_new, w_new = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp_new, entropy_new = linear_processed_logprobs(h_new, w_new, targets, with_entropy=True, chunk=chunk, **proc)
+    grads_new = torch.autograd.grad(objective(logp_new, entropy_new, mask, g_logp, g_entropy), (h_new, w_new))
+
+    assert torch.equal(torch.isinf(logp_new), torch.isinf(logp_old))
+    # a matmul of `chunk` rows may round differently from one of all rows: within 1e-6, relative to |log p| ~ 20
+    torch.testing.assert_close(logp_new, logp_old, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy_new, entropy_old, rtol=1e-6, atol=1e-6)
+    for new, old in zip(grads_new, grads_old):
+        torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
+        assert old.abs().max() > 0.1  # a real gradient, not zeros on both sides
+    # the log-prob alone (entropy detached), and a frozen weight: no weight gradient, the same hidden gradient
+    h_lp = hidden.clone().requires_grad_()
+    logp_lp, _ = linear_processed_logprobs(h_lp, weight, targets, chunk=chunk, **proc)
+    grad_lp, = torch.autograd.grad(objective(logp_lp, torch.zeros(n, R), mask, g_logp, g_entropy), h_lp)
+    h_ref = hidden.clone().requires_grad_()
+    logp_ref, _ = processed_logprobs(torch.nn.functional.linear(h_ref, weight), targets, **proc)
+    grad_ref, = torch.autograd.grad(objective(logp_ref, torch.zeros(n, R), mask, g_logp, g_entropy), h_ref)
+    torch.testing.assert_close(grad_lp, grad_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_head_keeps_no_logits_and_saves_nothing_without_a_gradient():
+    n, R, C, V = 4, 8, 16, 3000
+    hidden, weight = torch.randn(n, R, C), torch.randn(V, C)
+    targets = torch.randint(V, (n, R))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    for requires_grad in (False, True):
+        saved.clear()
+        h = hidden.clone().requires_grad_(requires_grad)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            linear_processed_logprobs(h, weight, targets, top_k=10, with_entropy=True, chunk=4)
+        big = [t for t in saved if t.numel() >= n * R * V]
+        assert len(big) == requires_grad, [tuple(t.shape) for t in big]  # only the fp32 log-softmax, for the backward
+        assert all(t.dtype == torch.float32 for t in big)
+
+
+def test_fused_head_in_bf16_matches_the_bf16_logits_path():
+    """Under the bf16 policy the head runs in bf16 as nn.Linear does; log-probs stay fp32 and the gradients come
+    back in bf16, close to the unfused path's (which rounds the logit gradient to bf16 before its matmuls)."""
+    n, R, C, V = 2, 5, 16, 400
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(n, R, C, generator=g).bfloat16(), (torch.randn(V, C, generator=g) * 0.5).bfloat16()
+    targets = torch.randint(V, (n, R), generator=g)
+    h_old, w_old = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp_old, _ = processed_logprobs(torch.nn.functional.linear(h_old, w_old), targets, temperature=0.7)
+    grads_old = torch.autograd.grad(logp_old.sum(), (h_old, w_old))
+    h_new, w_new = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp_new, _ = linear_processed_logprobs(h_new, w_new, targets, temperature=0.7, chunk=3)
+    grads_new = torch.autograd.grad(logp_new.sum(), (h_new, w_new))
+    assert logp_new.dtype == torch.float32
+    torch.testing.assert_close(logp_new, logp_old, rtol=1e-6, atol=1e-5)  # the same bf16 logits, rounded alike
+    for new, old in zip(grads_new, grads_old):
+        assert new.dtype == torch.bfloat16
+        torch.testing.assert_close(new.float(), old.float(), rtol=2e-2, atol=2e-2 * old.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_head_on_gpu_matches_and_saves_memory():
+    """On CUDA in bf16 (the GPU default), at a GRPO micro-batch's shape (32 x 53 positions, GPT-2's vocabulary):
+    the fused pass agrees with the logits path; its peak memory over forward + backward is below the chunked
+    logits path's and at least two fp32 logits-sized tensors below the whole-tensor functions it replaced."""
+    device = torch.device("cuda")
+    n, R, C, V = 32, 53, 768, 50257
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(n, R, C, device=device, generator=g).bfloat16()
+    weight = (torch.randn(V, C, device=device, generator=g) * 0.02).bfloat16()
+    targets = torch.randint(V, (n, R), device=device, generator=g)
+    logits_bytes = n * R * V * 4
+
+    def peak(fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        logp, entropy = fn(h, w)
+        (logp.sum() + 0.01 * entropy.sum()).backward()
+        torch.cuda.synchronize()
+        return logp.detach(), h.grad, w.grad, torch.cuda.max_memory_allocated() - base
+
+    def whole(h, w):
+        logits = torch.nn.functional.linear(h, w)
+        return sampler.processed_logprobs(logits, targets, temperature=0.9), token_entropy(
+            sampler.process_logits(logits, temperature=0.9))
+
+    original = peak(whole)
+    chunked = peak(lambda h, w: processed_logprobs(torch.nn.functional.linear(h, w), targets, temperature=0.9,
+                                                   with_entropy=True))
+    fused = peak(lambda h, w: linear_processed_logprobs(h, w, targets, temperature=0.9, with_entropy=True))
+    torch.testing.assert_close(fused[0], chunked[0], rtol=1e-5, atol=1e-3)
+    for new, old in zip(fused[1:3], chunked[1:3]):
+        torch.testing.assert_close(new.float(), old.float(), rtol=5e-2, atol=5e-2 * old.float().abs().max().item())
+    print(f"peak over forward + backward: whole-tensor {original[3] / 2**20:.0f} MiB, chunked {chunked[3] / 2**20:.0f}"
+          f" MiB, fused {fused[3] / 2**20:.0f} MiB; fp32 logits {logits_bytes / 2**20:.0f} MiB")
+    assert fused[3] < chunked[3]
+    assert original[3] - fused[3] >= 2 * logits_bytes

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlhf.losses import bradley_terry_loss, dpo_logits, dpo_loss, ipo_loss, sequence_logprobs
+from rlhf.losses import bradley_terry_loss, dpo_logits, dpo_loss, ipo_loss
 
 LOG2 = math.log(2.0)
 
@@ -76,12 +76,3 @@ def test_ipo_at_known_margins():
     z = torch.zeros(3)
     assert torch.allclose(ipo_loss(z, z, z, z, beta=0.1), torch.full((3,), 25.0))  # (0 - 5)^2 at h = 0
 
-
-def test_sequence_logprobs_sums_masked_tokens_only():
-    V = 10
-    logits = torch.zeros(2, 4, V)  # uniform: every token has log-prob -log V
-    logits[1, 0, 3] = 100.0  # row 1, position 0: token 3 certain
-    targets = torch.tensor([[1, 2, 3, 4], [3, 5, 5, 5]])
-    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
-    out = sequence_logprobs(logits, targets, mask)
-    assert torch.allclose(out, torch.tensor([-3 * math.log(V), -math.log(V)]), atol=1e-5)

@@ -16,7 +16,7 @@ import dpo
 import reward_model
 from data.tldr import PREF_COLUMNS, collate_pairs, load_rows
 from data.tokenizer import get_tokenizer
-from evaluation.preference import build_eval_set, evaluate_reward_model, gather_pair_scores
+from evaluation.preference import build_eval_set, evaluate_reward_model, gather_pair_scores, response_logprobs
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import build_reward_model, save_hf
@@ -122,6 +122,26 @@ def test_frozen_reference_receives_no_gradient():
     losses.sum().backward()
     assert all(p.grad is None for p in reference.parameters())
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
+
+
+def test_response_logprobs_sum_the_response_tokens_of_the_full_logits():
+    """evaluation.preference.response_logprobs (the fused head pass) == log_softmax of the full logits gathered at
+    the response tokens and summed over the real ones, in value and in every parameter's gradient."""
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(TINY)
+    batch = collate_pairs(*random_pairs(4, seed=3))
+    P, mask = batch["prompt_len"], batch["response_mask"]
+    assert not mask.all()  # some response padding is masked out
+    got = response_logprobs(policy, batch, "cpu")
+    grads_got = torch.autograd.grad(got.sum(), list(policy.parameters()))
+    logits = policy(batch["input_ids"], batch["position_ids"], batch["attention_mask"])  # (2B, T, V) every column
+    R = batch["response_ids"].shape[1]
+    logp = logits[:, P - 1 : P + R - 1].log_softmax(-1).gather(-1, batch["response_ids"][..., None]).squeeze(-1)
+    want = (logp * mask).sum(-1)
+    grads_want = torch.autograd.grad(want.sum(), list(policy.parameters()))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    for g_got, g_want in zip(grads_got, grads_want):  # summation order differs: within 1e-5 of each tensor's scale
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5 * g_want.abs().max().item())
 
 
 def test_loss_choice_and_offload_needs_gpu():

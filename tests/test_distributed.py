@@ -67,3 +67,15 @@ def test_two_process_sft_lowers_loss_and_resumes_exactly_after_sigkill_and_sigte
     run_script(args(run), nproc=2)
     context = f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at}), SIGTERM after step {stopped.group(1)}"
     assert_same_metrics(full, read_metrics(run), ("train/loss", "train/grad_norm", "train/lr", "val/loss"), context)
+
+
+def test_fsdp_gathers_the_root_once_per_micro_batch(tmp_path):
+    # a 2-block GPT-2 has three FSDP units (root, block 0, block 1). Forward gathers all three; backward gathers the
+    # blocks again (they resharded after forward) but not the root, whose tied head backward starts with: 5, not 6.
+    # A gathered_params block (generation) must hand every unit its own setting back, so the next step is 5 again; a
+    # frozen model's root reshards after forward, so each of its forwards gathers every unit.
+    out = tmp_path / "gathers.pt"
+    run_script(["tests/scripts/fsdp_gathers.py", str(out)], nproc=2)
+    counts = torch.load(out)
+    assert counts == {"first_step": 5, "second_step": 5, "gathered_block": 3, "step_after_gathered_block": 5,
+                      "frozen_forward": 3, "frozen_forward_again": 3}, counts

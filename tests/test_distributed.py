@@ -4,6 +4,7 @@ part-way that resumes exactly."""
 import json
 import random
 import re
+import shutil
 import signal
 
 import pytest
@@ -79,3 +80,40 @@ def test_fsdp_gathers_the_root_once_per_micro_batch(tmp_path):
     counts = torch.load(out)
     assert counts == {"first_step": 5, "second_step": 5, "gathered_block": 3, "step_after_gathered_block": 5,
                       "frozen_forward": 3, "frozen_forward_again": 3}, counts
+
+
+def test_sharded_checkpoint_resumes_exactly_on_two_processes_and_on_one(tmp_path):
+    # two processes train 3 steps and save after step 2, each writing its own shards; a run from other weights loads
+    # that checkpoint on 2 processes (and continues bit for bit) and on 1 (the shards are re-cut: the state loaded is
+    # the state saved, bit for bit; step 3 then differs only by the order of the gradient reduction)
+    run_script(["tests/scripts/ckpt_dist.py", "save", str(tmp_path / "run"), str(tmp_path / "save.pt")], nproc=2)
+    files = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step_00000002" / "sharded").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
+    saved = torch.load(tmp_path / "save.pt")
+    for nproc in (2, 1):
+        run = tmp_path / f"run{nproc}"
+        shutil.copytree(tmp_path / "run", run)
+        out = tmp_path / f"resume{nproc}.pt"
+        run_script(["tests/scripts/ckpt_dist.py", "resume", str(run), str(out)], nproc=nproc)
+        resumed = torch.load(out)
+        for part in ("params", "moments"):
+            assert saved["saved"][part].keys() == resumed["loaded"][part].keys()
+            for name, t in saved["saved"][part].items():
+                assert torch.equal(resumed["loaded"][part][name], t), (nproc, part, name)
+                final, final_resumed = saved["final"][part][name], resumed["final"][part][name]
+                if nproc == 2:
+                    assert torch.equal(final_resumed, final), (part, name)
+                else:
+                    assert torch.allclose(final_resumed, final, rtol=0, atol=1e-4), (part, name)
+                assert not torch.equal(final, t)  # step 3 moved it
+        assert all(torch.equal(resumed["loaded_frozen"][n], t) for n, t in saved["saved_frozen"].items())
+        assert resumed["lr"] == saved["lr"]  # the schedule resumed at step 3
+        assert abs(resumed["loss"] - saved["loss"]) <= (0 if nproc == 2 else 1e-5), (nproc, resumed["loss"], saved["loss"])
+
+
+def test_dist_timeout_reaches_the_process_group(tmp_path):
+    # rank 1 is busy for 8 s; under a 3 s timeout rank 0's barrier fails after 3 s (torch's gloo default: 30 minutes)
+    out = tmp_path / "timeout.json"
+    run_script(["tests/scripts/dist_timeout.py", str(out), "0.05"], nproc=2)
+    result = json.loads(out.read_text())
+    assert 2.9 <= result["seconds"] < 6.0 and "Timed out waiting 3000ms" in result["error"], result

@@ -99,11 +99,11 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
     save_checkpoint(tmp_path, 1, model, optimizer, scheduler, meta, extra={"loader": {"epoch": 0}})
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
-    def dies_half_way(obj, f):  # the process "dies" with a half-written state.pt
-        f.write(b"\x80\x02half")
+    def dies_half_way(obj, path):  # the process "dies" with the shards written and a half-written state.pt
+        path.write_bytes(b"\x80\x02half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint.torch, "save", dies_half_way)
+    monkeypatch.setattr(checkpoint, "_save_file", dies_half_way)
     with torch.no_grad():
         model.transformer.wte.weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):

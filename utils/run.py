@@ -16,6 +16,7 @@ seeded by utils.dist.stream(seed, step, rank, stream name), so streams are indep
 ranks, and a resumed run rebuilds them bit for bit from the step alone.
 """
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,10 +70,36 @@ class Run:
             print(message)
 
 
+def make_deterministic(device: str) -> None:
+    """--deterministic: the same numbers bit for bit on a GPU (CPU runs already repeat bit for bit). Called before
+    CUDA is initialised: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it makes its first handle (with the default
+    workspace its split-K matmuls may reduce in another order from run to run).
+
+    Attention runs on SDPA's math kernel (two matmuls and a softmax). The flash and cuDNN kernels' backward is not
+    deterministic; the memory-efficient kernel's is only under strict deterministic mode, which would stop the run
+    at the sampler's float cumsum (torch flags every float cumsum on CUDA, although the batched innermost-dimension
+    scan it runs has a fixed order). Hence warn_only: an op without a deterministic implementation warns once,
+    naming itself, instead of stopping the run; tests/test_gpu.py (bench/gpu_all.sh) checks that two identical runs
+    agree bit for bit. On a CPU run (`device`: --device) the attention kernel is left alone: these flags steer the
+    CPU's SDPA too, and its kernels already repeat bit for bit."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return  # the flags below also steer SDPA on the CPU, whose flash kernel is deterministic already
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_math_sdp(True)
+
+
 def start_run(cfg: RunConfig, meta: dict) -> Run:
     """Distributed set-up, the run directory and the checkpoint to resume from (checked against `meta`: stage, model
     config, LoRA), the global seed (the same on every rank: models are initialised identically before sharding) and
     the compute dtype. Everything here runs before any data is read or any model is built."""
+    if cfg.deterministic:
+        make_deterministic(cfg.device)
     info = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     run_dir = Path(cfg.out_dir)
     checkpoint = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)

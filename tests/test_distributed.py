@@ -117,3 +117,18 @@ def test_dist_timeout_reaches_the_process_group(tmp_path):
     run_script(["tests/scripts/dist_timeout.py", str(out), "0.05"], nproc=2)
     result = json.loads(out.read_text())
     assert 2.9 <= result["seconds"] < 6.0 and "Timed out waiting 3000ms" in result["error"], result
+
+
+def test_out_dir_that_ranks_see_differently_is_refused_on_every_rank(tmp_path):
+    # ranks writing checkpoint shards into folders that are not one (nodes without a shared filesystem) would leave
+    # checkpoints without the other ranks' shards; every rank stops with the same error, and no marker file remains
+    for mode in ("same", "per_rank"):
+        out = tmp_path / f"{mode}.txt"
+        run_script(["tests/scripts/shared_dir.py", str(tmp_path / mode), str(out), mode], nproc=2)
+        errors = [out.with_name(f"{out.name}.{rank}").read_text() for rank in (0, 1)]
+        if mode == "same":
+            assert errors == ["", ""], errors
+        else:
+            assert all("is not the same folder on every rank: ranks [1] do not see the file rank 0 wrote there" in e
+                       for e in errors), errors
+        assert not list((tmp_path / mode).rglob(".shared_check_*"))

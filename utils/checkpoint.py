@@ -31,6 +31,7 @@ import os
 import random
 import shutil
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -267,14 +268,45 @@ def check_run_dir(run_dir: str | Path) -> None:
         raise ConfigError(f"--out_dir {path} is not writable")
 
 
+def check_shared_dir(run_dir: str | Path, wait_s: float = 30.0) -> None:
+    """ConfigError on every rank unless every rank sees the same --out_dir (a collective): rank 0 writes a file there
+    and every rank looks for it, for up to `wait_s` seconds (a network filesystem may show another machine's new
+    file only after its attribute cache expires). Every rank writes its checkpoint shards into --out_dir and rank 0
+    renames the folder they are in, so with several nodes it must be on a filesystem they share: found here rather
+    than at the first resume, when the checkpoint would lack the other nodes' shards."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    rank = dist.get_rank()
+    token = [os.urandom(8).hex() if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    marker = Path(run_dir) / f".shared_check_{token[0]}"
+    if rank == 0:
+        marker.write_text("")
+    _barrier()
+    deadline = time.monotonic() + wait_s
+    while not marker.is_file() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    seen = _gather_objects(marker.is_file())
+    if rank == 0:
+        marker.unlink()
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError(
+            f"--out_dir {run_dir} is not the same folder on every rank: ranks {blind} do not see the file rank 0 "
+            f"wrote there; with several nodes --out_dir must be on a filesystem they all share (every rank writes its "
+            f"checkpoint shards into it)"
+        )
+
+
 def find_checkpoint(run_dir: str | Path, resume: bool, resume_from: str, meta: dict) -> Path | None:
     """The checkpoint this run starts from, checked against `meta`, before any model is built.
 
     The run directory's own newest checkpoint comes first (so rerunning the same command after a crash
     continues where it stopped); otherwise --resume_from: a checkpoint folder (holding state.pt) or a run
     directory (its newest checkpoint). With --resume false and checkpoints in --out_dir, refuses to start over
-    on top of them. Checks first that --out_dir is a writable directory."""
+    on top of them. Checks first that --out_dir is a writable directory that every rank sees."""
     check_run_dir(run_dir)
+    check_shared_dir(run_dir)
     own = latest_checkpoint(run_dir)
     if own is not None and not resume:
         raise ConfigError(

@@ -48,7 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys  # DCP's own reader of a checkpoint's keys in one process
+# DCP's own reader of some of a checkpoint's keys, as full tensors, in one process (what its format tools use)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from utils.config import ConfigError
 from utils.dist import stream_seed
@@ -169,7 +170,8 @@ def save_checkpoint(
     sharded = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     sharded |= {name: get_model_state_dict(m) for name, m in (frozen or {}).items()}
     # each rank writes its shards, fsynced (FileSystemWriter's sync_files); rank 0 then writes the .metadata index
-    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(tmp / SHARDED, sync_files=True), no_dist=not dist.is_initialized())
+    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(tmp / SHARDED, sync_files=True),
+             no_dist=not dist.is_initialized())
     rngs = _gather_objects(rng_state())
     if rank == 0:
         state = {
@@ -342,10 +344,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, me
     saved_frozen = {name: m for name, m in (frozen or {}).items() if name in saved_names}
     try:
         if "model" in state:  # written before checkpoints were sharded: full tensors in state.pt
-            set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, state["model"], options=full)
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
             for name, m in saved_frozen.items():
-                set_model_state_dict(m, state["extra"][name], options=StateDictOptions(full_state_dict=True))
+                set_model_state_dict(m, state["extra"][name], options=full)
         else:
             sharded = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
             sharded |= {name: get_model_state_dict(m) for name, m in saved_frozen.items()}
@@ -358,7 +361,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, me
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
     except (RuntimeError, KeyError, ValueError, dcp.CheckpointException) as e:  # written by other code, edited, cut
-        if isinstance(e, dcp.CheckpointException):  # the same on every rank (DCP gathers the failures): one rank's cause
+        if isinstance(e, dcp.CheckpointException):  # raised on every rank (DCP gathers the failures): the first cause
             e = next(iter(e.failures.values()))[0]
         raise CheckpointError(f"checkpoint {path} does not fit this run's model and optimizer ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None

@@ -74,12 +74,13 @@ def test_fsdp_gathers_the_root_once_per_micro_batch(tmp_path):
     # a 2-block GPT-2 has three FSDP units (root, block 0, block 1). Forward gathers all three; backward gathers the
     # blocks again (they resharded after forward) but not the root, whose tied head backward starts with: 5, not 6.
     # A gathered_params block (generation) must hand every unit its own setting back, so the next step is 5 again; a
-    # frozen model's root reshards after forward, so each of its forwards gathers every unit.
+    # frozen model's root reshards after forward, so each of its forwards gathers every unit. An optimizer step after a
+    # forward without backward (which leaves the root gathered) must not leave the next forward the old root.
     out = tmp_path / "gathers.pt"
     run_script(["tests/scripts/fsdp_gathers.py", str(out)], nproc=2)
     counts = torch.load(out)
     assert counts == {"first_step": 5, "second_step": 5, "gathered_block": 3, "step_after_gathered_block": 5,
-                      "frozen_forward": 3, "frozen_forward_again": 3}, counts
+                      "frozen_forward": 3, "frozen_forward_again": 3, "forward_after_step": 3}, counts
 
 
 def test_sharded_checkpoint_resumes_exactly_on_two_processes_and_on_one(tmp_path):

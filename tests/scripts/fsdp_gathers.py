@@ -1,5 +1,7 @@
 """Run under 2 processes: how many all-gathers FSDP issues in one forward + backward of a 2-block GPT-2, before and
-after a gathered_params block (generation's), and for a frozen model's forward. Rank 0 saves the counts.
+after a gathered_params block (generation's), for a frozen model's forward, and for the forward after an optimizer
+step that followed a forward without backward (the root it kept gathered must be gathered again, updated). Rank 0
+saves the counts.
 
     python tests/scripts/fsdp_gathers.py OUT.pt
 """
@@ -16,6 +18,7 @@ from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.weights import freeze  # noqa: E402
 from utils.dist import cleanup_distributed, setup_distributed  # noqa: E402
 from utils.fsdp import gathered_params, shard_model  # noqa: E402
+from utils.optim import build_optimizer, clip_grad_norm  # noqa: E402
 
 calls = []
 _all_gather_single = dist.all_gather_single
@@ -52,6 +55,20 @@ def main(out: str):
             model(ids, pos)
             model(ids, pos)
 
+    optimizer = build_optimizer(model, 1e-2, 0.0)
+
+    def step_after_a_forward_without_backward():
+        model(ids, pos).float().pow(2).mean().backward()
+        with torch.no_grad():
+            model(ids, pos)  # an evaluation: the root stays gathered
+        clip_grad_norm(model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def forward():
+        with torch.no_grad():
+            return model(ids, pos)
+
     def frozen_forward():
         with torch.no_grad():
             frozen(ids, pos)
@@ -64,6 +81,8 @@ def main(out: str):
         "frozen_forward": gathers(frozen_forward),
         "frozen_forward_again": gathers(frozen_forward),
     }
+    gathers(step_after_a_forward_without_backward)
+    counts["forward_after_step"] = gathers(forward)
     if info.rank == 0:
         torch.save(counts, out)
     cleanup_distributed()

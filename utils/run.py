@@ -72,8 +72,9 @@ class Run:
 
 def make_deterministic(device: str) -> None:
     """--deterministic: the same numbers bit for bit on a GPU (CPU runs already repeat bit for bit). Called before
-    CUDA is initialised: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it makes its first handle (with the default
-    workspace its split-K matmuls may reduce in another order from run to run).
+    CUDA is initialised: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it makes its first handle, and repeats its results
+    bit for bit only with a fixed workspace per stream when several streams run (FSDP gathers and reduces on streams
+    of its own).
 
     Attention runs on SDPA's math kernel (two matmuls and a softmax). The flash and cuDNN kernels' backward is not
     deterministic; the memory-efficient kernel's is only under strict deterministic mode, which would stop the run

@@ -57,6 +57,9 @@ class Config:
     """auto (cuda when available), cuda or cpu."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU)."""
+    dist_timeout_minutes: float = 30.0
+    """Process-group timeout: a collective that waits longer than this for another rank fails the run (NCCL and gloo
+    alike) instead of hanging."""
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     """online, offline, disabled, or auto (online with a wandb login, offline otherwise); used with --out_dir."""
     wandb_project: str = "tldr-rlhf"
@@ -80,7 +83,7 @@ class Config:
 
 def main(cfg: Config) -> dict:
     # 1. distributed set-up; the models' configs and context lengths (before data is tokenized or models are built)
-    info = setup_distributed(cfg.device)
+    info = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     rank, world, device = info.rank, info.world_size, info.device
     dtype = resolve_dtype(cfg.dtype, device)
     for what, name in (("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)):

@@ -56,7 +56,6 @@ from rlhf.rewards import RewardSource, combine_sources, load_function, normalize
 from rollouts.models import Models, build_models, refresh_reference
 from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, Scores, rollout, source_values
-from utils.checkpoint import full_model_state, set_full_model_state
 from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
 from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world, stream
 from utils.fsdp import gathered_params, set_gradient_sync
@@ -636,9 +635,8 @@ def main(cfg: Config) -> dict:
     save_reference = cfg.ref_refresh_every > 0 and not cfg.lora_enabled  # with LoRA the model state holds it
     optimizer = build_optimizer(models.policy, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps * cfg.policy_epochs, cfg.min_lr_ratio)
-    step = resume(run, cfg, models.policy, optimizer, scheduler, loader, total_steps)
-    if save_reference and "reference" in run.extra:  # a refreshed reference (full fine-tuning)
-        set_full_model_state(models.reference, run.extra["reference"])
+    frozen = {"reference": models.reference} if save_reference else None  # a refreshed reference (full fine-tuning)
+    step = resume(run, cfg, models.policy, optimizer, scheduler, loader, total_steps, frozen=frozen)
     run.say(f"grpo: {len(train)} prompts, world {world}, {prompts_per_rank} prompts x {cfg.num_samples} samples -> "
             f"{cfg.kept} kept per rank, {n_micro} micro-batches, {total_steps} steps")
     ref_pref = policy_logps(models.reference, pref, device) if pref is not None else None
@@ -682,9 +680,8 @@ def main(cfg: Config) -> dict:
                                                            result.advantages, cfg.table_prompts), step)
 
             # 9. checkpoint: on schedule, at the end, at a new best evaluation metric, or when a signal came
-            extra = (lambda: {"reference": full_model_state(models.reference)}) if save_reference else None
             stopping = end_of_step(run, cfg, step, total_steps, metrics, models.policy, optimizer, scheduler, loader,
-                                   best_metric=cfg.keep_best_by(val is not None, pref is not None), extra=extra)
+                                   best_metric=cfg.keep_best_by(val is not None, pref is not None), frozen=frozen)
             if stopping:
                 break
 

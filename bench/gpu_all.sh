@@ -8,7 +8,10 @@
 #
 # 1. the machine: nvidia-smi, versions                                   -> OUT_DIR/machine.txt
 # 2. every GPU-marked test: pytest -m gpu (exit 5, "no tests collected",  -> OUT_DIR/pytest_gpu.log
-#    counts as a failure: there are GPU tests, so collecting none means something is wrong)
+#    counts as a failure: there are GPU tests, so collecting none means something is wrong):
+#    tests/test_gpu.py: --deterministic SFT, DPO and GRPO runs in bf16 agree bit for bit with a rerun; SFT resumed
+#    from its sharded checkpoint equals the uninterrupted run; with two GPUs, the same over NCCL (two-process GRPO
+#    reruns, each rank writing its own checkpoint shards); tests/test_bench.py: the benchmarks' GPU paths
 # 3. python -m bench.run_all --device cuda: sampler vs transformers, SFT/RM/DPO tokens/s and MFU, the reference
 #    GRPO step, TRL's GRPOTrainer (or the line saying trl is not installed)
 #                                                                         -> OUT_DIR/results.json, bench_cuda.log

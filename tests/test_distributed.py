@@ -4,6 +4,7 @@ part-way that resumes exactly."""
 import json
 import random
 import re
+import shutil
 import signal
 
 import pytest
@@ -67,3 +68,68 @@ def test_two_process_sft_lowers_loss_and_resumes_exactly_after_sigkill_and_sigte
     run_script(args(run), nproc=2)
     context = f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at}), SIGTERM after step {stopped.group(1)}"
     assert_same_metrics(full, read_metrics(run), ("train/loss", "train/grad_norm", "train/lr", "val/loss"), context)
+
+
+def test_fsdp_gathers_the_root_once_per_micro_batch(tmp_path):
+    # a 2-block GPT-2 has three FSDP units (root, block 0, block 1). Forward gathers all three; backward gathers the
+    # blocks again (they resharded after forward) but not the root, whose tied head backward starts with: 5, not 6.
+    # A gathered_params block (generation) must hand every unit its own setting back, so the next step is 5 again; a
+    # frozen model's root reshards after forward, so each of its forwards gathers every unit. An optimizer step after a
+    # forward without backward (which leaves the root gathered) must not leave the next forward the old root.
+    out = tmp_path / "gathers.pt"
+    run_script(["tests/scripts/fsdp_gathers.py", str(out)], nproc=2)
+    counts = torch.load(out)
+    assert counts == {"first_step": 5, "second_step": 5, "gathered_block": 3, "step_after_gathered_block": 5,
+                      "frozen_forward": 3, "frozen_forward_again": 3, "forward_after_step": 3}, counts
+
+
+def test_sharded_checkpoint_resumes_exactly_on_two_processes_and_on_one(tmp_path):
+    # two processes train 3 steps and save after step 2, each writing its own shards; a run from other weights loads
+    # that checkpoint on 2 processes (and continues bit for bit) and on 1 (the shards are re-cut: the state loaded is
+    # the state saved, bit for bit; step 3 then differs only by the order of the gradient reduction)
+    run_script(["tests/scripts/ckpt_dist.py", "save", str(tmp_path / "run"), str(tmp_path / "save.pt")], nproc=2)
+    files = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step_00000002" / "sharded").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
+    saved = torch.load(tmp_path / "save.pt")
+    for nproc in (2, 1):
+        run = tmp_path / f"run{nproc}"
+        shutil.copytree(tmp_path / "run", run)
+        out = tmp_path / f"resume{nproc}.pt"
+        run_script(["tests/scripts/ckpt_dist.py", "resume", str(run), str(out)], nproc=nproc)
+        resumed = torch.load(out)
+        for part in ("params", "moments"):
+            assert saved["saved"][part].keys() == resumed["loaded"][part].keys()
+            for name, t in saved["saved"][part].items():
+                assert torch.equal(resumed["loaded"][part][name], t), (nproc, part, name)
+                final, final_resumed = saved["final"][part][name], resumed["final"][part][name]
+                if nproc == 2:
+                    assert torch.equal(final_resumed, final), (part, name)
+                else:
+                    assert torch.allclose(final_resumed, final, rtol=0, atol=1e-4), (part, name)
+                assert not torch.equal(final, t)  # step 3 moved it
+        assert all(torch.equal(resumed["loaded_frozen"][n], t) for n, t in saved["saved_frozen"].items())
+        assert resumed["lr"] == saved["lr"]  # the schedule resumed at step 3
+        assert abs(resumed["loss"] - saved["loss"]) <= (0 if nproc == 2 else 1e-5), (nproc, resumed["loss"], saved["loss"])
+
+
+def test_dist_timeout_reaches_the_process_group(tmp_path):
+    # rank 1 is busy for 8 s; under a 3 s timeout rank 0's barrier fails after 3 s (torch's gloo default: 30 minutes)
+    out = tmp_path / "timeout.json"
+    run_script(["tests/scripts/dist_timeout.py", str(out), "0.05"], nproc=2)
+    result = json.loads(out.read_text())
+    assert 2.9 <= result["seconds"] < 6.0 and "Timed out waiting 3000ms" in result["error"], result
+
+
+def test_out_dir_that_ranks_see_differently_is_refused_on_every_rank(tmp_path):
+    # ranks writing checkpoint shards into folders that are not one (nodes without a shared filesystem) would leave
+    # checkpoints without the other ranks' shards; every rank stops with the same error, and no marker file remains
+    for mode in ("same", "per_rank"):
+        out = tmp_path / f"{mode}.txt"
+        run_script(["tests/scripts/shared_dir.py", str(tmp_path / mode), str(out), mode], nproc=2)
+        errors = [out.with_name(f"{out.name}.{rank}").read_text() for rank in (0, 1)]
+        if mode == "same":
+            assert errors == ["", ""], errors
+        else:
+            assert all("is not the same folder on every rank: ranks [1] do not see the file rank 0 wrote there" in e
+                       for e in errors), errors
+        assert not list((tmp_path / mode).rglob(".shared_check_*"))

@@ -32,9 +32,9 @@ from model.heads import RewardModel
 from model.weights import save_hf
 from tests import helpers
 from tests.conftest import ROOT, checkpoint_step, free_port
-from utils.checkpoint import latest_checkpoint, save_checkpoint
+from utils.checkpoint import latest_checkpoint, read_tensors, save_checkpoint
 from utils.config import parse_config
-from utils.optim import build_optimizer
+from utils.optim import build_optimizer, build_scheduler
 
 SCRIPTS = {"sft": sft, "reward_model": reward_model, "dpo": dpo, "grpo": grpo, "eval_preferences": eval_preferences}
 TINY = PRESETS["tiny"]
@@ -109,7 +109,8 @@ def inputs(tmp_path_factory):
     optimizer.step()
     loader = {"epoch": 0, "batch_in_epoch": 0, "n_examples": 999, "global_batch": 2}
     meta = {"stage": "sft", "model_config": TINY.to_dict()}
-    f["ckpt"] = save_checkpoint(d / "sft_run", 1, model, optimizer, None, meta, extra={"loader": loader})
+    scheduler = build_scheduler(optimizer, 1, 10)
+    f["ckpt"] = save_checkpoint(d / "sft_run", 1, model, optimizer, scheduler, meta, extra={"loader": loader})
     shutil.copytree(f["ckpt"], d / "garbage_ckpt")
     (d / "garbage_ckpt" / "state.pt").write_bytes(b"truncated")
     f["garbage_ckpt"] = d / "garbage_ckpt"
@@ -287,8 +288,7 @@ def test_nonfinite_mid_run_leaves_the_last_good_checkpoint(inputs, tmp_path, cap
     failed = int(re.search(r"at step (\d+)", message).group(1))
     assert code == 3 and failed >= 2, message
     assert checkpoint_step(out) == failed - 1  # nothing saved at or after the failing step
-    state = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
-    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert all(torch.isfinite(v).all() for v in read_tensors(latest_checkpoint(out)).values())
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["step"] for m in lines] == list(range(1, failed))
 
@@ -303,11 +303,11 @@ def test_skip_drops_nonfinite_steps_without_stepping(inputs, tmp_path, capsys):
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["train/skipped"] for m in lines] == [1.0, 1.0]
     assert metrics["train/lr"] == pytest.approx(sft.Config.lr / sft.Config.warmup_steps)  # the schedule never moved
-    state = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
+    ckpt = latest_checkpoint(out)
     # no gradient ever reached AdamW's moments (saving initialises them with zeros) and no weight moved
-    assert all(not s["exp_avg"].any() for s in state["optimizer"]["state"].values())
+    assert all(not s["exp_avg"].any() for s in read_tensors(ckpt, "optimizer")["state"].values())
     start = load_file(str(inputs["nan_policy"] / "model.safetensors"))
-    saved = state["model"]["transformer.h.0.mlp.c_fc.weight"]
+    saved = read_tensors(ckpt)["transformer.h.0.mlp.c_fc.weight"]
     assert torch.equal(saved, start["transformer.h.0.mlp.c_fc.weight"].t())  # HF stores it transposed
 
 

@@ -53,3 +53,31 @@ def test_golden_configurations_cover_every_stage_and_grpo_variant():
     assert configurations()["grpo_rso_2proc"][0] == 2
     for name in argvs:
         assert (GOLDEN / f"{name}.json").is_file(), f"tests/golden/{name}.json is missing: python -m tests.golden.stages {name}"
+
+
+@pytest.mark.slow
+def test_deterministic_option_leaves_cpu_numbers_unchanged(tmp_path):
+    # CPU kernels are deterministic already: --deterministic (deterministic algorithms, the math attention kernel)
+    # must reproduce SFT's golden numbers exactly as the default does
+    golden = json.loads((GOLDEN / "sft.json").read_text())
+    exact = golden.pop("machine") == machine()
+    got = run("sft", tmp_path, ("--deterministic", "true"))
+    if not exact:
+        golden["params"].pop("sha256")
+        got["params"].pop("sha256")
+    compare("sft --deterministic true", golden, got, exact)
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_match_one_agent_with_two_processes(tmp_path):
+    # two agents of one process each (--nnodes 2 --nproc_per_node 1, c10d rendezvous on localhost: how two nodes
+    # meet) reproduce GRPO's golden two-process numbers, recorded with one agent; SFT's golden configuration on two
+    # processes gives the same record from one agent and from two
+    golden = json.loads((GOLDEN / "grpo_rso_2proc.json").read_text())
+    exact = golden.pop("machine") == machine()
+    got = run("grpo_rso_2proc", tmp_path / "grpo", agents=2)
+    if not exact:
+        golden["params"].pop("sha256")
+        got["params"].pop("sha256")
+    compare("grpo_rso_2proc on two agents", golden, got, exact)
+    assert run("sft", tmp_path / "two_agents", nproc=2, agents=2) == run("sft", tmp_path / "one_agent", nproc=2)

@@ -99,11 +99,11 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
     save_checkpoint(tmp_path, 1, model, optimizer, scheduler, meta, extra={"loader": {"epoch": 0}})
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
-    def dies_half_way(obj, f):  # the process "dies" with a half-written state.pt
-        f.write(b"\x80\x02half")
+    def dies_half_way(obj, path):  # the process "dies" with the shards written and a half-written state.pt
+        path.write_bytes(b"\x80\x02half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint.torch, "save", dies_half_way)
+    monkeypatch.setattr(checkpoint, "_save_file", dies_half_way)
     with torch.no_grad():
         model.transformer.wte.weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):
@@ -118,6 +118,38 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
     assert all(torch.equal(v, expected[k]) for k, v in fresh.state_dict().items())
     save_checkpoint(tmp_path, 3, model, optimizer, scheduler, meta)
     assert not list((tmp_path / "checkpoints").glob(".step_*"))  # the next save clears the debris
+
+
+def test_a_checkpoint_of_the_full_state_format_still_resumes(tmp_path):
+    # before checkpoints were sharded, state.pt held the full model and optimizer state and a refreshed reference
+    # sat in its loop state: such a checkpoint still loads, bit for bit
+    import json
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from utils.checkpoint import FULL, load_checkpoint, read_tensors, rng_state
+
+    model, optimizer, scheduler, meta = tiny_training_state()
+    reference, _, _, _ = tiny_training_state(seed=2)
+    folder = tmp_path / "checkpoints" / "step_00000001"
+    folder.mkdir(parents=True)
+    torch.save({"step": 1, "meta": meta, "model": get_model_state_dict(model, options=FULL),
+                "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL),
+                "scheduler": scheduler.state_dict(), "rng": [rng_state()],
+                "extra": {"loader": {"epoch": 0}, "reference": get_model_state_dict(reference, options=FULL)}},
+               folder / "state.pt")
+    (folder / "meta.json").write_text(json.dumps({**meta, "step": 1}))
+    fresh, fresh_optimizer, fresh_scheduler, _ = tiny_training_state(seed=1)
+    fresh_reference, _, _, _ = tiny_training_state(seed=3)
+    state = load_checkpoint(folder, fresh, fresh_optimizer, fresh_scheduler, meta, frozen={"reference": fresh_reference})
+    assert state["step"] == 1
+    for saved, loaded in ((model, fresh), (reference, fresh_reference)):
+        assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in saved.state_dict().items())
+    moments = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+    assert all(torch.equal(a, fresh_optimizer.state[p]["exp_avg"]) for a, p in zip(moments, fresh.parameters()))
+    assert fresh_scheduler.state_dict() == scheduler.state_dict()
+    assert read_tensors(folder).keys() == model.state_dict().keys()
 
 
 def test_pruning_keeps_the_last_n_and_the_best_and_a_broken_pointer_falls_back(tmp_path, capsys):

@@ -1,19 +1,29 @@
 """Checkpoints: a resumable training state, written atomically, and Hugging Face-format exports.
 
 Layout under a run directory:
-    checkpoints/step_00000100/state.pt   model, optimizer, scheduler, step, data position, per-rank RNG
-    checkpoints/step_00000100/meta.json  stage and model config (read before any model is built), step
-    checkpoints/latest                   name of the newest complete checkpoint
-    checkpoints/best.json                the checkpoint with the best validation metric: name, metric, value
-    hf/                                  full Hugging Face-format export (rank 0; LoRA adapters merged)
+    checkpoints/step_00000100/sharded/    model and optimizer state (and any frozen model the stage names, e.g. GRPO's
+                                          refreshed reference) as a torch.distributed.checkpoint (DCP) folder: every
+                                          rank writes its own shards (__RANK_N.distcp), rank 0 the .metadata index
+    checkpoints/step_00000100/state.pt    step, stage and model config, scheduler, data position and loop state,
+                                          every rank's RNG state (small; rank 0)
+    checkpoints/step_00000100/meta.json   stage and model config (read before any model is built), step
+    checkpoints/latest                    name of the newest complete checkpoint
+    checkpoints/best.json                 the checkpoint with the best validation metric: name, metric, value
+    hf/                                   full Hugging Face-format export (rank 0; LoRA adapters merged)
+
+No rank gathers the full model: each writes only the shards it holds (about 1/world of the fp32 weights and AdamW
+moments, about 19 GB in all for gpt2-xl), so a save takes the time of one rank's share, not of the whole state
+on rank 0 while the others wait in a collective against the process-group timeout. DCP records every tensor's
+global shape and the slice each file holds, so a run resumes on another number of ranks (the shards are re-cut at
+load; the per-rank RNG states cannot be matched then and are reseeded from the step). With several nodes, --out_dir
+must be a folder every node sees (a shared filesystem): each rank writes its files into the same checkpoint folder.
 
 With LoRA the model state holds the frozen base weights and the adapters (so a GRPO reference refresh, which
 merges the adapters into the base, survives a resume); the optimizer state holds the adapters' only.
 
-The model and optimizer states are gathered to full (unsharded) tensors on the CPU, so a run can resume on a
-different number of ranks. Every file is written under a temporary name, flushed to disk and renamed: a process
-killed during a save leaves the previous checkpoint and the `latest` pointer intact. Pruning keeps the newest
-`keep_last` checkpoints and the best one.
+Every checkpoint is written into a temporary folder, its files flushed to disk, then renamed: a process killed
+during a save leaves the previous checkpoint and the `latest` pointer intact. Pruning keeps the newest `keep_last`
+checkpoints and the best one.
 """
 
 import json
@@ -21,12 +31,15 @@ import os
 import random
 import shutil
 import sys
+import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -35,10 +48,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+# DCP's own reader of some of a checkpoint's keys, as full tensors, in one process (what its format tools use)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from utils.config import ConfigError
 from utils.dist import stream_seed
 
+SHARDED = "sharded"  # the DCP folder inside a checkpoint
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -113,6 +129,19 @@ def read_best(run_dir: str | Path) -> dict | None:
         return None
 
 
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _save_file(obj, path: Path) -> None:
+    """torch.save, flushed to disk before returning."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -124,32 +153,36 @@ def save_checkpoint(
     keep_last: int = 2,
     rank: int = 0,
     best: dict | None = None,
+    frozen: dict[str, nn.Module] | None = None,
 ) -> Path:
-    """Save a resumable checkpoint (a collective). `meta` identifies what was trained (stage, model config)
-    so a wrong checkpoint is refused at load; `extra` holds loop state (data position, metrics). `best`: this
-    checkpoint is the new best by a validation metric; the record (metric, mode, value) goes to best.json."""
-    model_sd = get_model_state_dict(model, options=FULL)
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=FULL)
-    rngs = _gather_objects(rng_state())
+    """Save a resumable checkpoint (a collective: every rank writes its own shards). `meta` identifies what was
+    trained (stage, model config) so a wrong checkpoint is refused at load; `extra` holds loop state (data position,
+    metrics); `frozen` names models without an optimizer whose weights change during the run (GRPO's refreshed
+    reference), saved sharded beside the model. `best`: this checkpoint is the new best by a validation metric; the
+    record (metric, mode, value) goes to best.json."""
     ckpt_root = Path(run_dir) / "checkpoints"
     final = ckpt_root / f"step_{step:08d}"
+    tmp = ckpt_root / f".step_{step:08d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / SHARDED).mkdir(parents=True)
+    _barrier()  # the folder exists (and holds nothing of an earlier, killed save) before any rank writes into it
+    sharded = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    sharded |= {name: get_model_state_dict(m) for name, m in (frozen or {}).items()}
+    # each rank writes its shards, fsynced (FileSystemWriter's sync_files); rank 0 then writes the .metadata index
+    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(tmp / SHARDED, sync_files=True),
+             no_dist=not dist.is_initialized())
+    rngs = _gather_objects(rng_state())
     if rank == 0:
         state = {
             "step": step,
             "meta": meta,
-            "model": model_sd,
-            "optimizer": optim_sd,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rng": rngs,
             "extra": extra or {},
+            "frozen": sorted(frozen or {}),
         }
-        tmp = ckpt_root / f".step_{step:08d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        with open(tmp / "state.pt", "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _save_file(state, tmp / "state.pt")
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -166,8 +199,7 @@ def save_checkpoint(
                 shutil.rmtree(p, ignore_errors=True)
         for p in ckpt_root.glob(".step_*.tmp"):
             shutil.rmtree(p, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+    _barrier()
     return final
 
 
@@ -238,14 +270,45 @@ def check_run_dir(run_dir: str | Path) -> None:
         raise ConfigError(f"--out_dir {path} is not writable")
 
 
+def check_shared_dir(run_dir: str | Path, wait_s: float = 30.0) -> None:
+    """ConfigError on every rank unless every rank sees the same --out_dir (a collective): rank 0 writes a file there
+    and every rank looks for it, for up to `wait_s` seconds (a network filesystem may show another machine's new
+    file only after its attribute cache expires). Every rank writes its checkpoint shards into --out_dir and rank 0
+    renames the folder they are in, so with several nodes it must be on a filesystem they share: found here rather
+    than at the first resume, when the checkpoint would lack the other nodes' shards."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    rank = dist.get_rank()
+    token = [os.urandom(8).hex() if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    marker = Path(run_dir) / f".shared_check_{token[0]}"
+    if rank == 0:
+        marker.write_text("")
+    _barrier()
+    deadline = time.monotonic() + wait_s
+    while not marker.is_file() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    seen = _gather_objects(marker.is_file())
+    if rank == 0:
+        marker.unlink()
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError(
+            f"--out_dir {run_dir} is not the same folder on every rank: ranks {blind} do not see the file rank 0 "
+            f"wrote there; with several nodes --out_dir must be on a filesystem they all share (every rank writes its "
+            f"checkpoint shards into it)"
+        )
+
+
 def find_checkpoint(run_dir: str | Path, resume: bool, resume_from: str, meta: dict) -> Path | None:
     """The checkpoint this run starts from, checked against `meta`, before any model is built.
 
     The run directory's own newest checkpoint comes first (so rerunning the same command after a crash
     continues where it stopped); otherwise --resume_from: a checkpoint folder (holding state.pt) or a run
     directory (its newest checkpoint). With --resume false and checkpoints in --out_dir, refuses to start over
-    on top of them. Checks first that --out_dir is a writable directory."""
+    on top of them. Checks first that --out_dir is a writable directory that every rank sees."""
     check_run_dir(run_dir)
+    check_shared_dir(run_dir)
     own = latest_checkpoint(run_dir)
     if own is not None and not resume:
         raise ConfigError(
@@ -269,20 +332,39 @@ def find_checkpoint(run_dir: str | Path, resume: bool, resume_from: str, meta: d
     return path
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, meta: dict, rank: int = 0) -> dict:
-    """Restore a checkpoint written by save_checkpoint into a sharded model and optimizer; returns the
-    state's `step` and `extra`. Refuses a checkpoint whose `meta` (stage, model config) differs."""
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, meta: dict, rank: int = 0,
+                    frozen: dict[str, nn.Module] | None = None) -> dict:
+    """Restore a checkpoint written by save_checkpoint into a sharded model and optimizer (a collective: every rank
+    reads the slices of the shards it holds, whatever the world size that wrote them), and the `frozen` models it
+    holds; returns the state's `step` and `extra`. Refuses a checkpoint whose `meta` (stage, model config) differs."""
     path = Path(path)
     state = _load_state(path)
     check_meta(path, state["meta"], meta)
+    saved_names = state.get("frozen", state["extra"])  # before checkpoints were sharded, frozen models sat in extra
+    saved_frozen = {name: m for name, m in (frozen or {}).items() if name in saved_names}
     try:
-        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        if "model" in state:  # written before checkpoints were sharded: full tensors in state.pt
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, state["model"], options=full)
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
+            for name, m in saved_frozen.items():
+                set_model_state_dict(m, state["extra"][name], options=full)
+        else:
+            sharded = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+            sharded |= {name: get_model_state_dict(m) for name, m in saved_frozen.items()}
+            dcp.load(sharded, storage_reader=dcp.FileSystemReader(path / SHARDED),  # in place, into this rank's shards
+                     no_dist=not dist.is_initialized())
+            set_model_state_dict(model, sharded["model"])
+            set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
+            for name, m in saved_frozen.items():
+                set_model_state_dict(m, sharded[name])
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
-    except (RuntimeError, KeyError, ValueError) as e:  # written by other code, or edited
+    except (RuntimeError, KeyError, ValueError, dcp.CheckpointException) as e:  # written by other code, edited, cut
+        if isinstance(e, dcp.CheckpointException):  # raised on every rank (DCP gathers the failures): the first cause
+            e = next(iter(e.failures.values()))[0]
         raise CheckpointError(f"checkpoint {path} does not fit this run's model and optimizer ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0]})") from None
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
     rngs = state["rng"]
     world = dist.get_world_size() if dist.is_initialized() else 1
     if len(rngs) == world:
@@ -290,6 +372,17 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, me
     else:  # resumed on another world size: per-rank streams cannot be matched, reseed deterministically
         torch.manual_seed(stream_seed(state["step"], rank, "resume"))
     return {"step": state["step"], "extra": state["extra"]}
+
+
+def read_tensors(path: str | Path, part: str = "model") -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors of one part of a checkpoint ("model", "optimizer" or a frozen model's name), read in
+    this process alone (no process group): for inspecting a checkpoint, not for resuming."""
+    path = Path(path)
+    if "model" in (state := _load_state(path)):  # written before checkpoints were sharded
+        return state[part] if part in state else state["extra"][part]
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        return _load_state_dict_from_keys({part}, checkpoint_id=path / SHARDED)[part]
 
 
 def restore_loader(loader, path: Path, extra: dict) -> None:

@@ -244,6 +244,16 @@ class RunConfig:
     """Compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU). Gradients are reduced in fp32."""
     activation_checkpointing: bool = False
     """Recompute block activations in backward to save memory."""
+    deterministic: bool = False
+    """Bit-exact on GPU: the same command on the same machine (GPU model, world size, versions) gives the same numbers
+    bit for bit, so a resumed run equals an uninterrupted one there too. Deterministic algorithms,
+    CUBLAS_WORKSPACE_CONFIG=:4096:8, and attention on the math kernel (flash, memory-efficient and cuDNN attention
+    backward accumulate in a nondeterministic order); slower, and attention keeps its (T, T) scores. CPU runs are
+    bit-exact without it."""
+    dist_timeout_minutes: float = 30.0
+    """Process-group timeout: a collective that waits longer than this for another rank fails the run (NCCL and gloo
+    alike) instead of hanging. Raise it when one rank alone does something slow while the others wait (the
+    rank-0 Hugging Face export of a large model on a slow disk)."""
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     """online, offline, disabled, or auto (online with a wandb login, offline otherwise)."""
     wandb_project: str = "tldr-rlhf"

@@ -10,6 +10,7 @@ import hashlib
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,13 +36,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup_distributed(device: str = "auto") -> DistInfo:
-    """Initialise the process group. `device`: "auto" (cuda when available, else cpu), "cuda" or "cpu"."""
+def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
+    """Initialise the process group. `device`: "auto" (cuda when available, else cpu), "cuda" or "cpu".
+
+    `timeout_minutes` (--dist_timeout_minutes): how long a collective may wait for the slowest rank before the run
+    fails, on NCCL and gloo alike (torch's defaults differ: 10 minutes for NCCL, 30 for gloo). Whatever one rank does
+    alone while the others wait in a collective must fit in it: the Hugging Face export (rank 0 writes the full
+    weights, 6 GB for gpt2-xl in fp32), loading a model from the hub on a cold cache, a slow filesystem under a
+    checkpoint. On CUDA the group is bound to this rank's GPU (`device_id`): NCCL creates its communicator at once
+    instead of at the first collective, and barriers know which GPU to use."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but no CUDA device is available (torch.cuda.is_available() is False); "
                           "use --device auto or cpu")
+    if not timeout_minutes > 0:
+        raise ConfigError(f"--dist_timeout_minutes must be positive, got {timeout_minutes}")
     backend = "nccl" if device == "cuda" else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -56,7 +66,9 @@ def setup_distributed(device: str = "auto") -> DistInfo:
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(minutes=timeout_minutes),
+                                device_id=dev if dev.type == "cuda" else None)
         atexit.register(_release_process_group)
     return DistInfo(rank, world_size, local_rank, dev)
 

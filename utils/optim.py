@@ -4,6 +4,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from utils.dist import all_reduce_sum
 
@@ -33,7 +34,15 @@ def build_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: f
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm (over all ranks' shards) and return it before clipping. max_norm <= 0
-    only measures."""
+    only measures.
+
+    Called before every optimizer step, it first frees every FSDP unit's gathered weights: a training model's root
+    keeps them from forward to backward (utils/fsdp.py), so after a forward without backward (an evaluation, the
+    reference with adapters off) they would outlive the optimizer step, and the next forward would reuse them
+    stale instead of gathering the updated shards."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # DTensor under FSDP2

@@ -16,6 +16,7 @@ seeded by utils.dist.stream(seed, step, rank, stream name), so streams are indep
 ranks, and a resumed run rebuilds them bit for bit from the step alone.
 """
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,11 +70,38 @@ class Run:
             print(message)
 
 
+def make_deterministic(device: str) -> None:
+    """--deterministic: the same numbers bit for bit on a GPU (CPU runs already repeat bit for bit). Called before
+    CUDA is initialised: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it makes its first handle, and repeats its results
+    bit for bit only with a fixed workspace per stream when several streams run (FSDP gathers and reduces on streams
+    of its own).
+
+    Attention runs on SDPA's math kernel (two matmuls and a softmax). The flash and cuDNN kernels' backward is not
+    deterministic; the memory-efficient kernel's is only under strict deterministic mode, which would stop the run
+    at the sampler's float cumsum (torch flags every float cumsum on CUDA, although the batched innermost-dimension
+    scan it runs has a fixed order). Hence warn_only: an op without a deterministic implementation warns once,
+    naming itself, instead of stopping the run; tests/test_gpu.py (bench/gpu_all.sh) checks that two identical runs
+    agree bit for bit. On a CPU run (`device`: --device) the attention kernel is left alone: these flags steer the
+    CPU's SDPA too, and its kernels already repeat bit for bit."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return  # the flags below also steer SDPA on the CPU, whose flash kernel is deterministic already
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_math_sdp(True)
+
+
 def start_run(cfg: RunConfig, meta: dict) -> Run:
     """Distributed set-up, the run directory and the checkpoint to resume from (checked against `meta`: stage, model
     config, LoRA), the global seed (the same on every rank: models are initialised identically before sharding) and
     the compute dtype. Everything here runs before any data is read or any model is built."""
-    info = setup_distributed(cfg.device)
+    if cfg.deterministic:
+        make_deterministic(cfg.device)
+    info = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     run_dir = Path(cfg.out_dir)
     checkpoint = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
     torch.manual_seed(cfg.seed)
@@ -81,13 +109,14 @@ def start_run(cfg: RunConfig, meta: dict) -> Run:
     return Run(info, run_dir, meta, checkpoint, resolve_dtype(cfg.dtype, info.device), guard)
 
 
-def resume(run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_steps: int) -> int:
+def resume(run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_steps: int,
+           frozen: dict | None = None) -> int:
     """Restore the checkpoint start_run found, if any (weights, optimizer, schedule, every rank's RNG, data position,
-    best evaluation so far; its loop state in run.extra), then open the logger and the progress bar at that step.
-    Returns the step to continue from (0 on a fresh start)."""
+    best evaluation so far; its loop state in run.extra; the `frozen` models it holds, see end_of_step), then open
+    the logger and the progress bar at that step. Returns the step to continue from (0 on a fresh start)."""
     step = 0
     if run.checkpoint is not None:
-        state = load_checkpoint(run.checkpoint, model, optimizer, scheduler, run.meta, run.rank)
+        state = load_checkpoint(run.checkpoint, model, optimizer, scheduler, run.meta, run.rank, frozen=frozen)
         step, run.extra = state["step"], state["extra"]
         run.best = run.extra.get("best")
         restore_loader(loader, run.checkpoint, run.extra)
@@ -100,11 +129,13 @@ def resume(run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_
 
 def end_of_step(
     run: Run, cfg: RunConfig, step: int, total_steps: int, metrics: dict, model, optimizer, scheduler, loader,
-    best_metric: str | None = None, extra: Callable[[], dict] | None = None,
+    best_metric: str | None = None, extra: Callable[[], dict] | None = None, frozen: dict | None = None,
 ) -> bool:
     """Log the step's metrics, keep the best by --best_metric (or `best_metric`), and save a checkpoint on schedule,
     at the end, at a new best, or when a signal came. `extra()` adds loop state to the checkpoint (called on every
-    rank, only when saving: it may be a collective). Returns True when the run must stop (a signal came)."""
+    rank, only when saving: it may be a collective). `frozen`: models without an optimizer whose weights the run
+    changes (GRPO's refreshed reference), saved sharded with the model. Returns True when the run must stop (a signal
+    came)."""
     run.logger.log(metrics, step)
     run.bar.update(1)
     run.bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.4g}" for k in ("train/loss", "reward/mean", "train/kl") if k in metrics})
@@ -114,7 +145,7 @@ def end_of_step(
     if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
         state = {"loader": loader.state_dict(), "best": run.best, **(extra() if extra else {})}
         save_checkpoint(run.dir, step, model, optimizer, scheduler, run.meta, extra=state, keep_last=cfg.keep_last,
-                        rank=run.rank, best=run.best if improved else None)
+                        rank=run.rank, best=run.best if improved else None, frozen=frozen)
     return stopping
 
 

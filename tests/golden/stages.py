@@ -83,16 +83,24 @@ def configurations() -> dict[str, tuple[int, callable]]:
     }
 
 
-def _command(argv: list[str], nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, *argv]
+def _commands(argv: list[str], nproc: int, agents: int = 1) -> list[list[str]]:
+    """The launch: one plain process; one torchrun agent starting `nproc` processes; or `agents` torchrun agents of
+    nproc / agents processes each, meeting through torchrun's c10d rendezvous on localhost (as nodes do)."""
+    if nproc == 1 and agents == 1:
+        return [[sys.executable, *argv]]
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-            f"--master_port={port}", *argv]
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    if agents == 1:
+        return [[*launcher, f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}", *argv]]
+    if nproc % agents:
+        raise ValueError(f"{nproc} processes cannot be split over {agents} agents")
+    rendezvous = [f"--nnodes={agents}", f"--nproc_per_node={nproc // agents}", "--rdzv_backend=c10d",
+                  f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=golden-{port}"]
+    return [[*launcher, *rendezvous, *argv] for _ in range(agents)]
 
 
 def param_digest(hf_folder: Path) -> dict:
@@ -112,17 +120,38 @@ def param_digest(hf_folder: Path) -> dict:
     return {"sha256": h.hexdigest(), "l2": sq**0.5, "tensors": len(tensors)}
 
 
-def run(name: str, work: Path) -> dict:
-    """Run configuration `name` in a fresh folder under `work`; returns its golden record."""
-    nproc, argv_of = configurations()[name]
+def run(name: str, work: Path, extra: tuple[str, ...] = (), fresh: bool = True, nproc: int | None = None,
+        agents: int = 1) -> dict:
+    """Run configuration `name` in a fresh folder under `work` (fresh=False: in the folder already there, resuming
+    from its checkpoints); returns its golden record. `extra` options override the configuration's (the last
+    occurrence of an option wins); `nproc` overrides its number of processes, `agents` splits them over that many
+    torchrun agents."""
+    default_nproc, argv_of = configurations()[name]
+    nproc = nproc or default_nproc
     out = work / name
-    if out.exists():
+    if fresh and out.exists():
         shutil.rmtree(out)
-    argv = argv_of(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [*argv_of(out), *extra]
     env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.run(_command(argv, nproc), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"golden run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    procs, logs = [], []
+    for i, cmd in enumerate(_commands(argv, nproc, agents)):  # logs in files: a full pipe would stall its agent
+        logs.append(open(out.parent / f"{name}.agent{i}.log", "w+"))
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
+    try:
+        codes = [p.wait(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    output = []
+    for log in logs:
+        log.seek(0)
+        output.append(log.read())
+        log.close()
+    if any(codes):
+        raise RuntimeError(f"golden run {name} failed ({codes}):\n" + "\n".join(o[-4000:] for o in output))
     steps = []
     for line in (out / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)

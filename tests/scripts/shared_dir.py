@@ -1,0 +1,33 @@
+"""Run under 2 processes: every rank checks --out_dir is one folder for all (utils.checkpoint.check_shared_dir).
+
+    python tests/scripts/shared_dir.py BASE OUT.json same|per_rank
+
+same: both ranks pass BASE/run; per_rank: rank r passes BASE/run_r, as two nodes without a shared filesystem see
+two different folders under one path. Each rank writes OUT.json.RANK: the error, or "" when the check passed.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from utils.checkpoint import check_run_dir, check_shared_dir  # noqa: E402
+from utils.config import ConfigError  # noqa: E402
+from utils.dist import cleanup_distributed, setup_distributed  # noqa: E402
+
+
+def main(base: str, out: str, mode: str):
+    info = setup_distributed("cpu")
+    run_dir = Path(base) / ("run" if mode == "same" else f"run_{info.rank}")
+    check_run_dir(run_dir)
+    try:
+        check_shared_dir(run_dir, wait_s=1.0)
+        error = ""
+    except ConfigError as e:
+        error = str(e)
+    Path(f"{out}.{info.rank}").write_text(error)
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

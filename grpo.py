@@ -53,7 +53,7 @@ from utils.checkpoint import full_model_state, set_full_model_state
 from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
 from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world, stream
 from utils.fsdp import gathered_params, set_gradient_sync
-from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
+from utils.guard import NonFiniteGuard, all_ranks_agree, check_rewards, exit_on_error
 from utils.logging import StageTimer, perf_metrics
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 from utils.run import end_of_step, finish, resume, start_run
@@ -439,7 +439,8 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
 def gold_metrics(gold_reward, tok, prompts: PromptSet, samples: SampleOutput, group: int) -> dict:
     """Mean and std over all ranks of a monitored reward function (--gold_reward_fn) on every sample of the step."""
     texts = decode_responses(tok, samples.response_ids, samples.response_mask, samples.has_end)
-    gold = [float(gold_reward(prompts.texts[n // group], t)) for n, t in enumerate(texts)]
+    with all_ranks_agree("--gold_reward_fn", prompts.ids.device):  # it may raise on one rank's rows only
+        gold = [float(gold_reward(prompts.texts[n // group], t)) for n, t in enumerate(texts)]
     mean, std = global_mean_std(torch.tensor(gold, device=prompts.ids.device))
     return {"reward/gold_mean": mean, "reward/gold_std": std}
 

@@ -408,3 +408,28 @@ def test_torchrun_batch_not_divisible_by_world_size_prints_once(inputs, tmp_path
     assert lines == ["error: --prompts_per_step 3 must be divisible by the world size 2"], out.stderr[-3000:]
     assert "exitcode  : 2" in out.stderr  # torchrun's own failure report names the code
     assert 'File "' + str(ROOT / "grpo.py") not in out.stderr  # no traceback from the script
+
+
+@pytest.mark.slow
+def test_error_on_one_rank_stops_every_rank_with_one_line(inputs, tmp_path):
+    """A reward function that raises on rank 1's rows only: rank 0 would otherwise wait in the next collective for a
+    rank that is gone (gloo fails it with a connection error and a traceback; NCCL leaves it waiting out the
+    process-group timeout). Every rank must stop within seconds with the same code and one error line."""
+    args = base_args("grpo", inputs, tmp_path / "run") + ["--rewards", "tests.helpers:raise_on_rank_1",
+                                                               "--micro_batch_size", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "grpo.py", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    seconds = time.monotonic() - start
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
+    assert out.returncode != 0
+    assert len(lines) == 1 and "reward function 'tests.helpers:raise_on_rank_1' raised on row" in lines[0], out.stderr[-3000:]
+    assert "cannot score rank 1's rows" in lines[0]
+    # torchrun's report: the first rank out exited with 2; the other exited with 2 too, or was still leaving when
+    # torchrun stopped it (SIGTERM), never a failure of its own (before, the surviving rank 0 died in a collective)
+    codes = re.findall(r"exitcode  : (-?\d+)", out.stderr)
+    assert len(codes) == 2 and codes.count("2") >= 1 and set(codes) <= {"2", "-15"}, out.stderr[-3000:]
+    assert 'File "' + str(ROOT / "grpo.py") not in out.stderr  # no traceback from the script on either rank
+    assert seconds < 90, seconds

@@ -46,7 +46,7 @@ from model.weights import model_config, save_export
 from rlhf.grpo import AGGREGATIONS, advantages, entropy_bonus, grpo_token_loss, penalize_missing_end, select
 from rlhf.logprobs import processed_logprobs
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards, source_stats
-from rollouts.models import Models, build_models, refresh_reference
+from rollouts.models import Models, build_models, refresh_reference, sharded_module
 from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, Scores, rollout, source_values
 from utils.checkpoint import full_model_state, set_full_model_state
@@ -281,9 +281,9 @@ def response_logits(model, batch: dict) -> torch.Tensor:
 @torch.no_grad()
 def add_logprobs(model, batches: list[dict], key: str, cfg: Config, gather: bool) -> None:
     """batch[key] = processed log-probs (n, R) of the responses under `model` (no gradient). `gather`: keep the
-    parameters gathered over all micro-batches (a frozen model); otherwise FSDP's per-block gathers (the policy,
-    whose training forward this must match)."""
-    with gathered_params(model) if gather else nullcontext():
+    parameters gathered over all micro-batches (a frozen model, or with LoRA the policy seen with adapters off);
+    otherwise FSDP's per-block gathers (the policy, whose training forward this must match)."""
+    with gathered_params(sharded_module(model)) if gather else nullcontext():
         for batch in batches:
             logits = response_logits(model, batch)  # (n, R, V)
             batch[key], _ = processed_logprobs(logits, batch["response_ids"], cfg.temperature, cfg.top_k, cfg.top_p)

@@ -167,6 +167,8 @@ CASES = [
     ("cuda_without_gpu", "sft", lambda f, out: ["--device", "cuda"], ["--device cuda", "no CUDA device is available"]),
     ("unknown_best_metric", "sft", lambda f, out: ["--best_metric", "val/los", "--val_data", str(f["sft"]), "--eval_every", "1"],
      ["--best_metric val/los is not logged by this stage; its val/ metrics are ['val/loss']"]),
+    ("per_rank_best_metric", "grpo", lambda f, out: ["--best_metric", "perf/step_seconds", "--best_mode", "min"],
+     ["--best_metric perf/step_seconds is measured on each rank separately", "ranks would disagree about saving"]),
     # sizes
     ("batch_not_divisible_by_micro_batch", "sft", lambda f, out: ["--batch_size", "6", "--micro_batch_size", "4"],
      ["--batch_size 6 must be divisible by --micro_batch_size 4 x world size 1 = 4"]),

@@ -118,3 +118,86 @@ def test_sampler_checks_for_finished_rows_every_few_tokens_with_the_same_rows():
     last = int(one.response_mask.sum(1).max())  # tokens decoded until every row finished
     assert forwards_1 == last  # the prefill and one forward per token after the first, up to the last row's end
     assert forwards_4 == 4 * -(-last // 4)  # decoding runs on to the next multiple of 4 tokens
+
+
+# ----------------------------------------------------------------------------------------------------
+# The same checks on a GPU (pytest -m gpu, bench/gpu_all.sh): what only CUDA shows
+
+
+@pytest.fixture
+def one_gpu_group():
+    from utils.dist import cleanup_distributed, setup_distributed
+
+    cleanup_distributed()
+    setup_distributed("cuda")
+    yield
+    cleanup_distributed()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sampler_checks_every_8_tokens_by_default_with_the_same_rows():
+    from model.sampler import DONE_CHECK_EVERY_GPU
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CFG).cuda().eval()
+    with torch.no_grad():
+        d = torch.ones(CFG.n_embd, device="cuda") / CFG.n_embd ** 0.5
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(d)
+        model.transformer.wte.weight[198] = 6 * d
+    ids, _, mask = (t.cuda() for t in rows(n=3))
+    calls = []
+    model.register_forward_hook(lambda m, a, out: calls.append(1))
+    outs = []
+    for every in (1, None):  # None: the GPU default
+        calls.clear()
+        outs.append((generate(model, ids, mask, 4, 40, generator=torch.Generator("cuda").manual_seed(1),
+                              done_check_every=every), len(calls)))
+    (one, forwards_1), (default, forwards_default) = outs
+    for field in ("response_ids", "response_mask", "logprobs", "has_end"):
+        assert torch.equal(getattr(one, field), getattr(default, field)), field
+    last = int(one.response_mask.sum(1).max())
+    assert forwards_1 == last and forwards_default == min(40, DONE_CHECK_EVERY_GPU * -(-last // DONE_CHECK_EVERY_GPU))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_reward_head_is_fp32_and_frozen_models_keep_no_records(one_gpu_group):
+    torch.manual_seed(0)
+    model = freeze(RewardModel(CFG))
+    with torch.no_grad():
+        model.score.weight.mul_(40)
+    shard_model(model.cuda(), torch.bfloat16)
+    ids, pos, mask = (t.cuda() for t in rows(n=64))
+    with torch.no_grad():
+        for _ in range(3):
+            scores = model(ids, pos, mask)
+    assert scores.dtype == torch.float32 and scores.abs().max() > 5
+    assert not torch.equal(scores.bfloat16().float(), scores)  # off the bf16 grid
+    assert forward_order_records(model) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tmp_path):
+    """On a GPU --reference_dtype auto used to mean bf16 even with --dtype fp32: the first loss was not log 2."""
+    import math
+
+    import dpo
+    from data.tldr import collate_pairs
+    from utils.config import parse_config
+
+    cfg = parse_config(dpo.Config, ["--model", "tiny", "--random_init", "true", "--dtype", "fp32",
+                                    "--out_dir", str(tmp_path / "run")])
+    run = SimpleNamespace(say=lambda message: None, device=torch.device("cuda"), dtype=None)
+    torch.manual_seed(0)
+    policy, reference = dpo.build_models(cfg, run)
+    assert {p.dtype for p in reference.parameters()} == {torch.float32}
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 50000, (12,), generator=g).tolist() for _ in range(4)]
+    chosen = [torch.randint(0, 50000, (6,), generator=g).tolist() for _ in range(4)]
+    rejected = [torch.randint(0, 50000, (5,), generator=g).tolist() for _ in range(4)]
+    batch = collate_pairs(prompts, chosen, rejected)
+    losses, _ = dpo.pair_losses(policy, reference, batch, dpo.preference_loss_fn(cfg), cfg.beta, run.device)
+    assert torch.allclose(losses, torch.full_like(losses, math.log(2.0)), rtol=0, atol=1e-6), losses

@@ -38,7 +38,8 @@ class RewardModel(nn.Module):
         h_last = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
         # The head in fp32 even under bf16 mixed precision: a bf16 output lands on bf16 steps (0.0625 apart near
         # |r| = 10), and the scores feed RSO's r == r_max ties, the advantages and the gain/bias fit
-        return F.linear(h_last.float(), self.score.weight.float()).squeeze(-1)  # (B,) fp32, a new tensor
+        r = F.linear(h_last.float(), self.score.weight.float())  # (B, 1) fp32
+        return r.squeeze(-1).clone()  # (B,), a new tensor, not a view (FSDP2 warns about returning views)
 
     def normalize(self, rewards: torch.Tensor) -> torch.Tensor:
         return self.gain * rewards + self.bias

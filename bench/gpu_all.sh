@@ -8,7 +8,9 @@
 #
 # 1. the machine: nvidia-smi, versions                                   -> OUT_DIR/machine.txt
 # 2. every GPU-marked test: pytest -m gpu (exit 5, "no tests collected",  -> OUT_DIR/pytest_gpu.log
-#    counts as a failure: there are GPU tests, so collecting none means something is wrong)
+#    counts as a failure: there are GPU tests, so collecting none means something is wrong); among them the CUDA
+#    checks of docs/distributed.md (tests/test_collectives.py: the sampler's host check every 8 tokens, the fp32
+#    reward head under bf16, frozen models' FSDP records, DPO's reference dtype under --dtype fp32)
 # 3. python -m bench.run_all --device cuda: sampler vs transformers, SFT/RM/DPO tokens/s and MFU, the reference
 #    GRPO step, TRL's GRPOTrainer (or the line saying trl is not installed)
 #                                                                         -> OUT_DIR/results.json, bench_cuda.log

@@ -31,7 +31,7 @@ from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import save_hf
 from tests import helpers
-from tests.conftest import ROOT, checkpoint_step, free_port
+from tests.conftest import ROOT, checkpoint_step, free_port, run_script
 from utils.checkpoint import latest_checkpoint, save_checkpoint
 from utils.config import parse_config
 from utils.optim import build_optimizer
@@ -435,3 +435,16 @@ def test_error_on_one_rank_stops_every_rank_with_one_line(inputs, tmp_path):
     assert len(codes) == 2 and codes.count("2") >= 1 and set(codes) <= {"2", "-15"}, out.stderr[-3000:]
     assert 'File "' + str(ROOT / "grpo.py") not in out.stderr  # no traceback from the script on either rank
     assert seconds < 90, seconds
+
+
+@pytest.mark.slow
+def test_all_ranks_agree_raises_the_same_error_on_every_rank(tmp_path):
+    """utils.guard.all_ranks_agree with rank 1 alone raising: a user error becomes the same RankFailure (message,
+    exit code 2) on both ranks; a bug keeps its own exception on rank 1 and ends rank 0 with code 1 naming rank 1."""
+    run_script(["tests/scripts/agree.py", str(tmp_path)], nproc=2, timeout=120)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["user_error"] == r1["user_error"] == ["RankFailure", "row 7 of the data is bad", 2]
+    assert r1["bug"] == ["ZeroDivisionError", "division by zero", None]
+    assert r0["bug"] == ["RankFailure", "rank 1 failed in case bug (ZeroDivisionError: division by zero); its traceback "
+                                        "is in its output", 1]
+    assert r0["none"] is None and r1["none"] is None

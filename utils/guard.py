@@ -72,7 +72,7 @@ def all_ranks_agree(where: str, device):
     error = None
     try:
         yield
-    except Exception as e:  # noqa: BLE001 (every exception is shared, then raised again)
+    except Exception as e:  # every exception is shared with the other ranks, then raised again
         error = e
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         if error is not None:
@@ -86,14 +86,15 @@ def all_ranks_agree(where: str, device):
     failed = codes.nonzero().flatten().tolist()
     if not failed:
         return
-    messages = [None] * world  # objects only on the failure path: one small pickle per rank
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    errors = [None] * world  # (exception class name, message) of every rank; objects only on the failure path
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)))
     first = failed[0]
     if error is not None and getattr(error, "exit_code", None) is None:
         raise error  # a bug on this rank: its own traceback
+    name, message = errors[first]
     if int(codes[first]) == 1:
-        raise RankFailure(f"rank {first} failed in {where} ({messages[first]}); its traceback is in its output", 1)
-    raise RankFailure(messages[first].split(": ", 1)[1], int(codes[first])) from error
+        raise RankFailure(f"rank {first} failed in {where} ({name}: {message}); its traceback is in its output", 1)
+    raise RankFailure(message, int(codes[first])) from error
 
 
 def _all_ranks_max(values: list[float], device) -> list[float]:

@@ -59,8 +59,9 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisati
     label_smoothing: float = 0.0
     """cDPO: probability that a preference label is flipped, in [0, 0.5) (sigmoid loss only)."""
     reference_dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """Dtype the frozen reference is stored and run in: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU). Unused with
-    LoRA and no --reference (the reference is then the policy's base weights)."""
+    """Dtype the frozen reference is stored and run in: bf16, fp32, or auto (the policy's compute dtype, --dtype: then
+    the policy and its reference compute alike, the implicit reward is 0 at step 0 and the first sigmoid loss is log
+    2). Unused with LoRA and no --reference (the reference is then the policy's base weights)."""
     frozen_cpu_offload: bool = False
     """Keep the frozen reference's FSDP shards in CPU memory between forward passes (needs a GPU). Unused with LoRA
     and no --reference."""
@@ -151,7 +152,7 @@ def build_models(cfg: Config, run: Run) -> tuple[nn.Module, nn.Module]:
     if reference is not None:
         reference.requires_grad_(False)
         reference.eval()
-        ref_dtype = resolve_dtype(cfg.reference_dtype, run.device)
+        ref_dtype = run.dtype if cfg.reference_dtype == "auto" else resolve_dtype(cfg.reference_dtype, run.device)
         if ref_dtype is not None:
             reference.to(ref_dtype)  # stored in bf16, not only computed in it: half the memory
         shard_model(reference, None, cpu_offload=cfg.frozen_cpu_offload)

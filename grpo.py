@@ -53,13 +53,13 @@ from rlhf.grpo import (
 )
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards, source_stats
-from rollouts.models import Models, build_models, refresh_reference
+from rollouts.models import Models, build_models, refresh_reference, sharded_module
 from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, Scores, rollout, source_values
 from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
 from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world, stream
 from utils.fsdp import gathered_params, set_gradient_sync
-from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
+from utils.guard import NonFiniteGuard, all_ranks_agree, check_rewards, exit_on_error
 from utils.logging import StageTimer, perf_metrics
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 from utils.run import end_of_step, finish, resume, start_run
@@ -347,9 +347,9 @@ def response_logprobs(model, batch: dict, cfg: Config, with_entropy: bool = Fals
 @torch.no_grad()
 def add_logprobs(model, batches: list[dict], key: str, cfg: Config, gather: bool) -> None:
     """batch[key] = processed log-probs (n, R) of the responses under `model` (no gradient). `gather`: keep the
-    parameters gathered over all micro-batches (a frozen model); otherwise FSDP's per-block gathers (the policy,
-    whose training forward this must match)."""
-    with gathered_params(model) if gather else nullcontext():
+    parameters gathered over all micro-batches (a frozen model, or with LoRA the policy seen with adapters off);
+    otherwise FSDP's per-block gathers (the policy, whose training forward this must match)."""
+    with gathered_params(sharded_module(model)) if gather else nullcontext():
         for batch in batches:
             batch[key], _ = response_logprobs(model, batch, cfg)
 
@@ -547,7 +547,8 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
 def gold_metrics(gold_reward, tok, prompts: PromptSet, samples: SampleOutput, group: int) -> dict:
     """Mean and std over all ranks of a monitored reward function (--gold_reward_fn) on every sample of the step."""
     texts = decode_responses(tok, samples.response_ids, samples.response_mask, samples.has_end)
-    gold = [float(gold_reward(prompts.texts[n // group], t)) for n, t in enumerate(texts)]
+    with all_ranks_agree("--gold_reward_fn", prompts.ids.device):  # it may raise on one rank's rows only
+        gold = [float(gold_reward(prompts.texts[n // group], t)) for n, t in enumerate(texts)]
     mean, std = global_mean_std(torch.tensor(gold, device=prompts.ids.device))
     return {"reward/gold_mean": mean, "reward/gold_std": std}
 

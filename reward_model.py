@@ -217,7 +217,9 @@ def main(cfg: Config) -> dict:
 
     # 7. reward normalisation on samples of the SFT policy (GRPO reads gain * r + bias); not after a signal
     if cfg.norm_prompts > 0 and not stopping:
-        policy = build_policy(policy_name, policy_random_init)
+        with torch.random.fork_rng(devices=[]):  # a random init from the state every rank shares, not the per-rank one
+            torch.set_rng_state(run.init_rng)
+            policy = build_policy(policy_name, policy_random_init)
         shard_model(policy, run.dtype)
         policy.to(device)
         prompt_rows = normalization_prompts(data.rows, cfg.norm_prompts, cfg.seed)

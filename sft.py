@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, load_rows
+from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, eval_slice, load_rows
 from data.tokenizer import get_tokenizer
 from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
@@ -135,9 +135,24 @@ def accumulate_gradients(
     return float(all_reduce_sum(loss_sum) / n_tokens)
 
 
+def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size: int) -> list[dict]:
+    """This rank's micro-batches of a disjoint slice of the validation rows, in fixed order. Every rank gets the same
+    number of batches (data.tldr.eval_slice): a rank short of rows fills its last batch with copies of row 0 whose
+    response mask is all False, so they count for no token and no loss, whatever the number of rows."""
+    index = eval_slice(len(val), rank, world)
+    batches = []
+    for start in range(0, len(index), micro_batch_size):
+        rows = index[start : start + micro_batch_size]
+        batch = collate_sft([val.prompts[max(i, 0)] for i in rows], [val.responses[max(i, 0)] for i in rows])
+        batch["response_mask"] &= torch.tensor([i >= 0 for i in rows])[:, None]  # (B, R): padding rows weigh 0
+        batches.append(batch)
+    return batches
+
+
 @torch.no_grad()
 def evaluate(model, loader_batches: list[dict], device) -> float:
-    """Token-averaged validation NLL over all ranks."""
+    """Token-averaged validation NLL over all ranks (a collective: every rank holds as many batches, see
+    validation_batches)."""
     model.eval()
     nll, count = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in loader_batches:
@@ -171,9 +186,7 @@ def main(cfg: Config) -> dict:
         val_rows = load_rows(cfg.val_data, cfg.val_split, SFT_COLUMNS)
         val_rows = val_rows[: cfg.val_rows] if cfg.val_rows else val_rows
         val = SFTDataset(val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.val_data}[{cfg.val_split}]")
-        # every rank evaluates a disjoint slice of the validation rows, in fixed order
-        idx = list(range(rank, len(val), world))
-        val_batches = [collate(val)(idx[i : i + cfg.micro_batch_size]) for i in range(0, len(idx), cfg.micro_batch_size)]
+        val_batches = validation_batches(val, rank, world, cfg.micro_batch_size)
     total_steps = cfg.steps or max(1, loader.batches_per_epoch // accum)
 
     # 3. model (with LoRA: frozen, plus trainable adapters), FSDP, optimizer over the trainable parameters

@@ -11,7 +11,10 @@
 #    counts as a failure: there are GPU tests, so collecting none means something is wrong):
 #    tests/test_gpu.py: --deterministic SFT, DPO and GRPO runs in bf16 agree bit for bit with a rerun; SFT resumed
 #    from its sharded checkpoint equals the uninterrupted run; with two GPUs, the same over NCCL (two-process GRPO
-#    reruns, each rank writing its own checkpoint shards); tests/test_bench.py: the benchmarks' GPU paths
+#    reruns, each rank writing its own checkpoint shards); tests/test_collectives.py: the CUDA checks of
+#    docs/distributed.md (the sampler's host check every 8 tokens, the fp32 reward head under bf16, frozen models'
+#    FSDP records, DPO's reference dtype under --dtype fp32); tests/test_logprobs.py: the fused head pass's
+#    agreement and peak memory in bf16; tests/test_bench.py: the benchmarks' GPU paths
 # 3. python -m bench.run_all --device cuda: sampler vs transformers, SFT/RM/DPO tokens/s and MFU, the reference
 #    GRPO step, TRL's GRPOTrainer (or the line saying trl is not installed)
 #                                                                         -> OUT_DIR/results.json, bench_cuda.log

@@ -445,6 +445,16 @@ def collate_sft(
     return prompt_response_rows(prompt_ids, prompt_mask, response_ids, response_mask)
 
 
+def eval_slice(n: int, rank: int, world: int) -> list[int]:
+    """This rank's rows of an n-row evaluation set (rank, rank + world, ...), padded with -1 up to ceil(n / world).
+
+    Every rank then runs the same number of forward passes over the same number of micro-batches: under FSDP each
+    forward all-gathers parameters and the evaluation ends in an all-reduce, so a rank with one batch fewer would
+    leave the others waiting in a collective for ever. Padding rows (-1) are real rows computed with weight 0."""
+    mine = list(range(rank, n, world))
+    return mine + [-1] * (-(-n // world) - len(mine))
+
+
 def prompt_response_rows(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
 ) -> dict:

@@ -11,7 +11,6 @@ reward_model.py, dpo.py and grpo.py call build_eval_set once, then evaluate_rewa
 every rank (the scoring is collective under FSDP); dpo.py's training forward is response_logprobs.
 """
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from data.tldr import PreferenceDataset, collate_pairs, encode_response
+from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_slice
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.stats import preference_summary
 
@@ -85,11 +84,9 @@ def build_eval_set(
     # Lengths of the whole responses (not the truncated ones), so the split does not depend on max_response_len.
     chosen_len = torch.tensor([len(encode_response(tok, r["chosen"], 1 << 30)) for r in rows])
     rejected_len = torch.tensor([len(encode_response(tok, r["rejected"], 1 << 30)) for r in rows])
-    per_rank = math.ceil(n / world)
-    mine = list(range(rank, n, world))
-    mine += [-1] * (per_rank - len(mine))
+    mine = eval_slice(n, rank, world)
     batches = []
-    for start in range(0, per_rank, micro_batch_size):
+    for start in range(0, len(mine), micro_batch_size):
         index = mine[start : start + micro_batch_size]
         rows_idx = [i if i >= 0 else 0 for i in index]
         batch = collate_pairs(

@@ -3,7 +3,7 @@ source; GRPO's evaluation next to the implicit-reward preference accuracy (evalu
 
 import torch
 
-from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, DataError, PromptDataset, load_rows
+from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, PromptDataset, load_rows
 from evaluation.preference import build_eval_set
 from rlhf.grpo import penalize_missing_end
 from rlhf.rewards import combine_sources, source_stats
@@ -22,16 +22,19 @@ def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, c
     generator = stream(cfg.seed, step, rank_and_world()[0], "eval", device=device)
     samples = rollout(policy, val.ids, val.mask, cfg, 1, generator, greedy=cfg.eval_greedy)
     scores = source_values(spec, reward_model, val, samples, 1, cfg)
-    values, applies, rm = scores.values, scores.applies, spec.rm_column
+    values, rm = scores.values, spec.rm_column
+    counted = torch.ones(values.shape[0], dtype=torch.bool, device=device) if val.counted is None else val.counted  # (n,)
+    applies = scores.applies & counted[:, None]  # (n, S): padding prompts count for no source
     penalized = torch.zeros(values.shape[0], device=device)
     if rm is not None:
         values[:, rm] = reward_model.normalize(scores.raw).double()
         penalized = reward_model.normalize(penalize_missing_end(scores.raw, samples.has_end, cfg.missing_end_penalty))
     total = combine_sources(torch.where(applies, values, 0.0), spec.weights_S)  # (n,)
     count_S, mean_S, _ = source_stats(values, applies, all_reduce_sum)
-    count = torch.tensor(float(values.shape[0]), device=device, dtype=torch.float64)
+    w = counted.double()  # (n,)
     n, r, rp, end, length = all_reduce_sum(torch.stack([
-        count, total.sum(), penalized.double().sum(), samples.has_end.double().sum(), samples.response_mask.double().sum(),
+        w.sum(), (w * total).sum(), (w * penalized.double()).sum(), (w * samples.has_end.double()).sum(),
+        (w * samples.response_mask.double().sum(1)).sum(),
     ])).tolist()
     out = {"eval/reward": r / n, "eval/end_fraction": end / n, "eval/response_length": length / n}
     if rm is not None:
@@ -65,15 +68,16 @@ def load_eval_sets(cfg, tok, sources, rank: int, world: int, device) -> tuple[Pr
         rows = load_rows(cfg.val_data, cfg.val_split, PROMPT_COLUMNS)
         n = min(cfg.val_rows or len(rows), len(rows))
         applies = source_applies(cfg.reward_column, cfg.val_data, cfg.val_split, len(rows), sources)
-        per_rank = n // world  # the same number on every rank: the evaluation ends in collectives
+        # contiguous slices of ceil(n / world) prompts, the last ones padded with copies of prompt 0 that count for
+        # nothing: every rank generates and scores as many prompts, and the evaluation ends in collectives
+        per_rank = -(-n // world)
+        index = [i if i < n else -1 for i in range(rank * per_rank, (rank + 1) * per_rank)]
+        mine = [max(i, 0) for i in index]
         where = f"{cfg.val_data}[{cfg.val_split}]"
-        if per_rank == 0:
-            raise DataError(f"{where}: {n} validation prompts cannot be split over {world} ranks; use more rows, "
-                            f"or --val_data '' to skip the summary evaluation")
-        mine = list(range(rank * per_rank, (rank + 1) * per_rank))
         dataset = PromptDataset([rows[i] for i in mine], tok, cfg.max_prompt_len, name=where)
         val = prompt_set(dataset, list(range(per_rank)), applies[mine], device, where)
         val.rows = mine
+        val.counted = torch.tensor([i >= 0 for i in index], device=device)
     if cfg.pref_data and cfg.eval_every >= 0:
         rows = load_rows(cfg.pref_data, cfg.pref_split, PREF_COLUMNS)
         rows = rows[: cfg.pref_rows] if cfg.pref_rows else rows

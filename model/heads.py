@@ -2,6 +2,7 @@
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from model.gpt2 import GPT2, GPTConfig, init_gpt2_weights
 
@@ -35,7 +36,10 @@ class RewardModel(nn.Module):
         h = self.transformer(input_ids, position_ids, attention_mask)  # (B, T, C)
         last = last_real_index(attention_mask)  # (B,)
         h_last = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
-        return self.score(h_last).squeeze(-1).to(torch.float32, copy=True)  # (B,), a new tensor (not a view)
+        # The head in fp32 even under bf16 mixed precision: a bf16 output lands on bf16 steps (0.0625 apart near
+        # |r| = 10), and the scores feed RSO's r == r_max ties, the advantages and the gain/bias fit
+        r = F.linear(h_last.float(), self.score.weight.float())  # (B, 1) fp32
+        return r.squeeze(-1).clone()  # (B,), a new tensor, not a view (FSDP2 warns about returning views)
 
     def normalize(self, rewards: torch.Tensor) -> torch.Tensor:
         return self.gain * rewards + self.bias

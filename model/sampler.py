@@ -21,6 +21,7 @@ from model.gpt2 import KVCache
 from rlhf.logprobs import process_logits  # the one definition of the processing, shared with the update
 
 END_ID, EOS_ID, PAD_ID = 198, 50256, 50256  # GPT-2's "\n", <|endoftext|>, and the id used for padding
+DONE_CHECK_EVERY_GPU = 8  # decoded tokens between host checks that every row has finished, on a GPU (generate)
 
 
 @dataclass
@@ -78,10 +79,19 @@ def generate(
     top_k: int = 0,
     generator: torch.Generator | None = None,
     stop_ids: tuple[int, ...] = (END_ID, EOS_ID),
+    done_check_every: int | None = None,
 ) -> SampleOutput:
     """Sample `num_samples` responses for each of B left-padded prompts (B, P).
 
-    Returns N = B * num_samples rows grouped by prompt: rows b*G .. b*G+G-1 belong to prompt b."""
+    Returns N = B * num_samples rows grouped by prompt: rows b*G .. b*G+G-1 belong to prompt b.
+
+    done_check_every: decoded tokens between checks that every row has finished. The check copies a flag to the
+    host, which on a GPU waits for every queued kernel, so the Python loop can no longer run ahead of the device;
+    None: every token on CPU (free there), every DONE_CHECK_EVERY_GPU tokens on a GPU. Rows that finished keep
+    stepping on padding until the check, so it changes the work done, never a row's tokens, mask or log-probs
+    (the generator does draw for the extra steps)."""
+    if done_check_every is None:
+        done_check_every = DONE_CHECK_EVERY_GPU if prompt_ids.device.type == "cuda" else 1
     B, P = prompt_ids.shape
     G, device = num_samples, prompt_ids.device
     if P + max_new_tokens > model.cfg.n_positions:
@@ -114,7 +124,7 @@ def generate(
         logprobs[:, t] = torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
         mask[:, t] = live
         done = done | (live & torch.isin(tok, stop))
-        if bool(done.all()) or t == max_new_tokens - 1:
+        if t == max_new_tokens - 1 or ((t + 1) % done_check_every == 0 and bool(done.all())):
             break
         # finished rows are fed their (ignored) sampled token, not PAD_ID, which may lie outside a small vocabulary
         logits = model(tok[:, None], (next_pos + t)[:, None], None, kv_cache=cache)[:, -1]  # (N, V)

@@ -19,6 +19,9 @@ class PromptSet:
     rows: list[int]
     applies: torch.Tensor
     where: str
+    counted: torch.Tensor | None = None
+    """(B,) bool: the prompts an evaluation's means count; False for the padding copies that give every rank as many
+    prompts (evaluation/summaries.py). None: every prompt counts."""
 
 
 def prompt_set(dataset: PromptDataset, index: list[int], applies: torch.Tensor, device, where: str) -> PromptSet:

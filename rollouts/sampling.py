@@ -10,6 +10,7 @@ from model.sampler import SampleOutput, generate
 from rlhf.rewards import REWARD_MODEL, RewardSource, score_functions
 from rollouts.prompts import PromptSet
 from utils.fsdp import gathered_params
+from utils.guard import all_ranks_agree
 
 
 @dataclass
@@ -94,8 +95,10 @@ def source_values(spec: RewardSpec, reward_model, prompts: PromptSet, samples: S
     if any(s.fn is not None for s in spec.sources):
         of = [n // group for n in range(N)]
         texts = decode_responses(spec.tok, samples.response_ids, samples.response_mask, samples.has_end)
-        values = score_functions(spec.sources, applies, [prompts.texts[b] for b in of], texts,
-                                 [prompts.rows[b] for b in of], prompts.where)
+        # a function may raise on the rows one rank holds only: every rank stops together, with that rank's message
+        with all_ranks_agree("the reward functions", device):
+            values = score_functions(spec.sources, applies, [prompts.texts[b] for b in of], texts,
+                                     [prompts.rows[b] for b in of], prompts.where)
     raw = None
     if reward_model is not None:
         raw = score(reward_model, prompts.ids, prompts.mask, samples, group, cfg.score_micro_batch_size)  # (N,)

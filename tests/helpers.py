@@ -3,6 +3,7 @@ folders made up on the spot, a run's metrics, a script's command line run in thi
 grpo.train_step on the CPU without a reward model."""
 
 import json
+import os
 import random
 
 import pytest
@@ -60,6 +61,13 @@ def pair_run_args(data, run, steps):
         "--batch_size", "8", "--micro_batch_size", "2", "--warmup_steps", "1", "--max_prompt_len", "64",
         "--max_response_len", "16", "--wandb_mode", "disabled", "--out_dir", str(run),
     ]
+
+
+def raise_on_rank_1(prompt: str, response: str) -> float:
+    """A GRPO reward function ("tests.helpers:raise_on_rank_1") that fails on the rows rank 1 holds only."""
+    if os.environ.get("RANK") == "1":
+        raise ValueError("this function cannot score rank 1's rows")
+    return float(len(response))
 
 
 def read_metrics(run_dir) -> list[dict]:

@@ -133,3 +133,24 @@ def test_out_dir_that_ranks_see_differently_is_refused_on_every_rank(tmp_path):
             assert all("is not the same folder on every rank: ranks [1] do not see the file rank 0 wrote there" in e
                        for e in errors), errors
         assert not list((tmp_path / mode).rglob(".shared_check_*"))
+
+
+def test_sft_validation_with_uneven_rows_finishes_and_matches_one_process(tmp_path):
+    """17 validation rows over 2 ranks and micro-batches of 8: rank 0 holds 9 rows (2 batches), rank 1 8 rows (1
+    batch). Without padding, rank 1 would wait in the final all-reduce while rank 0 all-gathers for its second
+    forward, for ever. The loss must equal the one-process value (padding rows weigh 0)."""
+    data = write_sft_rows(tmp_path / "rows.jsonl")
+
+    def args(run):
+        return [
+            "sft.py", "--model", "tiny", "--random_init", "true", "--train_data", str(data), "--val_data", str(data),
+            "--val_rows", "17", "--steps", "1", "--batch_size", "16", "--micro_batch_size", "8", "--lr", "1e-9",
+            "--warmup_steps", "0", "--max_prompt_len", "64", "--wandb_mode", "disabled", "--out_dir", str(run),
+        ]
+
+    losses = {}
+    for nproc in (1, 2):
+        run_script(args(tmp_path / f"run{nproc}"), nproc=nproc, timeout=150)
+        losses[nproc] = read_metrics(tmp_path / f"run{nproc}")[-1]["val/loss"]
+    assert losses[1] > 5.0  # a random tiny model over a 50k vocabulary
+    assert abs(losses[2] - losses[1]) < 1e-5 * losses[1], losses

@@ -31,7 +31,7 @@ from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import save_hf
 from tests import helpers
-from tests.conftest import ROOT, checkpoint_step, free_port
+from tests.conftest import ROOT, checkpoint_step, free_port, run_script
 from utils.checkpoint import latest_checkpoint, read_tensors, save_checkpoint
 from utils.config import parse_config
 from utils.optim import build_optimizer, build_scheduler
@@ -168,6 +168,8 @@ CASES = [
     ("cuda_without_gpu", "sft", lambda f, out: ["--device", "cuda"], ["--device cuda", "no CUDA device is available"]),
     ("unknown_best_metric", "sft", lambda f, out: ["--best_metric", "val/los", "--val_data", str(f["sft"]), "--eval_every", "1"],
      ["--best_metric val/los is not logged by this stage; its val/ metrics are ['val/loss']"]),
+    ("per_rank_best_metric", "grpo", lambda f, out: ["--best_metric", "perf/step_seconds", "--best_mode", "min"],
+     ["--best_metric perf/step_seconds is measured on each rank separately", "ranks would disagree about saving"]),
     # sizes
     ("batch_not_divisible_by_micro_batch", "sft", lambda f, out: ["--batch_size", "6", "--micro_batch_size", "4"],
      ["--batch_size 6 must be divisible by --micro_batch_size 4 x world size 1 = 4"]),
@@ -408,3 +410,41 @@ def test_torchrun_batch_not_divisible_by_world_size_prints_once(inputs, tmp_path
     assert lines == ["error: --prompts_per_step 3 must be divisible by the world size 2"], out.stderr[-3000:]
     assert "exitcode  : 2" in out.stderr  # torchrun's own failure report names the code
     assert 'File "' + str(ROOT / "grpo.py") not in out.stderr  # no traceback from the script
+
+
+@pytest.mark.slow
+def test_error_on_one_rank_stops_every_rank_with_one_line(inputs, tmp_path):
+    """A reward function that raises on rank 1's rows only: rank 0 would otherwise wait in the next collective for a
+    rank that is gone (gloo fails it with a connection error and a traceback; NCCL leaves it waiting out the
+    process-group timeout). Every rank must stop within seconds with the same code and one error line."""
+    args = base_args("grpo", inputs, tmp_path / "run") + ["--rewards", "tests.helpers:raise_on_rank_1",
+                                                               "--micro_batch_size", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "grpo.py", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    seconds = time.monotonic() - start
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
+    assert out.returncode != 0
+    assert len(lines) == 1 and "reward function 'tests.helpers:raise_on_rank_1' raised on row" in lines[0], out.stderr[-3000:]
+    assert "cannot score rank 1's rows" in lines[0]
+    # torchrun's report: the first rank out exited with 2; the other exited with 2 too, or was still leaving when
+    # torchrun stopped it (SIGTERM), never a failure of its own (before, the surviving rank 0 died in a collective)
+    codes = re.findall(r"exitcode  : (-?\d+)", out.stderr)
+    assert len(codes) == 2 and codes.count("2") >= 1 and set(codes) <= {"2", "-15"}, out.stderr[-3000:]
+    assert 'File "' + str(ROOT / "grpo.py") not in out.stderr  # no traceback from the script on either rank
+    assert seconds < 90, seconds
+
+
+@pytest.mark.slow
+def test_all_ranks_agree_raises_the_same_error_on_every_rank(tmp_path):
+    """utils.guard.all_ranks_agree with rank 1 alone raising: a user error becomes the same RankFailure (message,
+    exit code 2) on both ranks; a bug keeps its own exception on rank 1 and ends rank 0 with code 1 naming rank 1."""
+    run_script(["tests/scripts/agree.py", str(tmp_path)], nproc=2, timeout=120)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["user_error"] == r1["user_error"] == ["RankFailure", "row 7 of the data is bad", 2]
+    assert r1["bug"] == ["ZeroDivisionError", "division by zero", None]
+    assert r0["bug"] == ["RankFailure", "rank 1 failed in case bug (ZeroDivisionError: division by zero); its traceback "
+                                        "is in its output", 1]
+    assert r0["none"] is None and r1["none"] is None

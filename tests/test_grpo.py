@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from data.tldr import collate_sft, pad_prompts, prompt_response_rows
+from data.tokenizer import get_tokenizer
 from grpo import Config, train_step
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.sampler import END_ID
 from model.weights import build_policy, freeze
 from rlhf.grpo import global_normalize
 from rollouts.models import Models
+from rollouts.sampling import RewardSpec
 from tests.conftest import assert_same_metrics, kill_and_rerun, run_script
-from tests.helpers import WORDS, end_biased_policy, prompts_and_rewards, read_metrics
+from tests.helpers import WORDS, end_biased_policy, prompts_and_rewards, read_metrics, write_sft_rows
 from utils.config import parse_config
 from utils.optim import build_optimizer, build_scheduler
 
@@ -151,3 +153,28 @@ def test_two_process_grpo_trains_every_parameter_and_resumes_exactly_after_sigki
     assert_same_metrics(full, read_metrics(run), keys, f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at})")
     tables = [(run_dir / "samples.jsonl").read_text() for run_dir in (full_run, run)]
     assert tables[0] == tables[1]
+
+
+def test_summary_evaluation_gives_every_rank_as_many_prompts_and_padding_counts_for_nothing(tmp_path):
+    """3 validation prompts over 2 ranks: each rank generates and scores 2 (the evaluation ends in all-reduces, so a
+    rank with fewer prompts would desynchronise them), rank 1's second being a padding copy that no mean counts."""
+    from evaluation.summaries import evaluate_summaries, load_eval_sets
+    from rollouts.prompts import PromptSet
+
+    data = write_sft_rows(tmp_path / "rows.jsonl", n=5)
+    cfg = parse_config(Config, ["--val_data", str(data), "--val_rows", "3", "--pref_data", "", "--rewards", "length",
+                                "--max_new_tokens", "6", "--max_prompt_len", "64", "--out_dir", str(tmp_path / "run")])
+    tok = get_tokenizer()
+    sets = [load_eval_sets(cfg, tok, cfg.sources(), rank, 2, torch.device("cpu"))[0] for rank in (0, 1)]
+    assert [v.ids.shape[0] for v in sets] == [2, 2]
+    assert [v.counted.tolist() for v in sets] == [[True, True], [True, False]]
+    assert sets[0].rows + sets[1].rows[:1] == [0, 1, 2]  # every row once
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=128))
+    spec = RewardSpec(cfg.sources(), cfg.normalize_reward_fns, tok)
+    v = sets[1]
+    alone = PromptSet(v.ids[:1], v.mask[:1], v.texts[:1], v.rows[:1], v.applies[:1], v.where)  # row 2 only
+    out = evaluate_summaries(policy, None, spec, v, cfg, 0)
+    assert out == evaluate_summaries(policy, None, spec, alone, cfg, 0)
+    v.counted = None  # counting the padding copy too would move the means
+    assert evaluate_summaries(policy, None, spec, v, cfg, 0) != out

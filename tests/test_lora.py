@@ -237,3 +237,16 @@ def test_sft_with_lora_lowers_the_loss_and_exports_merged_weights(tmp_path):
     m = read_metrics(run)
     assert m[-1]["train/loss"] < m[0]["train/loss"] - 0.05
     assert changed_weights(init, run / "hf") == {f"transformer.h.{i}.{n}.weight" for i in range(2) for n in ("attn.c_attn", "mlp.c_fc")}
+
+
+@pytest.mark.slow
+def test_ranks_start_identical_then_draw_different_dropout_masks(tmp_path):
+    """The common seed builds the same model on every rank; after resume() each rank's global RNG is seeded from
+    (seed, rank), so LoRA dropout masks differ between ranks (identical masks would make the ranks' micro-batches
+    share their dropout noise); a model built later from run.init_rng is again the same on every rank."""
+    out = tmp_path / "rng.pt"
+    run_script(["tests/scripts/rank_rng.py", str(out), str(tmp_path / "run")], nproc=2, timeout=120)
+    r = torch.load(out)
+    assert r["start_equal"] and r["later_equal"]
+    assert not r["masks_equal"]
+    assert 0.3 < r["kept_fraction"] < 0.7  # dropout 0.5 did drop about half

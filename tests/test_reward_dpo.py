@@ -357,3 +357,66 @@ def test_eval_every_minus_one_never_reads_or_evaluates_the_validation_pairs(stag
     assert [x["step"] for x in m] == [1, 2]
     assert not [k for x in m for k in x if k.startswith("val/")]
     assert (run / "hf" / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------------------------------
+# bf16 on CPU: the reward head's precision, DPO's reference dtype
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo process group, so shard_model's FSDP2 mixed precision runs in this process."""
+    from utils.dist import cleanup_distributed, setup_distributed
+
+    cleanup_distributed()
+    setup_distributed("cpu")
+    yield
+    cleanup_distributed()
+
+
+def test_reward_head_is_fp32_under_bf16_mixed_precision(one_rank_group):
+    """Under bf16 FSDP mixed precision the body runs in bf16 but the scalar head must not round its output to bf16
+    (scores on bf16 steps, 0.0625 apart near |r| = 10, would tie in RSO's r == r_max and shift advantages)."""
+    from utils.fsdp import shard_model
+
+    torch.manual_seed(0)
+    model = RewardModel(GPTConfig(vocab_size=512, n_positions=64, n_layer=2, n_head=2, n_embd=32))
+    with torch.no_grad():
+        model.score.weight.mul_(40)  # rewards of a few units, like a trained reward model's
+    weight_bf16 = model.score.weight.detach().bfloat16().float()  # what FSDP's bf16 cast of the head holds
+    shard_model(model, torch.bfloat16)
+    hidden = []
+    model.transformer.register_forward_hook(lambda m, a, out: hidden.append(out))  # (B, T, C): the body's output
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (64, 12), generator=g)
+    mask = torch.arange(12)[None] >= torch.randint(0, 4, (64, 1), generator=g)  # left padding
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        scores = model(ids, pos, mask)  # (64,)
+    h = hidden[0][torch.arange(64), mask.long().cumsum(-1).argmax(-1)]  # (64, C): each row's last real token
+    assert scores.dtype == torch.float32 and h.dtype == torch.bfloat16
+    assert scores.abs().max() > 5
+    assert not torch.equal(scores.bfloat16().float(), scores)  # off the bf16 grid
+    expected = h.float() @ weight_bf16[0]  # the bf16 body's last hidden state through the head in fp32
+    assert torch.allclose(scores, expected, rtol=1e-5, atol=1e-5), (scores - expected).abs().max()
+
+
+def test_dpo_reference_dtype_auto_follows_the_policy_and_the_first_loss_is_log2(one_rank_group, tmp_path):
+    """--dtype bf16 with --reference_dtype auto: the reference computes in bf16 as the policy does, so every implicit
+    reward is exactly 0 at step 0 and the sigmoid loss exactly log 2 (an fp32 reference under a bf16 policy gives
+    rewards of bf16 noise). CPU shows it with --dtype bf16; on GPU auto used to mean bf16 even with --dtype fp32."""
+    from types import SimpleNamespace
+
+    data = write_pref_rows(tmp_path / "pairs.jsonl", n=8)
+    cfg = parse_config(dpo.Config, ["--model", "tiny", "--random_init", "true", "--dtype", "bf16",
+                                    "--train_data", str(data), "--out_dir", str(tmp_path / "run")])
+    torch.manual_seed(0)
+    run = SimpleNamespace(say=lambda message: None, device=torch.device("cpu"), dtype=torch.bfloat16)
+    policy, reference = dpo.build_models(cfg, run)
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    rows = load_rows(str(data), "train", PREF_COLUMNS)
+    tok = get_tokenizer()
+    ds = build_eval_set(rows, tok, 64, 16, 8, 0, 1).batches[0]
+    losses, stats = dpo.pair_losses(policy, reference, ds, dpo.preference_loss_fn(cfg), cfg.beta, torch.device("cpu"))
+    assert stats[2] == 0 and stats[3] == 0  # summed chosen and rejected implicit rewards
+    assert torch.equal(losses, torch.full_like(losses, LOG2))

@@ -214,6 +214,11 @@ class OptimConfig:
             raise ConfigError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
+# Metric groups whose values each rank measures for itself (wall-clock seconds and rates): every other logged metric
+# is reduced over ranks, so each rank sees the same number
+PER_RANK_METRICS = ("perf/",)
+
+
 @dataclasses.dataclass
 class RunConfig:
     eval_every: int = 100
@@ -269,6 +274,11 @@ class RunConfig:
             raise ConfigError(f"--save_every must be >= 0, got {self.save_every}")
         if self.eval_every < -1:
             raise ConfigError(f"--eval_every must be >= -1 (-1 never evaluates), got {self.eval_every}")
+        if self.best_metric.startswith(PER_RANK_METRICS):
+            raise ConfigError(
+                f"--best_metric {self.best_metric} is measured on each rank separately (timings), so the ranks would "
+                f"disagree about saving a new best; name a metric reduced over ranks (val/..., eval/..., train/...)"
+            )
 
     def validate_shared(self) -> None:
         """Check the model name and every shared option group the script's Config composes (data, preference pairs,

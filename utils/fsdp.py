@@ -55,7 +55,36 @@ def shard_model(
             fully_shard(m, reshard_after_forward=True, **kwargs)
     trains = any(p.requires_grad for p in model.parameters())
     fully_shard(model, reshard_after_forward=not trains, **kwargs)
+    if not trains:  # frozen: it never runs a backward
+        model.register_forward_hook(lambda module, args, output: forget_forward_order(module))
     return model
+
+
+def forward_order_records(model: nn.Module) -> int:
+    """How many forward records FSDP2 holds for `model`: the root's forward-order list plus every unit's indices
+    into it (what forget_forward_order clears)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        return 0
+    states = [m._get_fsdp_state() for m in units]
+    groups = [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
+    return len(states[0]._comm_ctx.post_forward_order) + sum(len(g._post_forward_indices) for g in groups)
+
+
+def forget_forward_order(model: nn.Module) -> None:
+    """Drop the records FSDP2 keeps of each forward for the next backward's prefetching: every unit appends itself to
+    a list on the root at every forward (and its index to a list of its own), and only the end of a backward clears
+    them. A frozen model (a reference, a reward model) never runs a backward, so its lists would grow by two entries
+    per unit per forward for the whole run. shard_model calls this after every forward of a frozen model.
+
+    These are FSDP2's private attributes (torch 2.11 to 2.13); tests/test_collectives.py checks that the records
+    stay empty, so a torch that moves them fails there rather than leaking."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            state._comm_ctx.post_forward_order.clear()
+            if state._fsdp_param_group is not None:
+                state._fsdp_param_group._post_forward_indices.clear()
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

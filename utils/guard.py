@@ -17,6 +17,9 @@ never reaches the weights.
             if stopping or due: save_checkpoint(...)
             if stopping: break
 
+    with all_ranks_agree("reward functions", device):  # may raise on one rank only: every rank raises together
+        values = score_functions(...)
+
 Exit codes: 0 done (or stopped by a signal after saving), 2 bad input (config, data, model, checkpoint,
 tokenizer, a GRPO reward function that raises or returns a non-number), 3 numerical fault (non-finite loss or
 gradient norm, a reward model returning NaN or a constant), 130 interrupted before training started. A real bug
@@ -46,6 +49,54 @@ class NumericalError(RuntimeError):
     exit_code = EXIT_NUMERICAL
 
 
+class RankFailure(RuntimeError):
+    """Raised on every rank when some rank raised inside an `all_ranks_agree` block: the message and exit code of the
+    lowest rank that failed (exit code 1 when that was a bug, whose traceback that rank prints)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@contextmanager
+def all_ranks_agree(where: str, device):
+    """Run a block that may raise on one rank only (a user's reward function on the rows this rank holds), then agree
+    over ranks, so no rank is left waiting in a collective for a peer that is gone (gloo fails the peer with a
+    connection error, NCCL leaves it waiting out the process-group timeout).
+
+    Every rank all-reduces one flag after the block (a collective; call it on every rank). When some rank raised,
+    every rank raises: a user error (an exception whose class sets `exit_code`) becomes a RankFailure with the
+    lowest failing rank's message and code on every rank, so exit_on_error prints one line (rank 0) and every rank
+    exits with the same code; a bug re-raises on its own rank (its traceback) and is a RankFailure naming it, code
+    1, on the others."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # every exception is shared with the other ranks, then raised again
+        error = e
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if error is not None:
+            raise error
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    code = 0 if error is None else (getattr(error, "exit_code", None) or 1)
+    codes = torch.zeros(world, dtype=torch.int64, device=device)
+    codes[rank] = code
+    dist.all_reduce(codes, op=dist.ReduceOp.SUM)
+    failed = codes.nonzero().flatten().tolist()
+    if not failed:
+        return
+    errors = [None] * world  # (exception class name, message) of every rank; objects only on the failure path
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)))
+    first = failed[0]
+    if error is not None and getattr(error, "exit_code", None) is None:
+        raise error  # a bug on this rank: its own traceback
+    name, message = errors[first]
+    if int(codes[first]) == 1:
+        raise RankFailure(f"rank {first} failed in {where} ({name}: {message}); its traceback is in its output", 1)
+    raise RankFailure(message, int(codes[first])) from error
+
+
 def _all_ranks_max(values: list[float], device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -59,24 +110,29 @@ def exit_on_error():
     with its code instead of a traceback; any other exception propagates with its traceback (a bug).
 
     A user error is any exception whose class sets `exit_code` (ConfigError, DataError, TokenizerError,
-    ModelLoadError, CheckpointError, RewardSpecError, RewardFunctionError: 2; NumericalError: 3), so the packages
-    that raise them need not be imported here."""
+    ModelLoadError, CheckpointError, RewardSpecError, RewardFunctionError: 2; NumericalError: 3; RankFailure: the
+    code of the rank that failed), so the packages that raise them need not be imported here."""
     try:
         yield
     except KeyboardInterrupt:
         _exit("interrupted outside the training loop (start-up or export); the newest checkpoint, if any, is intact",
               EXIT_INTERRUPTED)
     except Exception as e:
-        code = getattr(type(e), "exit_code", None)
+        code = getattr(e, "exit_code", None)
         if code is None:
             raise
-        _exit(str(e), code)
+        _exit(str(e), code, agreed=isinstance(e, RankFailure))
 
 
-def _exit(message: str, code: int) -> None:
+def _exit(message: str, code: int, agreed: bool = False) -> None:
+    """Print the line, tear the process group down, exit. `agreed`: every rank is here with the same error
+    (all_ranks_agree), so a barrier lets them leave together: torchrun stops the workers still running once one
+    has exited, and its report then names SIGTERM for a rank that was only slower to get out."""
     close_progress_bars()
     print_error(message)
     if dist.is_initialized():
+        if agreed:
+            dist.barrier()
         dist.destroy_process_group()
     sys.exit(code)
 

@@ -13,7 +13,10 @@
 
 Random streams: every random draw of a run that is not the model's initialisation comes from a torch.Generator
 seeded by utils.dist.stream(seed, step, rank, stream name), so streams are independent of each other and of the
-ranks, and a resumed run rebuilds them bit for bit from the step alone.
+ranks, and a resumed run rebuilds them bit for bit from the step alone. The global torch RNG (what draws without a
+generator use: LoRA's dropout masks) is seeded with the same seed on every rank until the models are built, so they
+start identical before sharding; resume() then reseeds it per rank from stream_seed(seed, step, rank, "global"), so
+no two ranks draw the same masks (a resumed run restores each rank's own RNG state instead).
 """
 
 import os
@@ -25,7 +28,7 @@ import torch
 
 from utils.checkpoint import export_model, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
 from utils.config import RunConfig, config_to_dict
-from utils.dist import DistInfo, cleanup_distributed, setup_distributed
+from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
 from utils.fsdp import resolve_dtype
 from utils.guard import NonFiniteGuard, StopSignal
 from utils.logging import Logger, progress
@@ -48,6 +51,10 @@ class Run:
     best: dict | None = None
     extra: dict = field(default_factory=dict)
     """The resumed checkpoint's loop state (data position, best, a refreshed reference, ...); empty on a fresh start."""
+    init_rng: torch.Tensor | None = None
+    """The global CPU RNG state every rank shared when resume() was called (after the models were built from the
+    common seed), before it was made per-rank: a model built later from random weights (reward_model.py's
+    normalisation policy with --random_init) is drawn from it, so it is the same on every rank."""
 
     @property
     def rank(self) -> int:
@@ -111,10 +118,13 @@ def start_run(cfg: RunConfig, meta: dict) -> Run:
 
 def resume(run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_steps: int,
            frozen: dict | None = None) -> int:
-    """Restore the checkpoint start_run found, if any (weights, optimizer, schedule, every rank's RNG, data position,
-    best evaluation so far; its loop state in run.extra; the `frozen` models it holds, see end_of_step), then open
-    the logger and the progress bar at that step. Returns the step to continue from (0 on a fresh start)."""
+    """Seed the global RNG per rank, restore the checkpoint start_run found, if any (weights, optimizer, schedule, every
+    rank's RNG, data position, best evaluation so far; its loop state in run.extra; the `frozen` models it holds, see
+    end_of_step), then open the logger and the progress bar at that step. Returns the step to continue from (0 on a
+    fresh start)."""
     step = 0
+    run.init_rng = torch.get_rng_state()
+    torch.manual_seed(stream_seed(cfg.seed, step, run.rank, "global"))  # per rank; a checkpoint's own state replaces it
     if run.checkpoint is not None:
         state = load_checkpoint(run.checkpoint, model, optimizer, scheduler, run.meta, run.rank, frozen=frozen)
         step, run.extra = state["step"], state["extra"]

@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 
 from data.synthetic import gold_reward as synthetic_gold_reward
-from data.tldr import PROMPT_COLUMNS, PromptDataset, ShardedLoader, decode_responses, load_rows, prompt_response_rows
+from data.tldr import PROMPT_COLUMNS, PromptDataset, ShardedLoader, decode_responses, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.preference import evaluate_policy, policy_logps
 from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table
@@ -46,9 +46,10 @@ from model.weights import model_config, save_export
 from rlhf.grpo import AGGREGATIONS, advantages, entropy_bonus, grpo_token_loss, penalize_missing_end, select
 from rlhf.logprobs import processed_logprobs
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards, source_stats
+from rollouts.memory import check_memory, free_device_bytes
 from rollouts.models import Models, build_models, refresh_reference
 from rollouts.prompts import PromptSet, prompt_set, source_applies
-from rollouts.sampling import RewardSpec, Scores, rollout, source_values
+from rollouts.sampling import RewardSpec, Scores, model_rows, rollout, source_values
 from utils.checkpoint import full_model_state, set_full_model_state
 from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
 from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world, stream
@@ -97,7 +98,12 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
     top_k: int = 0
     """Top-k sampling; 0 disables. The loss's log-probs use the same masking."""
     gen_prompts: int = 16
-    """Prompts per generation call on each rank (x num_samples sequences in the KV cache)."""
+    """Prompts per generation call on each rank (x num_samples sequences in the KV cache). Checked against the
+    device's free memory before the first step (rollouts/memory.py)."""
+    prefix_sharing: bool = True
+    """Compute and store each prompt once per group: one copy of its KV cache for its G samples while generating,
+    and packed rows with the prompt once for its responses in the reward model, the reference and the update
+    (same numbers up to float rounding); false gives every sample its own copy of the prompt."""
     # --- rewards and selection
     rewards: str = "reward_model"
     """The training reward, "+"-joined terms [WEIGHT*]SOURCE; a SOURCE is reward_model (--reward_model), a built-in
@@ -258,14 +264,14 @@ def score_rewards(spec: RewardSpec, reward_model, prompts: PromptSet, samples: S
     return scores
 
 
-def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_N: torch.Tensor, advantages_N, group, micro):
-    """Micro-batches of the selected rows: prompt + response layout, plus advantages and the sampler's log-probs."""
+def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_N: torch.Tensor, advantages_N, group, micro,
+                           shared: bool = True):
+    """Micro-batches of the selected rows, plus advantages and the sampler's log-probs: packed rows with each prompt
+    once for its responses (`shared`), or the prompt + response layout with a copy of the prompt per row."""
     batches = []
     for s in range(0, rows_N.shape[0], micro):
         rows = rows_N[s : s + micro]
-        batch = prompt_response_rows(
-            prompt_ids[rows // group], prompt_mask[rows // group], samples.response_ids[rows], samples.response_mask[rows]
-        )
+        batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows], rows // group, shared)
         batch["advantages"] = advantages_N[s : s + micro]
         batch["sampler_logprobs"] = samples.logprobs[rows][:, : batch["response_ids"].shape[1]]
         batches.append(batch)
@@ -273,8 +279,13 @@ def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_
 
 
 def response_logits(model, batch: dict) -> torch.Tensor:
-    """Logits (n, R, V) at the columns P-1 .. P+R-2 that predict the response tokens."""
-    P, R = batch["prompt_len"], batch["response_ids"].shape[1]
+    """Logits (n, R, V) at the positions that predict the response tokens: columns P-1 .. P+R-2 of prompt + response
+    rows, or their places in packed rows (each prompt's last token, then the response's own columns)."""
+    n, R = batch["response_ids"].shape
+    if "layout" in batch:
+        index = batch["layout"].logits_index().view(1, n * R)  # (1, n*R)
+        return model(batch["input_ids"], batch["position_ids"], batch["layout"], logits_slice=index).view(n, R, -1)
+    P = batch["prompt_len"]
     return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], logits_slice=slice(P - 1, P + R - 1))
 
 
@@ -419,7 +430,8 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
     with timer("advantages"):
         rewards_BK = scores.total[rows_BK]  # (B, K)
         adv = advantages(rewards_BK, cfg.scale_by_std, cfg.global_norm, all_reduce_sum)  # (B*K,)
-        batches = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten(), adv, G, cfg.micro_batch_size)
+        batches = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten(), adv, G, cfg.micro_batch_size,
+                                         cfg.prefix_sharing)
     # 6. reference log-probs (frozen, parameters gathered once; with LoRA the policy with adapters off); with mu > 1
     #    also the sampling policy's (the weights that generated), from the training forward so the first ratio is 1
     with timer("reference"):
@@ -504,6 +516,11 @@ def main(cfg: Config) -> dict:
     run = start_run(cfg, {"stage": "grpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     rank, world, device = run.rank, run.world, run.device
     prompts_per_rank, n_micro = per_rank_sizes(cfg, world)
+    free = free_device_bytes(device)
+    if free is not None:  # a step that cannot fit stops here, before any weight is loaded, naming the option to lower
+        rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init) if any(s.fn is None for s in sources) else None
+        dtype_bytes = torch.finfo(run.dtype or torch.float32).bits // 8
+        check_memory(cfg, model_cfg, rm_cfg, world, dtype_bytes, int(-all_reduce_max(-free, device)), str(device))
 
     # set-up: data (training prompts sharded per rank, with the reward sources that apply to each row; evaluation
     # sets split over ranks), models, optimizer, resume

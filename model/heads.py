@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-from model.gpt2 import GPT2, GPTConfig, init_gpt2_weights
+from model.gpt2 import GPT2, GPTConfig, SharedPrefix, init_gpt2_weights
 
 
 def last_real_index(attention_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -31,10 +31,14 @@ class RewardModel(nn.Module):
         init_gpt2_weights(self, cfg.n_layer)
 
     def forward(self, input_ids, position_ids, attention_mask) -> torch.Tensor:
-        """Raw rewards (B,) read at each row's last real token."""
+        """Raw rewards (B,) read at each row's last real token; for a packed row (attention_mask a SharedPrefix), one
+        reward per response (n,), read at its last real token."""
         h = self.transformer(input_ids, position_ids, attention_mask)  # (B, T, C)
-        last = last_real_index(attention_mask)  # (B,)
-        h_last = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
+        if isinstance(attention_mask, SharedPrefix):
+            h_last = h[0, attention_mask.last_real_index()]  # (n, C)
+        else:
+            last = last_real_index(attention_mask)  # (B,)
+            h_last = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
         return self.score(h_last).squeeze(-1).to(torch.float32, copy=True)  # (B,), a new tensor (not a view)
 
     def normalize(self, rewards: torch.Tensor) -> torch.Tensor:

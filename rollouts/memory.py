@@ -119,6 +119,10 @@ def step_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: i
     )
 
 
+def size(n_bytes: int) -> str:
+    return f"{n_bytes / GiB:.1f} GiB" if n_bytes >= GiB else f"{n_bytes / 2**20:.0f} MiB"
+
+
 def largest_fitting(fits, start: int) -> int:
     """The largest value v <= start with fits(v), halving from start; 0 when even 1 does not fit."""
     v = start
@@ -137,9 +141,9 @@ def check_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: 
     est = step_memory(cfg, policy, reward_model, world, dtype_bytes)
     if est.peak <= budget:
         return est
-    free = f"{free_bytes / GiB:.1f} GiB is free on {where}"
+    free = f"{size(free_bytes)} is free on {where}"
     if est.weights >= budget:
-        raise ConfigError(f"the models' weights and optimizer state need about {est.weights / GiB:.1f} GiB per rank but "
+        raise ConfigError(f"the models' weights and optimizer state need about {size(est.weights)} per rank but "
                           f"{free}: use more ranks or --lora_rank")
     stages = {"generate": ("gen_prompts", "KV cache and logits of one generate call"),
               "score": ("score_micro_batch_size", "one reward-model micro-batch"),
@@ -155,9 +159,9 @@ def check_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: 
         hint = f"lower --{option} to {best}" if best else f"--{option} 1 does not fit either"
         if stage == "update" and not cfg.activation_checkpointing:
             hint += " or set --activation_checkpointing true"
-        problems.append(f"--{option} {value} needs about {getattr(est, stage) / GiB:.1f} GiB ({what}): {hint}")
+        problems.append(f"--{option} {value} needs about {size(getattr(est, stage))} ({what}): {hint}")
     sharing = "" if cfg.prefix_sharing else " (or set --prefix_sharing true)"
-    raise ConfigError(f"not enough device memory, {est.weights / GiB:.1f} GiB of weights and {free}{sharing}; "
+    raise ConfigError(f"not enough device memory, {size(est.weights)} of weights and {free}{sharing}; "
                       + "; ".join(problems))
 
 

@@ -189,3 +189,25 @@ def test_memory_check_names_the_option_to_lower():
                                           r"--activation_checkpointing true$"):
         check_memory(big_micro, xl, xl, 1, 2, free, "cuda:0")
     assert step_memory(big_micro, xl, xl, 1, 2).update > step_memory(big_micro, xl, xl, 1, 2, micro_batch_size=32).update
+
+
+def test_grpo_stops_before_loading_weights_when_generation_cannot_fit(tmp_path, capsys, monkeypatch):
+    # a device with room for the weights, the update and a third of one generate call: one line naming
+    # --gen_prompts, before any model is built (free memory is read on GPUs only; here it is stood in for)
+    from tests.helpers import run_cli, write_sft_rows
+
+    rows = write_sft_rows(tmp_path / "rows.jsonl", n=8)
+    cfg = grpo.Config(model="tiny", random_init=True, rewards="length", max_prompt_len=64, num_samples=64, num_kept=2,
+                      gen_prompts=8, prompts_per_step=8, micro_batch_size=2)
+    est = step_memory(cfg, PRESETS["tiny"], None, 1, 4)
+    assert est.generate // 3 > est.update
+    monkeypatch.setattr(grpo, "free_device_bytes", lambda device: int((est.weights + est.generate // 3) / 0.9) + 1)
+    monkeypatch.setattr(grpo, "build_models", lambda *a, **k: pytest.fail("models built after a failed memory check"))
+    args = ["--model", "tiny", "--random_init", "true", "--rewards", "length", "--train_data", str(rows), "--val_data", "",
+            "--pref_data", "", "--eval_every", "-1", "--num_samples", "64", "--num_kept", "2", "--max_prompt_len", "64",
+            "--gen_prompts", "8", "--prompts_per_step", "8", "--micro_batch_size", "2", "--steps", "1",
+            "--wandb_mode", "disabled", "--out_dir", str(tmp_path / "run")]
+    code, message = run_cli(grpo, args, capsys)
+    assert code == 2
+    assert message.startswith("error: not enough device memory") and "--gen_prompts 8 needs about 420 MiB" in message
+    assert "lower --gen_prompts to 2" in message and "--micro_batch_size" not in message  # 8 -> 4 -> 2 (halving)

@@ -12,7 +12,7 @@ model are randomly initialised GPT-2s of --preset (fp32 on CPU, bf16 on GPU). Ea
 stream) with the learning rate at a negligible 1e-12, so both see the same weights and sample the same responses;
 the two modes alternate so that a change in the machine's load hits both alike.
 
-Figures per mode (median over repeats; ratio = unshared / shared):
+Figures per mode (median over repeats, no warm-up step; ratio = unshared / shared):
 - seconds of the whole step and of each stage (train_step's own StepResult.seconds);
 - tokens processed per stage: generate, the positions held in the KV caches of the step's generate calls (what
   every decode step reads); score, the real tokens the reward model's forwards compute; reference and update, the
@@ -184,7 +184,8 @@ def configs(device: torch.device, quick: bool) -> list[PrefixBenchConfig]:
         return [PrefixBenchConfig("gpu-reference-tldr", "gpt2", prompts=32 if quick else 256, num_samples=64,
                                   num_kept=8, score_micro_batch_size=128, repeats=2)]
     if quick:  # tiny holds 512 positions: prompts cut at 448 leave room for the 53 new tokens
-        return [PrefixBenchConfig("cpu-tiny-tldr-quick", "tiny", prompts=2, max_prompt_len=448, repeats=1)]
+        return [PrefixBenchConfig("cpu-tiny-tldr-quick", "tiny", prompts=2, num_samples=8, num_kept=4, max_new_tokens=16,
+                                  max_prompt_len=448, repeats=1)]
     # gpt2 (124M) shape on 2 shared CPU cores: 4 prompts (230, 311, 371 and 375 tokens; the file's mean is 345), so
     # one interleaved pair takes minutes, not hours
     return [PrefixBenchConfig("cpu-gpt2-tldr", "gpt2", prompts=4, repeats=2)]

@@ -153,9 +153,10 @@ def check_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: 
         if est.weights + getattr(est, stage) <= budget:
             continue
         value = getattr(cfg, option)
-        best = largest_fitting(
-            lambda v: est.weights + getattr(step_memory(cfg, policy, reward_model, world, dtype_bytes, **{option: v}), stage) <= budget,
-            value)
+        def fits(v: int, option: str = option, stage: str = stage) -> bool:
+            return est.weights + getattr(step_memory(cfg, policy, reward_model, world, dtype_bytes, **{option: v}), stage) <= budget
+
+        best = largest_fitting(fits, value)
         hint = f"lower --{option} to {best}" if best else f"--{option} 1 does not fit either"
         if stage == "update" and not cfg.activation_checkpointing:
             hint += " or set --activation_checkpointing true"

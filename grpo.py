@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 
 from data.synthetic import gold_reward as synthetic_gold_reward
-from data.tldr import PROMPT_COLUMNS, PromptDataset, ShardedLoader, decode_responses, load_rows, prompt_response_rows
+from data.tldr import PROMPT_COLUMNS, PromptDataset, ShardedLoader, decode_responses, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.preference import evaluate_policy, policy_logps
 from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table
@@ -53,9 +53,11 @@ from rlhf.grpo import (
 )
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards, source_stats
+from rollouts.memory import check_memory, free_device_bytes
 from rollouts.models import Models, build_models, refresh_reference, sharded_module
 from rollouts.prompts import PromptSet, prompt_set, source_applies
-from rollouts.sampling import RewardSpec, Scores, rollout, source_values
+from rollouts.sampling import RewardSpec, Scores, model_rows, rollout, source_values
+from utils.checkpoint import full_model_state, set_full_model_state
 from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
 from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world, stream
 from utils.fsdp import gathered_params, set_gradient_sync
@@ -103,7 +105,12 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
     top_k: int = 0
     """Top-k sampling; 0 disables. The loss's log-probs use the same masking."""
     gen_prompts: int = 16
-    """Prompts per generation call on each rank (x num_samples sequences in the KV cache)."""
+    """Prompts per generation call on each rank (x num_samples sequences in the KV cache). Checked against the
+    device's free memory before the first step (rollouts/memory.py)."""
+    prefix_sharing: bool = True
+    """Compute and store each prompt once per group: one copy of its KV cache for its G samples while generating,
+    and packed rows with the prompt once for its responses in the reward model, the reference and the update
+    (same numbers up to float rounding); false gives every sample its own copy of the prompt."""
     # --- rewards and selection
     rewards: str = "reward_model"
     """The training reward, "+"-joined terms [WEIGHT*]SOURCE; a SOURCE is reward_model (--reward_model), a built-in
@@ -298,14 +305,14 @@ def score_rewards(spec: RewardSpec, reward_model, prompts: PromptSet, samples: S
     return scores
 
 
-def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_N: torch.Tensor, advantages_N, group, micro):
-    """Micro-batches of the selected rows: prompt + response layout, plus advantages and the sampler's log-probs."""
+def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_N: torch.Tensor, advantages_N, group, micro,
+                           shared: bool = True):
+    """Micro-batches of the selected rows, plus advantages and the sampler's log-probs: packed rows with each prompt
+    once for its responses (`shared`), or the prompt + response layout with a copy of the prompt per row."""
     batches = []
     for s in range(0, rows_N.shape[0], micro):
         rows = rows_N[s : s + micro]
-        batch = prompt_response_rows(
-            prompt_ids[rows // group], prompt_mask[rows // group], samples.response_ids[rows], samples.response_mask[rows]
-        )
+        batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows], rows // group, shared)
         batch["advantages"] = advantages_N[s : s + micro]
         batch["sampler_logprobs"] = samples.logprobs[rows][:, : batch["response_ids"].shape[1]]
         batches.append(batch)
@@ -321,27 +328,33 @@ def kept_advantages(rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg: Config)
     return adv_BK.flatten()
 
 
-def pad_micro_batches(batches: list[dict], filler_source: dict, device) -> list[dict]:
+def pad_micro_batches(batches: list[dict], filler: dict, device) -> list[dict]:
     """`batches` followed by filler micro-batches up to the largest count of any rank. Every rank must run as many
     forward / backward passes as the others (each gathers and reduces FSDP shards): with --min_group_std the
-    ranks can keep different numbers of groups. A filler is one row of `filler_source` with an empty response
-    mask: weight 0, nothing added to any normaliser or sum."""
+    ranks can keep different numbers of groups. A filler is `filler` (a one-response micro-batch, in the layout
+    the others use) with an empty response mask: weight 0, nothing added to any normaliser or sum."""
     n_micro = int(all_reduce_max(float(len(batches)), device))
-    filler = {k: (v[:1] if torch.is_tensor(v) else v) for k, v in filler_source.items()}
-    filler["response_mask"] = torch.zeros_like(filler["response_mask"])
-    filler["advantages"], filler["filler"] = torch.zeros_like(filler["advantages"]), True
+    filler = dict(filler, response_mask=torch.zeros_like(filler["response_mask"]),
+                  advantages=torch.zeros_like(filler["advantages"]), filler=True)
     return batches + [dict(filler) for _ in range(n_micro - len(batches))]
 
 
 def response_logprobs(model, batch: dict, cfg: Config, with_entropy: bool = False):
-    """(processed log-probs (n, R), entropy (n, R) or None) of the response tokens, predicted at the columns
-    P-1 .. P+R-2: temperature, top-k and top-p applied as the sampler drew them, in one chunked pass with the LM head
-    inside it (rlhf/logprobs.py), so the (n, R, V) logits are never materialised."""
-    P, R = batch["prompt_len"], batch["response_ids"].shape[1]
-    head = partial(linear_processed_logprobs, targets_NR=batch["response_ids"], temperature=cfg.temperature,
-                   top_k=cfg.top_k, top_p=cfg.top_p, with_entropy=with_entropy)
-    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
-                 logits_slice=slice(P - 1, P + R - 1), head=head)
+    """(processed log-probs (n, R), entropy (n, R) or None) of the response tokens: temperature, top-k and top-p
+    applied as the sampler drew them, in one chunked pass with the LM head inside it (rlhf/logprobs.py), so the
+    (n, R, V) logits are never materialised. Predicted at columns P-1 .. P+R-2 of prompt + response rows, or at their
+    places in packed rows (each prompt's last token, then the response's own columns)."""
+    n, R = batch["response_ids"].shape
+    targets = batch["response_ids"]
+    if "layout" in batch:  # one packed row: the head runs at its n*R predicting positions
+        mask, where, targets = batch["layout"], batch["layout"].logits_index().view(1, n * R), targets.reshape(1, n * R)
+    else:
+        P = batch["prompt_len"]
+        mask, where = batch["attention_mask"], slice(P - 1, P + R - 1)
+    head = partial(linear_processed_logprobs, targets_NR=targets, temperature=cfg.temperature, top_k=cfg.top_k,
+                   top_p=cfg.top_p, with_entropy=with_entropy)
+    logp, entropy = model(batch["input_ids"], batch["position_ids"], mask, logits_slice=where, head=head)
+    return logp.view(n, R), entropy.view(n, R) if entropy is not None else None
 
 
 @torch.no_grad()
@@ -510,11 +523,11 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
         adv = kept_advantages(rewards_BK, keep_B, cfg)  # (B*K,)
         kept_N = keep_B.repeat_interleave(cfg.kept)  # (B*K,)
         batches = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten()[kept_N], adv[kept_N], G,
-                                         cfg.micro_batch_size)
+                                         cfg.micro_batch_size, cfg.prefix_sharing)
         if cfg.min_group_std > 0:  # as many micro-batches on every rank, whatever each kept
-            filler_source = batches[0] if batches else build_training_batches(
-                prompts.ids, prompts.mask, samples, rows_BK.flatten()[:1], adv[:1], G, 1)[0]
-            batches = pad_micro_batches(batches, filler_source, device)
+            filler = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten()[:1], adv[:1], G, 1,
+                                            cfg.prefix_sharing)[0]
+            batches = pad_micro_batches(batches, filler, device)
     # 6. reference log-probs (frozen, parameters gathered once; with LoRA the policy with adapters off); with mu > 1
     #    or the KL in the reward also the sampling policy's (the weights that generated), from the training forward so
     #    the first ratio is 1
@@ -620,6 +633,11 @@ def main(cfg: Config) -> dict:
     run = start_run(cfg, {"stage": "grpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     rank, world, device = run.rank, run.world, run.device
     prompts_per_rank, n_micro = per_rank_sizes(cfg, world)
+    free = free_device_bytes(device)
+    if free is not None:  # a step that cannot fit stops here, before any weight is loaded, naming the option to lower
+        rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init) if any(s.fn is None for s in sources) else None
+        dtype_bytes = torch.finfo(run.dtype or torch.float32).bits // 8
+        check_memory(cfg, model_cfg, rm_cfg, world, dtype_bytes, int(-all_reduce_max(-free, device)), str(device))
 
     # set-up: data (training prompts sharded per rank, with the reward sources that apply to each row; evaluation
     # sets split over ranks), models, optimizer, resume

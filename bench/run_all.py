@@ -11,6 +11,7 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     train    bench/train.py      SFT, reward-model and DPO optimizer steps: tokens/s, TFLOP/s, MFU on GPU
     grpo     bench/grpo_step.py  one GRPO step: time and share per stage, tokens/s, peak memory
     trl      bench/trl_grpo.py   TRL's GRPOTrainer vs our step on the same configuration (or why it was not run)
+    prefix_sharing  bench/prefix_sharing.py  GRPO step on TL;DR prompts, prefix sharing on vs off, interleaved, per stage
 
 Every timed figure is the median of repeats after untimed warm-up runs. A figure that could not be measured is
 listed with the reason; a benchmark that fails is listed with its error and the others still run (exit status 1).
@@ -29,7 +30,7 @@ import torch
 
 from bench import common
 
-BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl")
+BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl", "prefix_sharing")
 
 
 def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
@@ -53,6 +54,10 @@ def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
         from bench import trl_grpo
 
         return trl_grpo.run(device, quick)
+    if name == "prefix_sharing":
+        from bench import prefix_sharing
+
+        return prefix_sharing.run(device, quick)
     raise ValueError(f"unknown benchmark {name}")
 
 

@@ -9,6 +9,12 @@ Two things differ from a textbook GPT-2 and both matter for RLHF:
   its padding and change the logits.
 - A KV cache (`KVCache`) for incremental decoding. The sampler (model/sampler.py) prefills each prompt once
   and decodes one token per step, reading keys and values from the cache.
+- Prefix sharing (GRPO samples many responses per prompt). `SharedPrefix` packs B prompts and the n responses
+  that follow them into one row of tokens, each prompt once: the prompt tokens attend among themselves and each
+  response to its own prompt plus its own earlier tokens, so every real token gets exactly the hidden state it
+  gets in the prompt + response row of the unshared layout, and gradients flow into the shared prompt
+  computation from all of its responses (autograd sums them, as over K separate copies). `SharedKVCache` keeps
+  the prompt's keys and values once per prompt for decoding and each sample's own response part beside them.
 
 Logits are computed only where the caller asks (`logits_slice`): with the 50,257-word vocabulary the head is
 most of the FLOPs of a small model, and the losses need logits at response positions only.
@@ -86,6 +92,131 @@ class KVCache:
         return out
 
 
+class SharedPrefix:
+    """Layout of a packed row (1, B*P + n*R) of tokens: B left-padded prompts (B, P), then n right-padded responses
+    (n, R), response i following prompt group[i]. Passed to the model in place of the attention mask.
+
+    Attention: prompt tokens as in a padded prompt batch (causal, real keys only); response tokens of row i over
+    the real tokens of prompt group[i] then causally over their own response. A padding query also sees itself
+    (no empty softmax); its output is garbage nobody reads. A plain class, not a dataclass: FSDP2 rebuilds the
+    dataclasses among a module's inputs when it casts them, which would rebuild the masks at every block.
+    """
+
+    def __init__(self, prompt_mask: torch.Tensor, response_mask: torch.Tensor, group: torch.Tensor):
+        self.prompt_mask = prompt_mask  # (B, P) bool, True on real tokens (left padding)
+        self.response_mask = response_mask  # (n, R) bool, True on real tokens (right padding)
+        self.group = group  # (n,) long, the prompt of each response
+        B, P = prompt_mask.shape
+        n, R = response_mask.shape
+        self.prompt_attn = build_attention_mask(prompt_mask, P)  # (B, 1, P, P)
+        own_RR = build_attention_mask(response_mask, R)  # (n, 1, R, R)
+        prompt_nRP = prompt_mask[group][:, None, None, :].expand(n, 1, R, P)
+        self.response_attn = torch.cat([prompt_nRP, own_RR], dim=-1)  # (n, 1, R, P+R)
+        self.prompt_tokens = B * P
+        self.response_cols = torch.arange(R, device=prompt_mask.device)
+
+    def response_index(self, col: torch.Tensor) -> torch.Tensor:
+        """Packed position of response column col (n, k) of each row."""
+        R = self.response_mask.shape[1]
+        return self.prompt_tokens + torch.arange(self.group.shape[0], device=col.device)[:, None] * R + col
+
+    def prompt_last_index(self) -> torch.Tensor:
+        """Packed position (n,) of the last prompt column of each response's prompt (real: prompts are left-padded)."""
+        P = self.prompt_mask.shape[1]
+        return self.group * P + P - 1
+
+    def logits_index(self) -> torch.Tensor:
+        """Packed positions (n, R) whose next-token logits predict response columns 0 .. R-1: the prompt's last
+        token, then the response's own columns 0 .. R-2."""
+        n, R = self.response_mask.shape
+        own = self.response_index(self.response_cols[None, : R - 1].expand(n, -1))  # (n, R-1)
+        return torch.cat([self.prompt_last_index()[:, None], own], dim=1)  # (n, R)
+
+    def last_real_index(self) -> torch.Tensor:
+        """Packed position (n,) of each prompt + response row's last real token (the prompt's last token for an
+        empty response), where a reward model reads its score."""
+        length = self.response_mask.sum(-1)  # (n,) right padding: real tokens are columns 0 .. length-1
+        own = self.response_index((length - 1).clamp(min=0)[:, None]).squeeze(1)
+        return torch.where(length > 0, own, self.prompt_last_index())
+
+    @staticmethod
+    def pack(prompt_ids, prompt_mask, response_ids, response_mask, group) -> tuple[torch.Tensor, torch.Tensor, "SharedPrefix"]:
+        """(input_ids (1, T), position_ids (1, T), layout) with T = B*P + n*R. Positions count real tokens from 0:
+        a response continues at its prompt's real length; padding gets position 0 (masked everywhere)."""
+        prompt_pos = (prompt_mask.long().cumsum(-1) - 1) * prompt_mask  # (B, P)
+        start = prompt_mask.sum(-1)[group]  # (n,) real prompt tokens before each response
+        response_pos = (start[:, None] + response_mask.long().cumsum(-1) - 1) * response_mask  # (n, R)
+        input_ids = torch.cat([prompt_ids.reshape(-1), response_ids.reshape(-1)])[None]
+        position_ids = torch.cat([prompt_pos.reshape(-1), response_pos.reshape(-1)])[None]
+        return input_ids, position_ids, SharedPrefix(prompt_mask, response_mask, group)
+
+
+class SharedKVCache:
+    """Decoding cache with each prompt's keys and values stored once for its G samples.
+
+    prompt_k, prompt_v: (n_layer, B, n_head, P, head_dim) from a prefill of the B prompts; prompt_valid (B, P).
+    k, v: (n_layer, B*G, n_head, max_new, head_dim), the samples' own tokens, written one step at a time (all rows
+    advance together, finished rows included, so every written response position is a key). Memory: B*P prompt
+    positions plus B*G*max_new response positions, against B*G*(P + max_new) for KVCache.repeat_interleave.
+    """
+
+    def __init__(self, prompt: "KVCache", group: int, max_new: int):
+        n_layer, B, nh, _, hs = prompt.shape
+        P = prompt.length
+        self.prompt_k, self.prompt_v = prompt.k[:, :, :, :P], prompt.v[:, :, :, :P]
+        self.prompt_valid = prompt.valid[:, :P]
+        self.group = group
+        self.k = torch.zeros((n_layer, B * group, nh, max_new, hs), device=prompt.k.device, dtype=prompt.k.dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0  # response positions written
+        self.max_len = max_new
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.prompt_k, self.prompt_v, self.k, self.v))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this step's keys/values (N, nh, T, hs) and return the attention output (N, nh, T, hs) of the
+        queries q over their prompt's real tokens and their own response so far (causal within the T new)."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"shared KV cache holds {self.max_len} response positions, asked to write up to {end}")
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return shared_prefix_decode_attention(
+            q, self.prompt_k[layer], self.prompt_v[layer], self.prompt_valid, self.k[layer, :, :, :end],
+            self.v[layer, :, :, :end], self.group,
+        )
+
+
+def shared_prefix_decode_attention(q, prompt_k, prompt_v, prompt_valid, own_k, own_v, group: int) -> torch.Tensor:
+    """softmax(q K^T / sqrt(hs)) V over the keys [prompt part, own part] without copying the prompt part per row.
+
+    q: (N, nh, T, hs), N = B*G rows grouped by prompt; prompt_k/v: (B, nh, P, hs) with prompt_valid (B, P);
+    own_k/v: (N, nh, L, hs) whose last T positions are the queries' own (causal among them).
+    The two parts are computed apart and merged by their log-sum-exps: out = (e^{lse_p} o_p + e^{lse_o} o_o) /
+    (e^{lse_p} + e^{lse_o}). The prompt part reads each prompt's keys once for its G*T queries (one matmul per
+    prompt): the decode step is memory-bound and this is the read that sharing saves. Matmuls run in the cache's
+    dtype (no fp32 copy of the cache), softmax and merge in fp32. SDPA does not return its log-sum-exp, hence the
+    explicit form (see docs/benchmarks.md)."""
+    N, nh, T, hs = q.shape
+    B, L = prompt_k.shape[0], own_k.shape[2]
+    scale = 1.0 / math.sqrt(hs)
+    q_grouped = q.reshape(B, group, nh, T, hs).transpose(1, 2).reshape(B, nh, group * T, hs)  # (B, nh, G*T, hs)
+    s_p = (q_grouped @ prompt_k.transpose(-1, -2)).float() * scale  # (B, nh, G*T, P)
+    s_p = s_p.masked_fill(~prompt_valid[:, None, None, :], float("-inf"))
+    lse_p = s_p.logsumexp(-1, keepdim=True)  # (B, nh, G*T, 1); every prompt has a real token
+    o_p = ((s_p - lse_p).exp().to(prompt_v.dtype) @ prompt_v).float()  # (B, nh, G*T, hs)
+    o_p = o_p.view(B, nh, group, T, hs).transpose(1, 2).reshape(N, nh, T, hs)
+    lse_p = lse_p.view(B, nh, group, T, 1).transpose(1, 2).reshape(N, nh, T, 1)
+    s_o = (q @ own_k.transpose(-1, -2)).float() * scale  # (N, nh, T, L)
+    causal = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - T, L, device=q.device)[:, None]  # (T, L)
+    s_o = s_o.masked_fill(~causal, float("-inf"))
+    lse_o = s_o.logsumexp(-1, keepdim=True)  # (N, nh, T, 1); a query always sees itself
+    o_o = ((s_o - lse_o).exp().to(own_v.dtype) @ own_v).float()  # (N, nh, T, hs)
+    lse = torch.logaddexp(lse_p, lse_o)
+    return ((lse_p - lse).exp() * o_p + (lse_o - lse).exp() * o_o).to(q.dtype)
+
+
 def build_attention_mask(key_valid_BL: torch.Tensor, q_len: int) -> torch.Tensor:
     """Boolean mask (B, 1, T, L) for T queries that sit at the last T of L key positions.
 
@@ -111,20 +242,42 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x, attn_mask, kv_cache: KVCache | None = None):
+    def forward(self, x, attn_mask, kv_cache: KVCache | SharedKVCache | None = None):
+        if isinstance(attn_mask, SharedPrefix):
+            return self.c_proj(self._shared_prefix(x[0], attn_mask))[None]  # (1, T, C)
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, L, hs)
-        if attn_mask is None:  # no padding anywhere: the fused causal kernel
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if isinstance(kv_cache, SharedKVCache):  # decoding over prompts stored once per group
+            y = kv_cache.attend(self.layer_idx, q, k, v)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            if kv_cache is not None:
+                k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, L, hs)
+            if attn_mask is None:  # no padding anywhere: the fused causal kernel
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
+
+    def _shared_prefix(self, x_TC: torch.Tensor, layout: SharedPrefix) -> torch.Tensor:
+        """Attention of a packed row x (B*P + n*R, C), before the output projection. Two SDPA calls with explicit
+        masks: the prompts among themselves, and the responses over [their prompt's keys, their own keys]. The
+        prompt keys are indexed per response (n*P keys per layer, as many as the unshared rows hold; the index's
+        backward sums their gradients into the one prompt computation)."""
+        C, nh = x_TC.shape[1], self.n_head
+        B, P = layout.prompt_mask.shape
+        n, R = layout.response_mask.shape
+        qkv_p, qkv_r = self.c_attn(x_TC).split([B * P, n * R])  # (B*P, 3C), (n*R, 3C)
+        q_p, k_p, v_p = (t.reshape(B, P, nh, C // nh).transpose(1, 2) for t in qkv_p.split(C, dim=1))  # (B, nh, P, hs)
+        q_r, k_r, v_r = (t.reshape(n, R, nh, C // nh).transpose(1, 2) for t in qkv_r.split(C, dim=1))  # (n, nh, R, hs)
+        y_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=layout.prompt_attn)  # (B, nh, P, hs)
+        k_all = torch.cat([k_p[layout.group], k_r], dim=2)  # (n, nh, P+R, hs)
+        v_all = torch.cat([v_p[layout.group], v_r], dim=2)  # (n, nh, P+R, hs)
+        y_r = F.scaled_dot_product_attention(q_r, k_all, v_all, attn_mask=layout.response_attn)  # (n, nh, R, hs)
+        return torch.cat([y_p.transpose(1, 2).reshape(B * P, C), y_r.transpose(1, 2).reshape(n * R, C)])  # (T, C)
 
 
 class MLP(nn.Module):
@@ -173,9 +326,12 @@ class GPT2(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask=None, kv_cache: KVCache | None = None):
         """input_ids, position_ids: (B, T) long. attention_mask: (B, T) bool, True on real tokens, or None when
-        no row has padding. With a cache, the T new tokens are appended after the `kv_cache.length` cached ones."""
+        no row has padding, or a SharedPrefix for a packed row (1, T). With a cache, the T new tokens are appended
+        after the `kv_cache.length` cached ones."""
         B, T = input_ids.shape
-        if kv_cache is not None:
+        if isinstance(attention_mask, SharedPrefix) or isinstance(kv_cache, SharedKVCache):
+            mask = attention_mask  # the layout, or None: the shared cache knows which keys each row sees
+        elif kv_cache is not None:
             end = kv_cache.length + T
             kv_cache.valid[:, kv_cache.length : end] = (
                 attention_mask if attention_mask is not None else True

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.gpt2 import GPT2, GPTConfig, init_gpt2_weights
+from model.gpt2 import GPT2, GPTConfig, SharedPrefix, init_gpt2_weights
 
 
 def last_real_index(attention_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -32,10 +32,14 @@ class RewardModel(nn.Module):
         init_gpt2_weights(self, cfg.n_layer)
 
     def forward(self, input_ids, position_ids, attention_mask) -> torch.Tensor:
-        """Raw rewards (B,) read at each row's last real token."""
+        """Raw rewards (B,) read at each row's last real token; for a packed row (attention_mask a SharedPrefix), one
+        reward per response (n,), read at its last real token."""
         h = self.transformer(input_ids, position_ids, attention_mask)  # (B, T, C)
-        last = last_real_index(attention_mask)  # (B,)
-        h_last = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
+        if isinstance(attention_mask, SharedPrefix):
+            h_last = h[0, attention_mask.last_real_index()]  # (n, C)
+        else:
+            last = last_real_index(attention_mask)  # (B,)
+            h_last = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
         # The head in fp32 even under bf16 mixed precision: a bf16 output lands on bf16 steps (0.0625 apart near
         # |r| = 10), and the scores feed RSO's r == r_max ties, the advantages and the gain/bias fit
         r = F.linear(h_last.float(), self.score.weight.float())  # (B, 1) fp32

@@ -1,8 +1,11 @@
 """Batched sampling on the KV-cache path of model/gpt2.py.
 
 Prompts arrive left-padded with a boolean mask; position ids count real tokens only, so a padded prompt is
-computed exactly as it would be alone (GPT-2's positions are absolute). Each prompt is prefilled once and its
-keys and values copied to its `num_samples` samples: 64 samples of one prompt cost one prefill, not 64.
+computed exactly as it would be alone (GPT-2's positions are absolute). Each prompt is prefilled once for its
+`num_samples` samples: 64 samples of one prompt cost one prefill, not 64. With `share_prompt` (the default) its
+keys and values are also stored once (model/gpt2.py's SharedKVCache) and every decode step reads them once per
+prompt, not once per sample: the cache holds B*P + N*max_new_tokens positions instead of N*(P + max_new_tokens).
+Without it they are copied to every sample (KVCache.repeat_interleave), the reference the tests compare against.
 
 The token distribution is processed in a fixed order: logits in fp32, divided by the temperature, then top-k,
 then top-p (nucleus) masking (rlhf/logprobs.py's `process_logits`). `processed_logprobs` here (and rlhf/logprobs.py's
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.gpt2 import KVCache
+from model.gpt2 import KVCache, SharedKVCache
 from rlhf.logprobs import process_logits  # the one definition of the processing, shared with the update
 
 END_ID, EOS_ID, PAD_ID = 198, 50256, 50256  # GPT-2's "\n", <|endoftext|>, and the id used for padding
@@ -80,8 +83,10 @@ def generate(
     generator: torch.Generator | None = None,
     stop_ids: tuple[int, ...] = (END_ID, EOS_ID),
     done_check_every: int | None = None,
+    share_prompt: bool = True,
 ) -> SampleOutput:
-    """Sample `num_samples` responses for each of B left-padded prompts (B, P).
+    """Sample `num_samples` responses for each of B left-padded prompts (B, P); `share_prompt`: one copy of each
+    prompt's keys and values for its samples (see the module docstring).
 
     Returns N = B * num_samples rows grouped by prompt: rows b*G .. b*G+G-1 belong to prompt b.
 
@@ -98,12 +103,14 @@ def generate(
         raise ValueError(f"prompt width {P} + {max_new_tokens} new tokens exceeds the model's {model.cfg.n_positions} positions")
     prompt_pos = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P) positions of real tokens from 0
 
-    # 1. prefill each prompt once, then copy its cache to its G samples
-    cache = KVCache(model.cfg, B, P + max_new_tokens, device)
+    # 1. prefill each prompt once; its cache is then shared by its G samples, or copied to each of them
+    cache = KVCache(model.cfg, B, P if share_prompt else P + max_new_tokens, device)
     logits = model(prompt_ids, prompt_pos, prompt_mask, kv_cache=cache, logits_slice=slice(-1, None))[:, -1]  # (B, V)
-    if G > 1:
+    if share_prompt:
+        cache = SharedKVCache(cache, G, max_new_tokens)
+    elif G > 1:
         cache = cache.repeat_interleave(G)
-        logits = logits.repeat_interleave(G, dim=0)  # (N, V)
+    logits = logits.repeat_interleave(G, dim=0)  # (N, V)
     N = B * G
     next_pos = prompt_mask.sum(-1).repeat_interleave(G)  # (N,) position of the first response token
     stop = torch.tensor(stop_ids, device=device)

@@ -1,11 +1,17 @@
 """Sampling responses from the policy and scoring them with the reward sources: GRPO's stages 2 and 3 and its summary
-evaluation. Every function takes the run's `cfg` (grpo.Config) for the sampling and scoring options it reads."""
+evaluation. Every function takes the run's `cfg` (grpo.Config) for the sampling and scoring options it reads.
+
+With cfg.prefix_sharing (grpo --prefix_sharing, the default) each prompt is computed and stored once for all the
+samples of its group: the sampler keeps one copy of the prompt's keys and values (model/sampler.py), and the reward
+model and the training forwards run packed rows (`shared_prompt_rows`) in which each prompt appears once. Off, every
+sample carries its own copy of the prompt (the reference implementation the tests compare against)."""
 
 from dataclasses import dataclass
 
 import torch
 
 from data.tldr import decode_responses, prompt_response_rows
+from model.gpt2 import SharedPrefix
 from model.sampler import SampleOutput, generate
 from rlhf.rewards import REWARD_MODEL, RewardSource, score_functions
 from rollouts.prompts import PromptSet
@@ -50,25 +56,52 @@ def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, g
             parts.append(generate(
                 policy, ids[:, first:], mask[:, first:], num_samples, cfg.max_new_tokens,
                 temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
+                share_prompt=cfg.prefix_sharing,
             ))
     policy.train(was_training)
     fields = ("response_ids", "response_mask", "logprobs", "has_end")
     return SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
 
 
+def shared_prompt_rows(prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row: torch.Tensor) -> dict:
+    """The packed layout of n responses (n, R) whose prompts are rows prompt_of_row (n,) of prompt_ids (B, P): each
+    distinct prompt once, then the responses (model/gpt2.py's SharedPrefix). Keys as prompt_response_rows' where
+    they mean the same: response_ids / response_mask (n, R') and attention_mask (1, T) (True on the real tokens
+    the forward computes), plus input_ids / position_ids (1, T) and "layout" (the SharedPrefix, passed to the
+    model as its attention mask). Columns that are padding everywhere are dropped first, as there."""
+    prompts, group = torch.unique(prompt_of_row, return_inverse=True)  # distinct prompts, each row's among them
+    p_ids, p_mask = prompt_ids[prompts], prompt_mask[prompts]
+    first = int(p_mask.any(0).long().argmax())  # leading columns that are padding in every prompt
+    width = int(response_mask.any(0).sum())  # trailing response columns that are padding in every row
+    response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
+    input_ids, position_ids, layout = SharedPrefix.pack(p_ids[:, first:], p_mask[:, first:], response_ids, response_mask, group)
+    attention_mask = torch.cat([p_mask[:, first:].reshape(-1), response_mask.reshape(-1)])[None]  # (1, T)
+    return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask, "layout": layout,
+            "response_ids": response_ids, "response_mask": response_mask}
+
+
+def model_rows(prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row: torch.Tensor, shared: bool) -> dict:
+    """The rows a forward over n prompt + response sequences takes: packed with each prompt once (`shared`), or
+    one row per response with its own copy of the prompt (data.tldr.prompt_response_rows)."""
+    if shared:
+        return shared_prompt_rows(prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row)
+    return prompt_response_rows(prompt_ids[prompt_of_row], prompt_mask[prompt_of_row], response_ids, response_mask)
+
+
 @torch.no_grad()
-def score(reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: int, micro: int) -> torch.Tensor:
+def score(reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: int, micro: int, shared: bool = True) -> torch.Tensor:
     """Raw reward-model score (N,) of every prompt + response row, read at the row's last real token: the end token,
-    or the last sampled token when the response ran out of tokens. Row n belongs to prompt n // group."""
+    or the last sampled token when the response ran out of tokens. Row n belongs to prompt n // group. `shared`:
+    each micro-batch's prompts are computed once for all their responses (packed rows)."""
     N = samples.response_ids.shape[0]
     scores = []
     with gathered_params(reward_model):
         for s in range(0, N, micro):
             rows = torch.arange(s, min(s + micro, N), device=prompt_ids.device)
-            batch = prompt_response_rows(
-                prompt_ids[rows // group], prompt_mask[rows // group], samples.response_ids[rows], samples.response_mask[rows]
-            )
-            scores.append(reward_model(batch["input_ids"], batch["position_ids"], batch["attention_mask"]))
+            batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows],
+                               rows // group, shared)
+            mask = batch["layout"] if shared else batch["attention_mask"]
+            scores.append(reward_model(batch["input_ids"], batch["position_ids"], mask))
     return torch.cat(scores).float()
 
 
@@ -101,5 +134,6 @@ def source_values(spec: RewardSpec, reward_model, prompts: PromptSet, samples: S
                                      [prompts.rows[b] for b in of], prompts.where)
     raw = None
     if reward_model is not None:
-        raw = score(reward_model, prompts.ids, prompts.mask, samples, group, cfg.score_micro_batch_size)  # (N,)
+        raw = score(reward_model, prompts.ids, prompts.mask, samples, group, cfg.score_micro_batch_size,
+                    cfg.prefix_sharing)  # (N,)
     return Scores(values.to(device), raw, applies.to(device))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import grpo
-from bench import common, grpo_step, lora_memory, run_all, sampler, train, trl_grpo
+from bench import common, grpo_step, lora_memory, prefix_sharing, run_all, sampler, train, trl_grpo
 from bench.common import random_prompts
 from data.tldr import collate_sft
 from model.gpt2 import PRESETS, GPTConfig
@@ -25,6 +25,9 @@ GRPO = grpo_step.GRPOBenchConfig("test-grpo", "tiny", prompts=2, num_samples=4, 
                                  max_new_tokens=3, prompt_len=12, min_prompt_len=8, gen_prompts=2, micro_batch_size=2,
                                  score_micro_batch_size=8, warmup=1, repeats=1)
 TRL = dataclasses.replace(GRPO, name="test-trl", selection="all", num_kept=4)
+PREFIX = prefix_sharing.PrefixBenchConfig("test-prefix", "tiny", prompts=2, num_samples=4, num_kept=2, max_new_tokens=3,
+                                          max_prompt_len=64, gen_prompts=1, micro_batch_size=4, score_micro_batch_size=3,
+                                          repeats=1)
 POSITIVE_UNITS = ("tok/s", "s", "ms", "MiB", "x", "%", "TFLOP/s", "rows/s", "pairs/s")
 
 
@@ -54,6 +57,7 @@ def micro_configs(monkeypatch, fresh_process_group):
     monkeypatch.setattr(grpo_step, "configs", lambda device, quick: [GRPO])
     monkeypatch.setattr(trl_grpo, "configs", lambda device, quick: [TRL])
     monkeypatch.setattr(lora_memory, "configs", lambda device, quick: [lora_memory.LoRAMemoryConfig("test-lora", "tiny", 4)])
+    monkeypatch.setattr(prefix_sharing, "configs", lambda device, quick: [PREFIX])
     # the TRL run itself takes a minute of start-up; test_trl_child covers it where trl is installed
     monkeypatch.setattr(trl_grpo, "trl_available", lambda: (False, "trl is not installed (test)"))
 
@@ -81,7 +85,8 @@ def test_run_all_prints_table_and_writes_json(tmp_path, micro_configs, capsys):
             assert r["note"].startswith("not measured") or "not reported" in r["note"], r
             continue
         assert math.isfinite(r["value"]), r
-        assert r["config_name"] in {"test-sampler", "test-train", "test-grpo", "test-trl", "test-lora"}, r
+        assert r["config_name"] in {"test-sampler", "test-train", "test-grpo", "test-trl", "test-lora",
+                                    "test-prefix"}, r
         if r["unit"] in POSITIVE_UNITS and not r["name"].endswith(": other"):
             assert r["value"] > 0, r
     # no silent gaps: the missing TRL step and the CPU MFU say why
@@ -202,3 +207,20 @@ def test_benchmarks_on_gpu(tmp_path, fresh_process_group):
     assert m["peak_memory_what"] == "torch.cuda.max_memory_allocated" and m["peak_memory_bytes"] > 0
     for r in train.run(device, quick=True, cfgs=[TRAIN]):
         assert r["value"] is None or math.isfinite(r["value"])
+
+
+def test_prefix_sharing_counts_each_prompt_once_per_group(fresh_process_group, one_thread):
+    m = prefix_sharing.measure(PREFIX, torch.device("cpu"))
+    lengths, G, K, new = m["prompt_lengths"], PREFIX.num_samples, PREFIX.num_kept, PREFIX.max_new_tokens
+    shared, unshared = m["shared"]["tokens"], m["unshared"]["tokens"]
+    # one prompt per generate call: the cache holds the prompt once and G response parts, or G copies of both
+    assert shared["generate"] == sum(p + G * new for p in lengths)
+    assert unshared["generate"] == sum(G * (p + new) for p in lengths)
+    # the update's micro-batch of 4 rows holds both prompts' K = 2 kept samples: each prompt once instead of K times
+    assert unshared["reference"] - shared["reference"] == (K - 1) * sum(lengths)
+    assert unshared["update"] == unshared["reference"] and shared["update"] == shared["reference"]
+    assert unshared["score"] > shared["score"]
+    assert shared["kv_cache_bytes"] == sum(2 * 2 * 64 * 4 * (lengths[0] + G * new) for _ in [0])  # first call: prompt 0
+    rows = prefix_sharing.rows_of(PREFIX, m)
+    assert by_name(rows, "prefix_sharing", "shared / unshared, KV cache")["value"] == pytest.approx(
+        (lengths[0] + G * new) / (G * (lengths[0] + new)))

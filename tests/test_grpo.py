@@ -69,13 +69,15 @@ def test_config_rejects_inconsistent_options():
 
 
 @pytest.mark.slow
-def test_global_normalization_and_gradients_do_not_depend_on_world_size_or_micro_batches(tmp_path):
+def test_global_normalization_and_gradients_do_not_depend_on_world_size_micro_batches_or_prefix_sharing(tmp_path):
+    # the reference: one process, one row per sample with its own copy of the prompt; the others pack each prompt
+    # once for its samples (grpo --prefix_sharing), FSDP2 gathering and reduce-scattering through the packed forward
     results = {}
-    for nproc, micro in [(1, 8), (2, 4), (2, 1)]:
-        out = tmp_path / f"{nproc}_{micro}.pt"
-        run_script(["tests/scripts/grpo_dist.py", str(out), str(micro)], nproc=nproc)
-        results[(nproc, micro)] = torch.load(out)
-    ref = results[(1, 8)]
+    for nproc, micro, layout in [(1, 8, "unshared"), (2, 4, "shared"), (2, 1, "shared"), (2, 3, "unshared")]:
+        out = tmp_path / f"{nproc}_{micro}_{layout}.pt"
+        run_script(["tests/scripts/grpo_dist.py", str(out), str(micro), layout], nproc=nproc)
+        results[(nproc, micro, layout)] = torch.load(out)
+    ref = results[(1, 8, "unshared")]
     values = torch.randn(16, generator=torch.Generator().manual_seed(1))  # the script's vector
     assert torch.allclose(ref["global_norm"], global_normalize(values), atol=1e-6)
     local_only = torch.cat([global_normalize(values[:5]), global_normalize(values[5:])])

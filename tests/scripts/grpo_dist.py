@@ -1,9 +1,10 @@
 """Run under 1 or 2 processes: GRPO's global advantage normalization and one update's loss and gradients.
 
-    python tests/scripts/grpo_dist.py OUT.pt MICRO_BATCH_SIZE
+    python tests/scripts/grpo_dist.py OUT.pt MICRO_BATCH_SIZE [shared|unshared]
 
 The global batch is fixed: 4 prompts x 4 samples. Rank r takes a contiguous slice of whole prompts (group
-normalization needs a prompt's samples on one rank) and splits it into micro-batches of MICRO_BATCH_SIZE rows.
+normalization needs a prompt's samples on one rank) and splits it into micro-batches of MICRO_BATCH_SIZE rows,
+packed with each prompt once (shared, the default) or one row per sample with its own copy of the prompt.
 Rank 0 saves, per loss type, the loss and the full gradients, plus the globally normalized advantages of an
 uneven split of a fixed vector (5 values on rank 0, the rest on rank 1).
 """
@@ -64,7 +65,7 @@ def fixed_rollout(seed=0):
     return prompts, samples, rewards
 
 
-def main(out: str, micro: int):
+def main(out: str, micro: int, shared: bool):
     info = setup_distributed("cpu")
     rank, world = info.rank, info.world_size
     results = {}
@@ -97,7 +98,8 @@ def main(out: str, micro: int):
     # the update alone on these fixed micro-batches (grpo.train_step's stages 5-7 without sampling): the batches and
     # the reference log-probs do not depend on the loss type, the gradients do
     cfg = Config(temperature=0.9, beta=0.1, eps_low=0.2, eps_high=0.28, max_new_tokens=R, micro_batch_size=micro, grad_clip=0.0)
-    batches = build_training_batches(prompt_ids, prompt_mask, local, torch.arange(per_rank * G), advantages, G, micro)
+    batches = build_training_batches(prompt_ids, prompt_mask, local, torch.arange(per_rank * G), advantages, G, micro,
+                                     shared)
     add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
     for loss_type in ("grpo", "bnpo", "dr_grpo"):
         recorder = GradRecorder(policy)
@@ -110,4 +112,4 @@ def main(out: str, micro: int):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), (sys.argv[3] if len(sys.argv) > 3 else "shared") == "shared")

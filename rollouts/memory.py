@@ -1,0 +1,174 @@
+"""Device memory of a GRPO step, estimated from the model's shape and the run's sizes before any weight is loaded,
+so that a configuration that cannot fit stops before the first step with one line naming the option to lower,
+instead of running out of memory in the middle of a run.
+
+The estimates are upper-bound arithmetic on the tensors each stage keeps alive (no allocator fragmentation, no
+framework workspace; `check_memory` keeps a 10% margin for those):
+
+- weights: the policy's fp32 parameters, gradients and two AdamW moments (16 bytes per parameter), the frozen
+  reference and reward model in the compute dtype, all sharded over the ranks by FSDP; each FSDP unit is gathered
+  whole while in use, which the margin covers for the block-sized units of GPT-2.
+- generate: the KV cache, keys and values of every layer, 2 * n_layer * n_embd values per cached position. Without
+  prefix sharing every sample holds its prompt: gen_prompts * G * (P + new) positions; with it each prompt is held
+  once: gen_prompts * (P + G * new). Plus the (rows, vocabulary) fp32 logits the sampler processes per step
+  (four alive at once: logits, processed, log-softmax, probabilities).
+- update: activations per transformer layer, 34 bytes per token and channel at 16-bit precision (Korthikanti et al.,
+  arXiv 2205.05198, table 2, with an attention kernel that keeps no (T, T) score matrix), i.e. 17 values per token
+  and channel in the compute dtype; with activation checkpointing only each block's input is kept, plus one block's
+  activations recomputed in the backward. Tokens are the micro-batch's rows x (P + R), or with prefix sharing its
+  prompts x P + rows x R plus each row's copy of its prompt's keys and values (model/gpt2.py's SharedPrefix). Plus
+  the response logits and their fp32 gradient.
+- score: the reward model's forward of a score micro-batch without gradient: a few (tokens, 4 * n_embd) temporaries
+  of one layer at a time, counted as 8 values per token and channel.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from model.gpt2 import GPTConfig
+from utils.config import ConfigError
+
+GiB = 2**30
+MARGIN = 0.9  # share of the free memory the estimate may use
+
+
+def param_count(cfg: GPTConfig) -> int:
+    """Parameters of a GPT-2 (tied head counted once): embeddings, 12 C^2 + 13 C per block, final layer norm."""
+    C, L = cfg.n_embd, cfg.n_layer
+    return cfg.vocab_size * C + cfg.n_positions * C + L * (12 * C * C + 13 * C) + 2 * C
+
+
+def kv_cache_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
+                   shared: bool) -> int:
+    """Keys and values of one generate call of `prompts` prompts (prompt_len columns) x `samples` samples."""
+    per_position = 2 * cfg.n_layer * cfg.n_embd * dtype_bytes
+    if shared:
+        positions = prompts * prompt_len + prompts * samples * new_tokens
+    else:
+        positions = prompts * samples * (prompt_len + new_tokens)
+    return positions * per_position
+
+
+def generate_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
+                   shared: bool) -> int:
+    """KV cache plus the sampler's four (rows, vocabulary) fp32 tensors of one decode step."""
+    logits = 4 * prompts * samples * cfg.vocab_size * 4
+    return kv_cache_bytes(cfg, prompts, samples, prompt_len, new_tokens, dtype_bytes, shared) + logits
+
+
+def update_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int,
+                 shared: bool, checkpointing: bool) -> int:
+    """Activations and response logits of one training micro-batch of `rows` sequences from `prompts` prompts."""
+    C, L = cfg.n_embd, cfg.n_layer
+    tokens = prompts * prompt_len + rows * response_len if shared else rows * (prompt_len + response_len)
+    per_layer = 17 * tokens * C * dtype_bytes
+    if shared:  # every row's copy of its prompt's keys and values, saved for the attention's backward
+        per_layer += 2 * rows * prompt_len * C * dtype_bytes
+    activations = L * tokens * C * dtype_bytes + per_layer if checkpointing else L * per_layer
+    logits = rows * response_len * cfg.vocab_size * (dtype_bytes + 4)  # logits and their fp32 gradient
+    return activations + logits
+
+
+def score_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int,
+                shared: bool) -> int:
+    """The reward model's forward of one score micro-batch (no gradient)."""
+    tokens = prompts * prompt_len + rows * response_len if shared else rows * (prompt_len + response_len)
+    return 8 * tokens * cfg.n_embd * dtype_bytes
+
+
+def weight_bytes(policy: GPTConfig, reward_model: GPTConfig | None, world: int, dtype_bytes: int, lora: bool) -> int:
+    """Policy (fp32 weights, gradients, AdamW moments; with LoRA the frozen base alone, the adapters are small),
+    reference (none with LoRA: the policy with adapters off) and reward model, sharded over `world` ranks."""
+    n = param_count(policy)
+    total = n * (4 if lora else 16) + (0 if lora else n * dtype_bytes)
+    if reward_model is not None:
+        total += param_count(reward_model) * dtype_bytes
+    return total // world
+
+
+@dataclass
+class StepMemory:
+    """Estimated bytes of each stage of one GRPO step on one rank; the step needs weights + the largest stage."""
+
+    weights: int
+    generate: int
+    score: int
+    update: int
+
+    @property
+    def peak(self) -> int:
+        return self.weights + max(self.generate, self.score, self.update)
+
+
+def step_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: int, dtype_bytes: int, **override) -> StepMemory:
+    """StepMemory of grpo.Config `cfg` (its sizes, with `override` replacing any of gen_prompts, micro_batch_size,
+    score_micro_batch_size) at the longest prompt (--max_prompt_len) and response (--max_new_tokens)."""
+    sizes = {"gen_prompts": cfg.gen_prompts, "micro_batch_size": cfg.micro_batch_size,
+             "score_micro_batch_size": cfg.score_micro_batch_size} | override
+    P, R, G, K, shared = cfg.max_prompt_len, cfg.max_new_tokens, cfg.num_samples, cfg.kept, cfg.prefix_sharing
+    micro, score_micro = sizes["micro_batch_size"], sizes["score_micro_batch_size"]
+    # a micro-batch of consecutive rows spans at most ceil(rows / group) + 1 prompts
+    train_prompts = min(micro, -(-micro // K) + 1)
+    score_prompts = min(score_micro, -(-score_micro // G) + 1)
+    return StepMemory(
+        weights=weight_bytes(policy, reward_model, world, dtype_bytes, cfg.lora_enabled),
+        generate=generate_bytes(policy, sizes["gen_prompts"], G, P, R, dtype_bytes, shared),
+        score=0 if reward_model is None else score_bytes(reward_model, score_micro, score_prompts, P, R, dtype_bytes, shared),
+        update=update_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared, cfg.activation_checkpointing),
+    )
+
+
+def size(n_bytes: int) -> str:
+    return f"{n_bytes / GiB:.1f} GiB" if n_bytes >= GiB else f"{n_bytes / 2**20:.0f} MiB"
+
+
+def largest_fitting(fits, start: int) -> int:
+    """The largest value v <= start with fits(v), halving from start; 0 when even 1 does not fit."""
+    v = start
+    while v >= 1 and not fits(v):
+        v //= 2
+    return v
+
+
+def check_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: int, dtype_bytes: int,
+                 free_bytes: int, where: str) -> StepMemory:
+    """Stop (ConfigError, one line) when the step's estimate exceeds MARGIN of `free_bytes`, naming for each stage
+    that does not fit beside the weights the option to lower and the largest value that fits: --gen_prompts for
+    generation, --score_micro_batch_size for scoring, --micro_batch_size for the update (or
+    --activation_checkpointing). Returns the estimate."""
+    budget = int(free_bytes * MARGIN)
+    est = step_memory(cfg, policy, reward_model, world, dtype_bytes)
+    if est.peak <= budget:
+        return est
+    free = f"{size(free_bytes)} is free on {where}"
+    if est.weights >= budget:
+        raise ConfigError(f"the models' weights and optimizer state need about {size(est.weights)} per rank but "
+                          f"{free}: use more ranks or --lora_rank")
+    stages = {"generate": ("gen_prompts", "KV cache and logits of one generate call"),
+              "score": ("score_micro_batch_size", "one reward-model micro-batch"),
+              "update": ("micro_batch_size", "activations of one training micro-batch")}
+    problems = []
+    for stage, (option, what) in stages.items():
+        if est.weights + getattr(est, stage) <= budget:
+            continue
+        value = getattr(cfg, option)
+        def fits(v: int, option: str = option, stage: str = stage) -> bool:
+            return est.weights + getattr(step_memory(cfg, policy, reward_model, world, dtype_bytes, **{option: v}), stage) <= budget
+
+        best = largest_fitting(fits, value)
+        hint = f"lower --{option} to {best}" if best else f"--{option} 1 does not fit either"
+        if stage == "update" and not cfg.activation_checkpointing:
+            hint += " or set --activation_checkpointing true"
+        problems.append(f"--{option} {value} needs about {size(getattr(est, stage))} ({what}): {hint}")
+    sharing = "" if cfg.prefix_sharing else " (or set --prefix_sharing true)"
+    raise ConfigError(f"not enough device memory, {size(est.weights)} of weights and {free}{sharing}; "
+                      + "; ".join(problems))
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device; None elsewhere (a CPU run is not checked)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free

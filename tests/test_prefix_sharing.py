@@ -1,0 +1,213 @@
+"""Prefix sharing (grpo --prefix_sharing): each prompt computed and stored once per group gives the numbers of the
+unshared layout, where every sample carries its own copy of the prompt (the reference implementation).
+
+fp32 on the CPU, random weights, real TL;DR prompts from ../shared/data (cut at 512 tokens, their real lengths):
+log-probs of the same tokens, reward-model scores, reference log-probs, the loss and every parameter gradient
+(with and without LoRA), the sampler's tokens and log-probs, all within 1e-5. Also the memory estimates of
+rollouts/memory.py against hand-computed numbers and against the caches the sampler allocates."""
+
+import pytest
+import torch
+
+import grpo
+from data.tldr import PROMPT_COLUMNS, PromptDataset, load_rows, pad_prompts
+from data.tokenizer import get_tokenizer
+from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig, KVCache, SharedKVCache
+from model.heads import RewardModel
+from model.lora import apply_lora
+from model.sampler import SampleOutput, generate
+from model.weights import freeze
+from rlhf.grpo import AGGREGATIONS
+from rollouts.memory import GiB, check_memory, kv_cache_bytes, step_memory, update_bytes
+from rollouts.sampling import score
+from tests.conftest import shared_file
+from utils.config import ConfigError
+
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=576)  # GPT-2's vocabulary: real prompt token ids
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tldr_prompts():
+    """Four real TL;DR prompts cut at 512 tokens, left-padded: (ids (4, P), mask (4, P)), of different lengths."""
+    rows = load_rows(str(shared_file("tldr-train-sample.jsonl")), "train", PROMPT_COLUMNS)
+    prompts = PromptDataset(rows[:4], get_tokenizer(), 512).prompts
+    assert len({len(p) for p in prompts}) > 1
+    return pad_prompts(prompts)
+
+
+def random_samples(B: int, G: int, R: int, seed: int = 0) -> SampleOutput:
+    """G responses per prompt of ragged lengths 1..R (some without an end token), random token ids."""
+    g = torch.Generator().manual_seed(seed)
+    N = B * G
+    lengths = torch.randint(1, R + 1, (N,), generator=g)
+    lengths[0] = R
+    mask = torch.arange(R)[None] < lengths[:, None]
+    ids = torch.where(mask, torch.randint(0, CFG.vocab_size, (N, R), generator=g), 50256)
+    return SampleOutput(ids, mask, -torch.rand(N, R, generator=g) * mask, lengths < R)
+
+
+def ref_logprobs(batches: list[dict], R: int) -> torch.Tensor:
+    """Every micro-batch's reference log-probs (n, R') on the real tokens, 0 elsewhere, padded to (N, R)."""
+    return torch.cat([torch.nn.functional.pad(torch.where(b["response_mask"], b["ref_logprobs"], 0.0),
+                                              (0, R - b["response_mask"].shape[1])) for b in batches])
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rel: bool = False) -> bool:
+    scale = b.abs().max().clamp(min=1e-12) if rel else 1.0
+    return bool(((a - b).abs().max() / scale) <= TOL)
+
+
+def test_reward_model_scores_and_response_logprobs_match_the_unshared_rows(tldr_prompts):
+    ids, mask = tldr_prompts
+    G, R = 5, 9
+    samples = random_samples(ids.shape[0], G, R)
+    torch.manual_seed(0)
+    reward_model = freeze(RewardModel(CFG))
+    # micro-batches of 7 rows: groups split across micro-batches, prompts of 1 to 2 responses per micro-batch
+    shared, unshared = (score(reward_model, ids, mask, samples, G, micro=7, shared=s) for s in (True, False))
+    assert close(shared, unshared) and unshared.std() > 0
+    policy = GPT2LMHeadModel(CFG)
+    cfg = grpo.Config(max_new_tokens=R, micro_batch_size=7)
+    adv = torch.randn(ids.shape[0] * G)
+    rows = torch.arange(ids.shape[0] * G)
+    for s in (True, False):
+        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, 7, shared=s)
+        grpo.add_logprobs(policy, batches, "ref_logprobs", cfg, gather=False)
+        if s:
+            logp_shared = ref_logprobs(batches, R)
+            tokens_shared = sum(int(b["attention_mask"].sum()) for b in batches)
+        else:
+            logp = ref_logprobs(batches, R)
+            tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    assert close(logp_shared, logp) and logp.abs().max() > 1
+    assert tokens_shared < tokens / 2  # the prompts, most of each row, computed about once per group
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_update_loss_and_every_gradient_match_the_unshared_rows(tldr_prompts, lora):
+    ids, mask = tldr_prompts
+    G, R, micro = 4, 7, 6  # 6 rows per micro-batch: groups of 4 split across micro-batches
+    samples = random_samples(ids.shape[0], G, R, seed=1)
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(CFG)
+    reference = freeze(GPT2LMHeadModel(CFG))  # another random model: the KL term is not 0
+    cfg = grpo.Config(max_new_tokens=R, micro_batch_size=micro, beta=0.1, temperature=0.9, lora_rank=4 if lora else 0)
+    if lora:
+        apply_lora(policy, cfg)
+        with torch.no_grad():  # B starts at zero: make the adapters change the function
+            for name, p in policy.named_parameters():
+                if name.endswith("lora_B"):
+                    p.normal_(0, 0.1)
+    rows = torch.arange(ids.shape[0] * G)
+    adv = torch.randn(rows.shape[0], generator=torch.Generator().manual_seed(2))
+    results = {}
+    for s in (True, False):
+        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, micro, shared=s)
+        grpo.add_logprobs(reference, batches, "ref_logprobs", cfg, gather=False)
+        policy.zero_grad(set_to_none=True)
+        weights = [AGGREGATIONS[cfg.loss_type](b["response_mask"], R) for b in batches]
+        normaliser = sum(z for _, z in weights)
+        total = 0.0
+        for batch, (w, _) in zip(batches, weights):
+            loss, _ = grpo.micro_batch_loss(policy, batch, w, cfg)
+            (loss / normaliser).backward()
+            total += float(loss.detach()) / float(normaliser)
+        ref = ref_logprobs(batches, R)
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+        results[s] = (total, ref, grads)
+    (loss_s, ref_s, grads_s), (loss_u, ref_u, grads_u) = results[True], results[False]
+    assert abs(loss_s - loss_u) <= TOL * max(1.0, abs(loss_u)) and loss_u != 0
+    assert close(ref_s, ref_u)
+    assert sorted(grads_s) == sorted(grads_u) and len(grads_u) == (4 * 2 * CFG.n_layer if lora else len(list(policy.parameters())))
+    for name, g in grads_u.items():
+        assert g.abs().max() > 0, name
+        assert close(grads_s[name], g, rel=True), name
+
+
+def test_generate_with_the_prompt_cache_stored_once_samples_the_same_tokens(tldr_prompts):
+    ids, mask = tldr_prompts
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(CFG).eval()
+    G, new = 4, 8
+    outs = [generate(policy, ids, mask, G, new, temperature=0.9, top_k=50, generator=torch.Generator().manual_seed(3),
+                     stop_ids=(13,), share_prompt=s) for s in (True, False)]
+    assert torch.equal(outs[0].response_ids, outs[1].response_ids)
+    assert torch.equal(outs[0].response_mask, outs[1].response_mask) and outs[0].response_mask.sum() > ids.shape[0] * G
+    assert close(outs[0].logprobs, outs[1].logprobs)
+
+
+def test_kv_cache_estimate_is_what_the_sampler_allocates(tldr_prompts):
+    ids, mask = tldr_prompts
+    B, P = ids.shape
+    G, new = 8, 10
+    policy = GPT2LMHeadModel(CFG).eval()
+    prompt_cache = KVCache(CFG, B, P, "cpu")
+    with torch.no_grad():
+        policy(ids, (mask.long().cumsum(-1) - 1).clamp(min=0), mask, kv_cache=prompt_cache)
+    shared = SharedKVCache(prompt_cache, G, new)
+    unshared = KVCache(CFG, B, P + new, "cpu")
+    unshared.update(0, *(torch.zeros(B, CFG.n_head, 1, CFG.n_embd // CFG.n_head),) * 2)
+    unshared = unshared.repeat_interleave(G)
+    assert shared.nbytes() == kv_cache_bytes(CFG, B, G, P, new, 4, shared=True)
+    assert unshared.k.nbytes + unshared.v.nbytes == kv_cache_bytes(CFG, B, G, P, new, 4, shared=False)
+
+
+def test_memory_estimates_against_hand_numbers():
+    # KV cache of one generate call at the defaults (16 prompts x 64 samples, 512 + 53 positions, bf16): GPT-2
+    # keeps 2 x 12 layers x 768 x 2 bytes = 36,864 bytes per position
+    rows = 16 * 64
+    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, shared=False) == rows * 565 * 36_864  # 21.3 GB
+    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, shared=True) == (16 * 512 + rows * 53) * 36_864  # 2.3 GB
+    assert kv_cache_bytes(PRESETS["gpt2-xl"], 16, 64, 512, 53, 2, shared=False) == rows * 565 * 307_200  # 177.7 GB
+    # gpt2-xl activations, micro-batch 32 of 565-token rows, bf16, no checkpointing: 34 bytes per token, channel
+    # and layer (arXiv 2205.05198) = 48 x 34 x 18,080 x 1,600 = 47.2 GB, plus logits and their gradient
+    logits = 32 * 53 * 50257 * (2 + 4)
+    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, shared=False, checkpointing=False) == 48 * 34 * 18_080 * 1600 + logits
+    # checkpointing keeps each block's input (2 bytes per token and channel) and one block's activations
+    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, shared=False, checkpointing=True) == (
+        48 * 2 * 18_080 * 1600 + 34 * 18_080 * 1600 + logits)
+
+
+def test_memory_check_names_the_option_to_lower():
+    xl = PRESETS["gpt2-xl"]
+    cfg = grpo.Config(max_prompt_len=512, prefix_sharing=False)
+    free = 80 * GiB
+    with pytest.raises(ConfigError) as info:
+        check_memory(cfg, xl, xl, 1, 2, free, "cuda:0")
+    # unshared: the KV cache (166 GiB, 10.4 per prompt) and the activations of 32 rows x 565 tokens (44 GiB) beside 29 GiB
+    # of weights (1.56B parameters x (16 + 2) bytes, plus the bf16 reward model) in 90% of 80 GiB
+    assert str(info.value) == (
+        "not enough device memory, 29.0 GiB of weights and 80.0 GiB is free on cuda:0 (or set --prefix_sharing true); "
+        "--gen_prompts 16 needs about 166.3 GiB (KV cache and logits of one generate call): lower --gen_prompts to 4; "
+        "--micro_batch_size 32 needs about 44.4 GiB (activations of one training micro-batch): lower "
+        "--micro_batch_size to 16 or set --activation_checkpointing true")
+    est = check_memory(grpo.Config(max_prompt_len=512), xl, xl, 1, 2, free, "cuda:0")  # the defaults fit with sharing
+    assert est.peak < 0.9 * free
+    big_micro = grpo.Config(max_prompt_len=512, micro_batch_size=256, prefix_sharing=True)
+    with pytest.raises(ConfigError, match=r"; --micro_batch_size 256 needs .* lower --micro_batch_size to \d+ or set "
+                                          r"--activation_checkpointing true$"):
+        check_memory(big_micro, xl, xl, 1, 2, free, "cuda:0")
+    assert step_memory(big_micro, xl, xl, 1, 2).update > step_memory(big_micro, xl, xl, 1, 2, micro_batch_size=32).update
+
+
+def test_grpo_stops_before_loading_weights_when_generation_cannot_fit(tmp_path, capsys, monkeypatch):
+    # a device with room for the weights, the update and a third of one generate call: one line naming
+    # --gen_prompts, before any model is built (free memory is read on GPUs only; here it is stood in for)
+    from tests.helpers import run_cli, write_sft_rows
+
+    rows = write_sft_rows(tmp_path / "rows.jsonl", n=8)
+    cfg = grpo.Config(model="tiny", random_init=True, rewards="length", max_prompt_len=64, num_samples=64, num_kept=2,
+                      gen_prompts=8, prompts_per_step=8, micro_batch_size=2)
+    est = step_memory(cfg, PRESETS["tiny"], None, 1, 4)
+    assert est.generate // 3 > est.update
+    monkeypatch.setattr(grpo, "free_device_bytes", lambda device: int((est.weights + est.generate // 3) / 0.9) + 1)
+    monkeypatch.setattr(grpo, "build_models", lambda *a, **k: pytest.fail("models built after a failed memory check"))
+    args = ["--model", "tiny", "--random_init", "true", "--rewards", "length", "--train_data", str(rows), "--val_data", "",
+            "--pref_data", "", "--eval_every", "-1", "--num_samples", "64", "--num_kept", "2", "--max_prompt_len", "64",
+            "--gen_prompts", "8", "--prompts_per_step", "8", "--micro_batch_size", "2", "--steps", "1",
+            "--wandb_mode", "disabled", "--out_dir", str(tmp_path / "run")]
+    code, message = run_cli(grpo, args, capsys)
+    assert code == 2
+    assert message.startswith("error: not enough device memory") and "--gen_prompts 8 needs about 420 MiB" in message
+    assert "lower --gen_prompts to 2" in message and "--micro_batch_size" not in message  # 8 -> 4 -> 2 (halving)

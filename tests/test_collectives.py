@@ -88,7 +88,9 @@ def test_lora_reference_is_gathered_once_for_all_micro_batches(one_rank_group, a
     assert len(all_gathers) == UNITS  # once per unit, not once per unit per micro-batch
     all_gathers.clear()
     grpo.add_logprobs(AdaptersOff(policy), batches, "per_block", cfg, gather=False)
-    assert len(all_gathers) == 3 * UNITS
+    # per block: the blocks once per micro-batch; the root of a model that trains stays gathered after its first
+    # forward (it reshards only when its backward or an optimizer step comes), so it is gathered once
+    assert len(all_gathers) == 3 * (UNITS - 1) + 1
     for b in batches:
         assert torch.equal(b["ref_logprobs"], b["per_block"])
 

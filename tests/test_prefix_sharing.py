@@ -110,7 +110,7 @@ def test_update_loss_and_every_gradient_match_the_unshared_rows(tldr_prompts, lo
         normaliser = sum(z for _, z in weights)
         total = 0.0
         for batch, (w, _) in zip(batches, weights):
-            loss, _ = grpo.micro_batch_loss(policy, batch, w, cfg)
+            loss, _, _ = grpo.micro_batch_loss(policy, batch, w, cfg)
             (loss / normaliser).backward()
             total += float(loss.detach()) / float(normaliser)
         ref = ref_logprobs(batches, R)

@@ -7,7 +7,7 @@ A run is a run directory holding metrics.jsonl and config.json (both written by 
 configs are equal apart from the options in IGNORED (the seed, the run's name and folder, logging) form one group;
 each group is named by the options that differ between groups. For every metric the table gives, over the seeds of
 a group, the mean and the spread (sample standard deviation; 0 with one seed) of its value at the end of the run
-(the last step that logged it) and at its best (max, or min for the metrics named in --minimize). The picture draws
+(the mean of its last --last logged values) and at its best (max, or min for the metrics named in --minimize). The picture draws
 each metric against the step and, with --x, against another metric (train/kl: the reward-KL frontier), the mean over
 a group's seeds at each step, smoothed by a centred moving average so that the path of training reads in step order.
 """
@@ -70,13 +70,14 @@ def mean_spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def summarize(members: list[RunMetrics], metric: str, minimize: bool) -> dict | None:
-    """Over the runs of a group: mean and spread of the metric's last value and best value; None when no run logged it."""
+def summarize(members: list[RunMetrics], metric: str, minimize: bool, last: int = 1) -> dict | None:
+    """Over the runs of a group: mean and spread of the metric's final value (the mean of its `last` logged values in
+    each run) and of its best value; None when no run logged it."""
     series = [s for s in (r.series(metric) for r in members) if s]
     if not series:
         return None
     pick = min if minimize else max
-    final = mean_spread([s[-1][1] for s in series])
+    final = mean_spread([statistics.fmean(v for _, v in s[-last:]) for s in series])
     best = mean_spread([pick(v for _, v in s) for s in series])
     return {"final": final, "best": best, "seeds": len(series)}
 
@@ -85,15 +86,15 @@ def label(options: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in options.items()) or "all runs"
 
 
-def table(groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], minimize: set[str]) -> str:
-    """A markdown table: one row per group (the options that differ, the number of seeds), per metric its final and
-    best value as mean ± spread over seeds."""
+def table(groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], minimize: set[str], last: int = 1) -> str:
+    """A markdown table: one row per group (the options that differ, the number of seeds), per metric its final
+    (mean of the last `last` logged values) and best value as mean ± spread over seeds."""
     head = ["group", "seeds"] + [f"{m} ({when})" for m in metrics for when in ("final", "best")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for options, members in groups:
         cells = [label(options), str(len(members))]
         for m in metrics:
-            s = summarize(members, m, m in minimize)
+            s = summarize(members, m, m in minimize, last)
             cells += ["n/a", "n/a"] if s is None else [f"{s[w][0]:.3f} ± {s[w][1]:.3f}" for w in ("final", "best")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -157,14 +158,15 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--metrics", nargs="+", default=["reward/gold_mean", "reward/mean", "train/kl"],
                    help="metrics to tabulate and draw")
     p.add_argument("--minimize", nargs="*", default=["train/kl"], help="metrics whose best value is the lowest")
+    p.add_argument("--last", type=int, default=1, help="the final value of a metric: the mean of its last N logged values")
     p.add_argument("--x", default="train/kl", help="also draw every metric against this one; empty: only against step")
     p.add_argument("--smooth", type=int, default=5, help="moving average of the curves over this many logged steps (window // 2 either side)")
     p.add_argument("--out", default="compare.png", help="PNG of the curves; empty: no picture")
     args = p.parse_args(argv)
-    if args.smooth < 1:
-        p.error(f"--smooth must be >= 1, got {args.smooth}")
+    if args.smooth < 1 or args.last < 1:
+        p.error(f"--smooth and --last must be >= 1, got {args.smooth} and {args.last}")
     groups = group_runs([load_run(d) for d in args.runs])
-    text = table(groups, args.metrics, set(args.minimize))
+    text = table(groups, args.metrics, set(args.minimize), args.last)
     print(text)
     if args.out:
         plot(groups, args.metrics, Path(args.out), args.x, args.smooth)

@@ -54,6 +54,8 @@ def test_final_and_best_over_seeds_by_hand(runs):
     s = compare.summarize(rso, "train/kl", minimize=True)
     assert s["best"] == pytest.approx((0.1, 0.0)) and s["final"] == pytest.approx((0.3, 0.0))
     assert compare.summarize(rso, "no/such_metric", minimize=False) is None
+    # the final value as the mean of the last two: seeds (2 + 3) / 2 and (3 + 4) / 2
+    assert compare.summarize(rso, "reward/mean", minimize=False, last=2)["final"] == pytest.approx((3.0, math.sqrt(0.5)))
     assert compare.mean_curve(rso, "eval/pref_accuracy") == [(3, pytest.approx(0.65))]
 
 

@@ -164,6 +164,11 @@ def test_a_reward_function_that_fails_stops_naming_itself_and_the_row(fn, fragme
 # End to end: two processes, rule-based rewards, no reward model
 
 
+def ends(prompt, response):
+    """1 for a response that ended by itself: the signal the end-biased policy learns in a few steps."""
+    return float(response.endswith("\n"))
+
+
 def grpo_args(policy, prompts, val, run, *extra):
     return [
         "grpo.py", "--model", str(policy), "--train_data", str(prompts), "--val_data", str(val), "--pref_data", "",
@@ -190,13 +195,13 @@ def test_two_process_grpo_with_lora_and_a_reward_function_improves_it(tmp_path):
     start = end_biased_policy(tmp_path / "policy")
     run = tmp_path / "run"
     args = grpo_args(tmp_path / "policy", data["prompts_train"], data["sft_validation"], run,
-                     "--rewards", "format", "--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2",
+                     "--rewards", "tests.test_grpo_iterative:ends", "--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2",
                      "--policy_epochs", "2", "--ref_refresh_every", "2", "--gold_reward_fn", "data.synthetic:gold_reward",
                      "--gold_parts_fn", "data.synthetic:gold_parts")
     out = run_script(args, nproc=2)
-    assert "LoRA adapters on 8 projections" in out.stdout and "rewards: 1*format" in out.stdout
+    assert "LoRA adapters on 8 projections" in out.stdout and "rewards: 1*ends" in out.stdout
     m = [x for x in read_metrics(run) if x["step"] > 0]
-    score = [x["reward/format_mean"] for x in m]
+    score = [x["reward/ends_mean"] for x in m]
     assert score[-1] > score[0] + 0.25, score  # the trained-on rule reward improves (the policy learns to end)
     # the monitored gold reward's parts, averaged over both ranks' samples: "ended" is the end fraction
     assert [x["gold/ended"] for x in m] == [x["sample/end_fraction"] for x in m]
@@ -210,7 +215,7 @@ def test_two_process_grpo_with_lora_and_a_reward_function_improves_it(tmp_path):
     # the export is a plain GPT-2: the adapted projections moved (LoRA merged), nothing else did
     assert changed_weights(tmp_path / "policy", run / "hf") == adapted_weight_names(start.cfg)
     columns = json.loads((run / "samples.jsonl").read_text().splitlines()[0])["columns"]
-    assert columns == ["prompt", "response", "format", "reward", "advantage", "has_end"]
+    assert columns == ["prompt", "response", "ends", "reward", "advantage", "has_end"]
     resume_from_step_3(run, args, read_metrics(run))  # the merged base (the reference) is in the model state
 
 

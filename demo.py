@@ -206,8 +206,8 @@ def main() -> None:
     p.add_argument("--wandb_mode", default="auto", help="online, offline, disabled, or auto")
     p.add_argument("--ablation_seeds", type=int, default=0, help="with N > 0: instead of DPO and GRPO, the ablation of "
                    "GRPO's selection and global normalization (ABLATION), N seeds each, from one SFT policy and reward model")
-    p.add_argument("--reuse", action="store_true", help="with --ablation_seeds: reuse --out's SFT policy and reward "
-                   "model (sft/hf, rm/hf) when they exist instead of training them again")
+    p.add_argument("--reuse", action="store_true", help="reuse --out's SFT policy, labelled pairs and reward model "
+                   "(sft/hf, data/policy_pairs, rm/hf) when they exist instead of training them again")
     args = p.parse_args()
 
     t0 = time.time()

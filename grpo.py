@@ -450,11 +450,11 @@ def gold_metrics(gold_reward, gold_parts, tok, prompts: PromptSet, samples: Samp
         out["reward/gold_mean"], out["reward/gold_std"] = global_mean_std(torch.tensor(gold, device=prompts.ids.device))
     if gold_parts is not None:
         parts = [gold_parts(prompt, text) for prompt, text in pairs]
-        names = sorted(parts[0])  # every rank samples the same number of responses, so the sums line up
-        sums = all_reduce_sum(torch.tensor([[float(p[k]) for k in names] for p in parts], dtype=torch.float64,
-                                           device=prompts.ids.device).sum(0))
-        count = all_reduce_sum(torch.tensor(float(len(parts)), dtype=torch.float64, device=prompts.ids.device))
-        out.update({f"gold/{k}": float(v) for k, v in zip(names, (sums / count).tolist())})
+        names = sorted(parts[0])  # the same order on every rank, so the all-reduced columns line up
+        sums = torch.tensor([[float(p[k]) for k in names] + [1.0] for p in parts], dtype=torch.float64,
+                            device=prompts.ids.device).sum(0)  # (parts + 1,): each part's sum, then the count
+        sums = all_reduce_sum(sums)
+        out.update({f"gold/{k}": float(v) for k, v in zip(names, (sums[:-1] / sums[-1]).tolist())})
     return out
 
 

@@ -155,12 +155,17 @@ def grpo_options(out: Path, paths: dict, pairs: dict, args) -> dict:
 
 # The method's two claims, each variant against the demo's GRPO (RSO keeps 8 of 16 samples per prompt at beta_rs 2,
 # global normalization on): uniform and top_bottom keep 8 of 16 as well; all keeps the 16 (it cannot keep fewer).
+# After group normalization with the std, global normalization only rescales every advantage by about
+# sqrt(K / (K - 1)) (tests/test_grpo_math.py), so it is also switched on and off after Dr. GRPO's centring, where it
+# sets the batch's scale.
 ABLATION = {
-    "rso": {"selection": "rso", "global_norm": "true"},
-    "uniform": {"selection": "uniform", "global_norm": "true"},
-    "top_bottom": {"selection": "top_bottom", "global_norm": "true"},
-    "all": {"selection": "all", "global_norm": "true"},
-    "rso_no_global_norm": {"selection": "rso", "global_norm": "false"},
+    "rso": {"selection": "rso", "global_norm": "true", "scale_by_std": "true"},
+    "uniform": {"selection": "uniform", "global_norm": "true", "scale_by_std": "true"},
+    "top_bottom": {"selection": "top_bottom", "global_norm": "true", "scale_by_std": "true"},
+    "all": {"selection": "all", "global_norm": "true", "scale_by_std": "true"},
+    "rso_no_global_norm": {"selection": "rso", "global_norm": "false", "scale_by_std": "true"},
+    "rso_centred": {"selection": "rso", "global_norm": "true", "scale_by_std": "false"},
+    "rso_centred_no_global_norm": {"selection": "rso", "global_norm": "false", "scale_by_std": "false"},
 }
 ABLATION_METRICS = ["reward/gold_mean", "gold/items_correct", "gold/items_invented", "reward/mean", "train/kl",
                     "eval/pref_accuracy"]

@@ -202,7 +202,7 @@ def test_two_process_grpo_with_lora_and_a_reward_function_improves_it(tmp_path):
     assert "LoRA adapters on 8 projections" in out.stdout and "rewards: 1*ends" in out.stdout
     m = [x for x in read_metrics(run) if x["step"] > 0]
     score = [x["reward/ends_mean"] for x in m]
-    assert score[-1] > score[0] + 0.25, score  # the trained-on rule reward improves (the policy learns to end)
+    assert score[-1] > score[0] + 0.15, score  # the trained-on rule reward improves (the policy learns to end)
     # the monitored gold reward's parts, averaged over both ranks' samples: "ended" is the end fraction
     assert [x["gold/ended"] for x in m] == [x["sample/end_fraction"] for x in m]
     assert all({"reward/gold_mean", "gold/items_correct", "gold/items_invented", "gold/words"} <= set(x) for x in m)

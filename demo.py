@@ -202,8 +202,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic task and of every stage")
     p.add_argument("--model", default="tiny", help="GPT-2 preset trained from random initialisation")
     p.add_argument("--sft_steps", type=int, default=300, help="SFT optimizer steps")
-    p.add_argument("--prompt_loss_weight", type=float, default=0.1, help="SFT's weight of the next-token loss on the "
-                   "post relative to the summary (sft.py --prompt_loss_weight): it teaches copying the post's items")
+    p.add_argument("--prompt_loss_weight", type=float, default=0.0, help="SFT's weight of the next-token loss on the "
+                   "post relative to the summary (sft.py --prompt_loss_weight); 0.1 did not make the tiny policy copy the "
+                   "post's items in 300 steps (docs/demo_results.md)")
     p.add_argument("--rm_steps", type=int, default=150, help="reward-model optimizer steps")
     p.add_argument("--pair_prompts", type=int, default=1200, help="training prompts whose SFT samples are labelled into pairs")
     p.add_argument("--dpo_steps", type=int, default=60, help="DPO optimizer steps")

@@ -1,15 +1,16 @@
 """Compare runs: group the runs that differ only in seed, tabulate chosen metrics over seeds, draw their curves.
 
-    python -m evaluation.compare runs/ablation/*/grpo --metrics reward/gold_mean train/kl --out compare.png
+    python -m evaluation.compare runs/ablation/ablation/*/seed* --metrics reward/gold_mean train/kl --out compare.png
     python -m evaluation.compare runs/a runs/b --metrics eval/pref_accuracy --x train/kl
 
 A run is a run directory holding metrics.jsonl and config.json (both written by utils/logging.Logger). Runs whose
 configs are equal apart from the options in IGNORED (the seed, the run's name and folder, logging) form one group;
 each group is named by the options that differ between groups. For every metric the table gives, over the seeds of
 a group, the mean and the spread (sample standard deviation; 0 with one seed) of its value at the end of the run
-(the mean of its last --last logged values) and at its best (max, or min for the metrics named in --minimize). The picture draws
-each metric against the step and, with --x, against another metric (train/kl: the reward-KL frontier), the mean over
-a group's seeds at each step, smoothed by a centred moving average so that the path of training reads in step order.
+(the mean of its last --last logged values) and at its best (max, or min for the metrics named in --minimize). The
+picture draws each metric against the step and, with --x, against another metric (train/kl: the reward-KL
+frontier), the mean over a group's seeds at each step, smoothed by a centred moving average so that the path of
+training reads in step order.
 """
 
 import argparse
@@ -116,7 +117,9 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return [statistics.fmean(values[max(0, i - half) : i + half + 1]) for i in range(len(values))]
 
 
-def plot(groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], out: Path, x: str = "", smooth: int = 1) -> None:
+def plot(
+    groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], out: Path, x: str = "", smooth: int = 1
+) -> None:
     """One row per metric: against the step, and with `x` against that metric (joined in step order, smoothed, the
     first step marked with a circle and the last with a square)."""
     cols = 2 if x else 1
@@ -158,9 +161,11 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--metrics", nargs="+", default=["reward/gold_mean", "reward/mean", "train/kl"],
                    help="metrics to tabulate and draw")
     p.add_argument("--minimize", nargs="*", default=["train/kl"], help="metrics whose best value is the lowest")
-    p.add_argument("--last", type=int, default=1, help="the final value of a metric: the mean of its last N logged values")
+    p.add_argument("--last", type=int, default=1,
+                   help="the final value of a metric: the mean of its last N logged values")
     p.add_argument("--x", default="train/kl", help="also draw every metric against this one; empty: only against step")
-    p.add_argument("--smooth", type=int, default=5, help="moving average of the curves over this many logged steps (window // 2 either side)")
+    p.add_argument("--smooth", type=int, default=5,
+                   help="moving average of the curves over this many logged steps (window // 2 either side)")
     p.add_argument("--out", default="compare.png", help="PNG of the curves; empty: no picture")
     args = p.parse_args(argv)
     if args.smooth < 1 or args.last < 1:

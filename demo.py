@@ -2,12 +2,15 @@
 
     python demo.py                       # one process
     python demo.py --nproc 2             # every stage under torchrun with 2 processes (gloo on CPU)
+    python demo.py --out runs/ablation --ablation_seeds 3 --reuse    # make ablation: GRPO's selection and
+                                         # normalization, 3 seeds each, from one SFT policy and reward model
 
 Stages: write the synthetic task (data/synthetic.py) -> SFT (sft.py) -> label pairs of the SFT policy's own
 samples by the gold reward -> reward model (reward_model.py) -> DPO (dpo.py) -> GRPO (grpo.py), each training
 stage a subprocess running the same command a user would, each stage's exported model feeding the next. The
 task has a known gold reward, so the table at the end shows what each stage learned: gold reward of sampled
-summaries, reward-model and DPO preference accuracy. The summary is written to runs/demo/summary.json.
+summaries and its parts (key items named and invented, words, ended), reward-model and DPO preference accuracy.
+The summary is written to runs/demo/summary.json.
 
 The reward model and DPO train on comparisons of SFT samples, as in summarize-from-feedback (Stiennon et al.
 2020), where labellers compared samples of the policies being trained: a tiny model trained for minutes from

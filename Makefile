@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test golden clean
+.PHONY: install demo ablation test golden clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ install: $(VENV)/.installed
 
 demo: install
 	$(PY) demo.py
+
+ablation: install  # GRPO's selection and global normalization, 3 seeds each, from one SFT policy and reward model
+	$(PY) demo.py --out runs/ablation --ablation_seeds 3 --reuse
 
 test: install
 	$(PY) -m pytest -q

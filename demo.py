@@ -2,12 +2,15 @@
 
     python demo.py                       # one process
     python demo.py --nproc 2             # every stage under torchrun with 2 processes (gloo on CPU)
+    python demo.py --out runs/ablation --ablation_seeds 3 --reuse    # make ablation: GRPO's selection and
+                                         # normalization, 3 seeds each, from one SFT policy and reward model
 
 Stages: write the synthetic task (data/synthetic.py) -> SFT (sft.py) -> label pairs of the SFT policy's own
 samples by the gold reward -> reward model (reward_model.py) -> DPO (dpo.py) -> GRPO (grpo.py), each training
 stage a subprocess running the same command a user would, each stage's exported model feeding the next. The
 task has a known gold reward, so the table at the end shows what each stage learned: gold reward of sampled
-summaries, reward-model and DPO preference accuracy. The summary is written to runs/demo/summary.json.
+summaries and its parts (key items named and invented, words, ended), reward-model and DPO preference accuracy.
+The summary is written to runs/demo/summary.json.
 
 The reward model and DPO train on comparisons of SFT samples, as in summarize-from-feedback (Stiennon et al.
 2020), where labellers compared samples of the policies being trained: a tiny model trained for minutes from
@@ -73,13 +76,16 @@ def sample_summaries(
     return result
 
 
-def gold_reward_of_samples(policy_dir: Path, prompts_file: Path, n_prompts: int, samples: int, max_new_tokens: int, seed: int) -> float:
-    """Mean gold reward of summaries sampled (temperature 1) from a policy on held-out prompts."""
-    from data.synthetic import gold_reward
+def gold_of_samples(policy_dir: Path, prompts_file: Path, n_prompts: int, samples: int, max_new_tokens: int, seed: int) -> dict:
+    """Means over summaries sampled (temperature 1) from a policy on held-out prompts: the gold reward and each of
+    its parts (items_correct, items_invented, words, ended; data.synthetic.gold_parts)."""
+    from data.synthetic import gold_parts, gold_reward
 
     drawn = sample_summaries(policy_dir, prompts_file, n_prompts, samples, max_new_tokens, seed)
-    scores = [gold_reward(prompt, text) for prompt, texts in drawn for text in texts]
-    return sum(scores) / len(scores)
+    pairs = [(prompt, text) for prompt, texts in drawn for text in texts]
+    parts = [gold_parts(prompt, text) for prompt, text in pairs]
+    out = {"gold_reward": sum(gold_reward(prompt, text) for prompt, text in pairs) / len(pairs)}
+    return out | {name: sum(p[name] for p in parts) / len(parts) for name in parts[0]}
 
 
 def label_policy_pairs(
@@ -111,40 +117,18 @@ def label_policy_pairs(
     return len(rows)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/demo", help="run directory (data/, sft/, rm/, dpo/, grpo/, summary.json)")
-    p.add_argument("--nproc", type=int, default=1, help="processes per stage (torchrun when > 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic task and of every stage")
-    p.add_argument("--model", default="tiny", help="GPT-2 preset trained from random initialisation")
-    p.add_argument("--sft_steps", type=int, default=300, help="SFT optimizer steps")
-    p.add_argument("--rm_steps", type=int, default=150, help="reward-model optimizer steps")
-    p.add_argument("--pair_prompts", type=int, default=1200, help="training prompts whose SFT samples are labelled into pairs")
-    p.add_argument("--dpo_steps", type=int, default=60, help="DPO optimizer steps")
-    p.add_argument("--grpo_steps", type=int, default=30, help="GRPO steps")
-    p.add_argument("--assets", default="assets", help="folder for the pipeline diagram and the demo's curves")
-    p.add_argument("--wandb_mode", default="auto", help="online, offline, disabled, or auto")
-    args = p.parse_args()
-
-    t0 = time.time()
-    out = Path(args.out)
-    common = {"wandb_mode": args.wandb_mode, "seed": args.seed, "resume": "false"}
-
-    # 1. the synthetic task
-    from data.synthetic import write_task
-
-    paths = write_task(out / "data", seed=args.seed)
-
+def train_sft_and_reward_model(out: Path, paths: dict, pairs: dict, args, common: dict) -> None:
+    """Stages 2-4 of the demo: SFT, pairs of SFT samples labelled by the gold reward, the reward model."""
     # 2. SFT
     run_stage("sft.py", {
         "model": args.model, "random_init": "true", "train_data": paths["sft_train"], "val_data": paths["sft_validation"],
         "val_rows": 128, "steps": args.sft_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc,
         "lr": 3e-3, "warmup_steps": 10, "eval_every": 100, "save_every": 0, "max_prompt_len": 192,
-        "max_response_len": 32, "out_dir": out / "sft", "run_name": "demo-sft", **common,
+        "max_response_len": 32, "prompt_loss_weight": args.prompt_loss_weight, "out_dir": out / "sft",
+        "run_name": "demo-sft", **common,
     }, args.nproc)
 
     # 3. preference pairs of the SFT policy's own summaries, labelled by the gold reward with 10% label noise
-    pairs = {"train": out / "data" / "policy_pairs" / "train.jsonl", "validation": out / "data" / "policy_pairs" / "validation.jsonl"}
     n_train = label_policy_pairs(out / "sft" / "hf", paths["prompts_train"], args.pair_prompts, pairs["train"], 0.1, args.seed)
     n_val = label_policy_pairs(out / "sft" / "hf", paths["preference_validation"], 400, pairs["validation"], 0.1, args.seed + 1)
     print(f"labelled {n_train} training and {n_val} validation pairs of SFT samples by the gold reward", flush=True)
@@ -157,6 +141,106 @@ def main() -> None:
         "norm_prompts": 64, "norm_samples_per_prompt": 4, "out_dir": out / "rm", "run_name": "demo-rm", **common,
     }, args.nproc)
 
+
+def grpo_options(out: Path, paths: dict, pairs: dict, args) -> dict:
+    """grpo.py's options in the demo: GRPO from the SFT policy against the reward model, with the gold reward and its
+    parts watched (logged), never trained on."""
+    return {
+        "model": out / "sft" / "hf", "reward_model": out / "rm" / "hf", "train_data": paths["prompts_train"],
+        "val_data": paths["sft_validation"], "pref_data": pairs["validation"], "pref_rows": 256,
+        "val_rows": 64, "num_samples": 16, "num_kept": 8, "max_new_tokens": 24, "max_prompt_len": 192,
+        "prompts_per_step": 16, "micro_batch_size": 64, "steps": args.grpo_steps, "lr": 3e-4, "warmup_steps": 3,
+        "beta": 0.4, "missing_end_penalty": 2.0, "eval_every": 10, "save_every": 0, "table_every": 10,
+        "gold_reward_fn": "data.synthetic:gold_reward", "gold_parts_fn": "data.synthetic:gold_parts",
+        "wandb_mode": args.wandb_mode, "seed": args.seed, "resume": "false",
+    }
+
+
+# The method's two claims, each variant against the demo's GRPO (RSO keeps 8 of 16 samples per prompt at beta_rs 2,
+# global normalization on): uniform and top_bottom keep 8 of 16 as well; all keeps the 16 (it cannot keep fewer).
+# After group normalization with the std, global normalization only rescales every advantage by about
+# sqrt(K / (K - 1)) (tests/test_grpo_math.py), so it is also switched on and off after Dr. GRPO's centring, where it
+# sets the batch's scale.
+ABLATION = {
+    "rso": {"selection": "rso", "global_norm": "true", "scale_by_std": "true"},
+    "uniform": {"selection": "uniform", "global_norm": "true", "scale_by_std": "true"},
+    "top_bottom": {"selection": "top_bottom", "global_norm": "true", "scale_by_std": "true"},
+    "all": {"selection": "all", "global_norm": "true", "scale_by_std": "true"},
+    "rso_no_global_norm": {"selection": "rso", "global_norm": "false", "scale_by_std": "true"},
+    "rso_centred": {"selection": "rso", "global_norm": "true", "scale_by_std": "false"},
+    "rso_centred_no_global_norm": {"selection": "rso", "global_norm": "false", "scale_by_std": "false"},
+}
+ABLATION_METRICS = ["reward/gold_mean", "gold/items_correct", "gold/items_invented", "reward/mean", "train/kl",
+                    "eval/pref_accuracy"]
+
+
+def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
+    """GRPO once per variant of ABLATION and seed (--ablation_seeds), every run from the same SFT policy and reward
+    model, each with a wandb group (its variant) and tags; then the comparison table and curves
+    (evaluation/compare.py). Returns the table (markdown)."""
+    from evaluation.compare import group_runs, load_run, plot, table
+
+    dirs = []
+    for name, options in ABLATION.items():
+        for seed in range(args.ablation_seeds):
+            run_dir = out / "ablation" / name / f"seed{seed}"
+            tags = ",".join(f"{k}={v}" for k, v in options.items())
+            run_stage("grpo.py", grpo_options(out, paths, pairs, args) | options | {
+                "seed": seed, "out_dir": run_dir, "run_name": f"ablation-{name}-{seed}", "wandb_group": f"ablation-{name}",
+                "wandb_tags": tags,
+            }, args.nproc)
+            dirs.append(run_dir)
+    groups = group_runs([load_run(d) for d in dirs])
+    text = table(groups, ABLATION_METRICS, {"train/kl"}, last=5)
+    Path(args.assets).mkdir(parents=True, exist_ok=True)
+    plot(groups, ["reward/gold_mean", "gold/items_correct", "reward/mean"], Path(args.assets) / "ablation.png", "train/kl", 5)
+    (out / "ablation.md").write_text(text + "\n")
+    return text
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/demo", help="run directory (data/, sft/, rm/, dpo/, grpo/, summary.json)")
+    p.add_argument("--nproc", type=int, default=1, help="processes per stage (torchrun when > 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic task and of every stage")
+    p.add_argument("--model", default="tiny", help="GPT-2 preset trained from random initialisation")
+    p.add_argument("--sft_steps", type=int, default=300, help="SFT optimizer steps")
+    p.add_argument("--prompt_loss_weight", type=float, default=0.0, help="SFT's weight of the next-token loss on the "
+                   "post relative to the summary (sft.py --prompt_loss_weight); 0.1 did not make the tiny policy copy the "
+                   "post's items in 300 steps (docs/demo_results.md)")
+    p.add_argument("--rm_steps", type=int, default=150, help="reward-model optimizer steps")
+    p.add_argument("--pair_prompts", type=int, default=1200, help="training prompts whose SFT samples are labelled into pairs")
+    p.add_argument("--dpo_steps", type=int, default=60, help="DPO optimizer steps")
+    p.add_argument("--grpo_steps", type=int, default=30, help="GRPO steps")
+    p.add_argument("--assets", default="assets", help="folder for the pipeline diagram and the demo's curves")
+    p.add_argument("--wandb_mode", default="auto", help="online, offline, disabled, or auto")
+    p.add_argument("--ablation_seeds", type=int, default=0, help="with N > 0: instead of DPO and GRPO, the ablation of "
+                   "GRPO's selection and global normalization (ABLATION), N seeds each, from one SFT policy and reward model")
+    p.add_argument("--reuse", action="store_true", help="reuse --out's SFT policy, labelled pairs and reward model "
+                   "(sft/hf, data/policy_pairs, rm/hf) when they exist instead of training them again")
+    args = p.parse_args()
+
+    t0 = time.time()
+    out = Path(args.out)
+    common = {"wandb_mode": args.wandb_mode, "seed": args.seed, "resume": "false"}
+
+    # 1. the synthetic task
+    from data.synthetic import write_task
+
+    paths = write_task(out / "data", seed=args.seed)
+
+    # 2.-4. SFT, pairs of SFT samples labelled by the gold reward, reward model (or, with --reuse, the ones in --out)
+    pairs = {"train": out / "data" / "policy_pairs" / "train.jsonl", "validation": out / "data" / "policy_pairs" / "validation.jsonl"}
+    reuse = args.reuse and all((out / stage / "hf").is_dir() for stage in ("sft", "rm")) and pairs["train"].is_file()
+    if reuse:
+        print(f"reusing {out / 'sft' / 'hf'}, {out / 'rm' / 'hf'} and the labelled pairs in {pairs['train'].parent}", flush=True)
+    else:
+        train_sft_and_reward_model(out, paths, pairs, args, common)
+    if args.ablation_seeds > 0:
+        text = ablation(out, paths, pairs, args)
+        print(f"\n{text}\n\nwrote {out / 'ablation.md'} and {Path(args.assets) / 'ablation.png'} ({time.time() - t0:.0f} s)")
+        return
+
     # 5. DPO from the SFT policy against a frozen copy of it, on the same pairs
     run_stage("dpo.py", {
         "model": out / "sft" / "hf", "train_data": pairs["train"], "val_data": pairs["validation"],
@@ -166,18 +250,11 @@ def main() -> None:
     }, args.nproc)
 
     # 6. GRPO from the SFT policy against the reward model; the gold reward is only watched, never trained on
-    run_stage("grpo.py", {
-        "model": out / "sft" / "hf", "reward_model": out / "rm" / "hf", "train_data": paths["prompts_train"],
-        "val_data": paths["sft_validation"], "pref_data": pairs["validation"], "pref_rows": 256,
-        "val_rows": 64, "num_samples": 16, "num_kept": 8, "max_new_tokens": 24, "max_prompt_len": 192,
-        "prompts_per_step": 16, "micro_batch_size": 64, "steps": args.grpo_steps, "lr": 3e-4, "warmup_steps": 3,
-        "beta": 0.4, "missing_end_penalty": 2.0, "eval_every": 10, "save_every": 0, "table_every": 10,
-        "gold_reward_fn": "data.synthetic:gold_reward", "out_dir": out / "grpo", "run_name": "demo-grpo", **common,
-    }, args.nproc)
+    run_stage("grpo.py", grpo_options(out, paths, pairs, args) | {"out_dir": out / "grpo", "run_name": "demo-grpo"}, args.nproc)
 
     # 7. what each stage learned: gold reward of sampled summaries on held-out prompts, preference accuracy
-    def gold(stage: str) -> float:
-        return gold_reward_of_samples(out / stage / "hf", paths["sft_validation"], 128, 4, 24, args.seed)
+    def gold(stage: str) -> dict:
+        return gold_of_samples(out / stage / "hf", paths["sft_validation"], 128, 4, 24, args.seed)
 
     def last(stage: str, key: str) -> float:
         rows = [json.loads(line) for line in open(out / stage / "metrics.jsonl")]
@@ -185,12 +262,11 @@ def main() -> None:
 
     grpo_rows = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
     tail = [r for r in grpo_rows if "train/kl" in r][-5:]  # the last five steps
+    golds = {stage: gold(stage) for stage in ("sft", "dpo", "grpo")}
     summary = {
         "rm_accuracy": last("rm", "val/accuracy"),
         "dpo_accuracy": last("dpo", "val/accuracy"),
-        "sft_gold_reward": gold("sft"),
-        "dpo_gold_reward": gold("dpo"),
-        "grpo_gold_reward": gold("grpo"),
+        **{f"{stage}_{name}": value for stage, parts in golds.items() for name, value in parts.items()},
         "grpo_kl": sum(r["train/kl"] for r in tail) / len(tail),
         "grpo_proxy_reward": sum(r["reward/mean"] for r in tail) / len(tail),
         "grpo_pref_accuracy": last("grpo", "eval/pref_accuracy"),

@@ -207,6 +207,9 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
     gold_reward_fn: str = ""
     """Optional "module:function" of (prompt text, response text) -> float, logged (never trained on, unless it is
     also in --rewards) as reward/gold_mean over every step's samples, e.g. data.synthetic:gold_reward."""
+    gold_parts_fn: str = ""
+    """Optional "module:function" of (prompt text, response text) -> {name: number}, the parts of the gold reward,
+    each logged as gold/<name> (its mean over every step's samples), e.g. data.synthetic:gold_parts."""
     table_every: int = 20
     """Log a table of sample responses every N steps; 0 disables."""
     table_prompts: int = 2
@@ -557,13 +560,24 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
 # Stage 8: metrics
 
 
-def gold_metrics(gold_reward, tok, prompts: PromptSet, samples: SampleOutput, group: int) -> dict:
-    """Mean and std over all ranks of a monitored reward function (--gold_reward_fn) on every sample of the step."""
+def gold_metrics(gold_reward, gold_parts, tok, prompts: PromptSet, samples: SampleOutput, group: int) -> dict:
+    """Over all ranks and every sample of the step: mean and std of a monitored reward function (--gold_reward_fn),
+    and the mean of each part of it (--gold_parts_fn); either function may be None."""
     texts = decode_responses(tok, samples.response_ids, samples.response_mask, samples.has_end)
-    with all_ranks_agree("--gold_reward_fn", prompts.ids.device):  # it may raise on one rank's rows only
-        gold = [float(gold_reward(prompts.texts[n // group], t)) for n, t in enumerate(texts)]
-    mean, std = global_mean_std(torch.tensor(gold, device=prompts.ids.device))
-    return {"reward/gold_mean": mean, "reward/gold_std": std}
+    pairs = [(prompts.texts[n // group], t) for n, t in enumerate(texts)]
+    out = {}
+    with all_ranks_agree("--gold_reward_fn / --gold_parts_fn", prompts.ids.device):  # may raise on one rank's rows only
+        gold = [float(gold_reward(prompt, text)) for prompt, text in pairs] if gold_reward is not None else None
+        parts = [gold_parts(prompt, text) for prompt, text in pairs] if gold_parts is not None else None
+    if gold is not None:
+        out["reward/gold_mean"], out["reward/gold_std"] = global_mean_std(torch.tensor(gold, device=prompts.ids.device))
+    if parts is not None:
+        names = sorted(parts[0])  # the same order on every rank, so the all-reduced columns line up
+        sums = torch.tensor([[float(p[k]) for k in names] + [1.0] for p in parts], dtype=torch.float64,
+                            device=prompts.ids.device).sum(0)  # (parts + 1,): each part's sum, then the count
+        sums = all_reduce_sum(sums)
+        out.update({f"gold/{k}": float(v) for k, v in zip(names, (sums[:-1] / sums[-1]).tolist())})
+    return out
 
 
 def step_metrics(r: StepResult, spec: RewardSpec, cfg: Config, per_row_sources: bool) -> dict:
@@ -629,6 +643,7 @@ def main(cfg: Config) -> dict:
     # the process group, run directory and checkpoint to resume from, before any model is built or put on a GPU
     sources = cfg.sources()  # the reward model and/or functions
     gold_reward = load_function(cfg.gold_reward_fn, "--gold_reward_fn") if cfg.gold_reward_fn else None
+    gold_parts = load_function(cfg.gold_parts_fn, "--gold_parts_fn") if cfg.gold_parts_fn else None
     model_cfg = check_models(cfg, sources)
     run = start_run(cfg, {"stage": "grpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     rank, world, device = run.rank, run.world, run.device
@@ -688,8 +703,8 @@ def main(cfg: Config) -> dict:
 
             # 8. log and evaluate
             metrics = step_metrics(result, spec, cfg, per_row_sources=not bool(train_applies.all()))
-            if gold_reward is not None:  # a monitored reward, e.g. the synthetic task's gold reward
-                metrics.update(gold_metrics(gold_reward, tok, prompts, result.samples, cfg.num_samples))
+            if gold_reward is not None or gold_parts is not None:  # a monitored reward, e.g. the synthetic task's
+                metrics.update(gold_metrics(gold_reward, gold_parts, tok, prompts, result.samples, cfg.num_samples))
             generated, step_seconds = metrics.pop("perf/generated_tokens"), time.perf_counter() - t_step
             metrics.update(perf_metrics(seconds | result.seconds, step_seconds, generated, world))
             if cfg.eval_due(step, total_steps):

@@ -16,23 +16,29 @@ filler, in exactly the TL;DR prompt layout:
 
 Every vocabulary word is one GPT-2 token (with its leading space), and no template or filler
 sentence contains any vocabulary word, so the key items of a post are exactly the vocabulary words
-found in its title and post: `prompt_items` recovers them from the prompt text alone. A tiny
-randomly initialised GPT-2 can learn to copy them in minutes.
+found in its title and post: `prompt_items` recovers them from the prompt text alone.
 
 Gold reward of a summary (the completion text as generated: " " + words, with a trailing "\\n"
-when the model emitted the end token, END_ID = 198), `gold_reward(prompt, summary)`:
+when the model emitted the end token, END_ID = 198), `gold_reward(prompt, summary)`, from the parts
+that `gold_parts` returns (and the demo and grpo.py log):
 
     text      = summary up to its first "\\n" (the rest was generated after the end token)
-    correct   = number of distinct key items of the post named in text           (0..3)
-    wrong     = number of distinct vocabulary words named in text that are NOT in the post
-    over      = max(0, number of whitespace-separated words in text - TARGET_WORDS)   (8)
+    correct   = items_correct: distinct key items of the post named in text                     (0..3)
+    wrong     = items_invented: distinct vocabulary words named in text that are NOT in the post
+    over      = max(0, words - TARGET_WORDS), words = whitespace-separated words in text        (8)
     ended     = 1 if summary contains "\\n" (the model stopped by itself) else 0
 
-    gold = clip(1.0 * correct - 1.0 * wrong - min(0.25 * over, 2.0) + 1.0 * ended,  -3, 4)
+    gold = clip(1.0 * correct - 1.0 * wrong - min(0.25 * over, 2.0) + 1.0 * ended * [correct > 0],  -3, 4)
 
-Words are matched case-insensitively as whole words (runs of letters). The best summary names all
-three items in at most 8 words and ends with "\\n": gold = GOLD_REWARD_MAX = 4 (`best_summary`).
-All terms are multiples of 0.25, so gold rewards compare exactly.
+Words are matched case-insensitively as whole words (runs of letters). The end bonus is paid only to
+a summary that names at least one key item, so a summary without content (empty, "need advice") can
+score at most 0 and brevity and stopping alone cannot beat a policy that names items; a summary that
+names none but invents one scores below 0. The best summary names all three items in at most 8 words
+and ends with "\\n": gold = GOLD_REWARD_MAX = 4 (`best_summary`). All terms are multiples of 0.25,
+so gold rewards compare exactly.
+
+Whether a small model trained from random weights learns to copy the items is measured, not assumed:
+docs/demo_results.md records the items the demo's SFT, DPO and GRPO policies name.
 
 Data, in the layouts of the Hugging Face datasets (see `write_task`):
 - SFT (`trl-lib/tldr`: prompt, completion): good but imperfect summaries (SFT_QUALITY: usually
@@ -281,20 +287,30 @@ def prompt_items(prompt: str) -> frozenset[str]:
 # Gold reward
 
 
-def gold_reward(prompt: str, summary: str) -> float:
-    """Gold reward of `summary` (the completion as generated) for `prompt`; see the module docstring."""
+def gold_parts(prompt: str, summary: str) -> dict[str, float]:
+    """The parts of the gold reward of `summary` (the completion as generated) for `prompt`: items_correct (distinct
+    key items of the post named), items_invented (distinct vocabulary words named that are not in the post), words
+    (whitespace-separated words before the end token) and ended (1 when the summary holds the end token)."""
     items = prompt_items(prompt)
-    ended = END in summary
     text = summary.split(END, 1)[0]
     named = frozenset(_WORD_RE.findall(text.lower())) & ALL_ITEMS
-    correct = len(named & items)
-    wrong = len(named - items)
-    over = max(0, len(text.split()) - TARGET_WORDS)
+    return {
+        "items_correct": float(len(named & items)),
+        "items_invented": float(len(named - items)),
+        "words": float(len(text.split())),
+        "ended": float(END in summary),
+    }
+
+
+def gold_reward(prompt: str, summary: str) -> float:
+    """Gold reward of `summary` (the completion as generated) for `prompt`; see the module docstring."""
+    parts = gold_parts(prompt, summary)
+    correct, over = parts["items_correct"], max(0.0, parts["words"] - TARGET_WORDS)
     reward = (
         ITEM_REWARD * correct
-        - HALLUCINATION_PENALTY * wrong
+        - HALLUCINATION_PENALTY * parts["items_invented"]
         - min(LENGTH_PENALTY * over, LENGTH_PENALTY_CAP)
-        + END_BONUS * ended
+        + END_BONUS * parts["ended"] * (correct > 0)
     )
     return min(max(reward, GOLD_REWARD_MIN), GOLD_REWARD_MAX)
 

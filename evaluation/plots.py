@@ -45,21 +45,35 @@ def pipeline_diagram(out: Path) -> None:
 
 
 def demo_curves(run: Path, out: Path) -> None:
-    """GRPO: reward-model (proxy) score and gold reward of samples against KL; reward model: accuracy."""
+    """GRPO: reward-model (proxy) score, gold reward and key items named of the step's samples, against KL (each
+    point coloured by its step, so the path of training reads even where KL goes back and forth) and against the
+    step; reward model: accuracy."""
     grpo = read_metrics(run / "grpo" / "metrics.jsonl")
     rm = read_metrics(run / "rm" / "metrics.jsonl")
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (a, s, b) = plt.subplots(1, 3, figsize=(15, 3.9))
     rows = [m for m in grpo if "train/kl" in m]
+    series = (("reward/raw_mean", "o", "reward model (proxy)"), ("reward/gold_mean", "s", "gold reward"),
+              ("gold/items_correct", "^", "key items named"))
     if rows:
-        kl = [m["train/kl"] for m in rows]
-        if any("reward/raw_mean" in m for m in rows):
-            a.plot(kl, [m.get("reward/raw_mean", float("nan")) for m in rows], "o-", ms=3, label="reward model (proxy)")
-        if any("reward/gold_mean" in m for m in rows):
-            a.plot(kl, [m.get("reward/gold_mean", float("nan")) for m in rows], "s-", ms=3, label="gold reward")
+        kl, steps = [m["train/kl"] for m in rows], [m["step"] for m in rows]
+        points = None
+        for key, marker, name in series:
+            if any(key in m for m in rows):
+                values = [m.get(key, float("nan")) for m in rows]
+                a.plot(kl, values, "-", color="#bbb", lw=0.6, zorder=1)
+                points = a.scatter(kl, values, c=steps, cmap="viridis", marker=marker, s=18, zorder=2, label=name)
+                s.plot(steps, values, marker=marker, ms=3, label=name)
+        if points is not None:
+            fig.colorbar(points, ax=a, label="step")
+            legend = a.legend(fontsize=8)
+            for handle in legend.legend_handles:
+                handle.set_color("#555")
         a.set_xlabel("KL(policy || reference) per token")
-        a.set_ylabel("mean reward of samples")
-        a.legend()
-    a.set_title("GRPO on the synthetic task")
+        a.set_ylabel("mean over the step's samples")
+        s.set_xlabel("step")
+        s.legend(fontsize=8)
+    a.set_title("GRPO on the synthetic task, against KL")
+    s.set_title("GRPO, against the step")
     acc = [(m["step"], m[k]) for m in rm for k in ("train/accuracy", "val/accuracy") if k in m]
     for key, style in (("train/accuracy", "-"), ("val/accuracy", "o-")):
         pts = [(m["step"], m[key]) for m in rm if key in m]

@@ -164,6 +164,11 @@ def test_a_reward_function_that_fails_stops_naming_itself_and_the_row(fn, fragme
 # End to end: two processes, rule-based rewards, no reward model
 
 
+def ends(prompt, response):
+    """1 for a response that ended by itself: the signal the end-biased policy learns in a few steps."""
+    return float(response.endswith("\n"))
+
+
 def grpo_args(policy, prompts, val, run, *extra):
     return [
         "grpo.py", "--model", str(policy), "--train_data", str(prompts), "--val_data", str(val), "--pref_data", "",
@@ -180,23 +185,27 @@ def resume_from_step_3(run, args, full):
     (run / "checkpoints" / "latest").write_text("step_00000003")
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in full if m["step"] <= 3))
     run_script(args, nproc=2)
-    keys = ("train/loss", "train/kl", "train/grad_norm", "reward/mean", "reward/gold_reward_mean", "sample/end_fraction")
+    keys = ("train/loss", "train/kl", "train/grad_norm", "reward/mean", "sample/end_fraction")
     assert_same_metrics(full, read_metrics(run), keys, "resumed from step 3")
 
 
 @pytest.mark.slow
-def test_two_process_grpo_with_lora_and_the_gold_reward_function_improves_it(tmp_path):
+def test_two_process_grpo_with_lora_and_a_reward_function_improves_it(tmp_path):
     data = write_task(tmp_path / "data", n_sft_train=8, n_sft_val=16, n_pref_train=4, n_pref_val=4, n_prompts=64)
     start = end_biased_policy(tmp_path / "policy")
     run = tmp_path / "run"
     args = grpo_args(tmp_path / "policy", data["prompts_train"], data["sft_validation"], run,
-                     "--rewards", "gold_reward", "--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2",
-                     "--policy_epochs", "2", "--ref_refresh_every", "2")
+                     "--rewards", "tests.test_grpo_iterative:ends", "--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2",
+                     "--policy_epochs", "2", "--ref_refresh_every", "2", "--gold_reward_fn", "data.synthetic:gold_reward",
+                     "--gold_parts_fn", "data.synthetic:gold_parts")
     out = run_script(args, nproc=2)
-    assert "LoRA adapters on 8 projections" in out.stdout and "rewards: 1*gold_reward" in out.stdout
+    assert "LoRA adapters on 8 projections" in out.stdout and "rewards: 1*ends" in out.stdout
     m = [x for x in read_metrics(run) if x["step"] > 0]
-    gold = [x["reward/gold_reward_mean"] for x in m]
-    assert gold[-1] > gold[0] + 0.25, gold  # the trained-on rule reward improves (the policy learns to end)
+    score = [x["reward/ends_mean"] for x in m]
+    assert score[-1] > score[0] + 0.15, score  # the trained-on rule reward improves (the policy learns to end)
+    # the monitored gold reward's parts, averaged over both ranks' samples: "ended" is the end fraction
+    assert [x["gold/ended"] for x in m] == [x["sample/end_fraction"] for x in m]
+    assert all({"reward/gold_mean", "gold/items_correct", "gold/items_invented", "gold/words"} <= set(x) for x in m)
     assert all("reward/raw_mean" not in x for x in m)  # no reward model anywhere
     # mu = 2: the first update's ratio is exactly 1, the second's is not
     assert all(x["train/epoch_1/ratio_deviation"] == 0.0 and x["train/epoch_2/ratio_deviation"] > 0 for x in m)
@@ -206,7 +215,7 @@ def test_two_process_grpo_with_lora_and_the_gold_reward_function_improves_it(tmp
     # the export is a plain GPT-2: the adapted projections moved (LoRA merged), nothing else did
     assert changed_weights(tmp_path / "policy", run / "hf") == adapted_weight_names(start.cfg)
     columns = json.loads((run / "samples.jsonl").read_text().splitlines()[0])["columns"]
-    assert columns == ["prompt", "response", "gold_reward", "reward", "advantage", "has_end"]
+    assert columns == ["prompt", "response", "ends", "reward", "advantage", "has_end"]
     resume_from_step_3(run, args, read_metrics(run))  # the merged base (the reference) is in the model state
 
 

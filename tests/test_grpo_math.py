@@ -9,6 +9,7 @@ import torch
 
 from rlhf.grpo import (
     AGGREGATIONS,
+    advantages,
     clipped_surrogate,
     dr_grpo_weights,
     global_normalize,
@@ -163,6 +164,22 @@ def test_global_normalization_by_hand():
     assert torch.allclose(out, (a - 3.0) / math.sqrt(3.5), atol=1e-6)
     # a reduce_sum that doubles the statistics (as two identical ranks would) changes nothing
     assert torch.allclose(global_normalize(a, reduce_sum=lambda t: 2 * t, eps=0.0), out, atol=1e-6)
+
+
+def test_after_std_group_normalization_global_normalization_is_one_constant_factor():
+    """Groups normalized to mean 0 and sample std 1 pool to mean 0 and population variance (K - 1) / K, so global
+    whitening multiplies every advantage by sqrt(K / (K - 1)) unless a group is degenerate (all rewards equal: its
+    advantages are 0, which shrinks the pooled std). What the ablation of --global_norm can show depends on this."""
+    K = 8
+    rewards = torch.randn(5, K, generator=torch.Generator().manual_seed(0))
+    local, pooled = advantages(rewards, True, False), advantages(rewards, True, True)
+    assert torch.allclose(pooled, local * math.sqrt(K / (K - 1)), atol=1e-3)  # eps 1e-4 in the group std
+    rewards[0] = 1.0  # one degenerate group of five: the others are scaled up by a further sqrt(5 / 4)
+    local, pooled = advantages(rewards, True, False), advantages(rewards, True, True)
+    assert torch.allclose(pooled[K:], local[K:] * math.sqrt(K / (K - 1) * 5 / 4), atol=1e-3)
+    # Dr. GRPO's centring keeps each group's own scale; there global whitening sets the scale of the whole batch
+    centred = advantages(rewards, False, True)
+    assert centred.double().std(unbiased=False) == pytest.approx(1.0, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------

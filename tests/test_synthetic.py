@@ -12,6 +12,7 @@ from data.synthetic import (
     END,
     GOLD_REWARD_MAX,
     format_prompt,
+    gold_parts,
     gold_reward,
     make_post,
     prompt_items,
@@ -65,7 +66,7 @@ def test_prompt_items_rejects_a_prompt_in_another_layout():
 
 # ----------------------------------------------------------------------------------------------------
 # Gold reward, worked by hand: 1 per item named - 1 per wrong item - 0.25 per word over 8 (cap 2)
-# + 1 for the end token, clipped to [-3, 4].
+# + 1 for the end token when at least one item is named, clipped to [-3, 4].
 
 
 def test_gold_reward_by_hand():
@@ -84,11 +85,34 @@ def test_gold_reward_by_hand():
     assert gold_reward(PROMPT, " Sister, sister, SISTER!\n") == 2.0
     # Text after the first end token was never part of the summary.
     assert gold_reward(PROMPT, " my sister\n car angry") == 2.0
-    # Stopping at once earns the end bonus only; an empty summary earns nothing.
-    assert gold_reward(PROMPT, "\n") == 1.0
-    assert gold_reward(PROMPT, "") == 0.0
+    # No key item: no end bonus. Stopping at once, a generic summary and an empty one all earn 0.
+    assert gold_reward(PROMPT, "\n") == gold_reward(PROMPT, " need advice\n") == gold_reward(PROMPT, "") == 0.0
+    # An invented item and no right one: -1, ended or not.
+    assert gold_reward(PROMPT, " my brother is annoying\n") == gold_reward(PROMPT, " my brother is annoying") == -1.0
     # Clipped below: 4 wrong items, 9 words (1 over), no end token = -4.25 -> -3.
     assert gold_reward(PROMPT, " my brother dog sad mom and lots of words") == -3.0
+
+
+def test_gold_parts_by_hand():
+    assert gold_parts(PROMPT, " my brother sold my car, i am angry\n") == {
+        "items_correct": 2.0, "items_invented": 1.0, "words": 8.0, "ended": 1.0}
+    assert gold_parts(PROMPT, " Sister, sister\n car dog") == {
+        "items_correct": 1.0, "items_invented": 0.0, "words": 2.0, "ended": 1.0}
+    assert gold_parts(PROMPT, "") == {"items_correct": 0.0, "items_invented": 0.0, "words": 0.0, "ended": 0.0}
+
+
+def test_no_summary_without_a_key_item_beats_the_sft_data(task):
+    """Whatever a summary without a key item does (stop at once, stay short, pad with filler), it scores at most 0;
+    the task's SFT summaries score well above that. (tests/test_learning.py checks the same against the demo's
+    trained SFT policy.)"""
+    stats = synthetic.task_stats(task)
+    rng = random.Random(3)
+    posts = [make_post(rng) for _ in range(50)]
+    generic = ["", "\n", " need advice\n", " not sure what to do\n", " am i overreacting?\n", " please help"]
+    generic += [" " + t + END for t in synthetic.SUMMARIES[""]]
+    best_without_items = max(gold_reward(p["prompt"], g) for p in posts for g in generic)
+    assert best_without_items == 0.0
+    assert best_without_items < stats["sft_validation_gold"] - 1.0
 
 
 def test_best_summary_reaches_the_maximum():
@@ -100,7 +124,7 @@ def test_best_summary_reaches_the_maximum():
 
 def test_mean_gold_reward():
     summaries = [" my sister sold my car, i am angry\n", " my brother\n"]
-    assert synthetic.mean_gold_reward([PROMPT, PROMPT], summaries) == (4.0 + 0.0) / 2
+    assert synthetic.mean_gold_reward([PROMPT, PROMPT], summaries) == (4.0 - 1.0) / 2
     with pytest.raises(ValueError):
         synthetic.mean_gold_reward([PROMPT], summaries)
 
@@ -195,7 +219,7 @@ def test_without_noise_chosen_always_beats_rejected(tmp_path):
 def test_sft_completions_are_good_but_leave_room_for_rl(task):
     stats = synthetic.task_stats(task)
     for split in ("train", "validation"):
-        # Better than stopping at once (1.0), clearly below the best achievable (4.0).
+        # Far better than a summary without content (at most 0), clearly below the best achievable (4.0).
         assert 1.5 < stats[f"sft_{split}_gold"] < GOLD_REWARD_MAX - 1.0
     rows = read_jsonl(task["sft_train"])
     n_items = [len(prompt_items(r["prompt"]) & set(re.findall(r"[a-z]+", r["completion"]))) for r in rows]

@@ -66,6 +66,13 @@ def test_logger_writes_metrics_in_every_wandb_mode(tmp_path, mode):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert rows == [{"step": 3, "loss": 1.5}]
     assert (tmp_path / "wandb").exists() == (mode == "offline")
+    assert json.loads((tmp_path / "config.json").read_text()) == {"a": 1}  # what evaluation/compare.py groups by
+
+
+def test_logger_gives_the_wandb_run_its_group_and_tags(tmp_path):
+    log = Logger(tmp_path, {}, "test", "run", "offline", enabled=True, group="selection=rso", tags="selection=rso, seed=2")
+    assert log.run.group == "selection=rso" and tuple(log.run.tags) == ("selection=rso", "seed=2")
+    log.finish()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -265,6 +265,10 @@ class RunConfig:
     """wandb project."""
     run_name: str = "run"
     """wandb run name."""
+    wandb_group: str = ""
+    """wandb group (runs that differ only in seed share one, e.g. "selection=rso,global_norm=true"); empty: none."""
+    wandb_tags: str = ""
+    """Comma-separated wandb tags, e.g. the options that set this run apart ("selection=rso,global_norm=false")."""
 
     def validate_run(self) -> None:
         require_nonempty(self, "out_dir")

@@ -16,14 +16,17 @@ from tqdm import tqdm
 class Logger:
     def __init__(
         self, run_dir: str | Path, config: dict, project: str, name: str, mode: str, enabled: bool,
-        resume_step: int | None = None,
+        resume_step: int | None = None, group: str = "", tags: str = "",
     ):
         """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline).
 
         resume_step: the step a training run starts from (0 for a fresh start). Lines that a killed run wrote
         after that checkpoint are removed from metrics.jsonl and the table files, so a resumed run's files read as
         one uninterrupted run: every line with a later step, and every line of that step after its first (the
-        one logged before the checkpoint was saved). A fresh start empties them. None appends to what is there."""
+        one logged before the checkpoint was saved). A fresh start empties them. None appends to what is there.
+
+        group, tags: the wandb group and comma-separated tags (empty: none). The config is also written to
+        config.json in the run directory, which evaluation/compare.py reads."""
         self.enabled = enabled
         self.run = None
         self.file = None
@@ -35,13 +38,15 @@ class Logger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._truncate(self.run_dir / "metrics.jsonl")
         self.file = open(self.run_dir / "metrics.jsonl", "a")
+        (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str) + "\n")
         if mode == "auto":
             mode = "online" if (os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file()) else "offline"
         if mode != "disabled":
             import wandb
 
             self.run = wandb.init(
-                project=project, name=name, config=config, mode=mode, dir=str(self.run_dir),
+                project=project, name=name, config=config, mode=mode, dir=str(self.run_dir), group=group or None,
+                tags=[t.strip() for t in tags.split(",") if t.strip()] or None,
                 settings=wandb.Settings(silent=True),
             )
 

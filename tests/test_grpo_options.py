@@ -254,13 +254,22 @@ def test_config_names_the_offending_option(capsys):
 
 
 OPTIONS = {  # four runs for the six options, CPU being scarce; each case asserts what its options log
+    # caps far from 1 either way: in fp32 the sampler's and the trainer's log-probs agree to ~1e-6, so the share of
+    # tokens past a cap of exactly 1 would be rounding noise. 1000: nothing masked (GSPO's clipping still acts);
+    # 0.5: every token's ratio (~1) is past the cap, so TIS weighs every policy term by 0.5
     "sequence_ratio_mis": ["--importance_level", "sequence", "--eps_low", "3e-4", "--eps_high", "4e-4", "--policy_epochs",
-                           "2", "--rollout_correction", "mis", "--rollout_correction_cap", "1.0"],
-    "tis_kl_ratio": ["--rollout_correction", "tis", "--rollout_correction_cap", "1.0", "--kl_estimator", "k2",
+                           "2", "--rollout_correction", "mis", "--rollout_correction_cap", "1000"],
+    "tis_kl_ratio": ["--rollout_correction", "tis", "--rollout_correction_cap", "0.5", "--kl_estimator", "k2",
                      "--kl_ratio", "true"],
     "kl_in_reward": ["--kl_in", "reward", "--kl_estimator", "k1"],
     "dynamic_sampling": ["--min_group_std", "0.1"],
 }
+
+
+def ends(prompt, response):
+    """1 for a response that ended by itself: a reward the end-biased policy's samples differ in (the embedded
+    task's gold reward pays nothing to summaries without content, which a random policy never writes)."""
+    return float(response.endswith("\n"))
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +287,8 @@ def embedded_task(tmp_path_factory):
 def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path):
     prompts, policy = embedded_task
     run_script([
-        "grpo.py", "--model", str(policy), "--rewards", "gold_reward", "--train_data", str(prompts), "--val_data", "",
+        "grpo.py", "--model", str(policy), "--rewards", "tests.test_grpo_options:ends", "--train_data", str(prompts),
+        "--val_data", "",
         "--pref_data", "", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "8", "--max_prompt_len", "128",
         "--prompts_per_step", "4", "--micro_batch_size", "4", "--steps", "3", "--lr", "1e-3", "--warmup_steps", "1",
         "--beta", "0.1", "--eval_every", "-1", "--table_every", "0", "--save_every", "0", "--seed", "2",
@@ -293,13 +303,15 @@ def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path
         assert 0 <= m["train/mismatch/mean_abs_log_gap"] <= m["train/mismatch/max_abs_log_gap"] < 1e-3
     if option == "sequence_ratio_mis":  # the second epoch's sequence ratios leave GSPO's narrow range
         assert any(m["train/epoch_2/clip_fraction"] > 0 for m in trained)
-    if option in ("sequence_ratio_mis", "tis_kl_ratio"):  # cap 1: the tokens (sequences) whose ratio rounds above 1
-        assert all(0 < m["train/rollout_correction_fraction"] < 1 for m in trained)
+    if option == "sequence_ratio_mis":  # cap 1000: no sequence masked
+        assert all(m["train/rollout_correction_fraction"] == 0 for m in trained)
+    if option == "tis_kl_ratio":  # cap 0.5: every token's weight truncated
+        assert all(m["train/rollout_correction_fraction"] == 1 for m in trained)
     if option == "tis_kl_ratio":
         assert steps[0]["train/kl"] == 0 and steps[-1]["train/kl"] > 0  # k2 >= 0, 0 before the first update
     if option == "kl_in_reward":  # the policy == the reference at step 1 (k1 = 0), apart after the first update
         assert steps[0]["reward/kl_penalty_mean"] == 0 and steps[-1]["reward/kl_penalty_mean"] != 0
-    if option == "dynamic_sampling":  # some groups tie (gold rewards are multiples of 0.25), some do not
+    if option == "dynamic_sampling":  # some groups tie (all kept samples ended, or none), some do not
         dropped = [m["sample/dropped_group_fraction"] for m in steps]
         # an odd number of the 4 groups dropped: the two ranks kept different numbers of micro-batches (one group
         # each), so one of them ran filler micro-batches to stay in step with the other's collectives

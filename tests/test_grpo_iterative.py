@@ -223,23 +223,25 @@ def test_two_process_grpo_with_lora_and_a_reward_function_improves_it(tmp_path):
 def test_two_process_grpo_mixing_tasks_by_a_reward_column_with_a_refreshed_full_reference(tmp_path):
     data = write_task(tmp_path / "data", n_sft_train=8, n_sft_val=16, n_pref_train=4, n_pref_val=4, n_prompts=64)
     rows = [json.loads(line) for line in open(data["prompts_train"])]
-    mixed = tmp_path / "mixed.jsonl"  # half the prompts are scored by the gold reward, half by the format check
-    mixed.write_text("".join(json.dumps({**r, "reward_fns": ["gold_reward", "format"][i % 2]}) + "\n" for i, r in enumerate(rows)))
+    # half the prompts are scored by ending (a test-local function: the embedded gold reward pays nothing to a random
+    # policy's content-free summaries, so it would carry no signal), half by the format check
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps({**r, "reward_fns": ["ends", "format"][i % 2]}) + "\n" for i, r in enumerate(rows)))
     end_biased_policy(tmp_path / "policy")
     run = tmp_path / "run"
     args = grpo_args(tmp_path / "policy", mixed, data["sft_validation"], run,
-                     "--rewards", "gold_reward + 0.5*format", "--lr", "3e-3", "--ref_refresh_every", "2",
+                     "--rewards", "tests.test_grpo_iterative:ends + 0.5*format", "--lr", "3e-3", "--ref_refresh_every", "2",
                      "--entropy_coef", "0.01")
     run_script(args, nproc=2)
     m = [x for x in read_metrics(run) if x["step"] > 0]
     for x in m:
-        assert x["reward/gold_reward_fraction"] + x["reward/format_fraction"] == 1.0
-        assert 0.25 <= x["reward/gold_reward_fraction"] <= 0.75
+        assert x["reward/ends_fraction"] + x["reward/format_fraction"] == 1.0
+        assert 0.25 <= x["reward/ends_fraction"] <= 0.75
     assert m[-1]["reward/format_mean"] > m[0]["reward/format_mean"]
     assert m[-1]["sample/end_fraction"] > m[0]["sample/end_fraction"] + 0.1
     kl = {x["step"]: x["train/kl"] for x in m}
     assert kl[1] == kl[3] == kl[5] == 0.0 and kl[2] > 0 and kl[4] > 0, kl  # mu = 1, refreshed before 3 and 5
     final = read_metrics(run)[-1]
-    assert {"eval/reward", "eval/reward_gold_reward", "eval/reward_format"} <= set(final)
+    assert {"eval/reward", "eval/reward_ends", "eval/reward_format"} <= set(final)
     # the checkpoint at step 3 holds the reference refreshed at step 3: step 4's KL after resuming must match
     resume_from_step_3(run, args, read_metrics(run))

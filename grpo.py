@@ -57,7 +57,6 @@ from rollouts.memory import check_memory, free_device_bytes
 from rollouts.models import Models, build_models, refresh_reference, sharded_module
 from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, Scores, model_rows, rollout, source_values
-from utils.checkpoint import full_model_state, set_full_model_state
 from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
 from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world, stream
 from utils.fsdp import gathered_params, set_gradient_sync
@@ -502,6 +501,22 @@ class StepResult:
     kl_penalty_BK: torch.Tensor
 
 
+def kl_in_reward(batches: list[dict], rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg: Config):
+    """--kl_in reward: beta x each kept response's KL estimate (--kl_estimator, summed over its tokens) leaves its
+    reward, and the advantages are recomputed and written back into the micro-batches. Returns the advantages (B*K,)
+    and the penalty (B, K) (0 for dropped groups)."""
+    kept_N = keep_B.repeat_interleave(cfg.kept)  # (B*K,)
+    real = [b for b in batches if not b.get("filler")]
+    kl_N = torch.cat([sequence_kl(b["old_logprobs"], b["ref_logprobs"], b["response_mask"], cfg.kl_estimator)
+                      for b in real]) if real else rewards_BK.new_zeros(0)  # (kept rows,)
+    kl_penalty_BK = torch.zeros_like(rewards_BK)
+    kl_penalty_BK[keep_B] = cfg.beta * kl_N.float().view(-1, cfg.kept)
+    adv = kept_advantages(rewards_BK - kl_penalty_BK, keep_B, cfg)
+    for s, b in zip(range(0, len(kl_N), cfg.micro_batch_size), real):
+        b["advantages"] = adv[kept_N][s : s + cfg.micro_batch_size]
+    return adv, kl_penalty_BK
+
+
 def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: RewardSpec, cfg: Config, step: int,
                guard: NonFiniteGuard | None = None) -> StepResult:
     """Stages 2-7 of GRPO step `step` (0-based) on this rank's prompts; collective over ranks."""
@@ -542,13 +557,7 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
     kl_penalty_BK = torch.zeros_like(rewards_BK)
     if cfg.kl_in == "reward":
         with timer("advantages"):
-            real = [b for b in batches if not b.get("filler")]
-            kl_N = torch.cat([sequence_kl(b["old_logprobs"], b["ref_logprobs"], b["response_mask"], cfg.kl_estimator)
-                              for b in real]) if real else rewards_BK.new_zeros(0)  # (kept rows,)
-            kl_penalty_BK[keep_B] = cfg.beta * kl_N.float().view(-1, cfg.kept)
-            adv = kept_advantages(rewards_BK - kl_penalty_BK, keep_B, cfg)
-            for s, b in zip(range(0, len(kl_N), cfg.micro_batch_size), real):
-                b["advantages"] = adv[kept_N][s : s + cfg.micro_batch_size]
+            adv, kl_penalty_BK = kl_in_reward(batches, rewards_BK, keep_B, cfg)
     # 7. update the policy; a non-finite loss or gradient norm stops the run, or skips the optimizer step
     with timer("update"):
         update = policy_update(models.policy, optimizer, scheduler, batches, cfg, world, device, guard, step + 1)
@@ -638,6 +647,16 @@ def check_models(cfg: Config, sources: list[RewardSource]):
     return model_cfg
 
 
+def check_step_fits(cfg: Config, sources: list[RewardSource], model_cfg, dtype, world: int, device) -> None:
+    """On a device that reports its free memory (a GPU), a step that cannot fit stops here, before any weight is
+    loaded, with one line naming the option to lower (rollouts/memory.py); the smallest free memory of any rank."""
+    free = free_device_bytes(device)
+    if free is not None:
+        rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init) if any(s.fn is None for s in sources) else None
+        dtype_bytes = torch.finfo(dtype or torch.float32).bits // 8
+        check_memory(cfg, model_cfg, rm_cfg, world, dtype_bytes, int(-all_reduce_max(-free, device)), str(device))
+
+
 def main(cfg: Config) -> dict:
     # set-up: every check that needs no data and no weights (sizes, the models' configs and context lengths), then
     # the process group, run directory and checkpoint to resume from, before any model is built or put on a GPU
@@ -648,11 +667,7 @@ def main(cfg: Config) -> dict:
     run = start_run(cfg, {"stage": "grpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     rank, world, device = run.rank, run.world, run.device
     prompts_per_rank, n_micro = per_rank_sizes(cfg, world)
-    free = free_device_bytes(device)
-    if free is not None:  # a step that cannot fit stops here, before any weight is loaded, naming the option to lower
-        rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init) if any(s.fn is None for s in sources) else None
-        dtype_bytes = torch.finfo(run.dtype or torch.float32).bits // 8
-        check_memory(cfg, model_cfg, rm_cfg, world, dtype_bytes, int(-all_reduce_max(-free, device)), str(device))
+    check_step_fits(cfg, sources, model_cfg, run.dtype, world, device)
 
     # set-up: data (training prompts sharded per rank, with the reward sources that apply to each row; evaluation
     # sets split over ranks), models, optimizer, resume

@@ -47,6 +47,17 @@ def tiny_cfg():
     return GPTConfig(vocab_size=50257, n_positions=128, n_layer=2, n_head=2, n_embd=32)
 
 
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo process group, so shard_model's FSDP2 (mixed precision included) runs in this process."""
+    from utils.dist import cleanup_distributed, setup_distributed
+
+    cleanup_distributed()
+    setup_distributed("cpu")
+    yield
+    cleanup_distributed()
+
+
 def requires_gpu():
     return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

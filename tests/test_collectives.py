@@ -22,16 +22,6 @@ UNITS = CFG.n_layer + 1  # one FSDP unit per block, plus the root
 
 
 @pytest.fixture
-def one_rank_group():
-    from utils.dist import cleanup_distributed, setup_distributed
-
-    cleanup_distributed()
-    setup_distributed("cpu")
-    yield
-    cleanup_distributed()
-
-
-@pytest.fixture
 def all_gathers(monkeypatch):
     """Counts FSDP2's unshards of a unit: on two or more ranks each is one all-gather (one rank skips the collective
     itself, so the count is taken where the gathered parameters are put in place, a private FSDP2 method)."""

@@ -363,17 +363,6 @@ def test_eval_every_minus_one_never_reads_or_evaluates_the_validation_pairs(stag
 # bf16 on CPU: the reward head's precision, DPO's reference dtype
 
 
-@pytest.fixture
-def one_rank_group():
-    """A one-rank gloo process group, so shard_model's FSDP2 mixed precision runs in this process."""
-    from utils.dist import cleanup_distributed, setup_distributed
-
-    cleanup_distributed()
-    setup_distributed("cpu")
-    yield
-    cleanup_distributed()
-
-
 def test_reward_head_is_fp32_under_bf16_mixed_precision(one_rank_group):
     """Under bf16 FSDP mixed precision the body runs in bf16 but the scalar head must not round its output to bf16
     (scores on bf16 steps, 0.0625 apart near |r| = 10, would tie in RSO's r == r_max and shift advantages)."""

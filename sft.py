@@ -12,6 +12,7 @@ on the attention and MLP projections train (model/lora.py), and the export merge
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -19,6 +20,7 @@ from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, eval_
 from data.tokenizer import get_tokenizer
 from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
+from rlhf.logprobs import linear_processed_logprobs
 from rlhf.losses import sft_loss_sum
 from utils.config import (
     ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config,
@@ -65,15 +67,17 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
 def response_nll_sum(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed NLL of response tokens, number of response tokens) for one micro-batch.
 
-    Logits are computed only at the positions that predict response tokens: columns P-1 .. P+R-2, where P is
-    the (left-padded) prompt width. With GPT-2's 50k vocabulary that saves most of a small model's FLOPs."""
+    The LM head runs only at the positions that predict response tokens (columns P-1 .. P+R-2, where P is the
+    left-padded prompt width), inside rlhf/logprobs.py's chunked pass, so the (B, R, V) logits are never
+    materialised: with GPT-2's 50k vocabulary the head is most of a small model's FLOPs and memory."""
     input_ids = batch["input_ids"].to(device)
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
-    logits = model(
-        input_ids, batch["position_ids"].to(device), batch["attention_mask"].to(device), logits_slice=slice(P - 1, P + R - 1)
-    )  # (B, R, V)
+    logp_BR, _ = model(
+        input_ids, batch["position_ids"].to(device), batch["attention_mask"].to(device), logits_slice=slice(P - 1, P + R - 1),
+        head=partial(linear_processed_logprobs, targets_NR=batch["response_ids"].to(device)),
+    )  # (B, R)
     mask = batch["response_mask"].to(device)
-    return sft_loss_sum(logits, batch["response_ids"].to(device), mask), mask.sum()
+    return sft_loss_sum(logp_BR, mask), mask.sum()
 
 
 def prompt_targets(batch: dict) -> torch.Tensor:
@@ -106,11 +110,11 @@ def weighted_nll_sum(
     input_ids = batch["input_ids"]
     targets = input_ids.gather(1, columns + 1)
     weight = torch.cat([prompt_weight * scale * drawn, batch["response_mask"].float()], dim=1)  # (B, K+R)
-    logits = model(
+    logp, _ = model(
         input_ids.to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device),
-        logits_slice=columns.to(device),
-    )  # (B, K+R, V)
-    return sft_loss_sum(logits, targets.to(device), weight.to(device))
+        logits_slice=columns.to(device), head=partial(linear_processed_logprobs, targets_NR=targets.to(device)),
+    )  # (B, K+R)
+    return sft_loss_sum(logp, weight.to(device))
 
 
 def accumulate_gradients(

@@ -15,10 +15,10 @@ def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperatu
     return torch.gather(logits, -1, targets_BT.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def sft_loss_sum(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """Summed negative log-likelihood of the masked target tokens (a scalar)."""
-    nll = -token_logprobs(logits_BTV, targets_BT)
-    return (nll * mask_BT).sum()
+def sft_loss_sum(logprobs_BT: torch.Tensor, weight_BT: torch.Tensor) -> torch.Tensor:
+    """Summed negative log-likelihood of the target tokens, each weighted (0 for padding), from their log-probs
+    (B, T) (rlhf/logprobs.py computes them without the logits): a scalar."""
+    return -(logprobs_BT * weight_BT).sum()
 
 
 # ----------------------------------------------------------------------------------------------------

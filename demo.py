@@ -13,11 +13,11 @@ summaries and its parts (key items named and invented, words, ended), reward-mod
 The summary is written to runs/demo/summary.json.
 
 The reward model and DPO train on comparisons of SFT samples, as in summarize-from-feedback (Stiennon et al.
-2020), where labellers compared samples of the policies being trained: a tiny model trained for minutes from
-random weights rarely copies the post's items, so what separates its summaries (invented items, length,
-filler, ending) is what the reward model must learn, and those are the things comparisons of its own samples
-teach. (The task's static preference files compare summaries of a better writer; they serve the tests and
-users with larger models.)
+2020), where labellers compared samples of the policies being trained: what separates the tiny SFT policy's
+summaries (which key items they name, which they invent, length, filler, ending) is what the reward model must
+learn, and comparisons of its own samples teach exactly that. The SFT stage is long for a tiny model (1,600 steps)
+because copying the post's items appears only after a plateau (docs/demo_results.md). (The task's static
+preference files compare summaries of a better writer; they serve the tests and users with larger models.)
 """
 
 import argparse
@@ -89,27 +89,23 @@ def gold_of_samples(policy_dir: Path, prompts_file: Path, n_prompts: int, sample
 
 
 def label_policy_pairs(
-    policy_dir: Path, prompts_file: Path, n_prompts: int, out_file: Path, label_noise: float, seed: int
+    policy_dir: Path, prompts_file: Path, n_prompts: int, out_file: Path, label_noise: float, seed: int, samples: int = 8
 ) -> int:
     """Preference pairs of the policy's own summaries, labelled by the gold reward (the stand-in for human
     labellers) with `label_noise`, as in summarize-from-feedback where labellers compare samples of the SFT
-    policy. Per prompt: 4 samples; the first two that ended and differ in gold reward make the pair (prompts
-    without such two are skipped). Written in the trl-lib/tldr-preference layout; returns the number of pairs."""
+    policy. Per prompt: `samples` samples, paired by data.synthetic.gold_pairs (disjoint pairs of summaries that
+    ended and differ in gold reward, up to samples / 2 per prompt). Written in the trl-lib/tldr-preference layout; returns the number of pairs."""
     import random
 
-    from data.synthetic import END, gold_reward
+    from data.synthetic import END, gold_pairs
 
     rng = random.Random(f"demo-pairs/{seed}/{out_file.name}")
     rows = []
-    for prompt, texts in sample_summaries(policy_dir, prompts_file, n_prompts, 4, 32, seed):
-        ended = [t for t in texts if t.endswith(END) and t[:-1].strip()]
-        pair = next(((a, b) for i, a in enumerate(ended) for b in ended[i + 1 :] if gold_reward(prompt, a) != gold_reward(prompt, b)), None)
-        if pair is None:
-            continue
-        chosen, rejected = sorted(pair, key=lambda t: gold_reward(prompt, t), reverse=True)
-        if rng.random() < label_noise:
-            chosen, rejected = rejected, chosen
-        rows.append({"prompt": prompt, "chosen": chosen[:-1], "rejected": rejected[:-1]})  # loaders append END
+    for prompt, texts in sample_summaries(policy_dir, prompts_file, n_prompts, samples, 32, seed):
+        for chosen, rejected in gold_pairs(prompt, texts):
+            if rng.random() < label_noise:
+                chosen, rejected = rejected, chosen
+            rows.append({"prompt": prompt, "chosen": chosen[: -len(END)], "rejected": rejected[: -len(END)]})  # loaders append END
     out_file.parent.mkdir(parents=True, exist_ok=True)
     with open(out_file, "w", encoding="utf-8") as f:
         for row in rows:
@@ -123,7 +119,7 @@ def train_sft_and_reward_model(out: Path, paths: dict, pairs: dict, args, common
     run_stage("sft.py", {
         "model": args.model, "random_init": "true", "train_data": paths["sft_train"], "val_data": paths["sft_validation"],
         "val_rows": 128, "steps": args.sft_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc,
-        "lr": 3e-3, "warmup_steps": 10, "eval_every": 100, "save_every": 0, "max_prompt_len": 192,
+        "lr": args.sft_lr, "warmup_steps": 10, "eval_every": 100, "save_every": 0, "max_prompt_len": 192,
         "max_response_len": 32, "prompt_loss_weight": args.prompt_loss_weight, "out_dir": out / "sft",
         "run_name": "demo-sft", **common,
     }, args.nproc)
@@ -136,8 +132,8 @@ def train_sft_and_reward_model(out: Path, paths: dict, pairs: dict, args, common
     # 4. reward model on those pairs, normalised on samples of the SFT policy
     run_stage("reward_model.py", {
         "model": out / "sft" / "hf", "train_data": pairs["train"], "val_data": pairs["validation"],
-        "val_rows": 256, "steps": args.rm_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 1e-3,
-        "warmup_steps": 5, "eval_every": 25, "save_every": 0, "max_prompt_len": 192, "max_response_len": 32,
+        "val_rows": 256, "steps": args.rm_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 2e-3,
+        "warmup_steps": 5, "eval_every": 50, "save_every": 0, "max_prompt_len": 192, "max_response_len": 32,
         "norm_prompts": 64, "norm_samples_per_prompt": 4, "out_dir": out / "rm", "run_name": "demo-rm", **common,
     }, args.nproc)
 
@@ -180,8 +176,12 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
     (evaluation/compare.py). Returns the table (markdown)."""
     from evaluation.compare import group_runs, load_run, plot, table
 
+    unknown = sorted(set(args.ablation_variants) - set(ABLATION))
+    if unknown:
+        raise SystemExit(f"--ablation_variants: unknown {', '.join(unknown)}; expected some of {', '.join(ABLATION)}")
     dirs = []
-    for name, options in ABLATION.items():
+    for name in args.ablation_variants:
+        options = ABLATION[name]
         for seed in range(args.ablation_seeds):
             run_dir = out / "ablation" / name / f"seed{seed}"
             tags = ",".join(f"{k}={v}" for k, v in options.items())
@@ -204,18 +204,23 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes per stage (torchrun when > 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic task and of every stage")
     p.add_argument("--model", default="tiny", help="GPT-2 preset trained from random initialisation")
-    p.add_argument("--sft_steps", type=int, default=300, help="SFT optimizer steps")
+    p.add_argument("--sft_steps", type=int, default=1600, help="SFT optimizer steps (the tiny policy starts copying the "
+                   "post's items after ~600-800 steps at --sft_lr 6e-3; 300 never did: docs/demo_results.md)")
+    p.add_argument("--sft_lr", type=float, default=6e-3, help="SFT peak learning rate (1e-2 never started copying)")
     p.add_argument("--prompt_loss_weight", type=float, default=0.0, help="SFT's weight of the next-token loss on the "
                    "post relative to the summary (sft.py --prompt_loss_weight); 0.1 did not make the tiny policy copy the "
                    "post's items in 300 steps (docs/demo_results.md)")
-    p.add_argument("--rm_steps", type=int, default=150, help="reward-model optimizer steps")
-    p.add_argument("--pair_prompts", type=int, default=1200, help="training prompts whose SFT samples are labelled into pairs")
-    p.add_argument("--dpo_steps", type=int, default=60, help="DPO optimizer steps")
+    p.add_argument("--rm_steps", type=int, default=300, help="reward-model optimizer steps")
+    p.add_argument("--pair_prompts", type=int, default=2000, help="training prompts whose SFT samples (8 each) are labelled "
+                   "into pairs (up to 4 per prompt)")
+    p.add_argument("--dpo_steps", type=int, default=150, help="DPO optimizer steps")
     p.add_argument("--grpo_steps", type=int, default=30, help="GRPO steps")
     p.add_argument("--assets", default="assets", help="folder for the pipeline diagram and the demo's curves")
     p.add_argument("--wandb_mode", default="auto", help="online, offline, disabled, or auto")
     p.add_argument("--ablation_seeds", type=int, default=0, help="with N > 0: instead of DPO and GRPO, the ablation of "
                    "GRPO's selection and global normalization (ABLATION), N seeds each, from one SFT policy and reward model")
+    p.add_argument("--ablation_variants", nargs="+", default=list(ABLATION), metavar="NAME",
+                   help=f"which variants of ABLATION to run (default: all of {', '.join(ABLATION)})")
     p.add_argument("--reuse", action="store_true", help="reuse --out's SFT policy, labelled pairs and reward model "
                    "(sft/hf, data/policy_pairs, rm/hf) when they exist instead of training them again")
     args = p.parse_args()

@@ -37,8 +37,11 @@ names none but invents one scores below 0. The best summary names all three item
 and ends with "\\n": gold = GOLD_REWARD_MAX = 4 (`best_summary`). All terms are multiples of 0.25,
 so gold rewards compare exactly.
 
-Whether a small model trained from random weights learns to copy the items is measured, not assumed:
-docs/demo_results.md records the items the demo's SFT, DPO and GRPO policies name.
+Whether a small model trained from random weights learns to copy the items is measured, not assumed
+(docs/demo_results.md): the demo's 2-layer GPT-2 does, but only after a plateau, and only when it sees the same
+SFT rows many times: with the 2,000 SFT rows, 1,600 steps of 32 at lr 6e-3 name 1.3-1.4 key items per sampled
+summary (the data's summaries name 1.64); 300 steps name them at chance, and 3,000 or 8,000 rows showed no copying
+within 1,200 steps.
 
 Data, in the layouts of the Hugging Face datasets (see `write_task`):
 - SFT (`trl-lib/tldr`: prompt, completion): good but imperfect summaries (SFT_QUALITY: usually
@@ -320,6 +323,22 @@ def mean_gold_reward(prompts: Sequence[str], summaries: Sequence[str]) -> float:
     if len(prompts) != len(summaries) or not prompts:
         raise ValueError(f"need equal, non-zero lengths, got {len(prompts)} and {len(summaries)}")
     return sum(gold_reward(p, s) for p, s in zip(prompts, summaries)) / len(prompts)
+
+
+def gold_pairs(prompt: str, summaries: Sequence[str]) -> list[tuple[str, str]]:
+    """Disjoint (better, worse) pairs of summaries of one prompt by gold reward, for labelling a policy's own samples:
+    of the summaries that ended with END and say something, in order, each is paired with the next unpaired one whose
+    gold reward differs (ties carry no preference). At most len(summaries) // 2 pairs."""
+    left = [(s, gold_reward(prompt, s)) for s in summaries if s.endswith(END) and s[: -len(END)].strip()]
+    pairs = []
+    while left:
+        (a, gold_a), rest = left[0], left[1:]
+        b = next((i for i, (_, gold_b) in enumerate(rest) if gold_b != gold_a), None)
+        if b is None:
+            break  # every summary left has a's gold reward
+        (other, gold_b), left = rest[b], rest[:b] + rest[b + 1 :]
+        pairs.append((a, other) if gold_a > gold_b else (other, a))
+    return pairs
 
 
 # ----------------------------------------------------------------------------------------------------

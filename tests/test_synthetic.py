@@ -12,6 +12,7 @@ from data.synthetic import (
     END,
     GOLD_REWARD_MAX,
     format_prompt,
+    gold_pairs,
     gold_parts,
     gold_reward,
     make_post,
@@ -99,6 +100,19 @@ def test_gold_parts_by_hand():
     assert gold_parts(PROMPT, " Sister, sister\n car dog") == {
         "items_correct": 1.0, "items_invented": 0.0, "words": 2.0, "ended": 1.0}
     assert gold_parts(PROMPT, "") == {"items_correct": 0.0, "items_invented": 0.0, "words": 0.0, "ended": 0.0}
+
+
+def test_gold_pairs_by_hand():
+    best = " my sister sold my car, i am angry\n"  # gold 4
+    two = " my sister sold my car\n"  # 2 items + end: 3
+    wrong = " my brother is annoying\n"  # -1
+    # In order: best pairs with the next that differs (two), then wrong with the one left that differs (two again).
+    assert gold_pairs(PROMPT, [best, two, wrong, two]) == [(best, two), (two, wrong)]
+    # Ties carry no preference; what did not end or says nothing is never paired.
+    assert gold_pairs(PROMPT, [best, best, best]) == []
+    assert gold_pairs(PROMPT, [best, " my sister sold my car", "\n", " \n", wrong]) == [(best, wrong)]
+    # The worse one may come first; at most len // 2 disjoint pairs.
+    assert gold_pairs(PROMPT, [wrong, best, two, best]) == [(best, wrong), (best, two)]
 
 
 def test_no_summary_without_a_key_item_beats_the_sft_data(task):

@@ -191,7 +191,7 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
             }, args.nproc)
             dirs.append(run_dir)
     groups = group_runs([load_run(d) for d in dirs])
-    text = table(groups, ABLATION_METRICS, {"train/kl"}, last=5)
+    text = table(groups, ABLATION_METRICS, {"train/kl", "gold/items_invented"}, last=5)
     Path(args.assets).mkdir(parents=True, exist_ok=True)
     plot(groups, ["reward/gold_mean", "gold/items_correct", "reward/mean"], Path(args.assets) / "ablation.png", "train/kl", 5)
     (out / "ablation.md").write_text(text + "\n")

@@ -237,11 +237,13 @@ def test_two_process_grpo_mixing_tasks_by_a_reward_column_with_a_refreshed_full_
     for x in m:
         assert x["reward/ends_fraction"] + x["reward/format_fraction"] == 1.0
         assert 0.25 <= x["reward/ends_fraction"] <= 0.75
-    assert m[-1]["reward/format_mean"] > m[0]["reward/format_mean"]
-    assert m[-1]["sample/end_fraction"] > m[0]["sample/end_fraction"] + 0.1
     kl = {x["step"]: x["train/kl"] for x in m}
     assert kl[1] == kl[3] == kl[5] == 0.0 and kl[2] > 0 and kl[4] > 0, kl  # mu = 1, refreshed before 3 and 5
-    final = read_metrics(run)[-1]
-    assert {"eval/reward", "eval/reward_ends", "eval/reward_format"} <= set(final)
+    first, final = read_metrics(run)[0], read_metrics(run)[-1]
+    assert first["step"] == 0 and {"eval/reward", "eval/reward_ends", "eval/reward_format"} <= set(first) & set(final)
+    # Learning, judged on the held-out rows before step 1 and after the last: one step's 32 samples per reward are
+    # too few to compare a single step with another (format_mean went 0.725, 0.22, 1.0, 0.575, 0.7 on one machine)
+    assert final["eval/reward_format"] > first["eval/reward_format"], (first, final)
+    assert final["eval/reward"] > first["eval/reward"], (first, final)
     # the checkpoint at step 3 holds the reference refreshed at step 3: step 4's KL after resuming must match
     resume_from_step_3(run, args, read_metrics(run))

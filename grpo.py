@@ -345,16 +345,18 @@ def response_logprobs(model, batch: dict, cfg: Config, with_entropy: bool = Fals
     """(processed log-probs (n, R), entropy (n, R) or None) of the response tokens: temperature, top-k and top-p
     applied as the sampler drew them, in one chunked pass with the LM head inside it (rlhf/logprobs.py), so the
     (n, R, V) logits are never materialised. Predicted at columns P-1 .. P+R-2 of prompt + response rows, or at their
-    places in packed rows (each prompt's last token, then the response's own columns)."""
+    places in packed rows (each prompt's last token, then the response's own columns); the head runs only where the
+    response mask is True (0 log-prob and entropy at padding, which every loss and sum masks out)."""
     n, R = batch["response_ids"].shape
-    targets = batch["response_ids"]
+    targets, real = batch["response_ids"], batch["response_mask"]
     if "layout" in batch:  # one packed row: the head runs at its n*R predicting positions
-        mask, where, targets = batch["layout"], batch["layout"].logits_index().view(1, n * R), targets.reshape(1, n * R)
+        mask, where = batch["layout"], batch["layout"].logits_index().view(1, n * R)
+        targets, real = targets.reshape(1, n * R), real.reshape(1, n * R)
     else:
         P = batch["prompt_len"]
         mask, where = batch["attention_mask"], slice(P - 1, P + R - 1)
     head = partial(linear_processed_logprobs, targets_NR=targets, temperature=cfg.temperature, top_k=cfg.top_k,
-                   top_p=cfg.top_p, with_entropy=with_entropy)
+                   top_p=cfg.top_p, with_entropy=with_entropy, mask_NR=real)  # padding: no head, log-prob 0
     logp, entropy = model(batch["input_ids"], batch["position_ids"], mask, logits_slice=where, head=head)
     return logp.view(n, R), entropy.view(n, R) if entropy is not None else None
 

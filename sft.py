@@ -67,16 +67,17 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
 def response_nll_sum(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed NLL of response tokens, number of response tokens) for one micro-batch.
 
-    The LM head runs only at the positions that predict response tokens (columns P-1 .. P+R-2, where P is the
-    left-padded prompt width), inside rlhf/logprobs.py's chunked pass, so the (B, R, V) logits are never
-    materialised: with GPT-2's 50k vocabulary the head is most of a small model's FLOPs and memory."""
+    The LM head runs only at the positions that predict real response tokens (columns P-1 .. P+R-2, where P is the
+    left-padded prompt width, less the right padding of shorter responses), inside rlhf/logprobs.py's chunked pass,
+    so the (B, R, V) logits are never materialised: with GPT-2's 50k vocabulary the head is most of a small model's
+    FLOPs and memory."""
     input_ids = batch["input_ids"].to(device)
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
+    mask = batch["response_mask"].to(device)
     logp_BR, _ = model(
         input_ids, batch["position_ids"].to(device), batch["attention_mask"].to(device), logits_slice=slice(P - 1, P + R - 1),
-        head=partial(linear_processed_logprobs, targets_NR=batch["response_ids"].to(device)),
-    )  # (B, R)
-    mask = batch["response_mask"].to(device)
+        head=partial(linear_processed_logprobs, targets_NR=batch["response_ids"].to(device), mask_NR=mask),
+    )  # (B, R), 0 at padding
     return sft_loss_sum(logp_BR, mask), mask.sum()
 
 
@@ -110,11 +111,12 @@ def weighted_nll_sum(
     input_ids = batch["input_ids"]
     targets = input_ids.gather(1, columns + 1)
     weight = torch.cat([prompt_weight * scale * drawn, batch["response_mask"].float()], dim=1)  # (B, K+R)
+    weight = weight.to(device)
     logp, _ = model(
-        input_ids.to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device),
-        logits_slice=columns.to(device), head=partial(linear_processed_logprobs, targets_NR=targets.to(device)),
-    )  # (B, K+R)
-    return sft_loss_sum(logp, weight.to(device))
+        input_ids.to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device), logits_slice=columns.to(device),
+        head=partial(linear_processed_logprobs, targets_NR=targets.to(device), mask_NR=weight > 0),
+    )  # (B, K+R), 0 where the weight is
+    return sft_loss_sum(logp, weight)
 
 
 def accumulate_gradients(

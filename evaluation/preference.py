@@ -37,14 +37,16 @@ SUBSETS = (
 def response_logprobs(model: nn.Module, batch: dict, device) -> torch.Tensor:
     """log pi(y | x) of every row (2B,), summed over response tokens, in fp32; differentiable.
 
-    The LM head runs only at the columns P-1 .. P+R-2 that predict the response (see data/tldr.py), inside
+    The LM head runs only at the columns P-1 .. P+R-2 that predict real response tokens (see data/tldr.py), inside
     rlhf/logprobs.py's chunked pass (GRPO's function), so the (2B, R, V) logits are never materialised."""
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
+    mask = batch["response_mask"].to(device)
     logp_BR, _ = model(
         batch["input_ids"].to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device),
-        logits_slice=slice(P - 1, P + R - 1), head=partial(linear_processed_logprobs, targets_NR=batch["response_ids"].to(device)),
-    )  # (2B, R)
-    return (logp_BR * batch["response_mask"].to(device)).sum(-1)  # (2B,)
+        logits_slice=slice(P - 1, P + R - 1),
+        head=partial(linear_processed_logprobs, targets_NR=batch["response_ids"].to(device), mask_NR=mask),
+    )  # (2B, R), 0 at padding
+    return (logp_BR * mask).sum(-1)  # (2B,)
 
 
 def reward_scores(model: nn.Module, batch: dict, device) -> torch.Tensor:

@@ -231,15 +231,31 @@ def linear_processed_logprobs(
     top_p: float = 1.0,
     with_entropy: bool = False,
     chunk: int | None = None,
+    mask_NR: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """processed_logprobs(F.linear(hidden, weight), targets, ...) without the (n, R, V) logits: the LM head applied
     `chunk` positions at a time inside the pass (default: CHUNK on a CPU, GPU_CHUNK_BYTES of logits on a GPU). Differentiable with respect to the hidden states and the weight
     (a frozen weight gets no gradient computed). GPT2LMHeadModel.forward(..., head=...) calls it with its tied head
-    weight, inside the root module's forward, so FSDP has the weight gathered."""
+    weight, inside the root module's forward, so FSDP has the weight gathered.
+
+    With `mask_NR` (bool, the shape of targets_NR) the head runs only at the True positions, packed together: a
+    batch of padded responses (about half padding in the demo's SFT) pays for its real tokens only. The False
+    positions get log-prob 0 and entropy 0, and no gradient reaches their hidden states."""
     *lead, C = hidden_NRC.shape
     if chunk is None:
         chunk = CHUNK if hidden_NRC.device.type == "cpu" else max(CHUNK, GPU_CHUNK_BYTES // (4 * weight_VC.shape[0]))
-    return _LinearChunkedLogprobs.apply(
-        hidden_NRC.reshape(-1, C), weight_VC, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk,
-        tuple(lead),
+    if mask_NR is None:
+        return _LinearChunkedLogprobs.apply(
+            hidden_NRC.reshape(-1, C), weight_VC, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk,
+            tuple(lead),
+        )
+    if mask_NR.shape != targets_NR.shape:
+        raise ValueError(f"mask_NR has shape {tuple(mask_NR.shape)}, targets_NR {tuple(targets_NR.shape)}: expected the same")
+    mask_NR = mask_NR.bool()
+    hidden_KC, targets_K = hidden_NRC[mask_NR], targets_NR[mask_NR]  # the True positions, in row-major order
+    logp_K, entropy_K = _LinearChunkedLogprobs.apply(
+        hidden_KC, weight_VC, targets_K, temperature, top_k, top_p, with_entropy, chunk, (targets_K.shape[0],)
     )
+    zeros = torch.zeros(targets_NR.shape, dtype=torch.float32, device=hidden_NRC.device)
+    entropy = zeros.masked_scatter(mask_NR, entropy_K) if entropy_K is not None else None
+    return zeros.masked_scatter(mask_NR, logp_K), entropy  # back in row-major order: masked_scatter fills that way

@@ -249,3 +249,46 @@ def test_fused_head_on_gpu_matches_and_saves_memory():
           f" MiB, fused {fused[3] / 2**20:.0f} MiB; fp32 logits {logits_bytes / 2**20:.0f} MiB")
     assert fused[3] < chunked[3]
     assert original[3] - fused[3] >= 2 * logits_bytes
+
+
+@pytest.mark.parametrize("proc", [{}, {"temperature": 0.8, "top_k": 50, "top_p": 0.9}], ids=["plain", "processed"])
+def test_fused_head_with_a_mask_runs_only_the_real_positions(proc):
+    """mask_NR: the head runs at the True positions only. Their log-probs, entropies and every gradient equal the
+    unmasked pass's (times the mask); the False positions give 0 and send no gradient to their hidden states, even
+    where the caller weighs them; the head sees only the packed True rows."""
+    n, R, C, V = 3, 7, 16, 500
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(n, R, C, generator=g), torch.randn(V, C, generator=g) * 0.7
+    targets = torch.randint(V, (n, R), generator=g)
+    mask = torch.rand(n, R, generator=g) < 0.6
+    mask[0, 0], mask[1] = True, False  # a row with no real position at all
+    g_logp, g_entropy = torch.randn(n, R, generator=g), torch.randn(n, R, generator=g)
+
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp_ref, entropy_ref = linear_processed_logprobs(h_ref, w_ref, targets, with_entropy=True, chunk=4, **proc)
+    grads_ref = torch.autograd.grad(objective(logp_ref, entropy_ref, mask, g_logp, g_entropy), (h_ref, w_ref))
+
+    rows = []
+    original = logprobs._LinearChunkedLogprobs.forward
+
+    def counting(ctx, hidden_MC, *args):
+        rows.append(hidden_MC.shape[0])
+        return original(ctx, hidden_MC, *args)
+
+    h_new, w_new = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(logprobs._LinearChunkedLogprobs, "forward", staticmethod(counting))
+        logp_new, entropy_new = linear_processed_logprobs(h_new, w_new, targets, with_entropy=True, chunk=4, mask_NR=mask, **proc)
+    assert rows == [int(mask.sum())]
+    assert logp_new.shape == entropy_new.shape == (n, R)
+    assert torch.equal(logp_new[~mask], torch.zeros(int((~mask).sum()))) and torch.equal(entropy_new[~mask], logp_new[~mask])
+    torch.testing.assert_close(logp_new[mask], logp_ref[mask], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy_new[mask], entropy_ref[mask], rtol=1e-6, atol=1e-6)
+    ones = torch.ones(n, R, dtype=torch.bool)  # the caller weighs padding too: it still gets no gradient
+    grads_new = torch.autograd.grad(objective(logp_new, entropy_new, ones, g_logp, g_entropy), (h_new, w_new))
+    for new, ref in zip(grads_new, grads_ref):
+        torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-5)
+        assert ref.abs().max() > 0.1
+    assert torch.equal(grads_new[0][~mask], torch.zeros(int((~mask).sum()), C))
+    with pytest.raises(ValueError, match="mask_NR has shape"):
+        linear_processed_logprobs(hidden, weight, targets, mask_NR=mask[:, :3])

@@ -114,8 +114,35 @@ def label_policy_pairs(
 
 
 def train_sft_and_reward_model(out: Path, paths: dict, pairs: dict, args, common: dict) -> None:
-    """Stages 2-4 of the demo: SFT, pairs of SFT samples labelled by the gold reward, the reward model."""
+    """Stages 2-4 of the demo: SFT, pairs of SFT samples labelled by the gold reward, the reward model. With --reuse,
+    each of the three that --out already holds (sft/hf, data/policy_pairs, rm/hf) is kept instead; a stage after one
+    that was redone is redone too."""
+    redo = not args.reuse
+
+    def kept(what: str, path: Path) -> bool:
+        if redo or not path.exists():
+            return False
+        print(f"reusing {what}: {path}", flush=True)
+        return True
+
     # 2. SFT
+    redo = not kept("the SFT policy", out / "sft" / "hf")
+    if redo:
+        run_sft(out, paths, args, common)
+
+    # 3. preference pairs of the SFT policy's own summaries, labelled by the gold reward with 10% label noise
+    redo = redo or not kept("the labelled pairs", pairs["validation"])
+    if redo:
+        n_train = label_policy_pairs(out / "sft" / "hf", paths["prompts_train"], args.pair_prompts, pairs["train"], 0.1, args.seed)
+        n_val = label_policy_pairs(out / "sft" / "hf", paths["preference_validation"], 400, pairs["validation"], 0.1, args.seed + 1)
+        print(f"labelled {n_train} training and {n_val} validation pairs of SFT samples by the gold reward", flush=True)
+
+    # 4. reward model on those pairs, normalised on samples of the SFT policy
+    if redo or not kept("the reward model", out / "rm" / "hf"):
+        run_reward_model(out, pairs, args, common)
+
+
+def run_sft(out: Path, paths: dict, args, common: dict) -> None:
     run_stage("sft.py", {
         "model": args.model, "random_init": "true", "train_data": paths["sft_train"], "val_data": paths["sft_validation"],
         "val_rows": 128, "steps": args.sft_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc,
@@ -124,12 +151,8 @@ def train_sft_and_reward_model(out: Path, paths: dict, pairs: dict, args, common
         "run_name": "demo-sft", **common,
     }, args.nproc)
 
-    # 3. preference pairs of the SFT policy's own summaries, labelled by the gold reward with 10% label noise
-    n_train = label_policy_pairs(out / "sft" / "hf", paths["prompts_train"], args.pair_prompts, pairs["train"], 0.1, args.seed)
-    n_val = label_policy_pairs(out / "sft" / "hf", paths["preference_validation"], 400, pairs["validation"], 0.1, args.seed + 1)
-    print(f"labelled {n_train} training and {n_val} validation pairs of SFT samples by the gold reward", flush=True)
 
-    # 4. reward model on those pairs, normalised on samples of the SFT policy
+def run_reward_model(out: Path, pairs: dict, args, common: dict) -> None:
     run_stage("reward_model.py", {
         "model": out / "sft" / "hf", "train_data": pairs["train"], "val_data": pairs["validation"],
         "val_rows": 256, "steps": args.rm_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 2e-3,
@@ -204,7 +227,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes per stage (torchrun when > 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic task and of every stage")
     p.add_argument("--model", default="tiny", help="GPT-2 preset trained from random initialisation")
-    p.add_argument("--sft_steps", type=int, default=1600, help="SFT optimizer steps (the tiny policy starts copying the "
+    p.add_argument("--sft_steps", type=int, default=2400, help="SFT optimizer steps (the tiny policy starts copying the "
                    "post's items after ~600-800 steps at --sft_lr 6e-3; 300 never did: docs/demo_results.md)")
     p.add_argument("--sft_lr", type=float, default=6e-3, help="SFT peak learning rate (1e-2 never started copying)")
     p.add_argument("--prompt_loss_weight", type=float, default=0.0, help="SFT's weight of the next-token loss on the "
@@ -222,7 +245,8 @@ def main() -> None:
     p.add_argument("--ablation_variants", nargs="+", default=list(ABLATION), metavar="NAME",
                    help=f"which variants of ABLATION to run (default: all of {', '.join(ABLATION)})")
     p.add_argument("--reuse", action="store_true", help="reuse --out's SFT policy, labelled pairs and reward model "
-                   "(sft/hf, data/policy_pairs, rm/hf) when they exist instead of training them again")
+                   "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
+                   "one that is redone is redone too)")
     args = p.parse_args()
 
     t0 = time.time()
@@ -236,11 +260,7 @@ def main() -> None:
 
     # 2.-4. SFT, pairs of SFT samples labelled by the gold reward, reward model (or, with --reuse, the ones in --out)
     pairs = {"train": out / "data" / "policy_pairs" / "train.jsonl", "validation": out / "data" / "policy_pairs" / "validation.jsonl"}
-    reuse = args.reuse and all((out / stage / "hf").is_dir() for stage in ("sft", "rm")) and pairs["train"].is_file()
-    if reuse:
-        print(f"reusing {out / 'sft' / 'hf'}, {out / 'rm' / 'hf'} and the labelled pairs in {pairs['train'].parent}", flush=True)
-    else:
-        train_sft_and_reward_model(out, paths, pairs, args, common)
+    train_sft_and_reward_model(out, paths, pairs, args, common)
     if args.ablation_seeds > 0:
         text = ablation(out, paths, pairs, args)
         print(f"\n{text}\n\nwrote {out / 'ablation.md'} and {Path(args.assets) / 'ablation.png'} ({time.time() - t0:.0f} s)")

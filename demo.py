@@ -277,9 +277,10 @@ def main() -> None:
     # 6. GRPO from the SFT policy against the reward model; the gold reward is only watched, never trained on
     run_stage("grpo.py", grpo_options(out, paths, pairs, args) | {"out_dir": out / "grpo", "run_name": "demo-grpo"}, args.nproc)
 
-    # 7. what each stage learned: gold reward of sampled summaries on held-out prompts, preference accuracy
+    # 7. what each stage learned: gold reward of sampled summaries on held-out prompts (all 200 SFT validation posts x
+    #    8 samples: the standard error of a stage's mean items invented is ~0.01), preference accuracy
     def gold(stage: str) -> dict:
-        return gold_of_samples(out / stage / "hf", paths["sft_validation"], 128, 4, 24, args.seed)
+        return gold_of_samples(out / stage / "hf", paths["sft_validation"], 200, 8, 24, args.seed)
 
     def last(stage: str, key: str) -> float:
         rows = [json.loads(line) for line in open(out / stage / "metrics.jsonl")]

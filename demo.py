@@ -88,6 +88,53 @@ def gold_of_samples(policy_dir: Path, prompts_file: Path, n_prompts: int, sample
     return out | {name: sum(p[name] for p in parts) / len(parts) for name in parts[0]}
 
 
+@torch.no_grad()
+def swap_accuracy(score, pairs_file: Path, seed: int) -> float:
+    """How often `score` (a collate_pairs batch -> a score per row) puts a summary above the same summary with one key
+    item swapped for an invented one (data.synthetic.swap_key_item), over the summaries of a labelled-pairs file that
+    name a key item: 1 when the scorer checks every item against the post, 0.5 when it cannot tell a key item from an
+    invented one (it counts items)."""
+    import random
+
+    from data.synthetic import swap_key_item
+    from data.tldr import collate_pairs, encode_prompt, encode_response
+    from data.tokenizer import get_tokenizer
+
+    tok, rng = get_tokenizer(), random.Random(f"demo-swap/{seed}")
+    triples = []
+    for line in open(pairs_file, encoding="utf-8"):
+        row = json.loads(line)
+        for text in (row["chosen"], row["rejected"]):
+            swapped = swap_key_item(row["prompt"], text, rng)
+            if swapped is not None:
+                triples.append((encode_prompt(tok, row["prompt"], 192), encode_response(tok, text, 32),
+                                encode_response(tok, swapped, 32)))
+    wins = 0
+    for i in range(0, len(triples), 32):
+        batch = collate_pairs(*zip(*triples[i : i + 32]))
+        r = score(batch)
+        wins += int((r[: batch["n_pairs"]] > r[batch["n_pairs"] :]).sum())
+    return wins / len(triples)
+
+
+def swap_accuracies(out: Path, pairs_file: Path, seed: int) -> dict:
+    """swap_accuracy of the reward model (its score), of DPO's implicit reward (log pi_dpo - log pi_sft of the
+    summary; beta does not change the order) and of the SFT policy's own log-likelihood of the summary (which
+    prefers the item it would copy)."""
+    from evaluation.preference import response_logprobs, reward_scores
+    from model.weights import build_policy, build_reward_model
+
+    rm = build_reward_model(str(out / "rm" / "hf")).eval()
+    dpo, sft = build_policy(str(out / "dpo" / "hf")).eval(), build_policy(str(out / "sft" / "hf")).eval()
+    return {
+        "rm_swap_accuracy": swap_accuracy(lambda b: reward_scores(rm, b, "cpu"), pairs_file, seed),
+        "dpo_swap_accuracy": swap_accuracy(
+            lambda b: response_logprobs(dpo, b, "cpu") - response_logprobs(sft, b, "cpu"), pairs_file, seed
+        ),
+        "sft_swap_accuracy": swap_accuracy(lambda b: response_logprobs(sft, b, "cpu"), pairs_file, seed),
+    }
+
+
 def label_policy_pairs(
     policy_dir: Path, prompts_file: Path, n_prompts: int, out_file: Path, label_noise: float, seed: int, samples: int = 8
 ) -> int:
@@ -291,6 +338,7 @@ def main() -> None:
     golds = {stage: gold(stage) for stage in ("sft", "dpo", "grpo")}
     summary = {
         "rm_accuracy": last("rm", "val/accuracy"),
+        **swap_accuracies(out, pairs["validation"], args.seed),
         "dpo_accuracy": last("dpo", "val/accuracy"),
         **{f"{stage}_{name}": value for stage, parts in golds.items() for name, value in parts.items()},
         "grpo_kl": sum(r["train/kl"] for r in tail) / len(tail),

@@ -341,6 +341,21 @@ def gold_pairs(prompt: str, summaries: Sequence[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def swap_key_item(prompt: str, summary: str, rng: random.Random) -> str | None:
+    """`summary` with one key item it names (drawn by `rng`) replaced, at its first occurrence, by a word of the same
+    category that the post does not name; None when it names no key item. The two differ only in that one word, and
+    the swapped one scores at least 2 lower (one item fewer named, one invented). A reward model that prefers the
+    original checks the item against the post; one that counts item words cannot tell them apart."""
+    text = summary.split(END, 1)[0]
+    named = sorted(frozenset(_WORD_RE.findall(text.lower())) & prompt_items(prompt))
+    if not named:
+        return None
+    item = rng.choice(named)
+    category = next(vocab for vocab in CATEGORIES.values() if item in vocab)
+    invented = rng.choice([w for w in category if w not in prompt_items(prompt)])
+    return re.sub(rf"(?<![a-z]){item}(?![a-z])", invented, summary, count=1, flags=re.IGNORECASE)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Summaries
 

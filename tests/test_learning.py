@@ -2,10 +2,9 @@
 
 Thresholds come from demo runs (docs/demo_results.md records every field), set below the worst of three seeds with a
 margin: the reward model and DPO beat chance on held-out pairs, and GRPO raises the gold reward of sampled summaries
-over the SFT policy's. The second test holds what the gold reward is for: the SFT policy copies key items from the
-post (at chance it names about 0.08 per summary) and GRPO names more of them than SFT. Two more things the task asks
-for do not hold on every seed yet and are not tested (docs/demo_results.md): the SFT policy beats every summary
-without content (gold > 0) on seed 0 only, and GRPO invents no more items than SFT on seeds 1 and 2 only.
+over the SFT policy's. The other tests hold what the gold reward is for: the SFT policy copies key items from the post
+(at chance it names about 0.08 per summary), GRPO names more of them than SFT without inventing more, and no summary
+without content (empty, generic, filler) scores as high as the SFT policy's samples.
 """
 
 import json
@@ -13,6 +12,7 @@ import sys
 
 import pytest
 
+from data.synthetic import END, SUMMARIES, mean_gold_reward
 from tests.conftest import run_script
 
 RM_ACCURACY_MIN = 0.58  # chance is 0.5; three seeds: 0.633 to 0.707 on 256 held-out pairs
@@ -23,18 +23,18 @@ SFT_ITEMS_CORRECT_MIN = 0.3  # key items named per summary; three seeds: 0.63 to
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> tuple[dict, object]:
-    """The demo's summary.json and its assets folder: one run shared by both tests."""
+    """The demo's summary.json, its assets folder and its run folder: one run shared by every test here."""
     tmp_path = tmp_path_factory.mktemp("demo")
     out = tmp_path / "demo"
     run_script(["demo.py", "--out", str(out), "--assets", str(tmp_path / "assets"), "--wandb_mode", "disabled"], timeout=1800, env={"OMP_NUM_THREADS": "2"})
     summary = json.loads((out / "summary.json").read_text())
     print(json.dumps(summary, indent=2), file=sys.stderr)
-    return summary, tmp_path / "assets"
+    return summary, tmp_path / "assets", out
 
 
 @pytest.mark.slow
 def test_demo_pipeline_learns_on_the_embedded_task(demo):
-    summary, assets = demo
+    summary, assets, _ = demo
     assert summary["rm_accuracy"] > RM_ACCURACY_MIN, summary
     assert summary["dpo_accuracy"] > DPO_ACCURACY_MIN, summary
     assert summary["grpo_gold_reward"] - summary["sft_gold_reward"] > GRPO_GOLD_GAIN_MIN, summary
@@ -43,7 +43,21 @@ def test_demo_pipeline_learns_on_the_embedded_task(demo):
 
 
 @pytest.mark.slow
-def test_sft_copies_and_grpo_names_more_key_items(demo):
-    summary, _ = demo
+def test_sft_copies_and_grpo_names_more_key_items_without_inventing_more(demo):
+    summary, _, _ = demo
     assert summary["sft_items_correct"] > SFT_ITEMS_CORRECT_MIN, summary
+    assert summary["sft_swap_accuracy"] > 0.9, summary  # the policy's likelihood picks the post's item over an invented one
     assert summary["grpo_items_correct"] > summary["sft_items_correct"], summary
+    assert summary["grpo_items_invented"] <= summary["sft_items_invented"], summary
+
+
+@pytest.mark.slow
+def test_no_summary_without_content_beats_the_sft_policy(demo):
+    """An empty summary, a generic one, or one padded with filler scores below the trained SFT policy's mean gold
+    reward on the demo's own held-out prompts: the gold reward cannot be won without naming the post's items."""
+    summary, _, out = demo
+    prompts = [json.loads(line)["prompt"] for line in open(out / "data" / "sft" / "validation.jsonl")][:128]
+    generic = [END, " need advice" + END, " please help" + END, " so basically" + END]
+    generic += [" " + text + END for text in SUMMARIES[""]]
+    for text in generic:
+        assert mean_gold_reward(prompts, [text] * len(prompts)) < summary["sft_gold_reward"], (text, summary)

@@ -247,3 +247,21 @@ def test_cli_writes_and_reports(tmp_path, capsys):
     assert str(tmp_path / "preference" / "train.jsonl") in out
     assert "sft_train_gold" in out and "preference_train_label_noise" in out
     assert len(read_jsonl(tmp_path / "prompts" / "train.jsonl")) == 5
+
+
+def test_swap_key_item_invents_one_item_in_place_of_a_named_one():
+    rng = random.Random(0)
+    swapped = synthetic.swap_key_item(PROMPT, " my sister sold my car, i am angry\n", rng)
+    before, after = " my sister sold my car, i am angry\n".split(), swapped.split()
+    changed = [(a, b) for a, b in zip(before, after) if a != b]
+    assert len(before) == len(after) and len(changed) == 1 and swapped.endswith("\n")
+    old, new = (w.strip(",") for w in changed[0])
+    assert old in synthetic.prompt_items(PROMPT) and new in synthetic.ALL_ITEMS - synthetic.prompt_items(PROMPT)
+    assert any(old in vocab and new in vocab for vocab in synthetic.CATEGORIES.values())  # the same category
+    parts = synthetic.gold_parts(PROMPT, swapped)
+    assert (parts["items_correct"], parts["items_invented"]) == (2.0, 1.0)
+    assert gold_reward(PROMPT, swapped) == gold_reward(PROMPT, " my sister sold my car, i am angry\n") - 2.0
+    # the only key item named: the end bonus goes too; a word merely containing an item is left alone
+    assert gold_reward(PROMPT, synthetic.swap_key_item(PROMPT, " my sister\n", rng)) == -1.0
+    assert synthetic.swap_key_item(PROMPT, " sisterly car stuff\n", random.Random(1)).startswith(" sisterly ")
+    assert synthetic.swap_key_item(PROMPT, " need advice\n", rng) is None

@@ -15,7 +15,7 @@ The summary is written to runs/demo/summary.json.
 The reward model and DPO train on comparisons of SFT samples, as in summarize-from-feedback (Stiennon et al.
 2020), where labellers compared samples of the policies being trained: what separates the tiny SFT policy's
 summaries (which key items they name, which they invent, length, filler, ending) is what the reward model must
-learn, and comparisons of its own samples teach exactly that. The SFT stage is long for a tiny model (1,600 steps)
+learn, and comparisons of its own samples teach exactly that. The SFT stage is long for a tiny model (2,400 steps)
 because copying the post's items appears only after a plateau (docs/demo_results.md). (The task's static
 preference files compare summaries of a better writer; they serve the tests and users with larger models.)
 """

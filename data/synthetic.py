@@ -39,9 +39,10 @@ so gold rewards compare exactly.
 
 Whether a small model trained from random weights learns to copy the items is measured, not assumed
 (docs/demo_results.md): the demo's 2-layer GPT-2 does, but only after a plateau, and only when it sees the same
-SFT rows many times: with the 2,000 SFT rows, 1,600 steps of 32 at lr 6e-3 name 1.3-1.4 key items per sampled
-summary (the data's summaries name 1.64); 300 steps name them at chance, and 3,000 or 8,000 rows showed no copying
-within 1,200 steps.
+SFT rows many times: with the 2,000 SFT rows, the demo's 2,400 steps of 32 at lr 6e-3 name 0.6-1.5 key items per
+sampled summary, depending on the seed (the data's summaries name 1.64); 300 steps name them at chance, and 3,000
+or 8,000 rows showed no copying within 1,200 steps. The policy's likelihood then prefers a post's item to an
+invented one 99.5% of the time (`swap_key_item`), but the demo's reward model, trained on comparisons, does not.
 
 Data, in the layouts of the Hugging Face datasets (see `write_task`):
 - SFT (`trl-lib/tldr`: prompt, completion): good but imperfect summaries (SFT_QUALITY: usually

@@ -164,29 +164,28 @@ def train_sft_and_reward_model(out: Path, paths: dict, pairs: dict, args, common
     """Stages 2-4 of the demo: SFT, pairs of SFT samples labelled by the gold reward, the reward model. With --reuse,
     each of the three that --out already holds (sft/hf, data/policy_pairs, rm/hf) is kept instead; a stage after one
     that was redone is redone too."""
-    redo = not args.reuse
-
-    def kept(what: str, path: Path) -> bool:
-        if redo or not path.exists():
-            return False
-        print(f"reusing {what}: {path}", flush=True)
-        return True
-
     # 2. SFT
-    redo = not kept("the SFT policy", out / "sft" / "hf")
-    if redo:
+    reuse = args.reuse and found("the SFT policy", out / "sft" / "hf")
+    if not reuse:
         run_sft(out, paths, args, common)
 
     # 3. preference pairs of the SFT policy's own summaries, labelled by the gold reward with 10% label noise
-    redo = redo or not kept("the labelled pairs", pairs["validation"])
-    if redo:
+    reuse = reuse and found("the labelled pairs", pairs["validation"])  # written after the training pairs
+    if not reuse:
         n_train = label_policy_pairs(out / "sft" / "hf", paths["prompts_train"], args.pair_prompts, pairs["train"], 0.1, args.seed)
         n_val = label_policy_pairs(out / "sft" / "hf", paths["preference_validation"], 400, pairs["validation"], 0.1, args.seed + 1)
         print(f"labelled {n_train} training and {n_val} validation pairs of SFT samples by the gold reward", flush=True)
 
     # 4. reward model on those pairs, normalised on samples of the SFT policy
-    if redo or not kept("the reward model", out / "rm" / "hf"):
+    if not (reuse and found("the reward model", out / "rm" / "hf")):
         run_reward_model(out, pairs, args, common)
+
+
+def found(what: str, path: Path) -> bool:
+    """Whether `path` exists; says that it is reused when it does."""
+    if path.exists():
+        print(f"reusing {what}: {path}", flush=True)
+    return path.exists()
 
 
 def run_sft(out: Path, paths: dict, args, common: dict) -> None:

@@ -19,6 +19,7 @@ Under FSDP, wrap the call in `utils.fsdp.gathered_params(model)` so parameters a
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from model.gpt2 import KVCache, SharedKVCache
 from rlhf.logprobs import process_logits  # the one definition of the processing, shared with the update
@@ -45,8 +46,11 @@ def processed_logprobs(
     return torch.gather(logp, -1, targets_BT.unsqueeze(-1)).squeeze(-1)
 
 
-def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None = None, block: int = 256) -> torch.Tensor:
-    """One token per row of log-probs (N, V), by inverting the CDF with one float64 uniform per row.
+def sample_tokens(
+    logp: torch.Tensor, generator: torch.Generator | None = None, block: int = 256, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One token per row of log-probs (N, V), by inverting the CDF with one float64 uniform per row (drawn from
+    `generator`, or `uniforms` (N, 1) float64 in [0, 1) when given).
 
     The same distribution as torch.multinomial at a fraction of its cost on CPU (multinomial draws V
     exponentials per row). Two levels keep it exact without a float64 copy of the whole (N, V) array: pick a
@@ -59,7 +63,9 @@ def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None = None, 
     if full < V:
         sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], dim=1)  # the short last block
     block_cdf = sums.double().cumsum(-1)  # (N, nb)
-    u = torch.rand(N, 1, generator=generator, device=logp.device, dtype=torch.float64) * block_cdf[:, -1:]
+    if uniforms is None:
+        uniforms = torch.rand(N, 1, generator=generator, device=logp.device, dtype=torch.float64)
+    u = uniforms * block_cdf[:, -1:]
     b = torch.searchsorted(block_cdf, u, right=True).clamp(max=block_cdf.shape[1] - 1)  # (N, 1) first CDF > u
     below = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), 0.0)
     idx = b * block + torch.arange(block, device=logp.device)  # (N, block) the chosen block's token ids
@@ -115,24 +121,43 @@ def generate(
     next_pos = prompt_mask.sum(-1).repeat_interleave(G)  # (N,) position of the first response token
     stop = torch.tensor(stop_ids, device=device)
 
-    # 2. decode one token per step for every row; finished rows keep stepping on padding
+    # 2. decode one token per step for every row. Finished rows keep stepping through the body on their last token
+    #    (every row advances together in the cache), but the head, the softmax and the draw, most of a decode step's
+    #    cost with a 50,257-word vocabulary, run only on `rows`: the rows unfinished at the last check (all rows
+    #    until one finishes). Every row's uniform is drawn at every step, so a row's tokens do not depend on which
+    #    other rows are still running.
     tokens = torch.full((N, max_new_tokens), PAD_ID, dtype=torch.long, device=device)
     logprobs = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
     mask = torch.zeros(N, max_new_tokens, dtype=torch.bool, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
+    tok = torch.full((N,), END_ID, dtype=torch.long, device=device)
+    rows = None  # None: every row; else the (n,) indices whose logits are computed
     for t in range(max_new_tokens):
-        logp = process_logits(logits, temperature, top_k, top_p).log_softmax(-1)  # (N, V)
+        logp = process_logits(logits, temperature, top_k, top_p).log_softmax(-1)  # (n, V)
         if temperature == 0:
-            tok = logp.argmax(-1)
+            drawn = logp.argmax(-1)
         else:
-            tok = sample_tokens(logp, generator)  # (N,)
+            u = torch.rand(N, 1, generator=generator, device=device, dtype=torch.float64)
+            drawn = sample_tokens(logp, uniforms=u if rows is None else u[rows])  # (n,)
+        drawn_logp = logp.gather(-1, drawn[:, None]).squeeze(-1)
+        if rows is None:
+            tok, tok_logp = drawn, drawn_logp
+        else:
+            tok = tok.index_copy(0, rows, drawn)  # rows outside `rows` finished: their token is never read
+            tok_logp = torch.zeros(N, dtype=torch.float32, device=device).index_copy(0, rows, drawn_logp)
         live = ~done
         tokens[:, t] = torch.where(live, tok, PAD_ID)
-        logprobs[:, t] = torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
+        logprobs[:, t] = torch.where(live, tok_logp, 0.0)
         mask[:, t] = live
         done = done | (live & torch.isin(tok, stop))
-        if t == max_new_tokens - 1 or ((t + 1) % done_check_every == 0 and bool(done.all())):
+        if t == max_new_tokens - 1:
             break
+        if (t + 1) % done_check_every == 0:  # a host sync on a GPU, hence only every done_check_every tokens
+            unfinished = (~done).nonzero().squeeze(1)
+            if len(unfinished) == 0:
+                break
+            rows = None if len(unfinished) == N else unfinished
         # finished rows are fed their (ignored) sampled token, not PAD_ID, which may lie outside a small vocabulary
-        logits = model(tok[:, None], (next_pos + t)[:, None], None, kv_cache=cache)[:, -1]  # (N, V)
+        head = None if rows is None else (lambda h, w, rows=rows: F.linear(h[rows], w))  # h (N, 1, C) -> logits (n, 1, V)
+        logits = model(tok[:, None], (next_pos + t)[:, None], None, kv_cache=cache, head=head)[:, -1]  # (n, V)
     return SampleOutput(tokens, mask, logprobs, done)

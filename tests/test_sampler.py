@@ -70,6 +70,43 @@ def test_stops_at_end_token_and_pads_after_it():
         assert (row[n_real:] == PAD_ID).all()
 
 
+def reference_generate(model, ids, mask, G, max_new, generator, temperature=1.0):
+    """Sampling without a cache and with every row through the head at every step: each step runs the whole
+    left-padded sequence so far; finished rows keep drawing (and ignore) their uniform, as generate() does."""
+    ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    N = ids.shape[0]
+    tokens = torch.full((N, max_new), PAD_ID)
+    logprobs = torch.zeros(N, max_new)
+    done = torch.zeros(N, dtype=torch.bool)
+    for t in range(max_new):
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(ids, pos, mask, logits_slice=slice(-1, None))[:, -1]
+        logp = process_logits(logits, temperature, 0, 1.0).log_softmax(-1)
+        tok = sample_tokens(logp, generator)
+        tokens[:, t] = torch.where(done, PAD_ID, tok)
+        logprobs[:, t] = torch.where(done, 0.0, logp.gather(-1, tok[:, None]).squeeze(-1))
+        done = done | (tok == END_ID)
+        if done.all():
+            break
+        ids, mask = torch.cat([ids, tok[:, None]], 1), torch.cat([mask, torch.ones(N, 1, dtype=torch.bool)], 1)
+    return tokens, logprobs
+
+
+def test_head_on_unfinished_rows_only_equals_every_row_through_the_head():
+    """generate() runs the head, softmax and draw only on the rows unfinished at its last check (every token on a
+    CPU, every few on a GPU); the tokens, mask and log-probs are those of the plain loop over every row."""
+    model, prompts, ids, mask = model_and_prompts()
+    ref_tokens, ref_logprobs = reference_generate(model, ids, mask, 8, 12, torch.Generator().manual_seed(3))
+    ended = (ref_tokens == END_ID).any(1)
+    assert ended.any() and (~ended).any()  # rows finish at different steps
+    for check_every in (1, 3):
+        out = generate(model, ids, mask, 8, 12, generator=torch.Generator().manual_seed(3), done_check_every=check_every)
+        assert torch.equal(out.response_ids, ref_tokens[:, : out.response_ids.shape[1]]), check_every
+        assert torch.equal(out.response_mask, out.response_ids != PAD_ID)
+        assert torch.allclose(out.logprobs, ref_logprobs[:, : out.logprobs.shape[1]], atol=1e-5)
+
+
 def test_prompt_prefilled_once_per_group():
     model, prompts, ids, mask = model_and_prompts()
     widths = []

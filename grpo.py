@@ -182,11 +182,12 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
     weights); the KL term is exactly 0 right after. 0 keeps the starting policy as reference."""
     entropy_coef: float = 0.0
     """Entropy bonus: subtract entropy_coef x the token entropy of the (temperature / top-k / top-p processed)
-    policy from the loss, aggregated like the loss; 0 disables."""
+    policy from the loss, aggregated like the loss; 0 disables. Negative: an entropy penalty, which sharpens the
+    policy towards its own most likely tokens (entropy minimisation)."""
     entropy_every: int = 1
     """Log train/entropy every N steps (1: every step; 0: never). It comes from the log-softmax the log-probs
     already compute, but still costs an exp and a multiply-sum over the vocabulary at every response token; a
-    step that does not log it skips that. With --entropy_coef > 0 it is computed (and logged) every step."""
+    step that does not log it skips that. With --entropy_coef != 0 it is computed (and logged) every step."""
     # --- batch sizes (and the shared optimisation options, with GRPO's defaults)
     prompts_per_step: int = 256
     """Global prompts per step, over all ranks (x num_kept sequences in the update)."""
@@ -242,7 +243,7 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
         if any(s.fn is None for s in self.sources()):
             require_nonempty(self, "reward_model")
         self.validate_shared()  # --model, data, run, optimisation and LoRA options
-        for name in ("ref_refresh_every", "entropy_coef", "entropy_every", "eps_low", "eps_high", "beta", "pref_rows",
+        for name in ("ref_refresh_every", "entropy_every", "eps_low", "eps_high", "beta", "pref_rows",
                      "min_group_std"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
@@ -385,7 +386,7 @@ def micro_batch_loss(
     mask = batch["response_mask"]
     # the processed log-probs and the entropy of what is sampled (temperature, top-k and top-p applied) in one
     # chunked pass over the vocabulary (rlhf/logprobs.py); the entropy is differentiable, used only as a bonus
-    with_entropy = with_entropy or cfg.entropy_coef > 0
+    with_entropy = with_entropy or cfg.entropy_coef != 0
     logp, entropy = response_logprobs(policy, batch, cfg, with_entropy)  # (n, R) each
     # mu = 1: old = current, detached, so the ratio is 1 in value and d ratio = d logp (trl PR #2565);
     # mu > 1: the sampling policy's log-probs, so the ratio moves away from 1 after the first step
@@ -399,7 +400,7 @@ def micro_batch_loss(
         cfg.beta if cfg.kl_in == "loss" else 0.0, cfg.kl_estimator, cfg.kl_ratio, cfg.importance_level, w,
         correction if cfg.rollout_correction != "none" else None,
     )
-    if cfg.entropy_coef > 0:
+    if cfg.entropy_coef != 0:
         loss_NT = entropy_bonus(loss_NT, entropy, mask, cfg.entropy_coef)
     loss = (w * loss_NT).sum()
     with torch.no_grad():
@@ -435,7 +436,7 @@ def policy_update(
         return {"train/skipped": 1.0, "train/lr": scheduler.get_last_lr()[0]}
     sums = torch.zeros(cfg.policy_epochs, len(UPDATE_SUMS), dtype=torch.float64, device=device)
     grad_norm, skipped, gap_max = 0.0, 0, torch.zeros((), dtype=torch.float64, device=device)
-    log_entropy = cfg.entropy_coef > 0 or (cfg.entropy_every > 0 and step % cfg.entropy_every == 0)
+    log_entropy = cfg.entropy_coef != 0 or (cfg.entropy_every > 0 and step % cfg.entropy_every == 0)
     for epoch in range(cfg.policy_epochs):
         epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
         for i, (batch, (w, _)) in enumerate(zip(batches, weights)):

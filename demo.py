@@ -173,7 +173,7 @@ def train_sft_and_reward_model(out: Path, paths: dict, pairs: dict, args, common
     reuse = reuse and found("the labelled pairs", pairs["validation"])  # written after the training pairs
     if not reuse:
         n_train = label_policy_pairs(out / "sft" / "hf", paths["prompts_train"], args.pair_prompts, pairs["train"], 0.1, args.seed)
-        n_val = label_policy_pairs(out / "sft" / "hf", paths["preference_validation"], 400, pairs["validation"], 0.1, args.seed + 1)
+        n_val = label_policy_pairs(out / "sft" / "hf", paths["preference_validation"], 200, pairs["validation"], 0.1, args.seed + 1)
         print(f"labelled {n_train} training and {n_val} validation pairs of SFT samples by the gold reward", flush=True)
 
     # 4. reward model on those pairs, normalised on samples of the SFT policy
@@ -192,7 +192,7 @@ def run_sft(out: Path, paths: dict, args, common: dict) -> None:
     run_stage("sft.py", {
         "model": args.model, "random_init": "true", "train_data": paths["sft_train"], "val_data": paths["sft_validation"],
         "val_rows": 128, "steps": args.sft_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc,
-        "lr": args.sft_lr, "warmup_steps": 10, "eval_every": 100, "save_every": 0, "max_prompt_len": 192,
+        "lr": args.sft_lr, "warmup_steps": 10, "eval_every": 200, "save_every": 0, "max_prompt_len": 192,
         "max_response_len": 32, "prompt_loss_weight": args.prompt_loss_weight, "out_dir": out / "sft",
         "run_name": "demo-sft", **common,
     }, args.nproc)
@@ -316,7 +316,7 @@ def main() -> None:
     run_stage("dpo.py", {
         "model": out / "sft" / "hf", "train_data": pairs["train"], "val_data": pairs["validation"],
         "val_rows": 256, "steps": args.dpo_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 5e-4,
-        "beta": 0.1, "warmup_steps": 5, "eval_every": 20, "save_every": 0, "max_prompt_len": 192,
+        "beta": 0.1, "warmup_steps": 5, "eval_every": 50, "save_every": 0, "max_prompt_len": 192,
         "max_response_len": 32, "out_dir": out / "dpo", "run_name": "demo-dpo", **common,
     }, args.nproc)
 

@@ -98,9 +98,10 @@ def generate(
 
     done_check_every: decoded tokens between checks that every row has finished. The check copies a flag to the
     host, which on a GPU waits for every queued kernel, so the Python loop can no longer run ahead of the device;
-    None: every token on CPU (free there), every DONE_CHECK_EVERY_GPU tokens on a GPU. Rows that finished keep
-    stepping on padding until the check, so it changes the work done, never a row's tokens, mask or log-probs
-    (the generator does draw for the extra steps)."""
+    None: every token on CPU (free there), every DONE_CHECK_EVERY_GPU tokens on a GPU. Each check also drops the
+    finished rows from the head; rows that finished since keep going through it until the next one. Either way it
+    changes the work done, never a row's tokens, mask or log-probs (the generator draws for every row at every
+    step)."""
     if done_check_every is None:
         done_check_every = DONE_CHECK_EVERY_GPU if prompt_ids.device.type == "cuda" else 1
     B, P = prompt_ids.shape
@@ -157,7 +158,7 @@ def generate(
             if len(unfinished) == 0:
                 break
             rows = None if len(unfinished) == N else unfinished
-        # finished rows are fed their (ignored) sampled token, not PAD_ID, which may lie outside a small vocabulary
+        # finished rows are fed a token they drew (ignored), not PAD_ID, which may lie outside a small vocabulary
         head = None if rows is None else (lambda h, w, rows=rows: F.linear(h[rows], w))  # h (N, 1, C) -> logits (n, 1, V)
         logits = model(tok[:, None], (next_pos + t)[:, None], None, kv_cache=cache, head=head)[:, -1]  # (n, V)
     return SampleOutput(tokens, mask, logprobs, done)

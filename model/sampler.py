@@ -131,8 +131,7 @@ def generate(
     logprobs = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
     mask = torch.zeros(N, max_new_tokens, dtype=torch.bool, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
-    tok = torch.full((N,), END_ID, dtype=torch.long, device=device)
-    rows = None  # None: every row; else the (n,) indices whose logits are computed
+    rows = None  # None: every row (always so at t = 0, which sets `tok`); else the (n,) indices whose logits are computed
     for t in range(max_new_tokens):
         logp = process_logits(logits, temperature, top_k, top_p).log_softmax(-1)  # (n, V)
         if temperature == 0:

@@ -94,7 +94,9 @@ def preference_loss_fn(cfg: Config):
     return functools.partial(dpo_loss, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
 
 
-def pair_losses(policy, reference, batch: dict, loss_fn, beta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_losses(
+    policy, reference, batch: dict, loss_fn, beta: float, device, shared: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-pair losses (B,) of one collate_pairs batch, differentiable in the policy only, and per-pair
     statistics summed over the batch (6,): loss, implicit-reward accuracy, chosen reward, rejected reward,
     policy log-prob of chosen, of rejected (rewards are beta * log pi/pi_ref, summed over response tokens)."""
@@ -102,8 +104,8 @@ def pair_losses(policy, reference, batch: dict, loss_fn, beta: float, device) ->
     # the reference first: with LoRA it is the policy's own FSDP modules (adapters off), whose no-grad forward
     # should not sit between the policy's forward and its backward
     with torch.no_grad():  # the reference is frozen: no graph, no gradient
-        ref_logps = response_logprobs(reference, batch, device)  # (2B,)
-    logps = response_logprobs(policy, batch, device)  # (2B,)
+        ref_logps = response_logprobs(reference, batch, device, shared)  # (2B,)
+    logps = response_logprobs(policy, batch, device, shared)  # (2B,); shared: packed rows, each prompt once
     policy_chosen, policy_rejected = logps[:B], logps[B:]
     ref_chosen, ref_rejected = ref_logps[:B], ref_logps[B:]
     losses = loss_fn(policy_chosen, policy_rejected, ref_chosen, ref_rejected)  # (B,)
@@ -117,7 +119,8 @@ def pair_losses(policy, reference, batch: dict, loss_fn, beta: float, device) ->
     return losses, stats
 
 
-def accumulate_gradients(policy, reference, micro_batches: list[dict], world: int, n_pairs: int, loss_fn, beta: float, device) -> dict:
+def accumulate_gradients(policy, reference, micro_batches: list[dict], world: int, n_pairs: int, loss_fn, beta: float, device,
+                         shared: bool = True) -> dict:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns global metrics.
 
     Each rank's summed loss is divided by the global number of pairs and multiplied by the world size (FSDP
@@ -125,7 +128,7 @@ def accumulate_gradients(policy, reference, micro_batches: list[dict], world: in
     sums = torch.zeros(6, dtype=torch.float64, device=device)
     for i, batch in enumerate(micro_batches):
         set_gradient_sync(policy, i == len(micro_batches) - 1)
-        losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device)
+        losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, shared)
         (losses.sum() * world / n_pairs).backward()
         sums += stats
     loss, accuracy, chosen, rejected, logp_chosen, logp_rejected = (all_reduce_sum(sums) / n_pairs).tolist()
@@ -188,9 +191,10 @@ def main(cfg: Config) -> dict:
     step = resume(run, cfg, policy, optimizer, scheduler, data.loader, total_steps)
     run.say(f"dpo ({cfg.loss}, beta {cfg.beta}): {len(data.train)} pairs, world {world}, {accum} accumulation steps, "
             f"{total_steps} steps")
-    ref_val = policy_logps(reference, data.val_set, device) if data.val_set is not None else None
+    ref_val = policy_logps(reference, data.val_set, device, cfg.prefix_sharing) if data.val_set is not None else None
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
-        run.logger.log({f"val/{k}": v for k, v in evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device).items()}, 0)
+        val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, shared=cfg.prefix_sharing)
+        run.logger.log({f"val/{k}": v for k, v in val.items()}, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)
     policy.train()
     metrics, stopping = {}, False
@@ -200,7 +204,8 @@ def main(cfg: Config) -> dict:
             # 5. one optimizer step: per-pair loss summed / global number of pairs; a non-finite loss or gradient
             #    norm stops the run, or skips the step (--on_nonfinite)
             micro = next(batches)
-            metrics = accumulate_gradients(policy, reference, micro, world, cfg.batch_size, loss_fn, cfg.beta, device)
+            metrics = accumulate_gradients(policy, reference, micro, world, cfg.batch_size, loss_fn, cfg.beta, device,
+                                           cfg.prefix_sharing)
             guarded_step(policy, optimizer, scheduler, run.guard, step + 1, metrics, cfg.grad_clip)
             step += 1
 
@@ -208,7 +213,8 @@ def main(cfg: Config) -> dict:
             #    (on schedule, at the end, at a new best, or when a signal came)
             metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
             if ref_val is not None and cfg.eval_due(step, total_steps):
-                metrics.update({f"val/{k}": v for k, v in evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device).items()})
+                val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, shared=cfg.prefix_sharing)
+                metrics.update({f"val/{k}": v for k, v in val.items()})
             stopping = end_of_step(run, cfg, step, total_steps, metrics, policy, optimizer, scheduler, data.loader)
 
     # 7. export a Hugging Face-format folder (not after a signal: the run is not finished)

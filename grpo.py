@@ -691,12 +691,13 @@ def main(cfg: Config) -> dict:
     step = resume(run, cfg, models.policy, optimizer, scheduler, loader, total_steps, frozen=frozen)
     run.say(f"grpo: {len(train)} prompts, world {world}, {prompts_per_rank} prompts x {cfg.num_samples} samples -> "
             f"{cfg.kept} kept per rank, {n_micro} micro-batches, {total_steps} steps")
-    ref_pref = policy_logps(models.reference, pref, device) if pref is not None else None
+    ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
 
     def evaluate(step: int) -> dict:
         out = evaluate_summaries(models.policy, models.reward_model, spec, val, cfg, step) if val is not None else {}
         if pref is not None:
-            out.update({f"eval/pref_{k}": v for k, v in evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device).items()})
+            acc = evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device, shared=cfg.prefix_sharing)
+            out.update({f"eval/pref_{k}": v for k, v in acc.items()})
         return out
 
     if step == 0 and cfg.eval_every > 0:
@@ -710,7 +711,7 @@ def main(cfg: Config) -> dict:
             if cfg.ref_refresh_every > 0 and step > 0 and step % cfg.ref_refresh_every == 0:
                 refresh_reference(models)
                 if pref is not None:  # the implicit reward beta * log(pi / pi_ref) is relative to the new reference
-                    ref_pref = policy_logps(models.reference, pref, device)
+                    ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing)
             # 1. sample prompts (this rank's slice of the global batch)
             t_sample = time.perf_counter()
             prompts = prompt_set(train, list(next(batches_iter)), train_applies, device, train_name)

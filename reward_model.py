@@ -5,7 +5,8 @@
     python reward_model.py --help                                      # every option
 
 r(x, y) is the body's hidden state at the last real token of prompt + response (the response's "\\n" end
-token) projected to a scalar (model/heads.py). The loss is Bradley-Terry, -log sigmoid(r(x, y_w) - r(x, y_l))
+token) projected to a scalar, or with --pooling sum that projection summed over the response tokens
+(model/heads.py). The loss is Bradley-Terry, -log sigmoid(r(x, y_w) - r(x, y_l))
 (Stiennon et al. 2020, eq. 1), summed over pairs and divided by the global batch size in pairs, so the gradient
 is the same for any world size and micro-batch size.
 
@@ -27,7 +28,7 @@ from data.tokenizer import get_tokenizer
 from evaluation.pairs import PairConfig, load_pairs
 from evaluation.preference import evaluate_reward_model, reward_scores
 from model.sampler import generate
-from model.weights import build_policy, build_reward_model, model_config, save_export
+from model.weights import build_policy, build_reward_model, model_config, resolve_pooling, save_export
 from rlhf.losses import bradley_terry_loss
 from rlhf.stats import pair_outcomes, standardizing_gain_bias
 from utils.config import (
@@ -47,6 +48,11 @@ class Config(RunConfig, OptimConfig, PairConfig):  # run, optimisation and prefe
     folder (its head is kept), a hub name (gpt2, ...), or with --random_init a preset (tiny, small, gpt2, ...)."""
     random_init: bool = False
     """Start from random GPT-2 initialisation of the preset named by --model instead of loading weights."""
+    pooling: Literal["", "last", "sum"] = ""
+    """How the head reads the body (model/heads.py RewardModel): "last", the hidden state at the last real token
+    (transformers' GPT2ForSequenceClassification); "sum", the head at every response token, summed (a per-token
+    reward, which can check each word against the post); empty: a reward-model --model folder's own, else
+    "last"."""
     max_response_len: int = 64
     """Response tokens kept, including the "\\n" end token (also the sampling length of the normalisation)."""
     lr: float = 1e-5
@@ -80,7 +86,9 @@ class Config(RunConfig, OptimConfig, PairConfig):  # run, optimisation and prefe
             raise ConfigError("the normalisation needs at least 2 samples (--norm_prompts x --norm_samples_per_prompt)")
 
 
-def accumulate_gradients(model, micro_batches: list[dict], world: int, n_pairs: int, device) -> dict[str, float]:
+def accumulate_gradients(
+    model, micro_batches: list[dict], world: int, n_pairs: int, device, shared: bool = True
+) -> dict[str, float]:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns global metrics.
 
     Each rank's summed loss is divided by the global number of pairs and multiplied by the world size (FSDP
@@ -90,7 +98,7 @@ def accumulate_gradients(model, micro_batches: list[dict], world: int, n_pairs: 
     for i, batch in enumerate(micro_batches):
         set_gradient_sync(model, i == len(micro_batches) - 1)
         B = batch["n_pairs"]
-        rewards = reward_scores(model, batch, device)  # (2B,)
+        rewards = reward_scores(model, batch, device, shared)  # (2B,)
         r_chosen, r_rejected = rewards[:B], rewards[B:]  # (B,), (B,)
         losses = bradley_terry_loss(r_chosen, r_rejected)  # (B,)
         (losses.sum() * world / n_pairs).backward()
@@ -139,13 +147,15 @@ def fit_normalization(
             out = generate(
                 policy, prompt_ids, prompt_mask, G, cfg.max_response_len, temperature=cfg.norm_temperature, generator=generator
             )
-        # 2. score prompt + response; the reward is read at the last real token (the end token when there is one)
+        # 2. score prompt + response (read at the last real token, the end token when there is one, or summed over
+        #    the response: the model's pooling); the responses start at column P
         input_ids = torch.cat([prompt_ids.repeat_interleave(G, 0), out.response_ids], dim=1)  # (N, P+R)
         attention_mask = torch.cat([prompt_mask.repeat_interleave(G, 0), out.response_mask], dim=1)  # (N, P+R)
         position_ids = (attention_mask.long().cumsum(1) - 1) * attention_mask  # (N, P+R)
         rows = 2 * cfg.micro_batch_size
         rewards = torch.cat([
-            reward_model(input_ids[i : i + rows], position_ids[i : i + rows], attention_mask[i : i + rows])
+            reward_model(input_ids[i : i + rows], position_ids[i : i + rows], attention_mask[i : i + rows],
+                         prompt_len=prompt_ids.shape[1])
             for i in range(0, input_ids.shape[0], rows)
         ]).double()  # (N,)
         v = valid.double()
@@ -169,6 +179,7 @@ def main(cfg: Config) -> dict:
     #    normalisation's SFT policy too, so a wrong folder fails now and not after training), the run directory and
     #    the checkpoint to resume from (all before any model is built or put on a GPU)
     model_cfg = model_config(cfg.model, cfg.random_init)
+    resolve_pooling(cfg.model, cfg.pooling, cfg.random_init)  # --pooling against a reward-model folder's own
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "reward model")
     policy_name, policy_random_init = cfg.sft_policy or cfg.model, cfg.random_init and not cfg.sft_policy
     if cfg.norm_prompts > 0:
@@ -183,7 +194,7 @@ def main(cfg: Config) -> dict:
     total_steps = cfg.steps or max(1, data.loader.batches_per_epoch // accum)
 
     # 3. model, FSDP, optimizer. Training changes the rewards, so a loaded normalisation no longer holds.
-    model = build_reward_model(cfg.model, cfg.random_init)
+    model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling)
     model.gain.fill_(1.0)
     model.bias.fill_(0.0)
     shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing)
@@ -196,7 +207,8 @@ def main(cfg: Config) -> dict:
     batches = data.step_batches(accum, cfg.overfit_batch)
     model.train()
     if data.val_set is not None and step == 0 and cfg.eval_every > 0:
-        run.logger.log({f"val/{k}": v for k, v in evaluate_reward_model(model, data.val_set, device).items()}, step=0)
+        val = evaluate_reward_model(model, data.val_set, device, shared=cfg.prefix_sharing)
+        run.logger.log({f"val/{k}": v for k, v in val.items()}, step=0)
     metrics, stopping = {}, False
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
         while step < total_steps and not stopping:
@@ -204,7 +216,7 @@ def main(cfg: Config) -> dict:
             # 5. one optimizer step: Bradley-Terry loss summed over pairs / global number of pairs; a non-finite loss
             #    or gradient norm stops the run, or skips the step (--on_nonfinite)
             micro = next(batches)
-            metrics = accumulate_gradients(model, micro, world, cfg.batch_size, device)
+            metrics = accumulate_gradients(model, micro, world, cfg.batch_size, device, cfg.prefix_sharing)
             guarded_step(model, optimizer, scheduler, run.guard, step + 1, metrics, cfg.grad_clip)
             step += 1
 
@@ -212,7 +224,8 @@ def main(cfg: Config) -> dict:
             #    best, or when a signal came)
             metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
             if data.val_set is not None and cfg.eval_due(step, total_steps):
-                metrics.update({f"val/{k}": v for k, v in evaluate_reward_model(model, data.val_set, device).items()})
+                val = evaluate_reward_model(model, data.val_set, device, shared=cfg.prefix_sharing)
+                metrics.update({f"val/{k}": v for k, v in val.items()})
             stopping = end_of_step(run, cfg, step, total_steps, metrics, model, optimizer, scheduler, data.loader)
 
     # 7. reward normalisation on samples of the SFT policy (GRPO reads gain * r + bias); not after a signal

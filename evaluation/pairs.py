@@ -26,6 +26,10 @@ class PairConfig(DataConfig):
     """Pairs per forward/backward on each rank (2x rows: chosen and rejected in one pass)."""
     overfit_batch: bool = False
     """Debugging: train every step on the first global batch (the loss should fall quickly)."""
+    prefix_sharing: bool = True
+    """Each pair's prompt computed once for both its responses, in training and evaluation (packed rows,
+    evaluation.preference.packed_pairs): the same numbers up to rounding for about half the prompt tokens; false:
+    one padded row per response (prompt + response, as transformers computes them)."""
 
     def validate_pairs(self) -> None:
         self.validate_data()

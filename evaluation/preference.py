@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_slice
+from model.gpt2 import SharedPrefix
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.stats import preference_summary
 
@@ -34,24 +35,45 @@ SUBSETS = (
 # Scoring one batch of pairs (collate_pairs layout: chosen rows 0..B-1, rejected rows B..2B-1)
 
 
-def response_logprobs(model: nn.Module, batch: dict, device) -> torch.Tensor:
-    """log pi(y | x) of every row (2B,), summed over response tokens, in fp32; differentiable.
-
-    The LM head runs only at the columns P-1 .. P+R-2 that predict real response tokens (see data/tldr.py), inside
-    rlhf/logprobs.py's chunked pass (GRPO's function), so the (2B, R, V) logits are never materialised."""
-    P, R = batch["prompt_len"], batch["response_ids"].shape[1]
-    mask = batch["response_mask"].to(device)
-    logp_BR, _ = model(
-        batch["input_ids"].to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device),
-        logits_slice=slice(P - 1, P + R - 1),
-        head=partial(linear_processed_logprobs, targets_NR=batch["response_ids"].to(device), mask_NR=mask),
-    )  # (2B, R), 0 at padding
-    return (logp_BR * mask).sum(-1)  # (2B,)
+def packed_pairs(batch: dict, device) -> tuple[torch.Tensor, torch.Tensor, SharedPrefix]:
+    """A collate_pairs batch as one packed row (input_ids (1, T), position_ids (1, T), layout; model.gpt2.SharedPrefix):
+    each pair's prompt once, then the 2B responses, chosen i and rejected i both attending to prompt i. The numbers
+    of the padded rows (tests/test_prefix_sharing.py) for about half the prompt tokens."""
+    B, P = batch["n_pairs"], batch["prompt_len"]
+    group = torch.arange(B, device=device).repeat(2)  # rows i and B + i share prompt i
+    return SharedPrefix.pack(batch["input_ids"][:B, :P].to(device), batch["attention_mask"][:B, :P].to(device),
+                             batch["response_ids"].to(device), batch["response_mask"].to(device), group)
 
 
-def reward_scores(model: nn.Module, batch: dict, device) -> torch.Tensor:
-    """Raw reward of every row (2B,), read at each row's last real token (the response's end token)."""
-    return model(batch["input_ids"].to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device))
+def response_logprobs(model: nn.Module, batch: dict, device, shared: bool = True) -> torch.Tensor:
+    """log pi(y | x) of every row (2B,), summed over response tokens, in fp32; differentiable. `shared`: packed rows
+    (packed_pairs); else one padded row per response.
+
+    The LM head runs only at the positions that predict real response tokens (columns P-1 .. P+R-2 of the padded
+    rows, or their places in the packed row; see data/tldr.py), inside rlhf/logprobs.py's chunked pass (GRPO's
+    function), so the (2B, R, V) logits are never materialised."""
+    n, R = batch["response_ids"].shape
+    targets, mask = batch["response_ids"].to(device), batch["response_mask"].to(device)
+    if shared:
+        input_ids, position_ids, layout = packed_pairs(batch, device)
+        logp, _ = model(input_ids, position_ids, layout, logits_slice=layout.logits_index().view(1, n * R),
+                        head=partial(linear_processed_logprobs, targets_NR=targets.view(1, n * R), mask_NR=mask.view(1, n * R)))
+    else:
+        P = batch["prompt_len"]
+        logp, _ = model(
+            batch["input_ids"].to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device),
+            logits_slice=slice(P - 1, P + R - 1), head=partial(linear_processed_logprobs, targets_NR=targets, mask_NR=mask),
+        )
+    return (logp.view(n, R) * mask).sum(-1)  # (2B,); 0 at padding
+
+
+def reward_scores(model: nn.Module, batch: dict, device, shared: bool = True) -> torch.Tensor:
+    """Raw reward of every row (2B,) (read at each row's last real token, or summed over its response: the model's
+    pooling). `shared`: packed rows (packed_pairs); else one padded row per response."""
+    if shared:
+        return model(*packed_pairs(batch, device))
+    return model(batch["input_ids"].to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device),
+                 prompt_len=batch["prompt_len"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -137,20 +159,25 @@ def _in_eval_mode(models: list[nn.Module]):
     return was_training
 
 
-def evaluate_reward_model(model: nn.Module, eval_set: EvalSet, device, n_resamples: int = 2000, seed: int = 0) -> dict:
-    """Preference accuracy of a reward model's raw scalar (call on every rank; every rank gets the results)."""
+def evaluate_reward_model(
+    model: nn.Module, eval_set: EvalSet, device, n_resamples: int = 2000, seed: int = 0, shared: bool = True
+) -> dict:
+    """Preference accuracy of a reward model's raw scalar (call on every rank; every rank gets the results).
+    `shared`: packed rows (packed_pairs)."""
     was = _in_eval_mode([model])
-    index, c, r = score_local(lambda b: reward_scores(model, b, device), eval_set, device)
+    index, c, r = score_local(lambda b: reward_scores(model, b, device, shared), eval_set, device)
     model.train(was[0])
     c, r = gather_pair_scores(index, c, r, eval_set.n_pairs)
     return preference_summary(c, r, eval_set.chosen_longer, n_resamples, seed=seed)
 
 
-def policy_logps(model: nn.Module, eval_set: EvalSet, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_logps(
+    model: nn.Module, eval_set: EvalSet, device, shared: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's summed response log-probs: (pair_index, chosen, rejected), each (n,). A frozen reference's
-    can be computed once and passed to evaluate_policy at every evaluation."""
+    can be computed once and passed to evaluate_policy at every evaluation. `shared`: packed rows (packed_pairs)."""
     was = _in_eval_mode([model])
-    out = score_local(lambda b: response_logprobs(model, b, device), eval_set, device)
+    out = score_local(lambda b: response_logprobs(model, b, device, shared), eval_set, device)
     model.train(was[0])
     return out
 
@@ -163,11 +190,12 @@ def evaluate_policy(
     device,
     n_resamples: int = 2000,
     seed: int = 0,
+    shared: bool = True,
 ) -> dict:
     """Preference accuracy of the implicit reward beta * (log pi(y|x) - log pi_ref(y|x)). `reference` is the
-    reference model or its policy_logps on this eval set."""
-    index, pc, pr = policy_logps(policy, eval_set, device)
-    ref = reference if isinstance(reference, tuple) else policy_logps(reference, eval_set, device)
+    reference model or its policy_logps on this eval set. `shared`: packed rows (packed_pairs)."""
+    index, pc, pr = policy_logps(policy, eval_set, device, shared)
+    ref = reference if isinstance(reference, tuple) else policy_logps(reference, eval_set, device, shared)
     if not torch.equal(ref[0], index):
         raise ValueError("reference log-probs were computed on another evaluation set")
     c, r = gather_pair_scores(index, beta * (pc - ref[1]), beta * (pr - ref[2]), eval_set.n_pairs)

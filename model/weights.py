@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
-from model.heads import RewardModel
+from model.heads import POOLINGS, RewardModel
 from model.lora import lora_scalings, merged_state_dict
 from data.hub import hub_unreachable
 
@@ -171,13 +171,15 @@ def build_policy(name_or_path: str, random_init: bool = False) -> GPT2LMHeadMode
     return model
 
 
-def build_reward_model(name_or_path: str, random_init: bool = False) -> RewardModel:
-    """A reward model: from a policy folder (new head) or a reward-model folder (its head and gain/bias)."""
+def build_reward_model(name_or_path: str, random_init: bool = False, pooling: str = "") -> RewardModel:
+    """A reward model: from a policy folder (new head) or a reward-model folder (its head, gain/bias and pooling);
+    `pooling` as resolve_pooling takes it."""
+    pooling = resolve_pooling(name_or_path, pooling, random_init)
     if random_init:
         if name_or_path not in PRESETS:
             raise ModelLoadError(f"--random_init needs a preset name ({', '.join(PRESETS)}), got '{name_or_path}'")
-        return RewardModel(PRESETS[name_or_path])
-    model = RewardModel(load_config(name_or_path))
+        return RewardModel(PRESETS[name_or_path], pooling)
+    model = RewardModel(load_config(name_or_path), pooling)
     _load_into(model, name_or_path, strict_head=False)
     norm = Path(name_or_path) / "reward_normalization.json"
     if norm.is_file():
@@ -187,10 +189,34 @@ def build_reward_model(name_or_path: str, random_init: bool = False) -> RewardMo
     return model
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | Path, extra_files: dict | None = None) -> None:
+def resolve_pooling(name_or_path: str, pooling: str = "", random_init: bool = False) -> str:
+    """The pooling (model.heads.POOLINGS) of the reward model build_reward_model builds: `pooling`, or when it is
+    empty a reward-model folder's own (its config.json's "reward_pooling"; "last" for a GPT2ForSequenceClassification
+    folder without one), else "last". A reward-model folder saved with another pooling than `pooling` is an error:
+    its head was trained to be read its own way. Reads no weights (scripts call it before loading anything)."""
+    if pooling and pooling not in POOLINGS:
+        raise ModelLoadError(f"reward pooling must be one of {', '.join(POOLINGS)}, got '{pooling}'")
+    cfg_file = Path(name_or_path) / "config.json"
+    saved = ""
+    if not random_init and cfg_file.is_file():
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_file} is not a GPT-2 config.json (JSONDecodeError: {e})") from None
+        saved = hf.get("reward_pooling", "last" if "GPT2ForSequenceClassification" in hf.get("architectures", []) else "")
+        if saved and saved not in POOLINGS:
+            raise ModelLoadError(f"{cfg_file}: reward_pooling {saved!r}, expected one of {', '.join(POOLINGS)}")
+    if pooling and saved and pooling != saved:
+        raise ModelLoadError(f"{name_or_path} is a reward model with pooling '{saved}', not '{pooling}'")
+    return pooling or saved or "last"
+
+
+def save_hf(state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | Path, extra_files: dict | None = None,
+            reward_pooling: str = "last") -> None:
     """Write a folder that transformers' GPT2LMHeadModel (or GPT2ForSequenceClassification, when the state
-    dict has a `score` head) loads with from_pretrained. Written to a temporary folder and renamed, so a crash
-    leaves either the old export or the new one."""
+    dict has a `score` head) loads with from_pretrained; a reward model's config.json also names its
+    `reward_pooling` (model.heads.RewardModel). Written to a temporary folder and renamed, so a crash leaves
+    either the old export or the new one."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -208,6 +234,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | P
         hf_cfg["num_labels"] = 1
         hf_cfg["id2label"] = {"0": "LABEL_0"}
         hf_cfg["label2id"] = {"LABEL_0": 0}
+        hf_cfg["reward_pooling"] = reward_pooling
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -233,7 +260,8 @@ def save_export(model: nn.Module, state_dict: dict[str, torch.Tensor], cfg: GPTC
                 extra_files: dict | None = None) -> None:
     """Write `model`'s full state dict as a Hugging Face-format folder, LoRA adapters merged into their base
     weights (a plain GPT-2 that `transformers` loads). With utils.checkpoint.export_model under FSDP."""
-    save_hf(merged_state_dict(state_dict, lora_scalings(model)), cfg, folder, extra_files)
+    save_hf(merged_state_dict(state_dict, lora_scalings(model)), cfg, folder, extra_files,
+            getattr(model, "pooling", "last"))
 
 
 def freeze(model: nn.Module) -> nn.Module:

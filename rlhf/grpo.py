@@ -2,7 +2,7 @@
 
 Order of reward processing in grpo.py, per prompt with G samples:
 
-    1. raw score      r_raw = RM(prompt + response), read at the last real token
+    1. raw score      r_raw = RM(prompt + response), read at the last real token (or summed over the response)
     2. penalty        r_pen = r_raw - missing_end_penalty * (1 - has_end)             raw RM units
     3. normalize      r     = gain * r_pen + bias                                      RM's fitted gain/bias
     4. selection      K of the G samples, from r (RSO / top-bottom / uniform / all)

@@ -90,9 +90,10 @@ def model_rows(prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_r
 
 @torch.no_grad()
 def score(reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: int, micro: int, shared: bool = True) -> torch.Tensor:
-    """Raw reward-model score (N,) of every prompt + response row, read at the row's last real token: the end token,
-    or the last sampled token when the response ran out of tokens. Row n belongs to prompt n // group. `shared`:
-    each micro-batch's prompts are computed once for all their responses (packed rows)."""
+    """Raw reward-model score (N,) of every prompt + response row, read at the row's last real token (the end token,
+    or the last sampled token when the response ran out of tokens) or summed over its response (the model's
+    pooling). Row n belongs to prompt n // group. `shared`: each micro-batch's prompts are computed once for all
+    their responses (packed rows)."""
     N = samples.response_ids.shape[0]
     scores = []
     with gathered_params(reward_model):
@@ -101,7 +102,7 @@ def score(reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: i
             batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows],
                                rows // group, shared)
             mask = batch["layout"] if shared else batch["attention_mask"]
-            scores.append(reward_model(batch["input_ids"], batch["position_ids"], mask))
+            scores.append(reward_model(batch["input_ids"], batch["position_ids"], mask, prompt_len=batch.get("prompt_len")))
     return torch.cat(scores).float()
 
 

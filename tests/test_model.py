@@ -139,6 +139,49 @@ def test_reward_model_export_loads_in_transformers(tmp_path, tiny_cfg):
     assert back.gain.item() == 2.0 and back.bias.item() == -0.5
 
 
+def test_summed_reward_is_the_head_summed_over_the_response_whatever_the_padding(tiny_cfg):
+    torch.manual_seed(0)
+    rm = RewardModel(tiny_cfg, "sum").eval()
+    prompt, response = torch.randint(0, 1000, (1, 5)), torch.randint(0, 1000, (1, 3))
+    seq = torch.cat([prompt, response], 1)
+    with torch.no_grad():
+        h = rm.transformer(seq, torch.arange(8)[None], torch.ones(1, 8, dtype=torch.bool))
+        expected = (h[0, 5:] @ rm.score.weight[0]).sum()  # by hand: the head at the 3 response tokens, summed
+        # 2 pads left of the prompt, 2 right of the response (junk ids): prompt columns 0..6, response from 7
+        padded = torch.cat([torch.full((1, 2), 50256), prompt, response, torch.tensor([[11, 12]])], 1)
+        mask = torch.tensor([[False] * 2 + [True] * 8 + [False] * 2])
+        ppos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        r_padded = rm(padded, ppos, mask, prompt_len=7)
+        r_last = RewardModel(tiny_cfg, "last").eval()
+        r_last.load_state_dict(rm.state_dict())
+        last = r_last(padded, ppos, mask)
+    assert torch.allclose(r_padded, expected[None], atol=1e-5)
+    assert not torch.allclose(last, r_padded, atol=1e-3)  # the same weights read another way
+    with pytest.raises(ValueError, match="prompt_len"):
+        rm(padded, ppos, mask)
+
+
+def test_reward_pooling_travels_with_the_export_and_a_mismatch_is_refused(tmp_path, tiny_cfg):
+    torch.manual_seed(0)
+    rm = RewardModel(tiny_cfg, "sum").eval()
+    save_hf(rm.state_dict(), tiny_cfg, tmp_path / "rm", reward_pooling="sum")
+    back = build_reward_model(str(tmp_path / "rm"))
+    assert back.pooling == "sum" and build_reward_model(str(tmp_path / "rm"), pooling="sum").pooling == "sum"
+    ids, pos = torch.randint(0, 1000, (2, 7)), torch.arange(7)[None].expand(2, 7)
+    with torch.no_grad():
+        assert torch.equal(back(ids, pos, torch.ones(2, 7, dtype=torch.bool), prompt_len=4),
+                           rm(ids, pos, torch.ones(2, 7, dtype=torch.bool), prompt_len=4))
+    with pytest.raises(ModelLoadError, match="pooling 'sum', not 'last'"):
+        build_reward_model(str(tmp_path / "rm"), pooling="last")
+    with pytest.raises(ModelLoadError, match="must be one of last, sum"):
+        build_reward_model(str(tmp_path / "rm"), pooling="mean")
+    save_hf(RewardModel(tiny_cfg).state_dict(), tiny_cfg, tmp_path / "rm_last")  # a last-token head: "last"
+    assert build_reward_model(str(tmp_path / "rm_last")).pooling == "last"
+    save_hf(GPT2LMHeadModel(tiny_cfg).state_dict(), tiny_cfg, tmp_path / "policy")  # a new head reads either way
+    assert build_reward_model(str(tmp_path / "policy"), pooling="sum").pooling == "sum"
+    assert build_reward_model(str(tmp_path / "policy")).pooling == "last"
+
+
 def test_clear_errors_for_missing_models(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         build_policy(str(tmp_path / "nope" / "model"))

@@ -58,12 +58,13 @@ def close(a: torch.Tensor, b: torch.Tensor, rel: bool = False) -> bool:
     return bool(((a - b).abs().max() / scale) <= TOL)
 
 
-def test_reward_model_scores_and_response_logprobs_match_the_unshared_rows(tldr_prompts):
+@pytest.mark.parametrize("pooling", ["last", "sum"])
+def test_reward_model_scores_and_response_logprobs_match_the_unshared_rows(tldr_prompts, pooling):
     ids, mask = tldr_prompts
     G, R = 5, 9
     samples = random_samples(ids.shape[0], G, R)
     torch.manual_seed(0)
-    reward_model = freeze(RewardModel(CFG))
+    reward_model = freeze(RewardModel(CFG, pooling))
     # micro-batches of 7 rows: groups split across micro-batches, prompts of 1 to 2 responses per micro-batch
     shared, unshared = (score(reward_model, ids, mask, samples, G, micro=7, shared=s) for s in (True, False))
     assert close(shared, unshared) and unshared.std() > 0
@@ -211,3 +212,30 @@ def test_grpo_stops_before_loading_weights_when_generation_cannot_fit(tmp_path, 
     assert code == 2
     assert message.startswith("error: not enough device memory") and "--gen_prompts 8 needs about 420 MiB" in message
     assert "lower --gen_prompts to 2" in message and "--micro_batch_size" not in message  # 8 -> 4 -> 2 (halving)
+
+
+@pytest.mark.parametrize("pooling", ["last", "sum"])
+def test_pair_batches_packed_match_the_padded_rows(tldr_prompts, pooling):
+    """evaluation.preference's packed pairs (reward_model.py and dpo.py, --prefix_sharing): each pair's prompt once for
+    its chosen and rejected response gives the padded rows' reward scores, response log-probs and gradients."""
+    from data.tldr import collate_pairs
+    from evaluation.preference import response_logprobs, reward_scores
+
+    ids, mask = tldr_prompts
+    prompts = [row[m].tolist() for row, m in zip(ids, mask)]
+    g = torch.Generator().manual_seed(1)
+    chosen = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 1, 5)]
+    rejected = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (6, 2, 9, 4)]
+    batch = collate_pairs(prompts, chosen, rejected)
+    torch.manual_seed(0)
+    reward_model, policy = RewardModel(CFG, pooling), GPT2LMHeadModel(CFG)
+    out = {}
+    for shared in (True, False):
+        reward_model.zero_grad()
+        r = reward_scores(reward_model, batch, "cpu", shared)
+        (r * torch.arange(1.0, 9.0)).sum().backward()
+        logp = response_logprobs(policy, batch, "cpu", shared)
+        out[shared] = r.detach(), logp.detach(), reward_model.transformer.h[0].attn.c_attn.weight.grad.clone()
+    for a, b in zip(out[True], out[False]):
+        assert close(a, b, rel=True)
+    assert out[False][0].std() > 0 and out[False][1].abs().min() > 1 and out[False][2].abs().max() > 0

@@ -115,6 +115,22 @@ def test_gold_pairs_by_hand():
     assert gold_pairs(PROMPT, [wrong, best, two, best]) == [(best, wrong), (best, two)]
 
 
+def test_label_pairs_by_hand():
+    best, two, wrong = " my sister sold my car, i am angry\n", " my sister sold my car\n", " my brother is annoying\n"
+    plain = synthetic.label_pairs(PROMPT, [best, two, wrong, two], 0.0, random.Random(0))
+    assert [(r["chosen"], r["rejected"], r["swap"]) for r in plain] == [(best[:-1], two[:-1], False), (two[:-1], wrong[:-1], False)]
+    # every pair flipped at noise ~1; swap pairs follow their pair, never flipped, for each summary naming a key item
+    rows = synthetic.label_pairs(PROMPT, [best, two, wrong, two], 0.999999, random.Random(0), random.Random(0))
+    assert [r["swap"] for r in rows] == [False, True, True, False, True]  # "wrong" names no key item: no swap pair
+    assert (rows[0]["chosen"], rows[0]["rejected"]) == (two[:-1], best[:-1])
+    for pair, swap in ((rows[0], rows[1]), (rows[0], rows[2]), (rows[3], rows[4])):
+        original = swap["chosen"]
+        assert original in (pair["chosen"], pair["rejected"]) and swap["prompt"] == PROMPT
+        assert sum(a != b for a, b in zip(original.split(), swap["rejected"].split())) == 1
+        assert gold_reward(PROMPT, swap["rejected"] + "\n") <= gold_reward(PROMPT, original + "\n") - 2
+    assert {rows[1]["chosen"], rows[2]["chosen"]} == {best[:-1], two[:-1]}
+
+
 def test_no_summary_without_a_key_item_beats_the_sft_data(task):
     """Whatever a summary without a key item does (stop at once, stay short, pad with filler), it scores at most 0;
     the task's SFT summaries score well above that. (tests/test_learning.py checks the same against the demo's

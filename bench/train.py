@@ -124,18 +124,22 @@ def matmul_params(c: GPTConfig, n_unique_params: int, lm_head: bool) -> tuple[in
     return n, head if lm_head else 0
 
 
-def flops_per_step(c: GPTConfig, n: int, head: int, micro: list[dict], forward_passes: float = 3.0) -> tuple[float, float]:
+def flops_per_step(c: GPTConfig, n: int, head: int, micro: list[dict], forward_passes: float = 3.0,
+                   packed_pairs: bool = False) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs) of one optimizer step. forward_passes: 3 for forward + backward (backward
     costs two forwards), 4 when a frozen reference adds one forward (DPO).
 
-    model: per real token 2 N + 4 L d T per forward-pass equivalent (6 N + 12 L d T for training).
-    executed: every padded position through the body, the head only at response positions."""
+    model: per real token of the prompt + response rows 2 N + 4 L d T per forward-pass equivalent (6 N + 12 L d T
+    for training). executed: every padded position through the body, the head only at response positions. With
+    `packed_pairs` (collate_pairs batches run as packed rows, reward_model.py's and dpo.py's default), each pair's
+    prompt goes through the body once, so less is executed than the model FLOPs count."""
     model = executed = 0.0
     for b in micro:
         rows, width = b["input_ids"].shape
         attn = 4 * c.n_layer * c.n_embd * width  # QK^T and AV, forward, per token
         model += float(b["attention_mask"].sum()) * forward_passes * (2 * n + attn)
-        executed += rows * width * forward_passes * (2 * (n - head) + attn)
+        body = b["n_pairs"] * b["prompt_len"] + rows * b["response_ids"].shape[1] if packed_pairs else rows * width
+        executed += body * forward_passes * (2 * (n - head) + attn)
         executed += rows * b["response_ids"].shape[1] * forward_passes * 2 * head
     return model, executed
 
@@ -232,7 +236,7 @@ def bench_reward_model(cfg: TrainConfig, device: torch.device, world: int) -> li
         return metrics
 
     t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
-    flops = flops_per_step(model.cfg, n, head, micro)
+    flops = flops_per_step(model.cfg, n, head, micro, packed_pairs=True)
     return throughput_rows(f"{name} (reward_model.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n,
                            "pairs")
 
@@ -261,7 +265,7 @@ def bench_dpo(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
         return metrics
 
     t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
-    flops = flops_per_step(policy.cfg, n, head, micro, forward_passes=4.0)  # + the reference's forward
+    flops = flops_per_step(policy.cfg, n, head, micro, forward_passes=4.0, packed_pairs=True)  # + the reference's forward
     return throughput_rows(f"{name} (dpo.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n, "pairs",
                            formula="8N + 16LdT (with the reference's forward)")
 

@@ -12,7 +12,7 @@ import torch
 import grpo
 from bench import common, grpo_step, lora_memory, prefix_sharing, run_all, sampler, train, trl_grpo
 from bench.common import random_prompts
-from data.tldr import collate_sft
+from data.tldr import collate_pairs, collate_sft
 from model.gpt2 import PRESETS, GPTConfig
 
 SAMPLER = sampler.SamplerConfig(
@@ -164,6 +164,11 @@ def test_flops_formula_by_hand():
     assert executed == 2 * 5 * (6 * (n - head) + 12 * 2 * 8 * 5) + 2 * 2 * 6 * head
     dpo_model, _ = train.flops_per_step(c, n, head, [batch], forward_passes=4.0)
     assert dpo_model == 8 * (8 * n + 16 * 2 * 8 * 5)
+    # packed pairs: prompt [1, 2, 3] once (3 tokens) + 2 responses of width 2 through the body; model FLOPs as padded
+    pairs = collate_pairs([[1, 2, 3]], [[6, 198]], [[7]])  # 2 rows of width 5; 5 + 4 = 9 real tokens
+    packed_model, packed = train.flops_per_step(c, n, head, [pairs], packed_pairs=True)
+    assert packed_model == 9 * (6 * n + 12 * 2 * 8 * 5)
+    assert packed == (3 + 2 * 2) * (6 * (n - head) + 12 * 2 * 8 * 5) + 2 * 2 * 6 * head
     # GPT-2 124M: 124,439,808 unique parameters; N drops the 1024 x 768 position table (and wte without a head)
     gpt2 = PRESETS["gpt2"]
     assert train.matmul_params(gpt2, 124_439_808, lm_head=True) == (124_439_808 - 786_432, 50257 * 768)

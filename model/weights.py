@@ -119,11 +119,19 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _config_json(cfg_file: Path) -> dict:
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_file} is not a GPT-2 config.json (JSONDecodeError: {e})") from None
+
+
 def load_config(name_or_path: str) -> GPTConfig:
     cfg_file, _ = _resolve_files(name_or_path)
+    hf = _config_json(cfg_file)
     try:
-        return config_from_hf(json.loads(cfg_file.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        return config_from_hf(hf)
+    except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{cfg_file} is not a GPT-2 config.json ({type(e).__name__}: {e})") from None
 
 
@@ -199,10 +207,7 @@ def resolve_pooling(name_or_path: str, pooling: str = "", random_init: bool = Fa
     cfg_file = Path(name_or_path) / "config.json"
     saved = ""
     if not random_init and cfg_file.is_file():
-        try:
-            hf = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{cfg_file} is not a GPT-2 config.json (JSONDecodeError: {e})") from None
+        hf = _config_json(cfg_file)
         saved = hf.get("reward_pooling", "last" if "GPT2ForSequenceClassification" in hf.get("architectures", []) else "")
         if saved and saved not in POOLINGS:
             raise ModelLoadError(f"{cfg_file}: reward_pooling {saved!r}, expected one of {', '.join(POOLINGS)}")

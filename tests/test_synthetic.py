@@ -253,7 +253,10 @@ def test_sft_completions_are_good_but_leave_room_for_rl(task):
         assert 1.5 < stats[f"sft_{split}_gold"] < GOLD_REWARD_MAX - 1.0
     rows = read_jsonl(task["sft_train"])
     n_items = [len(prompt_items(r["prompt"]) & set(re.findall(r"[a-z]+", r["completion"]))) for r in rows]
-    assert sum(n == 3 for n in n_items) / len(rows) < 0.3  # all three items named only sometimes
+    # Most summaries name two or three items (there is little room for RL to gain by naming more), but only about
+    # half name all three right: the rest leave one out or name a wrong one.
+    assert sum(n >= 2 for n in n_items) / len(rows) > 0.8
+    assert 0.4 < sum(n == 3 for n in n_items) / len(rows) < 0.65
 
 
 def test_cli_writes_and_reports(tmp_path, capsys):

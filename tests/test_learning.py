@@ -5,8 +5,8 @@ margin: the reward model and DPO beat chance on held-out pairs, and GRPO raises 
 over the SFT policy's. The other tests hold what the gold reward is for: the SFT policy copies key items from the post
 (at chance it names about 0.08 per summary; its likelihood prefers the post's item to an invented one), the reward
 model and DPO check a summary's items against the post (the swap probe), DPO and GRPO both name more key items than
-SFT and invent no more (GRPO within the sampling noise of the held-out means), and no summary without content (empty, generic, filler) scores as high as the SFT policy's
-samples.
+SFT and invent no more (GRPO within the sampling noise of the held-out means), and no summary without content (empty,
+generic, filler) scores as high as the SFT policy's samples.
 """
 
 import json

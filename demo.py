@@ -286,8 +286,8 @@ def main() -> None:
                    "post relative to the summary (sft.py --prompt_loss_weight); 0.1 did not make the tiny policy copy the "
                    "post's items in 300 steps (docs/demo_results.md)")
     p.add_argument("--rm_steps", type=int, default=900, help="reward-model optimizer steps at a constant lr 2e-3 (a "
-                   "summed head learns to check items slowly: swap accuracy 0.72 to 0.85 after 900 steps on three seeds; "
-                   "on the task before, 0.80 after 900 and 0.88 after 1,500 on seed 0; docs/demo_results.md)")
+                   "summed head learns to check items slowly: swap accuracy 0.72 to 0.85 after 900 steps on three "
+                   "seeds; on the task before, 0.80 after 900 and 0.88 after 1,500 on seed 0; docs/demo_results.md)")
     p.add_argument("--rm_pooling", default="sum", choices=["last", "sum"], help="reward_model.py --pooling: the head "
                    "summed over the response tokens (sum) or read at the end token (last); a last-token head never "
                    "learned to check the items (docs/demo_results.md)")

@@ -188,7 +188,8 @@ def cpu_model() -> str:
 def machine() -> dict:
     """What decides bit-exactness of CPU kernels: the torch build, the vector ISA it dispatches to, and the processor
     model (the kernels' blocking)."""
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_model": cpu_model()}
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_model": cpu_model()}
 
 
 def main(names: list[str]) -> None:

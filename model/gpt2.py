@@ -265,8 +265,10 @@ class CausalSelfAttention(nn.Module):
     def _shared_prefix(self, x_TC: torch.Tensor, layout: SharedPrefix) -> torch.Tensor:
         """Attention of a packed row x (B*P + n*R, C), before the output projection. Two SDPA calls with explicit
         masks: the prompts among themselves, and the responses over [their prompt's keys, their own keys]. The
-        prompt keys are indexed per response (n*P keys per layer, as many as the unshared rows hold; the index's
-        backward sums their gradients into the one prompt computation)."""
+        prompt keys are gathered per response (n*P keys per layer, as many as the unshared rows hold; the gather's
+        backward sums their gradients into the one prompt computation). index_select, not k_p[group]: the same sums,
+        but on a CPU its backward (index_add) is ~15x faster than advanced indexing's (index_put with accumulate),
+        which was a fifth of the demo's reward-model step (docs/benchmarks.md)."""
         C, nh = x_TC.shape[1], self.n_head
         B, P = layout.prompt_mask.shape
         n, R = layout.response_mask.shape
@@ -274,8 +276,8 @@ class CausalSelfAttention(nn.Module):
         q_p, k_p, v_p = (t.reshape(B, P, nh, C // nh).transpose(1, 2) for t in qkv_p.split(C, dim=1))  # (B, nh, P, hs)
         q_r, k_r, v_r = (t.reshape(n, R, nh, C // nh).transpose(1, 2) for t in qkv_r.split(C, dim=1))  # (n, nh, R, hs)
         y_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=layout.prompt_attn)  # (B, nh, P, hs)
-        k_all = torch.cat([k_p[layout.group], k_r], dim=2)  # (n, nh, P+R, hs)
-        v_all = torch.cat([v_p[layout.group], v_r], dim=2)  # (n, nh, P+R, hs)
+        k_all = torch.cat([k_p.index_select(0, layout.group), k_r], dim=2)  # (n, nh, P+R, hs)
+        v_all = torch.cat([v_p.index_select(0, layout.group), v_r], dim=2)  # (n, nh, P+R, hs)
         y_r = F.scaled_dot_product_attention(q_r, k_all, v_all, attn_mask=layout.response_attn)  # (n, nh, R, hs)
         return torch.cat([y_p.transpose(1, 2).reshape(B * P, C), y_r.transpose(1, 2).reshape(n * R, C)])  # (T, C)
 

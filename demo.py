@@ -120,22 +120,53 @@ def swap_accuracy(score, pairs_file: Path, seed: int) -> float:
     return wins / len(triples)
 
 
-def swap_accuracies(out: Path, pairs_file: Path, seed: int) -> dict:
+def reward_probes(out: Path, pairs_file: Path, prompts_file: Path, seed: int) -> dict:
     """swap_accuracy of the reward model (its score), of DPO's implicit reward (log pi_dpo - log pi_sft of the
     summary; beta does not change the order) and of the SFT policy's own log-likelihood of the summary (which
-    prefers the item it would copy)."""
+    prefers the item it would copy); and the reward model's appended_item_gains on the first 200 prompts of
+    `prompts_file`, in its normalised units (the std of its rewards over SFT samples: what GRPO reads)."""
     from evaluation.preference import response_logprobs, reward_scores
     from model.weights import build_policy, build_reward_model
 
     rm = build_reward_model(str(out / "rm" / "hf")).eval()
     dpo, sft = build_policy(str(out / "dpo" / "hf")).eval(), build_policy(str(out / "sft" / "hf")).eval()
+    gains = appended_item_gains(lambda b: rm.normalize(reward_scores(rm, b, "cpu")), prompts_file, 200, seed)
     return {
         "rm_swap_accuracy": swap_accuracy(lambda b: reward_scores(rm, b, "cpu"), pairs_file, seed),
         "dpo_swap_accuracy": swap_accuracy(
             lambda b: response_logprobs(dpo, b, "cpu") - response_logprobs(sft, b, "cpu"), pairs_file, seed
         ),
         "sft_swap_accuracy": swap_accuracy(lambda b: response_logprobs(sft, b, "cpu"), pairs_file, seed),
+        "rm_append_correct": gains["append_correct"],
+        "rm_append_invented": gains["append_invented"],
     }
+
+
+@torch.no_grad()
+def appended_item_gains(score, prompts_file: Path, n_prompts: int, seed: int) -> dict:
+    """What `score` (a collate_pairs batch -> a score per row) gains by appending the post's feeling to a summary
+    naming its person and object, and by appending an invented feeling (data.synthetic.appended_item_summaries; gold
+    +1 and -1), means over the first `n_prompts` prompts of a file: (append_correct, append_invented). A scorer that
+    checks items gives the first > 0 > the second; one that pays for naming items gives both > 0, and GRPO against
+    it gains by naming more items, invented or not."""
+    import random
+
+    from data.synthetic import appended_item_summaries
+    from data.tldr import PROMPT_COLUMNS, collate_pairs, encode_prompt, encode_response, load_rows
+    from data.tokenizer import get_tokenizer
+
+    tok, rng = get_tokenizer(), random.Random(f"demo-append/{seed}")
+    prompts = [row["prompt"] for row in load_rows(str(prompts_file), "train", PROMPT_COLUMNS)[:n_prompts]]
+    triples = [(encode_prompt(tok, p, 192), *(encode_response(tok, s, 32) for s in appended_item_summaries(p, rng)))
+               for p in prompts]
+    gains = {"append_correct": 0.0, "append_invented": 0.0}
+    for i in range(0, len(triples), 32):
+        prompt, base, right, invented = zip(*triples[i : i + 32])
+        for key, longer in (("append_correct", right), ("append_invented", invented)):
+            batch = collate_pairs(prompt, longer, base)
+            r = score(batch)
+            gains[key] += float((r[: batch["n_pairs"]] - r[batch["n_pairs"] :]).sum())
+    return {key: value / len(triples) for key, value in gains.items()}
 
 
 def label_policy_pairs(
@@ -350,7 +381,7 @@ def main() -> None:
     golds = {stage: gold(stage) for stage in ("sft", "dpo", "grpo")}
     summary = {
         "rm_accuracy": last("rm", "val/accuracy"),
-        **swap_accuracies(out, pairs["validation"], args.seed),
+        **reward_probes(out, pairs["validation"], paths["sft_validation"], args.seed),
         "dpo_accuracy": last("dpo", "val/accuracy"),
         **{f"{stage}_{name}": value for stage, parts in golds.items() for name, value in parts.items()},
         "grpo_kl": sum(r["train/kl"] for r in tail) / len(tail),

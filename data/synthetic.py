@@ -366,6 +366,19 @@ def swap_key_item(prompt: str, summary: str, rng: random.Random) -> str | None:
     return re.sub(rf"(?<![a-z]){item}(?![a-z])", invented, summary, count=1, flags=re.IGNORECASE)
 
 
+def appended_item_summaries(prompt: str, rng: random.Random) -> tuple[str, str, str]:
+    """Three summaries of `prompt` (with END): one naming the post's person and object ("my sister took my car"), the
+    same with the post's feeling appended (", i am angry") and with an invented feeling appended (one the post does
+    not name, drawn by `rng`). Their gold rewards are 3, 4 and 2: the appended item is worth +1 when it is the post's
+    and -1 when it is invented. A reward model that scores the invented one above the first pays for naming items
+    whether or not they are in the post, and GRPO against it gains by naming more items at the policy's precision."""
+    items = prompt_items(prompt)
+    person, obj, feeling = (next(w for w in vocab if w in items) for vocab in (PEOPLE, OBJECTS, FEELINGS))
+    invented = rng.choice([w for w in FEELINGS if w not in items])
+    base = f" my {person} took my {obj}"
+    return base + END, f"{base}, i am {feeling}{END}", f"{base}, i am {invented}{END}"
+
+
 def label_pairs(prompt: str, summaries: Sequence[str], label_noise: float, rng: random.Random,
                 swap_rng: random.Random | None = None) -> list[dict]:
     """Labelled comparisons of one prompt's summaries (as generated: END at the end of those that ended), the way

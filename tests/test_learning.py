@@ -14,6 +14,7 @@ not fix a run.
 """
 
 import json
+import math
 import sys
 
 import pytest
@@ -66,6 +67,8 @@ def test_reward_model_and_dpo_check_items_against_the_post(demo):
     summary, _, _ = demo
     assert summary["rm_swap_accuracy"] > SWAP_ACCURACY_MIN, summary
     assert summary["dpo_swap_accuracy"] > SWAP_ACCURACY_MIN, summary
+    # the appended-item probe ran (its sign is the reward model's, either way: docs/demo_results.md)
+    assert all(math.isfinite(summary[k]) for k in ("rm_append_correct", "rm_append_invented")), summary
     assert summary["dpo_items_invented"] < summary["sft_items_invented"], summary
     assert summary["dpo_items_correct"] > summary["sft_items_correct"], summary
 

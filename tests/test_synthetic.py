@@ -268,6 +268,41 @@ def test_cli_writes_and_reports(tmp_path, capsys):
     assert len(read_jsonl(tmp_path / "prompts" / "train.jsonl")) == 5
 
 
+def test_appended_item_summaries_differ_by_one_item_worth_plus_or_minus_one():
+    rng = random.Random(0)
+    base, right, invented = synthetic.appended_item_summaries(PROMPT, rng)
+    assert [gold_reward(PROMPT, s) for s in (base, right, invented)] == [3.0, 4.0, 2.0]
+    assert right.startswith(base[:-1]) and invented.startswith(base[:-1]) and right != invented
+    assert synthetic.gold_parts(PROMPT, invented)["items_invented"] == 1.0
+    for seed in range(20):  # twenty random posts: the same three gold rewards
+        post = synthetic.make_post(random.Random(seed))
+        summaries = synthetic.appended_item_summaries(post["prompt"], rng)
+        assert [gold_reward(post["prompt"], s) for s in summaries] == [3.0, 4.0, 2.0]
+
+
+def test_demo_appended_item_gains_give_the_gold_reward_its_plus_and_minus_one(tmp_path):
+    """demo.appended_item_gains (the probe of whether the reward model pays for invented items) against the gold
+    reward read back from the token ids of the batches it scores: exactly +1 for the post's item, -1 for an invented
+    one; a scorer that counts response tokens gains the same for both."""
+    import torch
+
+    import demo
+
+    tok = get_tokenizer()
+    rows = [{"prompt": make_post(random.Random(i))["prompt"], "completion": " x"} for i in range(40)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def gold_scores(batch):
+        P, ids, mask = batch["prompt_len"], batch["input_ids"], batch["attention_mask"]
+        texts = [(tok.decode(r[:P][m[:P]].tolist()), tok.decode(r[P:][m[P:]].tolist())) for r, m in zip(ids, mask)]
+        return torch.tensor([gold_reward(prompt, response) for prompt, response in texts])
+
+    assert demo.appended_item_gains(gold_scores, path, 40, seed=0) == {"append_correct": 1.0, "append_invented": -1.0}
+    lengths = demo.appended_item_gains(lambda b: b["response_mask"].sum(-1).float(), path, 33, seed=0)
+    assert lengths["append_correct"] == lengths["append_invented"] == 4.0  # ",", " i", " am", " <feeling>"
+
+
 def test_swap_key_item_invents_one_item_in_place_of_a_named_one():
     rng = random.Random(0)
     swapped = synthetic.swap_key_item(PROMPT, " my sister sold my car, i am angry\n", rng)

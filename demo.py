@@ -92,6 +92,20 @@ def gold_of_samples(policy_dir: Path, prompts_file: Path, n_prompts: int, sample
 
 
 @torch.no_grad()
+def score_margins(score, triples: list[tuple[list[int], list[int], list[int]]]) -> torch.Tensor:
+    """score(prompt + first) - score(prompt + second) for each (prompt, first, second) of token ids, in batches of 32
+    collate_pairs rows; `score` maps such a batch to a score per row."""
+    from data.tldr import collate_pairs
+
+    margins = []
+    for i in range(0, len(triples), 32):
+        batch = collate_pairs(*zip(*triples[i : i + 32]))
+        r = score(batch)
+        margins.append(r[: batch["n_pairs"]] - r[batch["n_pairs"] :])
+    return torch.cat(margins)
+
+
+@torch.no_grad()
 def swap_accuracy(score, pairs_file: Path, seed: int) -> float:
     """How often `score` (a collate_pairs batch -> a score per row) puts a summary above the same summary with one key
     item swapped for an invented one (data.synthetic.swap_key_item), over the summaries of a labelled-pairs file that
@@ -100,7 +114,7 @@ def swap_accuracy(score, pairs_file: Path, seed: int) -> float:
     import random
 
     from data.synthetic import swap_key_item
-    from data.tldr import collate_pairs, encode_prompt, encode_response
+    from data.tldr import encode_prompt, encode_response
     from data.tokenizer import get_tokenizer
 
     tok, rng = get_tokenizer(), random.Random(f"demo-swap/{seed}")
@@ -112,12 +126,7 @@ def swap_accuracy(score, pairs_file: Path, seed: int) -> float:
             if swapped is not None:
                 triples.append((encode_prompt(tok, row["prompt"], 192), encode_response(tok, text, 32),
                                 encode_response(tok, swapped, 32)))
-    wins = 0
-    for i in range(0, len(triples), 32):
-        batch = collate_pairs(*zip(*triples[i : i + 32]))
-        r = score(batch)
-        wins += int((r[: batch["n_pairs"]] > r[batch["n_pairs"] :]).sum())
-    return wins / len(triples)
+    return int((score_margins(score, triples) > 0).sum()) / len(triples)
 
 
 def reward_probes(out: Path, pairs_file: Path, prompts_file: Path, seed: int) -> dict:
@@ -152,21 +161,16 @@ def appended_item_gains(score, prompts_file: Path, n_prompts: int, seed: int) ->
     import random
 
     from data.synthetic import appended_item_summaries
-    from data.tldr import PROMPT_COLUMNS, collate_pairs, encode_prompt, encode_response, load_rows
+    from data.tldr import PROMPT_COLUMNS, encode_prompt, encode_response, load_rows
     from data.tokenizer import get_tokenizer
 
     tok, rng = get_tokenizer(), random.Random(f"demo-append/{seed}")
     prompts = [row["prompt"] for row in load_rows(str(prompts_file), "train", PROMPT_COLUMNS)[:n_prompts]]
-    triples = [(encode_prompt(tok, p, 192), *(encode_response(tok, s, 32) for s in appended_item_summaries(p, rng)))
-               for p in prompts]
-    gains = {"append_correct": 0.0, "append_invented": 0.0}
-    for i in range(0, len(triples), 32):
-        prompt, base, right, invented = zip(*triples[i : i + 32])
-        for key, longer in (("append_correct", right), ("append_invented", invented)):
-            batch = collate_pairs(prompt, longer, base)
-            r = score(batch)
-            gains[key] += float((r[: batch["n_pairs"]] - r[batch["n_pairs"] :]).sum())
-    return {key: value / len(triples) for key, value in gains.items()}
+    quads = [(encode_prompt(tok, p, 192), *(encode_response(tok, s, 32) for s in appended_item_summaries(p, rng)))
+             for p in prompts]  # (prompt, base, right, invented)
+    right = score_margins(score, [(p, r, b) for p, b, r, _ in quads])
+    invented = score_margins(score, [(p, i, b) for p, b, _, i in quads])
+    return {"append_correct": float(right.double().mean()), "append_invented": float(invented.double().mean())}
 
 
 def label_policy_pairs(

@@ -40,27 +40,28 @@ from typing import Literal
 import torch
 
 from data.synthetic import gold_reward as synthetic_gold_reward
-from data.tldr import PROMPT_COLUMNS, PromptDataset, ShardedLoader, decode_responses, load_rows
+from data.tldr import PROMPT_COLUMNS, PromptDataset, ShardedLoader, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.preference import evaluate_policy, policy_logps
 from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table
 from model.lora import LoRAConfig, trainable_summary
 from model.sampler import SampleOutput
-from model.weights import model_config, save_export
+from model.weights import save_export
 from rlhf.grpo import (
-    AGGREGATIONS, advantages, entropy_bonus, grpo_token_loss, informative_groups, mismatch_stats, penalize_missing_end,
+    AGGREGATIONS, entropy_bonus, grpo_token_loss, informative_groups, mismatch_stats, penalize_missing_end,
     rollout_correction, select, sequence_kl,
 )
 from rlhf.logprobs import linear_processed_logprobs
-from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards, source_stats
-from rollouts.memory import check_memory, free_device_bytes
-from rollouts.models import Models, build_models, refresh_reference, sharded_module
+from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards
+from rollouts.batches import build_training_batches, kept_advantages, pad_micro_batches, per_rank_sizes
+from rollouts.metrics import StepResult, gold_metrics, step_metrics
+from rollouts.models import Models, build_models, check_models, check_step_fits, refresh_reference, sharded_module
 from rollouts.prompts import PromptSet, prompt_set, source_applies
-from rollouts.sampling import RewardSpec, Scores, model_rows, rollout, source_values
-from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, check_context, parse_config, require_nonempty
-from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std, rank_and_world, stream
+from rollouts.sampling import RewardSpec, Scores, rollout, source_values
+from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, parse_config, require_nonempty
+from utils.dist import all_reduce_max, all_reduce_sum, rank_and_world, stream
 from utils.fsdp import gathered_params, set_gradient_sync
-from utils.guard import NonFiniteGuard, all_ranks_agree, check_rewards, exit_on_error
+from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
 from utils.logging import StageTimer, perf_metrics
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 from utils.run import end_of_step, finish, resume, start_run
@@ -276,19 +277,6 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
             raise ConfigError(f"--top_p must be in (0, 1] and --top_k >= 0, got {self.top_p}, {self.top_k}")
 
 
-def per_rank_sizes(cfg: Config, world: int) -> tuple[int, int]:
-    """(prompts per rank, training micro-batches per rank), with exact-division checks."""
-    if cfg.prompts_per_step % world:
-        raise ConfigError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by the world size {world}")
-    prompts = cfg.prompts_per_step // world
-    if (prompts * cfg.kept) % cfg.micro_batch_size:
-        raise ConfigError(
-            f"{prompts} prompts per rank x {cfg.kept} kept samples = {prompts * cfg.kept} sequences must be divisible "
-            f"by --micro_batch_size {cfg.micro_batch_size}"
-        )
-    return prompts, prompts * cfg.kept // cfg.micro_batch_size
-
-
 # ----------------------------------------------------------------------------------------------------
 # Stages 2-7
 
@@ -306,40 +294,6 @@ def score_rewards(spec: RewardSpec, reward_model, prompts: PromptSet, samples: S
     x = normalize_sources(scores.values, scores.applies, spec.normalize_S, all_reduce_sum)  # (N, S)
     scores.total = combine_sources(x, spec.weights_S).float()  # (N,)
     return scores
-
-
-def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_N: torch.Tensor, advantages_N, group, micro,
-                           shared: bool = True):
-    """Micro-batches of the selected rows, plus advantages and the sampler's log-probs: packed rows with each prompt
-    once for its responses (`shared`), or the prompt + response layout with a copy of the prompt per row."""
-    batches = []
-    for s in range(0, rows_N.shape[0], micro):
-        rows = rows_N[s : s + micro]
-        batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows], rows // group, shared)
-        batch["advantages"] = advantages_N[s : s + micro]
-        batch["sampler_logprobs"] = samples.logprobs[rows][:, : batch["response_ids"].shape[1]]
-        batches.append(batch)
-    return batches
-
-
-def kept_advantages(rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Advantages (B*K,): those of the kept groups (`keep_B`), globally normalized over the kept groups of every rank
-    only; 0 for the groups dynamic sampling dropped (--min_group_std), which are not trained on."""
-    adv_BK = torch.zeros(rewards_BK.shape, dtype=torch.float32, device=rewards_BK.device)
-    adv_N = advantages(rewards_BK[keep_B], cfg.scale_by_std, cfg.global_norm, all_reduce_sum)  # (kept groups * K,)
-    adv_BK[keep_B] = adv_N.view(-1, rewards_BK.shape[1])
-    return adv_BK.flatten()
-
-
-def pad_micro_batches(batches: list[dict], filler: dict, device) -> list[dict]:
-    """`batches` followed by filler micro-batches up to the largest count of any rank. Every rank must run as many
-    forward / backward passes as the others (each gathers and reduces FSDP shards): with --min_group_std the
-    ranks can keep different numbers of groups. A filler is `filler` (a one-response micro-batch, in the layout
-    the others use) with an empty response mask: weight 0, nothing added to any normaliser or sum."""
-    n_micro = int(all_reduce_max(float(len(batches)), device))
-    filler = dict(filler, response_mask=torch.zeros_like(filler["response_mask"]),
-                  advantages=torch.zeros_like(filler["advantages"]), filler=True)
-    return batches + [dict(filler) for _ in range(n_micro - len(batches))]
 
 
 def response_logprobs(model, batch: dict, cfg: Config, with_entropy: bool = False):
@@ -483,27 +437,6 @@ def policy_update(
     return metrics
 
 
-@dataclass
-class StepResult:
-    """What one GRPO step produced on this rank: G samples per prompt and their Scores, the kept columns (B, K) and
-    rows (B, K) of the samples, selection stats, the kept rewards (B, K) and advantages (B*K,, 0 in dropped groups),
-    the training micro-batches, the update's global metrics, each stage's seconds, which groups were trained on
-    (B,) (all but those --min_group_std dropped) and beta x KL taken from each kept reward with --kl_in reward."""
-
-    samples: SampleOutput
-    scores: Scores
-    idx_BK: torch.Tensor
-    rows_BK: torch.Tensor
-    selection: dict
-    rewards_BK: torch.Tensor
-    advantages: torch.Tensor
-    batches: list[dict]
-    update: dict
-    seconds: dict
-    trained_B: torch.Tensor
-    kl_penalty_BK: torch.Tensor
-
-
 def kl_in_reward(batches: list[dict], rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg: Config):
     """--kl_in reward: beta x each kept response's KL estimate (--kl_estimator, summed over its tokens) leaves its
     reward, and the advantages are recomputed and written back into the micro-batches. Returns the advantages (B*K,)
@@ -569,95 +502,7 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
 
 
 # ----------------------------------------------------------------------------------------------------
-# Stage 8: metrics
-
-
-def gold_metrics(gold_reward, gold_parts, tok, prompts: PromptSet, samples: SampleOutput, group: int) -> dict:
-    """Over all ranks and every sample of the step: mean and std of a monitored reward function (--gold_reward_fn),
-    and the mean of each part of it (--gold_parts_fn); either function may be None."""
-    texts = decode_responses(tok, samples.response_ids, samples.response_mask, samples.has_end)
-    pairs = [(prompts.texts[n // group], t) for n, t in enumerate(texts)]
-    out = {}
-    with all_ranks_agree("--gold_reward_fn / --gold_parts_fn", prompts.ids.device):  # may raise on one rank's rows only
-        gold = [float(gold_reward(prompt, text)) for prompt, text in pairs] if gold_reward is not None else None
-        parts = [gold_parts(prompt, text) for prompt, text in pairs] if gold_parts is not None else None
-    if gold is not None:
-        out["reward/gold_mean"], out["reward/gold_std"] = global_mean_std(torch.tensor(gold, device=prompts.ids.device))
-    if parts is not None:
-        names = sorted(parts[0])  # the same order on every rank, so the all-reduced columns line up
-        sums = torch.tensor([[float(p[k]) for k in names] + [1.0] for p in parts], dtype=torch.float64,
-                            device=prompts.ids.device).sum(0)  # (parts + 1,): each part's sum, then the count
-        sums = all_reduce_sum(sums)
-        out.update({f"gold/{k}": float(v) for k, v in zip(names, (sums[:-1] / sums[-1]).tolist())})
-    return out
-
-
-def step_metrics(r: StepResult, spec: RewardSpec, cfg: Config, per_row_sources: bool) -> dict:
-    """The step's global metrics (collectives): the update's, rewards, selection, samples, every source."""
-    device, G, K, rows_N = r.rewards_BK.device, cfg.num_samples, cfg.kept, r.rows_BK.flatten()
-    reward_mean, reward_std = global_mean_std(r.scores.total)
-    kept_mean, kept_std = global_mean_std(r.rewards_BK)
-    n_prompts, visited, rounds, ended, generated, kept_len, train_tokens = all_reduce_sum(torch.stack([
-        torch.tensor(float(r.idx_BK.shape[0]), dtype=torch.float64, device=device), r.selection["visited"].double().sum(),
-        r.selection["rounds"].double().sum(), r.samples.has_end.double().sum(), r.samples.response_mask.double().sum(),
-        r.samples.response_mask[rows_N].double().sum(),
-        sum((b["attention_mask"].sum() for b in r.batches if not b.get("filler")), torch.zeros((), device=device)).double(),
-    ])).tolist()
-    n_samples = n_prompts * G
-    metrics = {
-        **r.update,
-        "reward/mean": reward_mean, "reward/std": reward_std, "reward/selected_mean": kept_mean, "reward/selected_std": kept_std,
-        "rs/acceptance_rate": n_prompts * K / visited, "rs/rounds_mean": rounds / n_prompts,
-        "rs/rounds_max": all_reduce_max(float(r.selection["rounds"].max()), device),
-        "rs/pool_reward_mean": reward_mean, "rs/pool_reward_std": reward_std,
-        "rs/selected_reward_mean": kept_mean, "rs/selected_reward_std": kept_std,
-        "sample/end_fraction": ended / n_samples, "sample/response_length": generated / n_samples,
-        "sample/selected_response_length": kept_len / (n_prompts * K),
-        "perf/generate_tokens_per_second": generated / r.seconds["generate"],
-        "perf/update_tokens_per_second": train_tokens * cfg.policy_epochs / r.seconds["update"],
-        "perf/generated_tokens": generated,
-    }
-    if cfg.min_group_std > 0:  # dynamic sampling: the share of groups whose kept rewards tied, not trained on
-        metrics["sample/dropped_group_fraction"] = 1.0 - float(all_reduce_sum(r.trained_B.double().sum())) / n_prompts
-    if cfg.kl_in == "reward":  # beta x the summed KL estimate taken from each trained sample's reward
-        penalty = r.kl_penalty_BK[r.trained_B].double()
-        count, total = all_reduce_sum(torch.stack([penalty.new_tensor(float(penalty.numel())), penalty.sum()])).tolist()
-        metrics["reward/kl_penalty_mean"] = total / max(count, 1.0)
-    if r.scores.raw is not None:
-        metrics["reward/raw_mean"], metrics["reward/raw_std"] = global_mean_std(r.scores.raw)
-    # every source on the samples it applies to, before whitening (the reward model's: penalty, gain/bias)
-    count_S, mean_S, std_S = source_stats(r.scores.values, r.scores.applies, all_reduce_sum)
-    for i, source in enumerate(spec.sources):
-        metrics[f"reward/{source.name}_mean"], metrics[f"reward/{source.name}_std"] = float(mean_S[i]), float(std_S[i])
-        if per_row_sources:
-            metrics[f"reward/{source.name}_fraction"] = float(count_S[i]) / n_samples
-    return metrics
-
-
-# ----------------------------------------------------------------------------------------------------
-# Set-up and the loop
-
-
-def check_models(cfg: Config, sources: list[RewardSource]):
-    """The policy's config, after checking that the policy and reward model hold the prompt and response lengths
-    (before any weights are read)."""
-    model_cfg = model_config(cfg.model, cfg.random_init)
-    check_context(model_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "policy")
-    if cfg.pref_data and cfg.eval_every >= 0:
-        check_context(model_cfg, cfg.max_prompt_len, cfg.pref_max_response_len, "policy")
-    if any(s.fn is None for s in sources):
-        check_context(model_config(cfg.reward_model, cfg.reward_random_init), cfg.max_prompt_len, cfg.max_new_tokens, "reward model")
-    return model_cfg
-
-
-def check_step_fits(cfg: Config, sources: list[RewardSource], model_cfg, dtype, world: int, device) -> None:
-    """On a device that reports its free memory (a GPU), a step that cannot fit stops here, before any weight is
-    loaded, with one line naming the option to lower (rollouts/memory.py); the smallest free memory of any rank."""
-    free = free_device_bytes(device)
-    if free is not None:
-        rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init) if any(s.fn is None for s in sources) else None
-        dtype_bytes = torch.finfo(dtype or torch.float32).bits // 8
-        check_memory(cfg, model_cfg, rm_cfg, world, dtype_bytes, int(-all_reduce_max(-free, device)), str(device))
+# Set-up and the loop (stage 8's metrics: rollouts/metrics.py)
 
 
 def main(cfg: Config) -> dict:

@@ -1,4 +1,5 @@
-"""The three models of a GRPO run: the trained policy, its frozen reference and the frozen reward model."""
+"""The three models of a GRPO run: the trained policy, its frozen reference and the frozen reward model; and the
+checks, before any weight is read, that they hold the run's lengths and that a step fits the device."""
 
 import copy
 from dataclasses import dataclass
@@ -6,8 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from model.lora import AdaptersOff, apply_lora, merge_adapters_
-from model.weights import build_policy, build_reward_model, freeze
+from model.weights import build_policy, build_reward_model, freeze, model_config
 from rlhf.rewards import RewardSource
+from rollouts.memory import check_memory, free_device_bytes
+from utils.config import check_context
+from utils.dist import all_reduce_max
 from utils.fsdp import copy_params_, shard_model
 
 
@@ -57,3 +61,25 @@ def refresh_reference(models: Models) -> None:
         merge_adapters_(models.policy)
     else:
         copy_params_(models.policy, models.reference)
+
+
+def check_models(cfg, sources: list[RewardSource]):
+    """The policy's config, after checking that the policy and reward model hold the prompt and response lengths
+    (before any weights are read)."""
+    model_cfg = model_config(cfg.model, cfg.random_init)
+    check_context(model_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "policy")
+    if cfg.pref_data and cfg.eval_every >= 0:
+        check_context(model_cfg, cfg.max_prompt_len, cfg.pref_max_response_len, "policy")
+    if any(s.fn is None for s in sources):
+        check_context(model_config(cfg.reward_model, cfg.reward_random_init), cfg.max_prompt_len, cfg.max_new_tokens, "reward model")
+    return model_cfg
+
+
+def check_step_fits(cfg, sources: list[RewardSource], model_cfg, dtype, world: int, device) -> None:
+    """On a device that reports its free memory (a GPU), a step that cannot fit stops here, before any weight is
+    loaded, with one line naming the option to lower (rollouts/memory.py); the smallest free memory of any rank."""
+    free = free_device_bytes(device)
+    if free is not None:
+        rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init) if any(s.fn is None for s in sources) else None
+        dtype_bytes = torch.finfo(dtype or torch.float32).bits // 8
+        check_memory(cfg, model_cfg, rm_cfg, world, dtype_bytes, int(-all_reduce_max(-free, device)), str(device))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import grpo
+import rollouts.models
 from data.tldr import PROMPT_COLUMNS, PromptDataset, load_rows, pad_prompts
 from data.tokenizer import get_tokenizer
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig, KVCache, SharedKVCache
@@ -202,7 +203,7 @@ def test_grpo_stops_before_loading_weights_when_generation_cannot_fit(tmp_path, 
                       gen_prompts=8, prompts_per_step=8, micro_batch_size=2)
     est = step_memory(cfg, PRESETS["tiny"], None, 1, 4)
     assert est.generate // 3 > est.update
-    monkeypatch.setattr(grpo, "free_device_bytes", lambda device: int((est.weights + est.generate // 3) / 0.9) + 1)
+    monkeypatch.setattr(rollouts.models, "free_device_bytes", lambda device: int((est.weights + est.generate // 3) / 0.9) + 1)
     monkeypatch.setattr(grpo, "build_models", lambda *a, **k: pytest.fail("models built after a failed memory check"))
     args = ["--model", "tiny", "--random_init", "true", "--rewards", "length", "--train_data", str(rows), "--val_data", "",
             "--pref_data", "", "--eval_every", "-1", "--num_samples", "64", "--num_kept", "2", "--max_prompt_len", "64",

@@ -1,0 +1,98 @@
+"""What one GRPO step produced on a rank (StepResult) and the step's global metrics (collectives): the update's,
+rewards, selection, samples and every reward source (step_metrics), and a monitored gold reward and its parts
+(gold_metrics)."""
+
+from dataclasses import dataclass
+
+import torch
+
+from data.tldr import decode_responses
+from model.sampler import SampleOutput
+from rlhf.rewards import source_stats
+from rollouts.prompts import PromptSet
+from rollouts.sampling import RewardSpec, Scores
+from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std
+from utils.guard import all_ranks_agree
+
+
+@dataclass
+class StepResult:
+    """What one GRPO step produced on this rank: G samples per prompt and their Scores, the kept columns (B, K) and
+    rows (B, K) of the samples, selection stats, the kept rewards (B, K) and advantages (B*K,, 0 in dropped groups),
+    the training micro-batches, the update's global metrics, each stage's seconds, which groups were trained on
+    (B,) (all but those --min_group_std dropped) and beta x KL taken from each kept reward with --kl_in reward."""
+
+    samples: SampleOutput
+    scores: Scores
+    idx_BK: torch.Tensor
+    rows_BK: torch.Tensor
+    selection: dict
+    rewards_BK: torch.Tensor
+    advantages: torch.Tensor
+    batches: list[dict]
+    update: dict
+    seconds: dict
+    trained_B: torch.Tensor
+    kl_penalty_BK: torch.Tensor
+
+
+def gold_metrics(gold_reward, gold_parts, tok, prompts: PromptSet, samples: SampleOutput, group: int) -> dict:
+    """Over all ranks and every sample of the step: mean and std of a monitored reward function (--gold_reward_fn),
+    and the mean of each part of it (--gold_parts_fn); either function may be None."""
+    texts = decode_responses(tok, samples.response_ids, samples.response_mask, samples.has_end)
+    pairs = [(prompts.texts[n // group], t) for n, t in enumerate(texts)]
+    out = {}
+    with all_ranks_agree("--gold_reward_fn / --gold_parts_fn", prompts.ids.device):  # may raise on one rank's rows only
+        gold = [float(gold_reward(prompt, text)) for prompt, text in pairs] if gold_reward is not None else None
+        parts = [gold_parts(prompt, text) for prompt, text in pairs] if gold_parts is not None else None
+    if gold is not None:
+        out["reward/gold_mean"], out["reward/gold_std"] = global_mean_std(torch.tensor(gold, device=prompts.ids.device))
+    if parts is not None:
+        names = sorted(parts[0])  # the same order on every rank, so the all-reduced columns line up
+        sums = torch.tensor([[float(p[k]) for k in names] + [1.0] for p in parts], dtype=torch.float64,
+                            device=prompts.ids.device).sum(0)  # (parts + 1,): each part's sum, then the count
+        sums = all_reduce_sum(sums)
+        out.update({f"gold/{k}": float(v) for k, v in zip(names, (sums[:-1] / sums[-1]).tolist())})
+    return out
+
+
+def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) -> dict:
+    """The step's global metrics (collectives): the update's, rewards, selection, samples, every source."""
+    device, G, K, rows_N = r.rewards_BK.device, cfg.num_samples, cfg.kept, r.rows_BK.flatten()
+    reward_mean, reward_std = global_mean_std(r.scores.total)
+    kept_mean, kept_std = global_mean_std(r.rewards_BK)
+    n_prompts, visited, rounds, ended, generated, kept_len, train_tokens = all_reduce_sum(torch.stack([
+        torch.tensor(float(r.idx_BK.shape[0]), dtype=torch.float64, device=device), r.selection["visited"].double().sum(),
+        r.selection["rounds"].double().sum(), r.samples.has_end.double().sum(), r.samples.response_mask.double().sum(),
+        r.samples.response_mask[rows_N].double().sum(),
+        sum((b["attention_mask"].sum() for b in r.batches if not b.get("filler")), torch.zeros((), device=device)).double(),
+    ])).tolist()
+    n_samples = n_prompts * G
+    metrics = {
+        **r.update,
+        "reward/mean": reward_mean, "reward/std": reward_std, "reward/selected_mean": kept_mean, "reward/selected_std": kept_std,
+        "rs/acceptance_rate": n_prompts * K / visited, "rs/rounds_mean": rounds / n_prompts,
+        "rs/rounds_max": all_reduce_max(float(r.selection["rounds"].max()), device),
+        "rs/pool_reward_mean": reward_mean, "rs/pool_reward_std": reward_std,
+        "rs/selected_reward_mean": kept_mean, "rs/selected_reward_std": kept_std,
+        "sample/end_fraction": ended / n_samples, "sample/response_length": generated / n_samples,
+        "sample/selected_response_length": kept_len / (n_prompts * K),
+        "perf/generate_tokens_per_second": generated / r.seconds["generate"],
+        "perf/update_tokens_per_second": train_tokens * cfg.policy_epochs / r.seconds["update"],
+        "perf/generated_tokens": generated,
+    }
+    if cfg.min_group_std > 0:  # dynamic sampling: the share of groups whose kept rewards tied, not trained on
+        metrics["sample/dropped_group_fraction"] = 1.0 - float(all_reduce_sum(r.trained_B.double().sum())) / n_prompts
+    if cfg.kl_in == "reward":  # beta x the summed KL estimate taken from each trained sample's reward
+        penalty = r.kl_penalty_BK[r.trained_B].double()
+        count, total = all_reduce_sum(torch.stack([penalty.new_tensor(float(penalty.numel())), penalty.sum()])).tolist()
+        metrics["reward/kl_penalty_mean"] = total / max(count, 1.0)
+    if r.scores.raw is not None:
+        metrics["reward/raw_mean"], metrics["reward/raw_std"] = global_mean_std(r.scores.raw)
+    # every source on the samples it applies to, before whitening (the reward model's: penalty, gain/bias)
+    count_S, mean_S, std_S = source_stats(r.scores.values, r.scores.applies, all_reduce_sum)
+    for i, source in enumerate(spec.sources):
+        metrics[f"reward/{source.name}_mean"], metrics[f"reward/{source.name}_std"] = float(mean_S[i]), float(std_S[i])
+        if per_row_sources:
+            metrics[f"reward/{source.name}_fraction"] = float(count_S[i]) / n_samples
+    return metrics

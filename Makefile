@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install demo ablation test golden clean
+.PHONY: install demo ablation test test-torch golden clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,16 @@ ablation: install  # GRPO's selection and global normalization, 3 seeds each, fr
 
 test: install
 	$(PY) -m pytest -q
+
+# The suite (without the demo's learning test) under another PyTorch, in a venv of its own: .venv-<version>.
+# e.g. `make test-torch TORCH=torch==2.11.0`. Other torch releases than the pinned CPU wheel are CUDA builds from
+# PyPI (~4.6 GB each); they run on the CPU here.
+test-torch:
+	test -x $(VENV)-$(subst torch==,,$(TORCH))/bin/python || $(PYTHON) -m venv $(VENV)-$(subst torch==,,$(TORCH))
+	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pip install -q --upgrade pip
+	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pip install -q "$(TORCH)"
+	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pip install -q -e ".[dev]"
+	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pytest -q --deselect tests/test_learning.py
 
 golden: install  # rewrite tests/golden/*.json: only for a change meant to move numbers (say which, and why)
 	$(PY) -m tests.golden.stages

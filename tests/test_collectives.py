@@ -229,3 +229,33 @@ def test_reshard_settings_are_the_ones_shard_model_gave_and_come_back_after_a_ga
         frozen(ids, pos, mask)
     assert all(not m._get_fsdp_state()._fsdp_param_group.is_unsharded  # noqa: SLF001 (FSDP2's own view)
                for m in frozen.modules() if isinstance(m, FSDPModule))
+
+
+def test_dpo_reference_is_gathered_once_per_step(one_rank_group, monkeypatch):
+    """DPO's frozen reference is gathered once for all the micro-batches of a step (as GRPO's frozen models are), not
+    once per micro-batch; the policy, which trains, is gathered in every micro-batch's forward."""
+    import dpo
+    from data.tldr import collate_pairs
+
+    unshards = []
+    real = _fsdp_param_group.FSDPParamGroup._to_unsharded
+
+    def counting(group):
+        if not group.is_unsharded:
+            unshards.append(group)
+        return real(group)
+
+    monkeypatch.setattr(_fsdp_param_group.FSDPParamGroup, "_to_unsharded", counting)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50257, n_positions=64, n_layer=2, n_head=2, n_embd=16)  # pairs end in GPT-2's end token
+    policy = shard_model(GPT2LMHeadModel(cfg))
+    reference = shard_model(freeze(GPT2LMHeadModel(cfg)))
+    ref_groups = {id(m._get_fsdp_state()._fsdp_param_group) for m in reference.modules() if hasattr(m, "_get_fsdp_state")}
+    g = torch.Generator().manual_seed(0)
+    pairs = lambda: [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (7, 5)]
+    micro = [collate_pairs(pairs(), pairs(), pairs()) for _ in range(3)]  # 3 micro-batches of 2 pairs
+    loss_fn = dpo.preference_loss_fn(dpo.Config())
+    dpo.accumulate_gradients(policy, reference, micro, 1, 6, loss_fn, 0.1, torch.device("cpu"))
+    from_reference = [grp for grp in unshards if id(grp) in ref_groups]
+    assert len(from_reference) == UNITS  # once per unit for the whole step
+    assert len(unshards) - len(from_reference) >= 3 * CFG.n_layer  # the policy's blocks: every micro-batch's forward

@@ -276,3 +276,41 @@ def test_pair_batches_packed_match_the_padded_rows(tldr_prompts, pooling):
     for a, b in zip(out[True], out[False]):
         assert close(a, b, rel=True)
     assert out[False][0].std() > 0 and out[False][1].abs().min() > 1 and out[False][2].abs().max() > 0
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
+def test_bf16_with_the_default_attention_kernel_matches_fp32_on_left_padded_and_packed_rows(device):
+    """The production path: bf16 weights and activations, the attention kernel torch picks (flash or memory-efficient
+    on a GPU; not the math kernel --deterministic forces), on left-padded rows and on packed prefix-sharing rows,
+    against fp32. The tolerance is set against what a masking error costs: attending to the left padding moves the
+    log-probs at least 5x more than bf16 rounding does."""
+    from data.tldr import collate_pairs
+    from evaluation.preference import response_logprobs, reward_scores
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, n_positions=256)
+    policy, reward_model = GPT2LMHeadModel(cfg), RewardModel(cfg, "last")
+    with torch.no_grad():  # sharper attention than GPT-2's init, so that which keys are attended matters
+        for m in (policy, reward_model):
+            for block in m.modules():
+                if hasattr(block, "c_attn"):
+                    block.c_attn.weight.mul_(8)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (40, 7, 23, 31)]  # left-padded to 40
+    chosen = [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (5, 12, 3, 9)]
+    rejected = [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (8, 2, 11, 6)]
+    batch = collate_pairs(prompts, chosen, rejected)
+    policy, reward_model = policy.to(device).eval(), reward_model.to(device).eval()
+    with torch.no_grad():
+        want_logp = response_logprobs(policy, batch, device, shared=False).float()
+        want_score = reward_scores(reward_model, batch, device, shared=False).float()
+        wrong = dict(batch, attention_mask=torch.ones_like(batch["attention_mask"]))  # attends to the padding
+        masking_error = (response_logprobs(policy, wrong, device, shared=False).float() - want_logp).abs().max()
+        policy16, reward16 = policy.to(torch.bfloat16), reward_model.to(torch.bfloat16)
+        for shared in (False, True):
+            logp_error = (response_logprobs(policy16, batch, device, shared).float() - want_logp).abs().max()
+            score_error = (reward_scores(reward16, batch, device, shared).float() - want_score).abs().max()
+            assert torch.isfinite(logp_error) and logp_error < masking_error / 5, (shared, logp_error, masking_error)
+            assert score_error < 0.02 * want_score.abs().max() + 0.02, (shared, score_error, want_score)

@@ -148,7 +148,8 @@ def run(name: str, work: Path, extra: tuple[str, ...] = (), fresh: bool = True, 
         logs.append(open(out.parent / f"{name}.agent{i}.log", "w+"))
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
     try:
-        codes = [p.wait(timeout=900) for p in procs]
+        # a hung run fails after GOLDEN_RUN_TIMEOUT seconds (bench/gpu_all.sh sets it low to fit its time budget)
+        codes = [p.wait(timeout=float(os.environ.get("GOLDEN_RUN_TIMEOUT", 900))) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -29,11 +29,13 @@ GOLDEN = Path(__file__).resolve().parent
 ROOT = GOLDEN.parents[1]
 DATA = GOLDEN / "data"
 # Used only where no record of this machine's fingerprint exists: every number within a relative REL_TOL or an
-# absolute ABS_TOL. The absolute floor is there for numbers that are zero or cancel to near zero; it is far below the
-# size of any loss term, so a 1% error in one (tests/test_golden.py injects one in the KL term) still fails.
-# Measured between the Intel and AMD sets (torch 2.13.0): see ABS_TOL / REL_TOL's derivation in docs/distributed.md.
+# absolute ABS_TOL. Measured between the Intel and AMD sets (torch 2.13.0): 30 numbers differ by more than 1e-4
+# relative, all of them near zero (the sampler-trainer log-prob gaps, ~1e-7, are rounding noise; an evaluation score
+# mean of -0.0085 cancels), the largest by 9.5e-7 absolute. The floor keeps 5x above that and stays below what a 1%
+# error in a loss term moves: GRPO's KL by 2.4e-5 at step 2 and its loss by 6.1e-6 at step 3
+# (test_a_one_percent_kl_error_fails_the_tolerance_comparison).
 REL_TOL = 1e-4
-ABS_TOL = 1e-6
+ABS_TOL = 5e-6
 
 
 def _common(out: Path) -> list[str]:

@@ -309,7 +309,9 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", default="runs/demo", help="run directory (data/, sft/, rm/, dpo/, grpo/, summary.json)")
     p.add_argument("--nproc", type=int, default=1, help="processes per stage (torchrun when > 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic task and of every stage")
@@ -337,7 +339,7 @@ def main() -> None:
     p.add_argument("--ablation_seeds", type=int, default=0, help="with N > 0: instead of DPO and GRPO, the ablation of "
                    "GRPO's selection and global normalization (ABLATION), N seeds each, from one SFT policy and reward model")
     p.add_argument("--ablation_variants", nargs="+", default=list(ABLATION), metavar="NAME",
-                   help=f"which variants of ABLATION to run (default: all of {', '.join(ABLATION)})")
+                   help="which variants of ABLATION to run")
     p.add_argument("--reuse", action="store_true", help="reuse --out's SFT policy, labelled pairs and reward model "
                    "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
                    "one that is redone is redone too)")

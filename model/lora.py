@@ -43,6 +43,7 @@ TARGETS = ("c_attn", "c_proj", "c_fc")
 class LoRAConfig:
     """LoRA options; sft.py, dpo.py and grpo.py's configs inherit them, so each script takes --lora_rank etc."""
 
+    # --- LoRA
     lora_rank: int = 0
     """LoRA rank r on the --lora_targets projections (model/lora.py); 0 disables LoRA and trains every weight.
     With LoRA only the adapters are trained, and DPO/GRPO's reference is the base model with adapters off."""

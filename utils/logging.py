@@ -32,6 +32,7 @@ class Logger:
         self.file = None
         self.resume_step = resume_step
         self.tables_opened: set[str] = set()
+        self.offline = False
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -40,7 +41,9 @@ class Logger:
         self.file = open(self.run_dir / "metrics.jsonl", "a")
         (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str) + "\n")
         if mode == "auto":
-            mode = "online" if (os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file()) else "offline"
+            login = bool(os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file())
+            mode = "online" if login else "offline"
+            say(f"wandb: --wandb_mode auto -> {mode} ({'a' if login else 'no'} login in WANDB_API_KEY or ~/.netrc)")
         if mode != "disabled":
             import wandb
 
@@ -49,6 +52,14 @@ class Logger:
                 tags=[t.strip() for t in tags.split(",") if t.strip()] or None,
                 settings=wandb.Settings(silent=True),
             )
+            self.offline = mode == "offline"
+            if self.offline:
+                say(self.offline_note())
+
+    def offline_note(self) -> str:
+        """Where an offline wandb run is and how to upload it (its folder holds files/, logs/ and the .wandb file)."""
+        folder = Path(self.run.dir).parent
+        return f"wandb: offline run in {folder}; upload it with: wandb sync {folder}"
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -95,6 +106,8 @@ class Logger:
             self.file.close()
         if self.run is not None:
             self.run.finish()
+            if self.offline:
+                say(self.offline_note())
 
 
 def _jsonable(v) -> bool:

@@ -18,8 +18,8 @@ import argparse
 import ast
 import dataclasses
 import difflib
-import inspect
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -422,16 +422,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", default=str(Path(__file__).resolve().parents[1] / "docs"),
                    help="folder of the markdown files --update_docs rewrites")
     args = p.parse_args(argv)
+    if not (args.markdown or args.update_docs):
+        p.error("give --markdown SCRIPT or --update_docs")
     if args.markdown:
-        print(options_markdown(script_config(args.markdown)), end="")
+        try:
+            cls = script_config(args.markdown)
+        except (ImportError, AttributeError) as e:
+            p.error(f"--markdown {args.markdown}: no script with a Config class by that name ({e})")
+        print(options_markdown(cls), end="")
     if args.update_docs:
         for path in sorted(Path(args.docs).glob("*.md")):
             text = path.read_text()
             if (new := render_docs(text)) != text:
                 path.write_text(new)
                 print(f"rewrote {path}")
-    if not (args.markdown or args.update_docs):
-        p.error("give --markdown SCRIPT or --update_docs")
     return 0
 
 

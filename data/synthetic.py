@@ -542,13 +542,15 @@ def task_stats(paths: dict[str, Path]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n-sft-train", type=int, default=2000)
-    parser.add_argument("--n-sft-val", type=int, default=200)
-    parser.add_argument("--n-pref-train", type=int, default=2000)
-    parser.add_argument("--n-pref-val", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0, help="seed of every post, summary and label")
+    parser.add_argument("--n-sft-train", type=int, default=2000, help="SFT training rows (sft/train.jsonl)")
+    parser.add_argument("--n-sft-val", type=int, default=200, help="SFT validation rows (sft/validation.jsonl)")
+    parser.add_argument("--n-pref-train", type=int, default=2000, help="preference training pairs")
+    parser.add_argument("--n-pref-val", type=int, default=400, help="preference validation pairs")
     parser.add_argument("--n-prompts", type=int, default=2000, help="RL prompts (prompts/train.jsonl)")
     parser.add_argument("--label-noise", type=float, default=0.1, help="probability a pair is swapped")
     args = parser.parse_args(argv)

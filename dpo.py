@@ -45,6 +45,7 @@ from utils.run import Run, end_of_step, finish, resume, start_run
 
 @dataclass
 class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisation, preference-pair and LoRA options
+    # --- models
     model: str = "runs/sft/hf"
     """Starting policy: an SFT export (Hugging Face-format folder), a hub name (gpt2, ...), or with
     --random_init a preset (tiny, small, gpt2, ...)."""
@@ -53,12 +54,14 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisati
     reference: str = ""
     """Frozen reference policy; empty: the starting policy (the usual choice): a frozen copy of it, or with LoRA the
     policy's own base weights (adapters off, no copy)."""
+    # --- objective
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid: DPO (with --label_smoothing, cDPO); ipo: IPO's squared loss."""
     beta: float = 0.1
     """KL strength beta (DPO's beta; IPO's tau, target margin 1/(2 beta))."""
     label_smoothing: float = 0.0
     """cDPO: probability that a preference label is flipped, in [0, 0.5) (sigmoid loss only)."""
+    # --- models
     reference_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Dtype the frozen reference is stored and run in: bf16, fp32, or auto (the policy's compute dtype, --dtype: then
     the policy and its reference compute alike, the implicit reward is 0 at step 0 and the first sigmoid loss is log
@@ -66,6 +69,7 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisati
     frozen_cpu_offload: bool = False
     """Keep the frozen reference's FSDP shards in CPU memory between forward passes (needs a GPU). Unused with LoRA
     and no --reference."""
+    # shared options, with this stage's defaults
     lr: float = 1e-6
     eval_every: int = 100
     """Validation preference accuracy of the implicit reward every N steps, before the first step and after the last;

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +68,18 @@ def test_logger_writes_metrics_in_every_wandb_mode(tmp_path, mode):
     assert rows == [{"step": 3, "loss": 1.5}]
     assert (tmp_path / "wandb").exists() == (mode == "offline")
     assert json.loads((tmp_path / "config.json").read_text()) == {"a": 1}  # what evaluation/compare.py groups by
+
+
+def test_wandb_auto_says_which_mode_and_an_offline_run_how_to_sync(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc: no login
+    log = Logger(tmp_path / "run", {}, "test", "run", "auto", enabled=True)
+    log.finish()
+    lines = capsys.readouterr().err.splitlines()
+    folder = Path(log.run.dir).parent
+    assert folder.is_dir() and folder.parent == tmp_path / "run" / "wandb"
+    sync = f"wandb: offline run in {folder}; upload it with: wandb sync {folder}"
+    assert lines == ["wandb: --wandb_mode auto -> offline (no login in WANDB_API_KEY or ~/.netrc)", sync, sync]
 
 
 def test_logger_gives_the_wandb_run_its_group_and_tags(tmp_path):

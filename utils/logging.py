@@ -34,6 +34,7 @@ class Logger:
         self.file = None
         self.resume_step = resume_step
         self.tables_opened: set[str] = set()
+        self.offline = False
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -45,7 +46,9 @@ class Logger:
             print("wandb is not installed: logging to metrics.jsonl only (--wandb_mode auto)", flush=True)
             mode = "disabled"
         if mode == "auto":
-            mode = "online" if (os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file()) else "offline"
+            login = bool(os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file())
+            mode = "online" if login else "offline"
+            say(f"wandb: --wandb_mode auto -> {mode} ({'a' if login else 'no'} login in WANDB_API_KEY or ~/.netrc)")
         if mode != "disabled":
             import wandb
 
@@ -54,6 +57,14 @@ class Logger:
                 tags=[t.strip() for t in tags.split(",") if t.strip()] or None,
                 settings=wandb.Settings(silent=True),
             )
+            self.offline = mode == "offline"
+            if self.offline:
+                say(self.offline_note())
+
+    def offline_note(self) -> str:
+        """Where an offline wandb run is and how to upload it (its folder holds files/, logs/ and the .wandb file)."""
+        folder = Path(self.run.dir).parent
+        return f"wandb: offline run in {folder}; upload it with: wandb sync {folder}"
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -100,6 +111,8 @@ class Logger:
             self.file.close()
         if self.run is not None:
             self.run.finish()
+            if self.offline:
+                say(self.offline_note())
 
 
 def _jsonable(v) -> bool:

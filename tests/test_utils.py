@@ -257,7 +257,7 @@ def test_wandb_auto_without_wandb_installed_logs_to_metrics_only(tmp_path, monke
     logger.log({"train/loss": 1.5}, step=1)
     logger.finish()
     assert logger.run is None
-    assert capsys.readouterr().out.strip() == "wandb is not installed: logging to metrics.jsonl only (--wandb_mode auto)"
+    assert capsys.readouterr().err.strip() == "wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only"
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text()) == {"step": 1, "train/loss": 1.5}
 
 

@@ -43,7 +43,7 @@ class Logger:
         self.file = open(self.run_dir / "metrics.jsonl", "a")
         (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str) + "\n")
         if mode == "auto" and importlib.util.find_spec("wandb") is None:
-            print("wandb is not installed: logging to metrics.jsonl only (--wandb_mode auto)", flush=True)
+            say("wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only")
             mode = "disabled"
         if mode == "auto":
             login = bool(os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file())

@@ -17,7 +17,7 @@ from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.preference import build_eval_set, evaluate_policy, evaluate_reward_model, format_table, log_results
 from model.weights import build_policy, build_reward_model, model_config
-from utils.config import ConfigError, check_context, config_to_dict, parse_config
+from utils.config import ConfigError, config_to_dict, fit_context, parse_config
 from utils.dist import cleanup_distributed, setup_distributed
 from utils.fsdp import resolve_dtype, shard_model
 from utils.guard import exit_on_error
@@ -86,9 +86,8 @@ def main(cfg: Config) -> dict:
     info = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     rank, world, device = info.rank, info.world_size, info.device
     dtype = resolve_dtype(cfg.dtype, device)
-    for what, name in (("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)):
-        if name:
-            check_context(model_config(name), cfg.max_prompt_len, cfg.max_response_len, what)
+    fit_context(cfg, *((model_config(name), "max_response_len", what) for what, name in (
+        ("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)) if name))
 
     # 2. data: this rank's disjoint slice of the pairs
     rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)

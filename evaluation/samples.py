@@ -1,0 +1,85 @@
+"""Summaries sampled from a policy, to read: sample.py's command line and the table of sample summaries that sft.py
+and dpo.py log at every evaluation (samples.jsonl in the run directory and a wandb table, as grpo.py's).
+
+A post given as text becomes a TL;DR prompt (tldr_prompt); prompts are cut to --max_prompt_len as in training
+(data.tldr.encode_prompt: the end of the post goes, subreddit, title and "TL;DR:" stay).
+"""
+
+import torch
+
+from data.tldr import PromptDataset, decode_responses, pad_prompts
+from model.sampler import SampleOutput, generate
+from rollouts.sampling import score
+from utils.dist import rank_and_world, stream
+from utils.fsdp import gathered_params
+
+SAMPLE_COLUMNS = ["prompt", "response", "reference"]
+"""Columns of the samples table sft.py and dpo.py log: the prompt, the policy's greedy summary and the data's own
+response (SFT's reference summary, DPO's chosen one)."""
+
+
+def tldr_prompt(post: str, subreddit: str = "", title: str = "") -> str:
+    """A post as the TL;DR prompt the models are trained on; a text already ending in "TL;DR:" is kept as it is."""
+    post = post.strip()
+    if post.endswith("TL;DR:"):
+        return post
+    header = (f"SUBREDDIT: r/{subreddit}\n\n" if subreddit else "") + (f"TITLE: {title}\n\n" if title else "")
+    return f"{header}POST: {post}\n\nTL;DR:"
+
+
+@torch.no_grad()
+def sample_summaries(
+    policy, prompts: list[list[int]], num_samples: int, max_new_tokens: int, temperature: float = 1.0,
+    top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None, batch_prompts: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor, SampleOutput]:
+    """`num_samples` summaries of each prompt (token ids), `batch_prompts` prompts per generation call, parameters
+    gathered once (under FSDP every rank calls it with the same prompts). Returns the padded prompts (B, P) ids and
+    mask and the samples, rows b*G .. b*G+G-1 belonging to prompt b. `greedy`: temperature 0 (the most likely
+    token; num_samples identical rows)."""
+    prompt_ids, prompt_mask = pad_prompts(prompts)  # (B, P) left-padded
+    device = next(policy.parameters()).device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    was_training = policy.training
+    policy.eval()
+    parts = []
+    with gathered_params(policy):
+        for s in range(0, len(prompts), batch_prompts):
+            ids, mask = prompt_ids[s : s + batch_prompts], prompt_mask[s : s + batch_prompts]
+            first = int(mask.any(0).long().argmax())  # this chunk's own left padding only
+            parts.append(generate(policy, ids[:, first:], mask[:, first:], num_samples, max_new_tokens,
+                                  temperature=0.0 if greedy else temperature, top_p=top_p, generator=generator))
+    policy.train(was_training)
+    fields = ("response_ids", "response_mask", "logprobs", "has_end")
+    return prompt_ids, prompt_mask, SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
+
+
+@torch.no_grad()
+def reward_of_samples(reward_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, samples: SampleOutput,
+                      group: int, micro_batch_size: int = 16) -> torch.Tensor:
+    """The reward model's normalized score (gain * raw + bias: reward_model.py's normalisation) of every sample (N,),
+    sample n answering prompt n // group."""
+    raw = score(reward_model, prompt_ids, prompt_mask, samples, group, micro_batch_size, shared=False)  # (N,)
+    return reward_model.normalize(raw).float()
+
+
+class SampleLog:
+    """The validation prompts whose greedy summaries sft.py and dpo.py log at every evaluation: a table of
+    SAMPLE_COLUMNS under the key "samples" (samples.jsonl in the run directory, a wandb table). Every rank generates
+    the same summaries (the policy's parameters are gathered once, a collective); rank 0's logger writes them."""
+
+    def __init__(self, rows: list[dict[str, str]], reference_column: str, tok, max_prompt_len: int,
+                 max_new_tokens: int, seed: int):
+        self.tok, self.max_new_tokens, self.seed = tok, max_new_tokens, seed
+        self.texts = [r["prompt"] for r in rows]
+        self.references = [r[reference_column] for r in rows]
+        self.prompts = PromptDataset(rows, tok, max_prompt_len, name="sample prompts").prompts
+
+    def log(self, logger, policy, step: int) -> None:
+        if not self.prompts:
+            return
+        # a stream of its own: greedy decoding still draws, and the run's other streams must not move
+        generator = stream(self.seed, step, rank_and_world()[0], "samples", device=next(policy.parameters()).device)
+        _, _, samples = sample_summaries(policy, self.prompts, 1, self.max_new_tokens, greedy=True, generator=generator)
+        texts = decode_responses(self.tok, samples.response_ids, samples.response_mask, samples.has_end)
+        rows = [[p, t.strip(), r.strip()] for p, t, r in zip(self.texts, texts, self.references)]
+        logger.table("samples", SAMPLE_COLUMNS, rows, step)

@@ -121,3 +121,30 @@ def test_a_stage_on_real_rows_at_default_lengths_reports_progress_samples_and_su
     out = run_script(["sample.py", "--policy", str(run / "hf"), "--data", str(data), "--rows", "2", "--greedy", "true",
                       "--device", "cpu"])
     assert out.stdout.count("--- summary 1") == 2 and rows[0]["prompt"] in out.stdout
+
+
+def test_a_default_prompt_length_is_fitted_and_a_given_one_is_refused_naming_what_fits(capsys):
+    from dataclasses import dataclass
+
+    from utils.config import ConfigError, fit_context
+
+    @dataclass
+    class Lengths:
+        max_prompt_len: int = 512
+        max_new_tokens: int = 53
+        pref_max_response_len: int = 64
+
+    small, large = GPTConfig(n_positions=512), GPTConfig(n_positions=1024)
+    cfg = Lengths()
+    fit_context(cfg, (large, "max_new_tokens", "policy"))  # fits: unchanged, nothing said
+    assert cfg.max_prompt_len == 512 and capsys.readouterr().err == ""
+    # the tightest limit decides: 512 - 64 for the preference responses
+    fit_context(cfg, (small, "max_new_tokens", "policy"), (small, "pref_max_response_len", "policy"))
+    assert cfg.max_prompt_len == 448
+    assert capsys.readouterr().err == ("--max_prompt_len 512 + --pref_max_response_len 64 exceeds the policy's 512 "
+                                       "positions: using --max_prompt_len 448\n")
+    with pytest.raises(ConfigError, match="exceeds the reward model's 512 positions; the largest --max_prompt_len that "
+                                          "fits is 459"):
+        fit_context(Lengths(max_prompt_len=500), (small, "max_new_tokens", "reward model"))
+    with pytest.raises(ConfigError, match="beside --max_prompt_len 100 the largest --max_new_tokens that fits is 412"):
+        fit_context(Lengths(max_prompt_len=100, max_new_tokens=600), (small, "max_new_tokens", "policy"))

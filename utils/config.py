@@ -164,8 +164,11 @@ def fit_context(cfg, *limits: tuple) -> None:
     exceeds = (f"--max_prompt_len {prompt} + --{response} {getattr(cfg, response)} exceeds the {what}'s "
                f"{model_cfg.n_positions} positions")
     if room <= 0:
+        fits = model_cfg.n_positions - prompt
+        hint = (f"beside --max_prompt_len {prompt} the largest --{response} that fits is {fits}" if fits > 0 else
+                f"--{response} must be below {model_cfg.n_positions}")
         raise ConfigError(f"--{response} {getattr(cfg, response)} leaves no room for a prompt in the {what}'s "
-                          f"{model_cfg.n_positions} positions; lower --{response}")
+                          f"{model_cfg.n_positions} positions; {hint}")
     default = next(f.default for f in dataclasses.fields(cfg) if f.name == "max_prompt_len")
     if prompt != default:
         raise ConfigError(f"{exceeds}; the largest --max_prompt_len that fits is {room}")

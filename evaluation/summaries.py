@@ -59,15 +59,13 @@ def reference_win_rate(reward_model, val: PromptSet, policy_raw: torch.Tensor, c
                        cfg) -> dict:
     """eval/win_rate: the share of validation prompts whose policy summary the reward model scores above the
     prompt's reference summary (raw scores, no missing-end penalty; ties count half), with its bootstrap interval
-    (rlhf.stats.win_rate), and eval/reference_reward, the reward model's normalized mean of the references. The
-    references are cut to --max_new_tokens like the policy's summaries. Collective: every rank scores its slice."""
+    (rlhf.stats.win_rate). The references are cut to --max_new_tokens like the policy's summaries. Collective: every
+    rank scores its slice."""
     reference_raw = score(reward_model, val.ids, val.mask, val.references, 1, cfg.score_micro_batch_size,
                           cfg.prefix_sharing)  # (n,)
     index = torch.where(counted, torch.tensor(val.rows, device=counted.device), -1)  # (n,) -1: padding prompts
     policy_scores, reference_scores = gather_pair_scores(index, policy_raw, reference_raw, n_prompts)
-    rate = win_rate(policy_scores, reference_scores)
-    mean_reference = reward_model.normalize(reference_scores.to(policy_raw.device).float()).double().mean()
-    return {f"eval/{k}": v for k, v in rate.items()} | {"eval/reference_reward": float(mean_reference)}
+    return {f"eval/{k}": v for k, v in win_rate(policy_scores, reference_scores).items()}
 
 
 def reference_summaries(texts: list, tok, max_new_tokens: int, device) -> SampleOutput:

@@ -2,10 +2,13 @@
 
     python eval_preferences.py --reward_model runs/rm/hf --val_data trl-lib/tldr-preference --val_split validation
     python eval_preferences.py --policy runs/dpo/hf --reference runs/sft/hf --beta 0.1
+    python eval_preferences.py --policy runs/dpo/hf --reference runs/sft/hf --judge runs/rm/hf   # + the win rate
     torchrun --nproc_per_node=2 eval_preferences.py ...   # each rank scores a disjoint slice of the pairs
     python eval_preferences.py --help                     # every option
 
-What is measured and how: evaluation/preference.py (the library the training stages call).
+What is measured and how: evaluation/preference.py (the library the training stages call). With --policy and
+--judge, also the policy's win rate against the reference summaries of --summary_data: the share of its prompts where
+the judge (a reward model) scores the policy's greedy summary above the human one (evaluation/samples.py).
 """
 
 import json
@@ -13,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from data.tldr import PREF_COLUMNS, load_rows
+from data.tldr import PREF_COLUMNS, SFT_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.preference import build_eval_set, evaluate_policy, evaluate_reward_model, format_table, log_results
+from evaluation.samples import summary_win_rate
 from model.weights import build_policy, build_reward_model, model_config
 from utils.config import ConfigError, config_to_dict, fit_context, parse_config
 from utils.dist import cleanup_distributed, setup_distributed
@@ -34,6 +38,18 @@ class Config:
     """Reference policy of the implicit reward (usually the SFT model the policy started from)."""
     beta: float = 0.1
     """beta of the implicit reward beta * log(pi/pi_ref) (does not change the accuracy, only the scores)."""
+    judge: str = ""
+    """With --policy: a reward model (reward_model.py's hf/) that judges the policy's greedy summaries of
+    --summary_data against its reference summaries (the win rate); empty: no win rate."""
+    summary_data: str = "trl-lib/tldr"
+    """Rows with prompt and completion (the reference summary) for the win rate: a hub dataset name, a
+    .jsonl/.parquet file or a folder."""
+    summary_split: str = "validation"
+    """Split of --summary_data."""
+    summary_rows: int = 256
+    """Prompts of --summary_data summarized (the first N); 0 for all. Every rank summarizes all of them."""
+    max_new_tokens: int = 53
+    """Tokens of each policy summary at most, the end token included (reference summaries are cut alike)."""
     val_data: str = "trl-lib/tldr-preference"
     """Preference rows (prompt, chosen, rejected) to evaluate on: a hub dataset name, a .jsonl/.parquet file or a
     folder."""
@@ -74,11 +90,14 @@ class Config:
             raise ConfigError("--policy needs --reference (the implicit reward is beta * log pi/pi_ref)")
         if self.reference and not self.policy:
             raise ConfigError("--reference is only used with --policy")
-        for name in ("micro_batch_size", "max_prompt_len", "max_response_len", "bootstrap_samples"):
+        if self.judge and not self.policy:
+            raise ConfigError("--judge scores a policy's summaries: it needs --policy")
+        for name in ("micro_batch_size", "max_prompt_len", "max_response_len", "bootstrap_samples", "max_new_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        if self.val_rows < 0:
-            raise ConfigError(f"--val_rows must be >= 0, got {self.val_rows}")
+        for name in ("val_rows", "summary_rows"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
 
 
 def main(cfg: Config) -> dict:
@@ -86,14 +105,22 @@ def main(cfg: Config) -> dict:
     info = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     rank, world, device = info.rank, info.world_size, info.device
     dtype = resolve_dtype(cfg.dtype, device)
-    fit_context(cfg, *((model_config(name), "max_response_len", what) for what, name in (
-        ("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)) if name))
+    limits = [(model_config(name), "max_response_len", what) for what, name in (
+        ("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)) if name]
+    if cfg.judge:
+        limits += [(model_config(cfg.policy), "max_new_tokens", "policy"), (model_config(cfg.judge), "max_new_tokens", "judge")]
+    fit_context(cfg, *limits)
 
     # 2. data: this rank's disjoint slice of the pairs
     rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)
     rows = rows[: cfg.val_rows] if cfg.val_rows else rows
     name = f"{cfg.val_data}[{cfg.val_split}]"
-    eval_set = build_eval_set(rows, get_tokenizer(), cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world, name)
+    tok = get_tokenizer()
+    eval_set = build_eval_set(rows, tok, cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world, name)
+    summary_rows = []
+    if cfg.judge:
+        summary_rows = load_rows(cfg.summary_data, cfg.summary_split, SFT_COLUMNS)
+        summary_rows = summary_rows[: cfg.summary_rows] if cfg.summary_rows else summary_rows
 
     # 3. models and scores
     if cfg.reward_model:
@@ -106,10 +133,20 @@ def main(cfg: Config) -> dict:
         policy, reference = shard_model(policy, dtype).to(device), shard_model(reference, dtype).to(device)
         results = evaluate_policy(policy, reference, eval_set, cfg.beta, device, cfg.bootstrap_samples, cfg.seed)
         title = f"policy {cfg.policy} vs reference {cfg.reference} (beta {cfg.beta}) on {name}"
+        if cfg.judge:
+            del reference
+            judge = shard_model(build_reward_model(cfg.judge), dtype).to(device)
+            results |= summary_win_rate(policy, judge, summary_rows, tok, cfg.max_prompt_len, cfg.max_new_tokens,
+                                        2 * cfg.micro_batch_size, cfg.bootstrap_samples, cfg.seed)
 
     # 4. report
     if rank == 0:
         print(format_table(results, title))
+        if cfg.judge:
+            print(f"win rate against the reference summaries of {cfg.summary_data}[{cfg.summary_split}], judged by "
+                  f"{cfg.judge}: {results['summary_win_rate']:.4f} [{results['summary_win_rate_ci_low']:.4f}, "
+                  f"{results['summary_win_rate_ci_high']:.4f}] over {results['summary_prompts']} prompts; mean reward "
+                  f"{results['summary_reward_mean']:.4f} (references {results['summary_reference_reward_mean']:.4f})")
     if cfg.out_dir:
         logger = Logger(cfg.out_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
         log_results(logger, results, step=0, prefix="eval/")

@@ -8,10 +8,13 @@ A post given as text becomes a TL;DR prompt (tldr_prompt); prompts are cut to --
 import torch
 
 from data.tldr import PromptDataset, decode_responses, pad_prompts
+from evaluation.summaries import reference_summaries
 from model.sampler import SampleOutput, generate
+from rlhf.stats import win_rate
 from rollouts.sampling import score
 from utils.dist import rank_and_world, stream
 from utils.fsdp import gathered_params
+from utils.logging import EvalProgress
 
 SAMPLE_COLUMNS = ["prompt", "response", "reference"]
 """Columns of the samples table sft.py and dpo.py log: the prompt, the policy's greedy summary and the data's own
@@ -31,11 +34,12 @@ def tldr_prompt(post: str, subreddit: str = "", title: str = "") -> str:
 def sample_summaries(
     policy, prompts: list[list[int]], num_samples: int, max_new_tokens: int, temperature: float = 1.0,
     top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None, batch_prompts: int = 8,
+    on_chunk=None,
 ) -> tuple[torch.Tensor, torch.Tensor, SampleOutput]:
     """`num_samples` summaries of each prompt (token ids), `batch_prompts` prompts per generation call, parameters
     gathered once (under FSDP every rank calls it with the same prompts). Returns the padded prompts (B, P) ids and
     mask and the samples, rows b*G .. b*G+G-1 belonging to prompt b. `greedy`: temperature 0 (the most likely
-    token; num_samples identical rows)."""
+    token; num_samples identical rows). `on_chunk(prompts)` after each call (progress)."""
     prompt_ids, prompt_mask = pad_prompts(prompts)  # (B, P) left-padded
     device = next(policy.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
@@ -48,6 +52,8 @@ def sample_summaries(
             first = int(mask.any(0).long().argmax())  # this chunk's own left padding only
             parts.append(generate(policy, ids[:, first:], mask[:, first:], num_samples, max_new_tokens,
                                   temperature=0.0 if greedy else temperature, top_p=top_p, generator=generator))
+            if on_chunk is not None:
+                on_chunk(ids.shape[0])
     policy.train(was_training)
     fields = ("response_ids", "response_mask", "logprobs", "has_end")
     return prompt_ids, prompt_mask, SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
@@ -83,3 +89,26 @@ class SampleLog:
         texts = decode_responses(self.tok, samples.response_ids, samples.response_mask, samples.has_end)
         rows = [[p, t.strip(), r.strip()] for p, t, r in zip(self.texts, texts, self.references)]
         logger.table("samples", SAMPLE_COLUMNS, rows, step)
+
+
+@torch.no_grad()
+def summary_win_rate(policy, reward_model, rows: list[dict[str, str]], tok, max_prompt_len: int, max_new_tokens: int,
+                     micro_batch_size: int = 16, n_resamples: int = 2000, seed: int = 0) -> dict:
+    """The policy's greedy summary of each row's prompt against the row's reference summary (`completion`, cut to
+    max_new_tokens like the policy's), judged by the reward model's raw score: the win rate with its bootstrap
+    interval (rlhf.stats.win_rate) and both mean normalized rewards. Every rank computes all rows (a command line's
+    evaluation: eval_preferences.py)."""
+    prompts = PromptDataset(rows, tok, max_prompt_len, name="summary prompts").prompts
+    progress = EvalProgress("summaries", len(prompts), unit="prompts", split=False)
+    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)  # greedy still draws
+    ids, mask, samples = sample_summaries(policy, prompts, 1, max_new_tokens, greedy=True, generator=generator,
+                                          on_chunk=progress.advance)
+    progress.close()
+    references = reference_summaries([r["completion"] for r in rows], tok, max_new_tokens, ids.device)
+    policy_raw = score(reward_model, ids, mask, samples, 1, micro_batch_size, shared=False).double().cpu()
+    reference_raw = score(reward_model, ids, mask, references, 1, micro_batch_size, shared=False).double().cpu()
+    out = {f"summary_{k}": v for k, v in win_rate(policy_raw, reference_raw, n_resamples, seed=seed).items()}
+    gain, bias = float(reward_model.gain), float(reward_model.bias)
+    out |= {"summary_prompts": len(rows), "summary_reward_mean": float((gain * policy_raw + bias).mean()),
+            "summary_reference_reward_mean": float((gain * reference_raw + bias).mean())}
+    return out

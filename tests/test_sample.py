@@ -148,3 +148,32 @@ def test_a_default_prompt_length_is_fitted_and_a_given_one_is_refused_naming_wha
         fit_context(Lengths(max_prompt_len=500), (small, "max_new_tokens", "reward model"))
     with pytest.raises(ConfigError, match="beside --max_prompt_len 100 the largest --max_new_tokens that fits is 412"):
         fit_context(Lengths(max_prompt_len=100, max_new_tokens=600), (small, "max_new_tokens", "policy"))
+
+
+def test_summary_win_rate_against_the_references_scored_one_row_at_a_time(tmp_path):
+    from data.tldr import collate_sft, encode_response
+    from evaluation.samples import summary_win_rate
+
+    _, policy = policy_folder(tmp_path)
+    torch.manual_seed(3)
+    judge = RewardModel(CFG).eval()
+    tok = get_tokenizer()
+    rows = [json.loads(line) for line in open(helpers.write_sft_rows(tmp_path / "rows.jsonl", n=12, seed=2))]
+    got = summary_win_rate(policy, judge, rows, tok, 96, 6, micro_batch_size=5, n_resamples=200, seed=1)
+    # independently: greedy summaries, then each prompt + summary and prompt + reference scored in its own batch
+    prompts = PromptDataset(rows, tok, 96).prompts
+    ids, mask = pad_prompts(prompts)
+    out = generate(policy.eval(), ids, mask, 1, 6, temperature=0.0)
+    outcomes = []
+    for i, row in enumerate(rows):
+        mine = out.response_ids[i][out.response_mask[i]].tolist()
+        ref = encode_response(tok, row["completion"], 6)
+        scores = []
+        for response in (mine, ref):
+            b = collate_sft([prompts[i]], [response])
+            with torch.no_grad():
+                scores.append(float(judge(b["input_ids"], b["position_ids"], b["attention_mask"], prompt_len=b["prompt_len"])))
+        outcomes.append(1.0 if scores[0] > scores[1] else 0.5 if scores[0] == scores[1] else 0.0)
+    assert got["summary_win_rate"] == pytest.approx(sum(outcomes) / len(outcomes))
+    assert got["summary_prompts"] == 12 and got["summary_win_rate_ci_low"] <= got["summary_win_rate"] <= got["summary_win_rate_ci_high"]
+    assert 0 < sum(outcomes) < len(outcomes)  # a comparison that can go either way

@@ -190,12 +190,14 @@ def progress(total: int, initial: int, enabled: bool, desc: str, unit: str = "st
 
 class EvalProgress:
     """An evaluation's own progress, shown by rank 0: every rank advances by its own rows, and every rank holds about
-    as many, so rank 0's count times the world size is the global progress (capped at `total`, the global rows)."""
+    as many, so rank 0's count times the world size is the global progress (capped at `total`, the global rows).
+    `split` False: every rank does all the rows (rank 0's count is the progress)."""
 
-    def __init__(self, desc: str, total: int, unit: str = "rows"):
+    def __init__(self, desc: str, total: int, unit: str = "rows", split: bool = True):
         from utils.dist import rank_and_world
 
-        rank, self.world = rank_and_world()
+        rank, world = rank_and_world()
+        self.world = world if split else 1
         self.total, self.done = total, 0
         self.bar = progress(total, 0, rank == 0, desc, unit=unit, leave=False)
 
@@ -223,7 +225,8 @@ def track(items, desc: str, total: int, count, unit: str = "rows"):
 
 def step_postfix(metrics: dict) -> dict:
     """What the training bar shows beside its step count: the loss (or the reward and KL) and tokens per second."""
-    shown = {k.split("/")[-1]: f"{metrics[k]:.4g}" for k in ("train/loss", "reward/mean", "train/kl") if k in metrics}
+    names = {"train/loss": "loss", "reward/mean": "reward", "train/kl": "kl"}
+    shown = {name: f"{metrics[k]:.4g}" for k, name in names.items() if k in metrics}
     if "perf/tokens_per_second" in metrics:
         shown["tok/s"] = f"{metrics['perf/tokens_per_second']:.3g}"
     return shown

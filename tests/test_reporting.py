@@ -127,7 +127,7 @@ def test_a_rerun_that_trains_nothing_prints_the_summary_already_written(tmp_path
     write_run(tmp_path, ROWS)
     first = report_summary(tmp_path, "sft", 12.0, new_steps=True)
     assert json.loads((tmp_path / "summary.json").read_text()) == first
-    printed = capsys.readouterr().err
+    printed = capsys.readouterr().out
     assert "sft summary after 3 steps" in printed and "wall 12.0s" in printed
     again = report_summary(tmp_path, "sft", 0.1, new_steps=False)
-    assert again == first and "wall 12.0s" in capsys.readouterr().err
+    assert again == first and "wall 12.0s" in capsys.readouterr().out

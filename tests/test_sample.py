@@ -112,11 +112,11 @@ def test_a_stage_on_real_rows_at_default_lengths_reports_progress_samples_and_su
     assert summary["evaluation"]["val/loss"]["best"] == min(val)
     assert summary["paths"]["export"] == str(run / "hf") and summary["paths"]["samples"] == str(run / "samples.jsonl")
     assert summary["tokens_per_second"] > 0 and summary["steps"] == 2
-    assert "sft summary after 2 steps" in err and "val/loss" in err.split("sft summary")[1]
+    assert "sft summary after 2 steps" in first.stdout and "val/loss" in first.stdout.split("sft summary")[1]
     # a rerun of the finished run prints the same summary and trains nothing
     again = run_script(args)
     assert json.loads((run / "summary.json").read_text()) == summary
-    assert "sft summary after 2 steps" in again.stderr and "validation loss" not in again.stderr
+    assert "sft summary after 2 steps" in again.stdout and "validation loss" not in again.stderr
     # sample.py reads the export
     out = run_script(["sample.py", "--policy", str(run / "hf"), "--data", str(data), "--rows", "2", "--greedy", "true",
                       "--device", "cpu"])

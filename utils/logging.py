@@ -110,6 +110,13 @@ def say(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
+def tell(message: str) -> None:
+    """A status line to stdout, flushed at once (so it keeps its place among the progress lines of a log that holds
+    both streams); a live terminal bar is cleared first and redrawn under it, so the two never share a line."""
+    tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def close_progress_bars() -> None:
     """Close every live bar so that what is printed next starts on a line of its own."""
     for bar in list(getattr(tqdm, "_instances", [])) + list(LineProgress.live):
@@ -372,5 +379,5 @@ def report_summary(run_dir: str | Path, stage: str, wall_seconds: float, new_ste
     else:
         summary = run_summary(run_dir, stage, wall_seconds)
         path.write_text(json.dumps(summary, indent=1) + "\n")
-    say(format_summary(summary) + f"\n  summary: {path}")
+    tell(format_summary(summary) + f"\n  summary: {path}")
     return summary

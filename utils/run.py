@@ -32,7 +32,7 @@ from utils.config import RunConfig, config_to_dict
 from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
 from utils.fsdp import resolve_dtype
 from utils.guard import NonFiniteGuard, StopSignal
-from utils.logging import Logger, progress, report_summary, say, step_postfix
+from utils.logging import Logger, progress, report_summary, step_postfix, tell
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Run:
 
     def say(self, message: str) -> None:
         if self.is_main:
-            say(message)  # stderr, as the bars: never glued to a bar's line
+            tell(message)  # never glued to a live bar's line
 
 
 def make_deterministic(device: str) -> None:

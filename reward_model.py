@@ -37,6 +37,7 @@ from utils.config import (
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import gathered_params, set_gradient_sync, shard_model
 from utils.guard import check_rewards, exit_on_error
+from utils.logging import track
 from utils.optim import build_optimization, guarded_step, step_throughput
 from utils.run import end_of_step, finish, resume, start_run
 
@@ -137,7 +138,8 @@ def fit_normalization(
     reward_model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # count, sum, sum of squares, responses with an end
     counted = []  # this rank's rewards of real prompts, for the NaN / constant check
-    for start in range(0, per_rank, cfg.norm_batch_size):
+    for start in track(range(0, per_rank, cfg.norm_batch_size), "normalisation samples", len(prompts),
+                       lambda start: len(mine[start : start + cfg.norm_batch_size]), unit="prompts"):
         index = mine[start : start + cfg.norm_batch_size]
         valid = torch.tensor([i < len(prompts) for i in index], device=device).repeat_interleave(G)  # (N,)
         prompt_ids, prompt_mask = pad_prompts([prompts[i if i < len(prompts) else 0] for i in index])  # (B, P)

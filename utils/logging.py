@@ -354,7 +354,8 @@ def format_summary(summary: dict) -> str:
     every = {**summary["training"], **summary["evaluation"]}
     keys = [k for k in HEADLINES.get(stage, ()) if k in every] or list(summary["evaluation"])[:8]
     width = max([len(k) for k in keys] + [6])
-    lines = [f"{stage} summary after {summary['steps']} steps",
+    steps = summary['steps']
+    lines = [f"{stage} summary after {steps} step{'' if steps == 1 else 's'}",
              f"  {'metric':<{width}}  {'final':>11} {'(step)':>7}  {'best':>11} {'(step)':>7}"]
     for k in keys:
         s = every[k]

@@ -29,7 +29,7 @@ from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.pairs import PairConfig, load_pairs
 from evaluation.preference import evaluate_policy, policy_logps, response_logprobs
-from evaluation.samples import SampleLog
+from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import AdaptersOff, LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.losses import dpo_loss, ipo_loss
@@ -45,7 +45,7 @@ from utils.run import Run, end_of_step, finish, resume, start_run
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisation, preference-pair and LoRA options
+class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig):  # run, optimisation, preference-pair, LoRA options; --judge
     model: str = "runs/sft/hf"
     """Starting policy: an SFT export (Hugging Face-format folder), a hub name (gpt2, ...), or with
     --random_init a preset (tiny, small, gpt2, ...)."""
@@ -92,6 +92,7 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisati
         self.validate_shared()  # --model, data, run, optimisation (and LoRA) options
         if self.eval_samples < 0:
             raise ConfigError(f"--eval_samples must be >= 0, got {self.eval_samples}")
+        self.validate_judge()
 
 
 def preference_loss_fn(cfg: Config):
@@ -180,7 +181,7 @@ def main(cfg: Config) -> dict:
     limits = [(model_cfg, "max_response_len", "policy")]
     if cfg.reference:
         limits.append((model_config(cfg.reference), "max_response_len", "reference"))
-    fit_context(cfg, *limits)
+    fit_context(cfg, *limits, *cfg.judge_limits(model_cfg))
     run = start_run(cfg, {"stage": "dpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     world, device = run.world, run.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
@@ -194,6 +195,7 @@ def main(cfg: Config) -> dict:
     policy, reference = build_models(cfg, run)
     optimizer, scheduler = build_optimization(policy, cfg, total_steps)
     loss_fn = preference_loss_fn(cfg)
+    judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed) if cfg.judge else None
 
     # 4. resume: the policy's weights, optimizer, schedule, every rank's RNG, data position, best validation so far
     #    (the reference is rebuilt from --model / --reference); validation of the reference once, it never changes
@@ -207,7 +209,7 @@ def main(cfg: Config) -> dict:
         samples = SampleLog(rows, "chosen", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed)
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
         val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, shared=cfg.prefix_sharing)
-        run.logger.log({f"val/{k}": v for k, v in val.items()}, 0)
+        run.logger.log({f"val/{k}": v for k, v in val.items()} | (judge.evaluate(policy, "val/") if judge else {}), 0)
         if samples is not None:
             samples.log(run.logger, policy, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)
@@ -230,6 +232,8 @@ def main(cfg: Config) -> dict:
             if ref_val is not None and cfg.eval_due(step, total_steps):
                 val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, shared=cfg.prefix_sharing)
                 metrics.update({f"val/{k}": v for k, v in val.items()})
+                if judge is not None:
+                    metrics.update(judge.evaluate(policy, "val/"))
                 if samples is not None:
                     samples.log(run.logger, policy, step)
             stopping = end_of_step(run, cfg, step, total_steps, metrics, policy, optimizer, scheduler, data.loader)

@@ -18,7 +18,7 @@ import torch
 
 from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, eval_slice, load_rows
 from data.tokenizer import get_tokenizer
-from evaluation.samples import SampleLog
+from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.logprobs import linear_processed_logprobs
@@ -35,7 +35,7 @@ from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisation, data and LoRA options shared by every stage
+class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, JudgeConfig):  # run, optimisation, data, LoRA options shared by every stage; --judge
     model: str = "gpt2"
     """Starting weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local Hugging Face-format
     folder, or with --random_init a preset (tiny, small, gpt2, ...)."""
@@ -66,6 +66,7 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
         self.validate_shared()  # --model, data, run, optimisation (and LoRA) options
         if self.eval_samples < 0:
             raise ConfigError(f"--eval_samples must be >= 0, got {self.eval_samples}")
+        self.validate_judge()
         for name in ("batch_size", "micro_batch_size", "max_response_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
@@ -185,7 +186,7 @@ def main(cfg: Config) -> dict:
     # 1. distributed set-up and every check that needs no data and no weights: sizes, the model's config, the
     #    run directory and the checkpoint to resume from (all before any model is built or put on a GPU)
     model_cfg = model_config(cfg.model, cfg.random_init)
-    fit_context(cfg, (model_cfg, "max_response_len", "model"))
+    fit_context(cfg, (model_cfg, "max_response_len", "model"), *cfg.judge_limits(model_cfg))
     run = start_run(cfg, {"stage": "sft", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     rank, world, device = run.rank, run.world, run.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
@@ -215,6 +216,7 @@ def main(cfg: Config) -> dict:
         apply_lora(model, cfg)
     run.say(f"sft: {trainable_summary(model)}")
     shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing).to(device)
+    judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed) if cfg.judge else None
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
 
@@ -255,6 +257,8 @@ def main(cfg: Config) -> dict:
             if val_batches and cfg.eval_due(step, total_steps):
                 metrics["val/loss"] = evaluate(model, val_batches, device, len(val))
                 samples.log(run.logger, model, step)
+            if judge is not None and cfg.eval_due(step, total_steps):
+                metrics.update(judge.evaluate(model, "val/"))
             stopping = end_of_step(run, cfg, step, total_steps, metrics, model, optimizer, scheduler, loader)
             if stopping:
                 break

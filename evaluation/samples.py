@@ -5,15 +5,19 @@ A post given as text becomes a TL;DR prompt (tldr_prompt); prompts are cut to --
 (data.tldr.encode_prompt: the end of the post goes, subreddit, title and "TL;DR:" stay).
 """
 
+from dataclasses import dataclass
+
 import torch
 
-from data.tldr import PromptDataset, decode_responses, pad_prompts
+from data.tldr import SFT_COLUMNS, PromptDataset, decode_responses, load_rows, pad_prompts
 from evaluation.summaries import reference_summaries
 from model.sampler import SampleOutput, generate
+from model.weights import build_reward_model, model_config
 from rlhf.stats import win_rate
 from rollouts.sampling import score
 from utils.dist import rank_and_world, stream
-from utils.fsdp import gathered_params
+from utils.config import ConfigError
+from utils.fsdp import gathered_params, shard_model
 from utils.logging import EvalProgress
 
 SAMPLE_COLUMNS = ["prompt", "response", "reference"]
@@ -112,3 +116,53 @@ def summary_win_rate(policy, reward_model, rows: list[dict[str, str]], tok, max_
     out |= {"summary_prompts": len(rows), "summary_reward_mean": float((gain * policy_raw + bias).mean()),
             "summary_reference_reward_mean": float((gain * reference_raw + bias).mean())}
     return out
+
+
+@dataclass
+class JudgeConfig:
+    judge: str = ""
+    """A reward model (reward_model.py's hf/ folder) that judges the policy's greedy summaries of --summary_data
+    against their reference summaries at every evaluation: the win rate (docs/reporting.md); empty: none."""
+    summary_data: str = "trl-lib/tldr"
+    """Rows with prompt and completion (the human reference summary) for --judge: a hub dataset name, a .jsonl/.parquet
+    file or a folder."""
+    summary_split: str = "validation"
+    """Split of --summary_data."""
+    summary_rows: int = 256
+    """Posts of --summary_data summarized for --judge (the first N); 0 for all. Every rank summarizes all of them."""
+    max_new_tokens: int = 53
+    """Tokens of each judged summary at most, the end token included (the reference summaries are cut alike)."""
+
+    def validate_judge(self) -> None:
+        if self.summary_rows < 0:
+            raise ConfigError(f"--summary_rows must be >= 0, got {self.summary_rows}")
+        if self.max_new_tokens <= 0:
+            raise ConfigError(f"--max_new_tokens must be positive, got {self.max_new_tokens}")
+
+    def judge_limits(self, policy_cfg) -> list[tuple]:
+        """utils.config.fit_context's limits of the judged summaries: prompt + max_new_tokens in the policy and the
+        judge (none without --judge)."""
+        if not self.judge:
+            return []
+        return [(policy_cfg, "max_new_tokens", "policy"), (model_config(self.judge), "max_new_tokens", "judge")]
+
+
+class Judge:
+    """--judge's reward model, sharded like the run's models, and its --summary_data rows; evaluate() gives the
+    policy's win rate against the references under the stage's evaluation prefix (a collective: every rank calls it)."""
+
+    def __init__(self, cfg: JudgeConfig, tok, max_prompt_len: int, dtype, device, micro_batch_size: int, seed: int):
+        rows = load_rows(cfg.summary_data, cfg.summary_split, SFT_COLUMNS)
+        self.rows = rows[: cfg.summary_rows] if cfg.summary_rows else rows
+        self.model = shard_model(build_reward_model(cfg.judge), dtype).to(device)
+        self.model.requires_grad_(False)
+        self.tok, self.max_prompt_len, self.max_new_tokens = tok, max_prompt_len, cfg.max_new_tokens
+        self.micro_batch_size, self.seed = micro_batch_size, seed
+
+    def evaluate(self, policy, prefix: str) -> dict:
+        out = summary_win_rate(policy, self.model, self.rows, self.tok, self.max_prompt_len, self.max_new_tokens,
+                               self.micro_batch_size, seed=self.seed)
+        return {f"{prefix}win_rate": out["summary_win_rate"], f"{prefix}win_rate_ci_low": out["summary_win_rate_ci_low"],
+                f"{prefix}win_rate_ci_high": out["summary_win_rate_ci_high"],
+                f"{prefix}summary_reward": out["summary_reward_mean"],
+                f"{prefix}reference_reward": out["summary_reference_reward_mean"]}

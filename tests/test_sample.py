@@ -177,3 +177,30 @@ def test_summary_win_rate_against_the_references_scored_one_row_at_a_time(tmp_pa
     assert got["summary_win_rate"] == pytest.approx(sum(outcomes) / len(outcomes))
     assert got["summary_prompts"] == 12 and got["summary_win_rate_ci_low"] <= got["summary_win_rate"] <= got["summary_win_rate_ci_high"]
     assert 0 < sum(outcomes) < len(outcomes)  # a comparison that can go either way
+
+
+def test_dpo_judges_its_summaries_against_the_references_at_every_evaluation(tmp_path):
+    from evaluation.samples import summary_win_rate
+    from model.weights import build_policy, build_reward_model
+
+    folder, _ = policy_folder(tmp_path)
+    torch.manual_seed(3)
+    judge = RewardModel(CFG)
+    save_export(judge, judge.state_dict(), CFG, tmp_path / "judge")
+    pairs = helpers.write_pref_rows(tmp_path / "pairs.jsonl", n=16)
+    posts = helpers.write_sft_rows(tmp_path / "posts.jsonl", n=10, seed=4)
+    run = tmp_path / "dpo"
+    run_script(["dpo.py", "--model", str(folder), *helpers.pair_run_args(pairs, run, 2), "--eval_every", "2",
+                "--judge", str(tmp_path / "judge"), "--summary_data", str(posts), "--summary_rows", "6",
+                "--max_new_tokens", "8", "--device", "cpu"])
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    judged = [r for r in rows if "val/win_rate" in r]
+    assert [r["step"] for r in judged] == [0, 2]
+    # the last one is the exported policy's, computed again outside the run
+    posts_rows = [json.loads(line) for line in open(posts)][:6]
+    again = summary_win_rate(build_policy(str(run / "hf")), build_reward_model(str(tmp_path / "judge")), posts_rows,
+                             get_tokenizer(), 64, 8)
+    assert judged[-1]["val/win_rate"] == again["summary_win_rate"]
+    assert judged[-1]["val/reference_reward"] == pytest.approx(again["summary_reference_reward_mean"], abs=1e-5)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["evaluation"]["val/win_rate"]["final"] == judged[-1]["val/win_rate"]

@@ -275,9 +275,10 @@ def perf_metrics(seconds: dict[str, float], step_seconds: float, generated_token
 EVALUATION_PREFIXES = ("val/", "eval/")
 """Metrics logged at evaluations (the rest is logged every step)."""
 HEADLINES = {
-    "sft": ("train/loss", "val/loss"),
+    "sft": ("train/loss", "val/loss", "val/win_rate", "val/win_rate_ci_low", "val/win_rate_ci_high"),
     "reward_model": ("train/loss", "train/accuracy", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high"),
-    "dpo": ("train/loss", "train/reward_margin", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high"),
+    "dpo": ("train/loss", "train/reward_margin", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high",
+            "val/win_rate", "val/win_rate_ci_low", "val/win_rate_ci_high"),
     "grpo": ("reward/mean", "train/kl", "eval/reward", "eval/win_rate", "eval/win_rate_ci_low", "eval/win_rate_ci_high",
              "eval/pref_accuracy", "eval/end_fraction", "eval/response_length"),
 }

@@ -45,7 +45,7 @@ from utils.run import Run, end_of_step, finish, resume, start_run
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig):  # run, optimisation, preference-pair, LoRA options; --judge
+class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig):  # shared options; --judge: win rate
     model: str = "runs/sft/hf"
     """Starting policy: an SFT export (Hugging Face-format folder), a hub name (gpt2, ...), or with
     --random_init a preset (tiny, small, gpt2, ...)."""
@@ -195,7 +195,9 @@ def main(cfg: Config) -> dict:
     policy, reference = build_models(cfg, run)
     optimizer, scheduler = build_optimization(policy, cfg, total_steps)
     loss_fn = preference_loss_fn(cfg)
-    judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed) if cfg.judge else None
+    judge = None  # --judge: its reward model and posts, for the win rate at every evaluation
+    if cfg.judge:
+        judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed)
 
     # 4. resume: the policy's weights, optimizer, schedule, every rank's RNG, data position, best validation so far
     #    (the reference is rebuilt from --model / --reference); validation of the reference once, it never changes

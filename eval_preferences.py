@@ -19,7 +19,7 @@ from typing import Literal
 from data.tldr import PREF_COLUMNS, SFT_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.preference import build_eval_set, evaluate_policy, evaluate_reward_model, format_table, log_results
-from evaluation.samples import summary_win_rate
+from evaluation.samples import JudgeConfig, summary_win_rate
 from model.weights import build_policy, build_reward_model, model_config
 from utils.config import ConfigError, config_to_dict, fit_context, parse_config
 from utils.dist import cleanup_distributed, setup_distributed
@@ -29,7 +29,7 @@ from utils.logging import Logger
 
 
 @dataclass
-class Config:
+class Config(JudgeConfig):  # --judge (with --policy): the win rate against reference summaries
     reward_model: str = ""
     """Reward model to evaluate: a Hugging Face-format folder (reward_model.py's hf/) or hub name."""
     policy: str = ""
@@ -38,18 +38,6 @@ class Config:
     """Reference policy of the implicit reward (usually the SFT model the policy started from)."""
     beta: float = 0.1
     """beta of the implicit reward beta * log(pi/pi_ref) (does not change the accuracy, only the scores)."""
-    judge: str = ""
-    """With --policy: a reward model (reward_model.py's hf/) that judges the policy's greedy summaries of
-    --summary_data against its reference summaries (the win rate); empty: no win rate."""
-    summary_data: str = "trl-lib/tldr"
-    """Rows with prompt and completion (the reference summary) for the win rate: a hub dataset name, a
-    .jsonl/.parquet file or a folder."""
-    summary_split: str = "validation"
-    """Split of --summary_data."""
-    summary_rows: int = 256
-    """Prompts of --summary_data summarized (the first N); 0 for all. Every rank summarizes all of them."""
-    max_new_tokens: int = 53
-    """Tokens of each policy summary at most, the end token included (reference summaries are cut alike)."""
     val_data: str = "trl-lib/tldr-preference"
     """Preference rows (prompt, chosen, rejected) to evaluate on: a hub dataset name, a .jsonl/.parquet file or a
     folder."""
@@ -92,12 +80,12 @@ class Config:
             raise ConfigError("--reference is only used with --policy")
         if self.judge and not self.policy:
             raise ConfigError("--judge scores a policy's summaries: it needs --policy")
-        for name in ("micro_batch_size", "max_prompt_len", "max_response_len", "bootstrap_samples", "max_new_tokens"):
+        for name in ("micro_batch_size", "max_prompt_len", "max_response_len", "bootstrap_samples"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("val_rows", "summary_rows"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.val_rows < 0:
+            raise ConfigError(f"--val_rows must be >= 0, got {self.val_rows}")
+        self.validate_judge()
 
 
 def main(cfg: Config) -> dict:
@@ -107,16 +95,15 @@ def main(cfg: Config) -> dict:
     dtype = resolve_dtype(cfg.dtype, device)
     limits = [(model_config(name), "max_response_len", what) for what, name in (
         ("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)) if name]
-    if cfg.judge:
-        limits += [(model_config(cfg.policy), "max_new_tokens", "policy"), (model_config(cfg.judge), "max_new_tokens", "judge")]
-    fit_context(cfg, *limits)
+    fit_context(cfg, *limits, *cfg.judge_limits(model_config(cfg.policy) if cfg.policy else None))
 
     # 2. data: this rank's disjoint slice of the pairs
     rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)
     rows = rows[: cfg.val_rows] if cfg.val_rows else rows
     name = f"{cfg.val_data}[{cfg.val_split}]"
     tok = get_tokenizer()
-    eval_set = build_eval_set(rows, tok, cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world, name)
+    eval_set = build_eval_set(rows, tok, cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world,
+                              name)
     summary_rows = []
     if cfg.judge:
         summary_rows = load_rows(cfg.summary_data, cfg.summary_split, SFT_COLUMNS)

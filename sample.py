@@ -73,7 +73,8 @@ class Config:
         if self.data and self.post:
             raise ConfigError("give --data or --post, not both")
         if not self.temperature > 0:
-            raise ConfigError(f"--temperature must be > 0 (the most likely token: --greedy true), got {self.temperature}")
+            raise ConfigError(f"--temperature must be > 0 (the most likely token: --greedy true), got "
+                              f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
         for name in ("num_samples", "max_new_tokens", "max_prompt_len"):
@@ -102,7 +103,8 @@ def prompt_rows(cfg: Config, stdin=None) -> list[dict[str, str]]:
 def main(cfg: Config, stdin=None, out=None) -> list[dict]:
     """Sample and print; returns one record per summary (prompt, sample, summary, ended, and reward when scored)."""
     out = out or sys.stdout
-    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
     dtype = resolve_dtype(cfg.dtype, device)
     limits = [(model_config(cfg.policy, cfg.random_init), "max_new_tokens", "policy")]
     if cfg.reward_model:

@@ -35,7 +35,7 @@ from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, JudgeConfig):  # run, optimisation, data, LoRA options shared by every stage; --judge
+class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, JudgeConfig):  # shared options; --judge: win rate
     model: str = "gpt2"
     """Starting weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local Hugging Face-format
     folder, or with --random_init a preset (tiny, small, gpt2, ...)."""
@@ -216,7 +216,9 @@ def main(cfg: Config) -> dict:
         apply_lora(model, cfg)
     run.say(f"sft: {trainable_summary(model)}")
     shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing).to(device)
-    judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed) if cfg.judge else None
+    judge = None  # --judge: its reward model and posts, for the win rate at every evaluation
+    if cfg.judge:
+        judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
 

@@ -192,7 +192,9 @@ def figure(groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], x: s
     return fig
 
 
-def plot(groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], out: Path, x: str = "", smooth: int = 1) -> None:
+def plot(
+    groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], out: Path, x: str = "", smooth: int = 1
+) -> None:
     """figure(), written to the PNG `out`."""
     fig = figure(groups, metrics, x, smooth)
     fig.savefig(out, dpi=120)

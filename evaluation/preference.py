@@ -128,7 +128,9 @@ def real_pairs(batch: dict) -> int:
 
 
 @torch.no_grad()
-def score_local(score_fn, eval_set: EvalSet, device, desc: str = "preference pairs") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def score_local(
+    score_fn, eval_set: EvalSet, device, desc: str = "preference pairs"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Score this rank's pairs with score_fn(batch) -> (2B,): (pair_index (n,), chosen (n,), rejected (n,)); rank 0
     shows the progress over all ranks' pairs as `desc`."""
     index, chosen, rejected = [], [], []

@@ -122,7 +122,8 @@ def summary_win_rate(policy, reward_model, rows: list[dict[str, str]], tok, max_
 class JudgeConfig:
     judge: str = ""
     """A reward model (reward_model.py's hf/ folder) that judges the policy's greedy summaries of --summary_data
-    against their reference summaries at every evaluation: the win rate (docs/reporting.md); empty: none."""
+    against their reference summaries (in a training stage, at every evaluation): the win rate (docs/reporting.md);
+    empty: none."""
     summary_data: str = "trl-lib/tldr"
     """Rows with prompt and completion (the human reference summary) for --judge: a hub dataset name, a .jsonl/.parquet
     file or a folder."""
@@ -162,7 +163,7 @@ class Judge:
     def evaluate(self, policy, prefix: str) -> dict:
         out = summary_win_rate(policy, self.model, self.rows, self.tok, self.max_prompt_len, self.max_new_tokens,
                                self.micro_batch_size, seed=self.seed)
-        return {f"{prefix}win_rate": out["summary_win_rate"], f"{prefix}win_rate_ci_low": out["summary_win_rate_ci_low"],
-                f"{prefix}win_rate_ci_high": out["summary_win_rate_ci_high"],
-                f"{prefix}summary_reward": out["summary_reward_mean"],
-                f"{prefix}reference_reward": out["summary_reference_reward_mean"]}
+        names = {"summary_win_rate": "win_rate", "summary_win_rate_ci_low": "win_rate_ci_low",
+                 "summary_win_rate_ci_high": "win_rate_ci_high", "summary_reward_mean": "summary_reward",
+                 "summary_reference_reward_mean": "reference_reward"}
+        return {prefix + name: out[key] for key, name in names.items()}

@@ -24,7 +24,7 @@ def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, c
     eval/reward_<name>: each function's mean over the prompts it applies to; with a reward model and reference
     summaries (the validation rows' `completion`), eval/win_rate (reference_win_rate)."""
     device = val.ids.device
-    counted = torch.ones(val.ids.shape[0], dtype=torch.bool, device=device) if val.counted is None else val.counted  # (n,)
+    counted = val.counted if val.counted is not None else torch.ones(val.ids.shape[0], dtype=torch.bool, device=device)
     n_prompts = int(all_reduce_sum(counted.sum().double()))
     generator = stream(cfg.seed, step, rank_and_world()[0], "eval", device=device)
     progress = EvalProgress("summaries", n_prompts, unit="prompts")

@@ -43,9 +43,11 @@ class RewardSpec:
 
 
 @torch.no_grad()
-def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, greedy: bool = False) -> SampleOutput:
+def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, greedy: bool = False,
+            on_chunk=None) -> SampleOutput:
     """Generate num_samples responses per prompt in calls of cfg.gen_prompts prompts, parameters gathered once.
-    Returns (B * num_samples, max_new_tokens) tensors grouped by prompt."""
+    Returns (B * num_samples, max_new_tokens) tensors grouped by prompt. `on_chunk(prompts)` after each call (the
+    evaluation's progress)."""
     was_training = policy.training
     policy.eval()
     parts = []
@@ -58,6 +60,8 @@ def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, g
                 temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
                 share_prompt=cfg.prefix_sharing,
             ))
+            if on_chunk is not None:
+                on_chunk(ids.shape[0])
     policy.train(was_training)
     fields = ("response_ids", "response_mask", "logprobs", "has_end")
     return SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))

@@ -181,7 +181,8 @@ CASES = [
     ("top_bottom_odd_kept", "grpo", lambda f, out: ["--selection", "top_bottom", "--num_kept", "3"],
      ["--selection top_bottom needs an even --num_kept, got 3"]),
     ("context_longer_than_model", "sft", lambda f, out: ["--max_prompt_len", "500"],
-     ["--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions"]),
+     ["--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions; the largest --max_prompt_len "
+      "that fits is 496"]),
     ("fewer_rows_than_one_batch", "sft", lambda f, out: ["--train_data", str(f["few_rows"]), "--micro_batch_size", "4"],
      ["3 examples cannot fill one global batch of world_size 1 x batch_size 4 = 4"]),
     # run directory and checkpoints

@@ -22,6 +22,7 @@ no two ranks draw the same masks (a resumed run restores each rank's own RNG sta
 """
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from utils.config import RunConfig, config_to_dict
 from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
 from utils.fsdp import resolve_dtype
 from utils.guard import NonFiniteGuard, StopSignal
-from utils.logging import Logger, progress
+from utils.logging import Logger, progress, report_summary, step_postfix, tell
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Run:
 
     def say(self, message: str) -> None:
         if self.is_main:
-            print(message)
+            tell(message)  # never glued to a live bar's line
 
 
 def make_deterministic(device: str) -> None:
@@ -149,8 +150,8 @@ def end_of_step(
     changes (GRPO's refreshed reference), saved sharded with the model. Returns True when the run must stop (a signal
     came)."""
     run.logger.log(metrics, step)
+    run.bar.set_postfix(step_postfix(metrics), refresh=False)
     run.bar.update(1)
-    run.bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.4g}" for k in ("train/loss", "reward/mean", "train/kl") if k in metrics})
     metric = cfg.best_metric if best_metric is None else best_metric
     run.best, improved = update_best(run.best, metrics, metric, cfg.best_mode, step)
     stopping = run.stop.requested(run.device)
@@ -163,13 +164,16 @@ def end_of_step(
 
 def finish(run: Run, model, step: int, metrics: dict, stopped: bool, export: Callable[[dict], None]) -> None:
     """After the loop: a stopped run says where its checkpoint is; a finished one gathers the full weights and hands
-    them to `export` on rank 0 (model.weights.save_export: the Hugging Face-format folder). Then the logger closes
-    and the process group is torn down."""
+    them to `export` on rank 0 (model.weights.save_export: the Hugging Face-format folder) and writes summary.json with
+    its table on the terminal (utils/logging.report_summary; a rerun of a finished run prints the one written). Then
+    the logger closes and the process group is torn down."""
     run.bar.close()
     if stopped:
         run.stop.report(step, run.dir / "checkpoints", run.rank)
     else:
         export_model(model, export, run.rank)
-        run.say(f"exported {run.dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        run.say(f"exported {run.dir / 'hf'}")
+        if run.is_main:
+            report_summary(run.dir, run.meta["stage"], time.perf_counter() - run.logger.started, run.logger.logged > 0)
     run.logger.finish()
     cleanup_distributed()

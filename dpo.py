@@ -39,7 +39,7 @@ from utils.dist import all_reduce_sum
 from utils.fsdp import resolve_dtype, set_gradient_sync, shard_model
 from utils.guard import exit_on_error
 from utils.optim import build_optimization, guarded_step, step_throughput
-from utils.run import Run, end_of_step, finish, resume, start_run
+from utils.run import Run, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -179,7 +179,7 @@ def main(cfg: Config) -> dict:
 
     # 2. data: tokenize, shard per rank, shuffle per epoch; validation pairs split disjointly over ranks
     data = load_pairs(cfg, get_tokenizer(), run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
-    total_steps = cfg.steps or max(1, data.loader.batches_per_epoch // accum)
+    total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. policy and frozen reference (build_models), optimizer over the policy's trainable parameters
     policy, reference = build_models(cfg, run)

@@ -38,7 +38,7 @@ from utils.dist import all_reduce_sum, stream
 from utils.fsdp import gathered_params, set_gradient_sync, shard_model
 from utils.guard import check_rewards, exit_on_error
 from utils.optim import build_optimization, guarded_step, step_throughput
-from utils.run import end_of_step, finish, resume, start_run
+from utils.run import end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -191,7 +191,7 @@ def main(cfg: Config) -> dict:
     # 2. data: tokenize, shard per rank, shuffle per epoch; validation pairs split disjointly over ranks
     tok = get_tokenizer()
     data = load_pairs(cfg, tok, run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
-    total_steps = cfg.steps or max(1, data.loader.batches_per_epoch // accum)
+    total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. model, FSDP, optimizer. Training changes the rewards, so a loaded normalisation no longer holds.
     model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling)

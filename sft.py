@@ -28,7 +28,7 @@ from utils.config import (
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import set_gradient_sync, shard_model
 from utils.guard import exit_on_error
-from utils.run import end_of_step, finish, resume, start_run
+from utils.run import end_of_step, epoch_steps, finish, resume, start_run
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
@@ -193,7 +193,7 @@ def main(cfg: Config) -> dict:
         val_rows = val_rows[: cfg.val_rows] if cfg.val_rows else val_rows
         val = SFTDataset(val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.val_data}[{cfg.val_split}]")
         val_batches = validation_batches(val, rank, world, cfg.micro_batch_size)
-    total_steps = cfg.steps or max(1, loader.batches_per_epoch // accum)
+    total_steps = epoch_steps(cfg.steps, loader.n_examples, loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. model (with LoRA: frozen, plus trainable adapters), FSDP, optimizer over the trainable parameters
     model = build_policy(cfg.model, cfg.random_init)

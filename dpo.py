@@ -169,10 +169,11 @@ def build_models(cfg: Config, run: Run) -> tuple[nn.Module, nn.Module]:
 def main(cfg: Config) -> dict:
     # 1. distributed set-up and every check that needs no data and no weights: sizes, the models' configs, the run
     #    directory and the checkpoint to resume from (all before any model is built or put on a GPU)
-    model_cfg = model_config(cfg.model, cfg.random_init)
+    model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "policy")
     if cfg.reference:
-        check_context(model_config(cfg.reference), cfg.max_prompt_len, cfg.max_response_len, "reference")
+        ref_cfg = model_config(cfg.reference, kind="policy", option="--reference")
+        check_context(ref_cfg, cfg.max_prompt_len, cfg.max_response_len, "reference")
     run = start_run(cfg, {"stage": "dpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     world, device = run.world, run.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)

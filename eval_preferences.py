@@ -86,9 +86,11 @@ def main(cfg: Config) -> dict:
     info = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     rank, world, device = info.rank, info.world_size, info.device
     dtype = resolve_dtype(cfg.dtype, device)
-    for what, name in (("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)):
-        if name:
-            check_context(model_config(name), cfg.max_prompt_len, cfg.max_response_len, what)
+    for what, name, kind in (("reward model", cfg.reward_model, "reward_model"), ("policy", cfg.policy, "policy"),
+                             ("reference", cfg.reference, "policy")):
+        if name:  # accuracy does not depend on the reward model's gain and bias: it may lack them
+            model_cfg = model_config(name, kind=kind, option="--" + what.replace(" ", "_"), normalized=False)
+            check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, what)
 
     # 2. data: this rank's disjoint slice of the pairs
     rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)

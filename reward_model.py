@@ -183,7 +183,9 @@ def main(cfg: Config) -> dict:
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "reward model")
     policy_name, policy_random_init = cfg.sft_policy or cfg.model, cfg.random_init and not cfg.sft_policy
     if cfg.norm_prompts > 0:
-        check_context(model_config(policy_name, policy_random_init), cfg.max_prompt_len, cfg.max_response_len, "SFT policy")
+        option = "--sft_policy" if cfg.sft_policy else "--model (the normalisation's SFT policy without --sft_policy)"
+        policy_cfg = model_config(policy_name, policy_random_init, kind="policy", option=option)
+        check_context(policy_cfg, cfg.max_prompt_len, cfg.max_response_len, "SFT policy")
     run = start_run(cfg, {"stage": "reward_model", "model_config": model_cfg.to_dict()})
     world, device = run.world, run.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)

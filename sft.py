@@ -172,7 +172,7 @@ def evaluate(model, loader_batches: list[dict], device) -> float:
 def main(cfg: Config) -> dict:
     # 1. distributed set-up and every check that needs no data and no weights: sizes, the model's config, the
     #    run directory and the checkpoint to resume from (all before any model is built or put on a GPU)
-    model_cfg = model_config(cfg.model, cfg.random_init)
+    model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "model")
     run = start_run(cfg, {"stage": "sft", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     rank, world, device = run.rank, run.world, run.device

@@ -66,12 +66,13 @@ def refresh_reference(models: Models) -> None:
 def check_models(cfg, sources: list[RewardSource]):
     """The policy's config, after checking that the policy and reward model hold the prompt and response lengths
     (before any weights are read)."""
-    model_cfg = model_config(cfg.model, cfg.random_init)
+    model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
     check_context(model_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "policy")
     if cfg.pref_data and cfg.eval_every >= 0:
         check_context(model_cfg, cfg.max_prompt_len, cfg.pref_max_response_len, "policy")
     if any(s.fn is None for s in sources):
-        check_context(model_config(cfg.reward_model, cfg.reward_random_init), cfg.max_prompt_len, cfg.max_new_tokens, "reward model")
+        rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init, kind="reward_model", option="--reward_model")
+        check_context(rm_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "reward model")
     return model_cfg
 
 

@@ -172,6 +172,11 @@ def _digests(folder: Path, names: list[str]) -> dict[str, dict]:
     return {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in names}
 
 
+def _listing_digest(files: dict) -> str:
+    """SHA-256 of digests.json's own list, so that an edit of the list itself is found too."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
 def _state_bytes(obj) -> int:
     """Bytes of every tensor in a (nested) state dict, at their global shapes: what a checkpoint of it needs on disk."""
     if isinstance(obj, torch.Tensor):
@@ -190,10 +195,9 @@ def _os_error(e: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError):
             return e
-        if isinstance(e, dcp.CheckpointException):
-            causes = [c for failures in e.failures.values() for c in (failures if isinstance(failures, (list, tuple))
-                                                                        else [failures])]
-            found = next((o for o in map(_os_error, causes) if o is not None), None)
+        if isinstance(e, dcp.CheckpointException):  # failures: rank -> (exception, stack)
+            causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+            found = next((o for o in map(_os_error, causes) if isinstance(o, OSError)), None)
             if found is not None:
                 return found
         e = e.__cause__ or e.__context__
@@ -279,7 +283,8 @@ def save_checkpoint(
         mine = sorted(p.name for p in (tmp / SHARDED).glob(f"__{rank}_*"))
         mine += [".metadata"] if rank == 0 else []
         digests = {f"{SHARDED}/{k}": v for k, v in _digests(tmp / SHARDED, mine).items()}
-    except Exception as e:  # DCP raises on every rank when any rank failed to write
+    except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank when any rank failed to write (its
+        # CheckpointException is a BaseException)
         error = _write_failure(e, ckpt_root, needed)
     _agree_on_write(error, tmp, final, rank)
     rngs = _gather_objects(rng_state())
@@ -293,11 +298,13 @@ def save_checkpoint(
                 "rng": rngs,
                 "extra": extra or {},
                 "frozen": sorted(frozen or {}),
+                "digests": DIGESTS,  # this checkpoint records digests: without the file it is damaged
             }
             _save_file(state, tmp / "state.pt")
-            _atomic_write_text(tmp / "meta.json", json.dumps({**meta, "step": step}))
-            recorded = {k: v for d in all_digests for k, v in d.items()} | _digests(tmp, ["state.pt", "meta.json"])
-            _atomic_write_text(tmp / DIGESTS, json.dumps(dict(sorted(recorded.items())), indent=1))
+            _atomic_write_text(tmp / "meta.json", json.dumps({**meta, "step": step, "digests": DIGESTS}))
+            files = {k: v for d in all_digests for k, v in d.items()} | _digests(tmp, ["state.pt", "meta.json"])
+            files = dict(sorted(files.items()))
+            _atomic_write_text(tmp / DIGESTS, json.dumps({"files": files, "sha256": _listing_digest(files)}, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _atomic_write_text(ckpt_root / "latest", final.name)
@@ -348,6 +355,17 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def _records_digests(path: Path) -> bool:
+    """Whether the checkpoint was written with a digests.json (meta.json, else state.pt, says so); an unreadable
+    meta.json or state.pt counts as yes: such a checkpoint cannot be trusted either way."""
+    try:
+        if (path / "meta.json").is_file():
+            return "digests" in json.loads((path / "meta.json").read_bytes().decode("utf-8"))
+        return "digests" in torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    except Exception:  # unreadable: not to be trusted
+        return True
+
+
 def damage(path: str | Path, rank: int = 0, world: int = 1) -> str | None:
     """None when the checkpoint at `path` is intact, else what is wrong with it, naming the file: state.pt missing,
     digests.json unreadable, or a file it lists missing, of another size or with another SHA-256. Rank r hashes
@@ -358,12 +376,16 @@ def damage(path: str | Path, rank: int = 0, world: int = 1) -> str | None:
     listed: dict = {}
     if not (path / "state.pt").is_file():
         found = f"{path / 'state.pt'} is missing"
-    elif (path / DIGESTS).is_file():
+    elif not (path / DIGESTS).is_file():
+        if _records_digests(path):
+            found = f"{path / DIGESTS} is missing"
+    else:
         try:
-            listed = json.loads((path / DIGESTS).read_bytes().decode("utf-8"))
-            if not isinstance(listed, dict) or "state.pt" not in listed:
-                raise ValueError("it does not list state.pt")
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+            record = json.loads((path / DIGESTS).read_bytes().decode("utf-8"))
+            listed = record["files"]
+            if _listing_digest(listed) != record["sha256"]:
+                found, listed = f"{path / DIGESTS} was altered (its list does not match its own SHA-256)", {}
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             found, listed = f"{path / DIGESTS} cannot be read ({type(e).__name__}: {e})", {}
     names = sorted(listed)
     mine = {}
@@ -386,21 +408,23 @@ def damage(path: str | Path, rank: int = 0, world: int = 1) -> str | None:
 
 
 def newest_intact(run_dir: str | Path, rank: int = 0, world: int = 1) -> Path | None:
-    """The checkpoint to resume from: the one `latest` names, else the newest complete one, if it is intact (see
-    damage); a damaged one is named in a warning line and the next older one is tried. None when there is no
-    checkpoint; CheckpointError (one line naming each) when there are some and none is intact."""
+    """The checkpoint to resume from: the one `latest` names (a warning when it cannot be read or names no folder),
+    else the newest, if it is intact (see damage); a damaged one is named in a warning line and the next older one is
+    tried. None when there is no checkpoint; CheckpointError (one line naming each) when none is intact."""
     ckpt_root = Path(run_dir) / "checkpoints"
     if not ckpt_root.is_dir():
         return None
-    done = _step_folders(ckpt_root)[::-1]
-    first = latest_checkpoint(run_dir)
-    candidates = ([first] if first is not None else []) + [p for p in done if p != first]
+    folders = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir()), reverse=True)
+    name = _read_pointer(ckpt_root)
+    if name and ckpt_root / name not in folders:
+        _warn(f"{ckpt_root / 'latest'} names {name!r}, which is missing; looking for the newest checkpoint")
+    candidates = sorted(folders, key=lambda p: p.name != name)  # stable: the named one first, then newest first
     damaged = []
-    for path in candidates:
+    for i, path in enumerate(candidates):
         why = damage(path, rank, world)
         if why is None:
             return path
-        older = next((p.name for p in candidates[len(damaged) + 1:]), None)
+        older = candidates[i + 1].name if i + 1 < len(candidates) else None
         _warn(f"checkpoint {path.name} is damaged: {why}; "
               + (f"trying the one before it, {older}" if older else "no older checkpoint is left"))
         damaged.append(f"{path.name}: {why}")
@@ -506,13 +530,14 @@ def find_checkpoint(run_dir: str | Path, resume: bool, resume_from: str, meta: d
     check_run_dir(run_dir)
     check_shared_dir(run_dir)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    own = latest_checkpoint(run_dir)
-    if own is not None and not resume:
+    ckpt_root = Path(run_dir) / "checkpoints"
+    own = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir()) if ckpt_root.is_dir() else []
+    if own and not resume:
         raise ConfigError(
-            f"--out_dir {run_dir} already holds checkpoints (newest: {own.name}) and --resume is false: starting "
-            f"over would overwrite them; use --resume true to continue, another --out_dir, or delete {own.parent}"
+            f"--out_dir {run_dir} already holds checkpoints (newest: {own[-1].name}) and --resume is false: starting "
+            f"over would overwrite them; use --resume true to continue, another --out_dir, or delete {ckpt_root}"
         )
-    path = newest_intact(run_dir, rank, world) if own is not None else None
+    path = newest_intact(run_dir, rank, world)
     if path is None and resume_from:
         source = Path(resume_from)
         if (source / "state.pt").is_file():

@@ -11,8 +11,9 @@ warning line. flock works across machines on NFS (Linux 2.6.12 and later) and Lu
 
 config.json (what evaluation/compare.py groups runs by) holds the options the run was started with, written once;
 every later change is appended to its "option_changes" list as {"step", "options": {name: [old, new]}}: free options
-(FREE_OPTIONS: the length of the run, evaluation, logging and checkpoint cadence, where things are written) without
-asking, the others only with --resume_changes allow.
+(FREE_OPTIONS: the length of the run, evaluation, logging and checkpoint cadence, memory savers) without asking,
+the others only with --resume_changes allow; where the run is and how it was started (NOT_RECORDED: --out_dir,
+--resume, --resume_from, --resume_changes) are neither compared nor recorded.
 """
 
 import atexit
@@ -34,14 +35,18 @@ LOCK = ".lock"
 RECORD = "config.json"
 RESUME_CHANGES = "option_changes"
 
-# Options that may differ on a resume without --resume_changes allow: they change how long the run goes on, when it
-# evaluates, logs and saves, and where it writes, but not what any step computes. (--steps also stretches the
-# learning-rate schedule when it has not ended.) Every other option changes the result.
+# Options that may differ on a resume without --resume_changes allow (each change is still recorded): how long the
+# run goes on, when it evaluates, logs and saves, the wandb names, and memory savers that compute the same numbers.
+# --steps also moves the end of the cosine schedule, so the steps after the resume follow the new one. Every other
+# option changes what a step computes.
 FREE_OPTIONS = frozenset({
     "steps", "eval_every", "save_every", "keep_last", "best_metric", "best_mode", "table_every", "table_prompts",
-    "out_dir", "resume", "resume_from", "resume_changes", "dist_timeout_minutes", "activation_checkpointing",
-    "frozen_cpu_offload", "wandb_mode", "wandb_project", "run_name", "wandb_group", "wandb_tags",
+    "dist_timeout_minutes", "activation_checkpointing", "frozen_cpu_offload",
+    "wandb_mode", "wandb_project", "run_name", "wandb_group", "wandb_tags",
 })
+
+# How a run is started or where it is, not what it is: never compared, never recorded as a change
+NOT_RECORDED = frozenset({"out_dir", "resume", "resume_from", "resume_changes"})
 
 _held: dict[str, int] = {}  # lock file -> open descriptor, for this process's runs
 
@@ -123,7 +128,8 @@ def options_record(run_dir: str | Path, options: dict, step: int, allow: bool) -
     current = {k: v for k, v in record.items() if k != RESUME_CHANGES}
     for change in record.get(RESUME_CHANGES, []):
         current |= {k: new for k, (_, new) in change["options"].items()}
-    changed = {k: [current[k], v] for k, v in options.items() if k in current and not _same(current[k], v)}
+    changed = {k: [current[k], v] for k, v in options.items()
+               if k in current and k not in NOT_RECORDED and not _same(current[k], v)}
     refused = {k: v for k, v in changed.items() if k not in FREE_OPTIONS}
     if refused and not allow:
         listed = ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in refused.items())

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -311,3 +312,24 @@ def test_wandb_online_passes_with_a_key_or_a_netrc_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     monkeypatch.setenv("WANDB_API_KEY", "x")
     check_wandb_login("online")
+
+
+@pytest.mark.slow
+def test_a_small_filesystem_that_fills_at_the_second_checkpoint(rows, tmp_path):
+    """The same on a real full disk: a 80 MiB tmpfs (mounted in a user namespace of its own) holds the first
+    checkpoint of the tiny SFT run (~53 MB) but not the second."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user namespaces here to mount a small filesystem in")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    train = " ".join(shlex.quote(a) for a in sft_args(rows, disk / "run", "--steps", "2", "--save_every", "1"))
+    check = ("from utils.checkpoint import damage; import os; "
+             f"print('left:', sorted(os.listdir('{disk}/run/checkpoints')), damage('{disk}/run/checkpoints/step_00000001'))")
+    script = (f"mount -t tmpfs -o size=80m tmpfs {disk} && {sys.executable} sft.py {train}; echo exit=$?; "
+              f"{sys.executable} -c \"{check}\"")
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert "exit=4" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"cannot write checkpoint step_00000002 in {disk}/run/checkpoints: no space left on device" in errors[0]
+    assert "left: ['latest', 'step_00000001'] None" in done.stdout, done.stdout

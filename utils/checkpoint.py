@@ -207,6 +207,8 @@ def _os_error(e: BaseException) -> OSError | None:
 def _write_failure(e: BaseException, folder: Path, needed: int) -> str:
     """One line on a failed write: the folder, the OS error ("no space left on device" for ENOSPC), the bytes needed."""
     oserr = _os_error(e)
+    if isinstance(e, dcp.CheckpointException):  # the first rank's own exception says more than DCP's wrapper
+        e = next((f[0] if isinstance(f, tuple) else f for f in e.failures.values()), e)
     try:
         free = shutil.disk_usage(folder).free
     except OSError:

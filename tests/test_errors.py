@@ -115,7 +115,8 @@ def inputs(tmp_path_factory):
     (d / "garbage_ckpt" / "state.pt").write_bytes(b"truncated")
     f["garbage_ckpt"] = d / "garbage_ckpt"
     # the run's record of options, as its first start wrote it
-    (d / "sft_run" / "config.json").write_text(json.dumps(config_to_dict(parse_config(sft.Config, base_args("sft", f, d / "sft_run")))))
+    recorded = config_to_dict(parse_config(sft.Config, base_args("sft", f, d / "sft_run")))
+    (d / "sft_run" / "config.json").write_text(json.dumps(recorded))
     shutil.copytree(d / "sft_run", d / "damaged_run")  # its only checkpoint altered: one byte of state.pt flipped
     state_pt = d / "damaged_run" / "checkpoints" / f["ckpt"].name / "state.pt"
     data = bytearray(state_pt.read_bytes())
@@ -240,7 +241,8 @@ CASES = [
      ["--model", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"]),
     ("reward_model_as_reference", "dpo", lambda f, out: ["--reference", str(f["constant_rm"])],
      ["--reference", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"]),
-    ("policy_as_reward_model", "grpo", lambda f, out: ["--reward_model", str(f["policy"]), "--reward_random_init", "false"],
+    ("policy_as_reward_model", "grpo",
+     lambda f, out: ["--reward_model", str(f["policy"]), "--reward_random_init", "false"],
      ["--reward_model", "policy is a policy (a GPT-2 language model), not a reward model"]),
     ("policy_as_reward_model_to_evaluate", "eval_preferences", lambda f, out: ["--reward_model", str(f["policy"])],
      ["--reward_model", "policy is a policy (a GPT-2 language model), not a reward model"]),

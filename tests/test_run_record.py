@@ -323,8 +323,9 @@ def test_a_small_filesystem_that_fills_at_the_second_checkpoint(rows, tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     train = " ".join(shlex.quote(a) for a in sft_args(rows, disk / "run", "--steps", "2", "--save_every", "1"))
-    check = ("from utils.checkpoint import damage; import os; "
-             f"print('left:', sorted(os.listdir('{disk}/run/checkpoints')), damage('{disk}/run/checkpoints/step_00000001'))")
+    ckpts = disk / "run" / "checkpoints"
+    check = (f"from utils.checkpoint import damage; import os; "
+             f"print('left:', sorted(os.listdir('{ckpts}')), damage('{ckpts}/step_00000001'))")
     script = (f"mount -t tmpfs -o size=80m tmpfs {disk} && {sys.executable} sft.py {train}; echo exit=$?; "
               f"{sys.executable} -c \"{check}\"")
     done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)

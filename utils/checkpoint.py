@@ -311,7 +311,8 @@ def save_checkpoint(
             os.replace(tmp, final)
             _atomic_write_text(ckpt_root / "latest", final.name)
             if best is not None:
-                _atomic_write_text(ckpt_root / "best.json", json.dumps({"checkpoint": final.name, "step": step, **best}))
+                record = {"checkpoint": final.name, "step": step, **best}
+                _atomic_write_text(ckpt_root / "best.json", json.dumps(record))
         except Exception as e:
             error = _write_failure(e, ckpt_root, needed)
     _agree_on_write(error, tmp, final, rank)

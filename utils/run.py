@@ -159,8 +159,8 @@ def resume(run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_
         run.best = run.extra.get("best")
         restore_loader(loader, run.checkpoint, run.extra)
         run.say(f"resumed from {run.checkpoint} at step {step}")
-    run.logger = Logger(run.dir, run.record or config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, run.is_main,
-                        resume_step=step, group=cfg.wandb_group, tags=cfg.wandb_tags)
+    run.logger = Logger(run.dir, run.record or config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode,
+                        run.is_main, resume_step=step, group=cfg.wandb_group, tags=cfg.wandb_tags)
     run.bar = progress(total_steps, step, run.is_main, run.meta["stage"])
     return step
 

@@ -106,6 +106,13 @@ def release_run_dir(run_dir: str | Path) -> None:
         os.close(fd)
 
 
+def release_all() -> None:
+    """Release every run-directory lock this process holds (a run leaving on an error: in a test process that goes
+    on, the folder is free again)."""
+    for file in list(_held):
+        release_run_dir(Path(file).parent)
+
+
 def _same(a, b) -> bool:
     return json.dumps(a, default=str, sort_keys=True) == json.dumps(b, default=str, sort_keys=True)
 

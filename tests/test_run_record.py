@@ -334,3 +334,33 @@ def test_a_small_filesystem_that_fills_at_the_second_checkpoint(rows, tmp_path):
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert f"cannot write checkpoint step_00000002 in {disk}/run/checkpoints: no space left on device" in errors[0]
     assert "left: ['latest', 'step_00000001'] None" in done.stdout, done.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Model kinds
+
+
+def test_model_kinds_of_exports_hub_names_and_plain_transformers_folders(tmp_path):
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel as HFGPT2
+
+    from model.gpt2 import PRESETS, GPT2LMHeadModel
+    from model.heads import RewardModel
+    from model.weights import ModelLoadError, check_kind, model_kind, save_hf
+
+    hf_cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=8, n_layer=1, n_head=2)
+    HFGPT2(hf_cfg).save_pretrained(tmp_path / "hf_policy")
+    GPT2ForSequenceClassification(GPT2Config(**hf_cfg.to_dict(), num_labels=1)).save_pretrained(tmp_path / "hf_rm")
+    save_hf(GPT2LMHeadModel(PRESETS["tiny"]).state_dict(), PRESETS["tiny"], tmp_path / "policy")
+    save_hf(RewardModel(PRESETS["tiny"]).state_dict(), PRESETS["tiny"], tmp_path / "rm")
+    assert json.loads((tmp_path / "policy" / "config.json").read_text())["model_kind"] == "policy"
+    assert json.loads((tmp_path / "rm" / "config.json").read_text())["model_kind"] == "reward_model"
+    kinds = {name: model_kind(str(tmp_path / name)) for name in ("hf_policy", "hf_rm", "policy", "rm")}
+    assert kinds == {"hf_policy": "policy", "hf_rm": "reward_model", "policy": "policy", "rm": "reward_model"}
+    assert model_kind("gpt2") == "policy"  # a hub name: read nowhere
+    check_kind(str(tmp_path / "hf_policy"), "policy", "--model")  # a plain transformers GPT-2 is a policy
+    check_kind(str(tmp_path / "hf_rm"), "reward_model", "--reward_model", normalized=False)
+    with pytest.raises(ModelLoadError, match="hf_rm is a reward model whose reward_normalization.json is missing"):
+        check_kind(str(tmp_path / "hf_rm"), "reward_model", "--reward_model")
+    (tmp_path / "rm" / "reward_normalization.json").write_text('{"gain": NaN, "bias": 0}')
+    with pytest.raises(ModelLoadError, match="reward_normalization.json cannot be read"):
+        check_kind(str(tmp_path / "rm"), "reward_model", "--reward_model")

@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -82,6 +83,27 @@ def test_a_second_run_on_a_folder_stops_at_start_and_a_dead_holders_lock_is_take
     taken = [w for w in warnings_in(capsys.readouterr().err) if "took over the lock" in w]
     assert len(taken) == 1 and f"pid {holder.pid} on " in taken[0], taken
     assert (out / LOCK).read_text() == ""  # released at the end: the next run starts without a warning
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_folder_lose_nothing(rows, tmp_path, capsys):
+    """The case that lost 14 steps of metrics: a second run of the same command while the first is training."""
+    out = tmp_path / "run"
+    args = sft_args(rows, out, "--steps", "6", "--save_every", "2")
+    first = subprocess.Popen([sys.executable, "sft.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        code, message = helpers.run_cli(sft, args, capsys)
+        assert code == 2 and f"is in use by another run (pid {first.pid} on " in message, message
+        _, err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err[-3000:]
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert checkpoint_step(out) == 6 and (out / "hf").is_dir()
 
 
 def test_the_lock_is_reentrant_in_one_process_and_released_empty(tmp_path):

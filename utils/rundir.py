@@ -78,13 +78,17 @@ def lock_run_dir(run_dir: str | Path) -> None:
     fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:  # another process holds it
         text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
         os.close(fd)
         raise ConfigError(
             f"--out_dir {run_dir} is in use by another run ({_holder(text)}; it holds {file}); wait for it to end, "
             f"or use another --out_dir"
         ) from None
+    except OSError as e:  # a filesystem without locks (an NFS mount without lockd): run, but say what is not guarded
+        os.close(fd)
+        warn(f"cannot lock {file} ({e.strerror or e}): a second run started on --out_dir {run_dir} would not be stopped")
+        return
     left = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
     if left:
         warn(f"took over the lock {file} left by a run that is no longer running ({_holder(left)})")

@@ -386,3 +386,11 @@ def test_model_kinds_of_exports_hub_names_and_plain_transformers_folders(tmp_pat
     (tmp_path / "rm" / "reward_normalization.json").write_text('{"gain": NaN, "bias": 0}')
     with pytest.raises(ModelLoadError, match="reward_normalization.json cannot be read"):
         check_kind(str(tmp_path / "rm"), "reward_model", "--reward_model")
+
+
+def test_the_docs_name_every_option_that_may_change_on_resume():
+    from utils.rundir import FREE_OPTIONS, NOT_RECORDED
+
+    section = (ROOT / "docs" / "errors.md").read_text().split("## The run directory")[1]
+    missing = sorted(name for name in FREE_OPTIONS | NOT_RECORDED if f"`--{name}`" not in section)
+    assert not missing, missing

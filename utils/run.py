@@ -1,6 +1,6 @@
 """Run plumbing every training script calls from its own visible loop: plain functions, no trainer, no hooks.
 
-    run = start_run(cfg, meta)                          # process group, run directory, checkpoint lookup, seeding
+    run = start_run(cfg, meta)                          # process group, run directory (lock, options), checkpoint, seed
     ... data, models, optimizer, scheduler ...
     step = resume(run, cfg, model, optimizer, scheduler, loader, total_steps)   # then the logger and progress bar
     with run.stop:                                      # SIGTERM / SIGINT: finish the step, save, leave

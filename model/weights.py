@@ -145,10 +145,11 @@ def load_config(name_or_path: str) -> GPTConfig:
         raise ModelLoadError(f"{cfg_file} is not a GPT-2 config.json ({type(e).__name__}: {e})") from None
 
 
-def model_kind(name_or_path: str) -> str:
-    """"policy" or "reward_model": a local folder's config.json "model_kind", else its architecture (see the module
-    docstring); a hub name is a policy. Reads no weights."""
-    cfg_file = Path(name_or_path) / "config.json"
+def model_kind(name_or_path: str, cfg_file: Path | None = None) -> str:
+    """"policy" or "reward_model": the model's config.json "model_kind", else its architecture (see the module
+    docstring). `cfg_file`: its config.json where _resolve_files found it (a hub model's, in the Hugging Face cache);
+    by default the folder's own, and a name without one is a policy. Reads no weights."""
+    cfg_file = cfg_file or Path(name_or_path) / "config.json"
     if not cfg_file.is_file():
         return "policy"
     hf = _config_json(cfg_file)
@@ -159,10 +160,11 @@ def model_kind(name_or_path: str) -> str:
     return kind
 
 
-def check_kind(name_or_path: str, kind: str, option: str, normalized: bool = True) -> None:
-    """ModelLoadError, naming `option`, unless the model is of `kind`; a reward model must also hold its
+def check_kind(name_or_path: str, kind: str, option: str, normalized: bool = True,
+               cfg_file: Path | None = None) -> None:
+    """ModelLoadError, naming `option`, unless the model is of `kind` (model_kind); a reward model must also hold its
     normalisation (reward_normalization.json with a finite gain and bias) when `normalized`."""
-    got = model_kind(name_or_path)
+    got = model_kind(name_or_path, cfg_file)
     what = {"policy": "a policy (a GPT-2 language model)",
             "reward_model": "a reward model (a GPT-2 with a scalar head)"}
     if got != kind:
@@ -198,7 +200,7 @@ def model_config(name_or_path: str, random_init: bool = False, kind: str = "", o
     if weights is None:
         raise ModelLoadError(f"model folder {name_or_path} has no model.safetensors or pytorch_model.bin")
     if kind:
-        check_kind(name_or_path, kind, option, normalized)
+        check_kind(name_or_path, kind, option, normalized, cfg_file)
     return load_config(name_or_path)
 
 

@@ -42,7 +42,7 @@ from utils.dist import all_reduce_sum
 from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
 from utils.guard import exit_on_error
 from utils.optim import build_optimization, guarded_step, step_throughput
-from utils.run import Run, end_of_step, finish, resume, start_run
+from utils.run import Run, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -193,10 +193,10 @@ def build_models(cfg: Config, run: Run) -> tuple[nn.Module, nn.Module]:
 def main(cfg: Config) -> dict:
     # 1. distributed set-up and every check that needs no data and no weights: sizes, the models' configs, the run
     #    directory and the checkpoint to resume from (all before any model is built or put on a GPU)
-    model_cfg = model_config(cfg.model, cfg.random_init)
+    model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
     limits = [(model_cfg, "max_response_len", "policy")]
     if cfg.reference:
-        limits.append((model_config(cfg.reference), "max_response_len", "reference"))
+        limits.append((model_config(cfg.reference, kind="policy", option="--reference"), "max_response_len", "reference"))
     fit_context(cfg, *limits, *cfg.judge_limits(model_cfg))
     run = start_run(cfg, {"stage": "dpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     world, device = run.world, run.device
@@ -205,7 +205,7 @@ def main(cfg: Config) -> dict:
     # 2. data: tokenize, shard per rank, shuffle per epoch; validation pairs split disjointly over ranks
     tok = get_tokenizer()
     data = load_pairs(cfg, tok, run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
-    total_steps = cfg.steps or max(1, data.loader.batches_per_epoch // accum)
+    total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. policy and frozen reference (build_models), optimizer over the policy's trainable parameters
     policy, reference = build_models(cfg, run)

@@ -99,8 +99,12 @@ def main(cfg: Config) -> dict:
     info = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     rank, world, device = info.rank, info.world_size, info.device
     dtype = resolve_dtype(cfg.dtype, device)
-    limits = [(model_config(name), "max_response_len", what) for what, name in (
-        ("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)) if name]
+    limits = []
+    for what, name, kind in (("reward model", cfg.reward_model, "reward_model"), ("policy", cfg.policy, "policy"),
+                             ("reference", cfg.reference, "policy")):
+        if name:  # accuracy does not depend on the reward model's gain and bias: it may lack them
+            model_cfg = model_config(name, kind=kind, option="--" + what.replace(" ", "_"), normalized=False)
+            limits.append((model_cfg, "max_response_len", what))
     fit_context(cfg, *limits, *cfg.judge_limits(model_config(cfg.policy) if cfg.policy else None))
 
     # 2. data: this rank's disjoint slice of the pairs

@@ -39,7 +39,7 @@ from utils.fsdp import gathered_params, set_gradient_sync, shard_model
 from utils.guard import check_rewards, exit_on_error
 from utils.logging import track
 from utils.optim import build_optimization, guarded_step, step_throughput
-from utils.run import end_of_step, finish, resume, start_run
+from utils.run import end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -189,7 +189,9 @@ def main(cfg: Config) -> dict:
     limits = [(model_cfg, "max_response_len", "reward model")]
     policy_name, policy_random_init = cfg.sft_policy or cfg.model, cfg.random_init and not cfg.sft_policy
     if cfg.norm_prompts > 0:
-        limits.append((model_config(policy_name, policy_random_init), "max_response_len", "SFT policy"))
+        option = "--sft_policy" if cfg.sft_policy else "--model (the normalisation's SFT policy without --sft_policy)"
+        policy_cfg = model_config(policy_name, policy_random_init, kind="policy", option=option)
+        limits.append((policy_cfg, "max_response_len", "SFT policy"))
     fit_context(cfg, *limits)
     run = start_run(cfg, {"stage": "reward_model", "model_config": model_cfg.to_dict()})
     world, device = run.world, run.device
@@ -198,7 +200,7 @@ def main(cfg: Config) -> dict:
     # 2. data: tokenize, shard per rank, shuffle per epoch; validation pairs split disjointly over ranks
     tok = get_tokenizer()
     data = load_pairs(cfg, tok, run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
-    total_steps = cfg.steps or max(1, data.loader.batches_per_epoch // accum)
+    total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. model, FSDP, optimizer. Training changes the rewards, so a loaded normalisation no longer holds.
     model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling)

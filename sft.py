@@ -30,7 +30,7 @@ from utils.dist import all_reduce_sum, stream
 from utils.fsdp import set_gradient_sync, shard_model
 from utils.guard import exit_on_error
 from utils.logging import track
-from utils.run import end_of_step, finish, resume, start_run
+from utils.run import end_of_step, epoch_steps, finish, resume, start_run
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
@@ -190,7 +190,7 @@ def evaluate(model, loader_batches: list[dict], device, rows: int = 0) -> float:
 def main(cfg: Config) -> dict:
     # 1. distributed set-up and every check that needs no data and no weights: sizes, the model's config, the
     #    run directory and the checkpoint to resume from (all before any model is built or put on a GPU)
-    model_cfg = model_config(cfg.model, cfg.random_init)
+    model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
     fit_context(cfg, (model_cfg, "max_response_len", "model"), *cfg.judge_limits(model_cfg))
     run = start_run(cfg, {"stage": "sft", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     rank, world, device = run.rank, run.world, run.device
@@ -213,7 +213,7 @@ def main(cfg: Config) -> dict:
         val_batches = validation_batches(val, rank, world, cfg.micro_batch_size)
         samples = SampleLog(val_rows[: cfg.eval_samples], "completion", tok, cfg.max_prompt_len, cfg.max_response_len,
                             cfg.seed)
-    total_steps = cfg.steps or max(1, loader.batches_per_epoch // accum)
+    total_steps = epoch_steps(cfg.steps, loader.n_examples, loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. model (with LoRA: frozen, plus trainable adapters), FSDP, optimizer over the trainable parameters
     model = build_policy(cfg.model, cfg.random_init)

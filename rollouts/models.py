@@ -64,14 +64,15 @@ def refresh_reference(models: Models) -> None:
 
 
 def check_models(cfg, sources: list[RewardSource]):
-    """The policy's config, after fitting the prompt and response lengths to the policy's and reward model's
-    positions (utils.config.fit_context; before any weights are read)."""
-    model_cfg = model_config(cfg.model, cfg.random_init)
+    """The policy's config, after checking each model's kind and fitting the prompt and response lengths to the
+    policy's and reward model's positions (utils.config.fit_context; before any weights are read)."""
+    model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
     limits = [(model_cfg, "max_new_tokens", "policy")]
     if cfg.pref_data and cfg.eval_every >= 0:
         limits.append((model_cfg, "pref_max_response_len", "policy"))
     if any(s.fn is None for s in sources):
-        limits.append((model_config(cfg.reward_model, cfg.reward_random_init), "max_new_tokens", "reward model"))
+        rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init, kind="reward_model", option="--reward_model")
+        limits.append((rm_cfg, "max_new_tokens", "reward model"))
     fit_context(cfg, *limits)  # lowers a default --max_prompt_len to what fits
     return model_cfg
 

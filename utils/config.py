@@ -319,6 +319,10 @@ class RunConfig:
     """Resume from the newest checkpoint in --out_dir when there is one (false refuses to start over on top of one)."""
     resume_from: str = ""
     """Start from this checkpoint (a checkpoint folder, or another run directory) when --out_dir has none yet."""
+    resume_changes: Literal["refuse", "allow"] = "refuse"
+    """A resume whose options differ from the run's record (--out_dir/config.json) in one that changes the result:
+    refuse (stop, listing each change) or allow (continue, the change and its step appended to the record).
+    docs/errors.md lists the options that may change freely."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm: stop (nothing is stepped or saved; the newest checkpoint is the last good
     state) or skip the step (no optimizer or scheduler step; its batch is dropped)."""

@@ -96,15 +96,23 @@ class Logger:
         """Drop the lines logged after step resume_step's checkpoint (see __init__); atomic rewrite."""
         if self.resume_step is None or not path.is_file():
             return
-        kept, seen_resume_step = [], False
-        for line in path.read_text().splitlines(keepends=True):
+        kept, seen_resume_step, dropped = [], False, 0
+        for number, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(keepends=True), 1):
             try:
                 step = json.loads(line)["step"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line cut short by the kill
+            except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill or a full disk
+                if self.enabled:
+                    print(f"warning: {path}: line {number} is not a whole JSON row ({line.strip()[:60]!r}); "
+                          f"dropped", file=sys.stderr, flush=True)
+                continue
             if step < self.resume_step or (step == self.resume_step > 0 and not seen_resume_step):
                 kept.append(line if line.endswith("\n") else line + "\n")
                 seen_resume_step |= step == self.resume_step
+            else:
+                dropped += 1
+        if dropped and self.enabled:
+            print(f"warning: {path}: {dropped} line(s) logged after the checkpoint of step {self.resume_step} "
+                  f"dropped (their steps run again)", file=sys.stderr, flush=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, path)

@@ -36,9 +36,9 @@ from utils.config import (
     ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config,
 )
 from utils.dist import all_reduce_sum
-from utils.fsdp import resolve_dtype, set_gradient_sync, shard_model
+from utils.fsdp import resolve_dtype, shard_model
 from utils.guard import exit_on_error
-from utils.optim import build_optimization, guarded_step, step_throughput
+from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
 from utils.run import Run, end_of_step, finish, resume, start_run
 
 
@@ -123,14 +123,15 @@ def accumulate_gradients(policy, reference, micro_batches: list[dict], world: in
                          shared: bool = True) -> dict:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns global metrics.
 
-    Each rank's summed loss is divided by the global number of pairs and multiplied by the world size (FSDP
-    averages gradients over ranks), so the reduced gradient is d(mean loss over the global batch)."""
-    sums = torch.zeros(6, dtype=torch.float64, device=device)
-    for i, batch in enumerate(micro_batches):
-        set_gradient_sync(policy, i == len(micro_batches) - 1)
+    Each rank's summed loss is divided by the global number of pairs (utils/optim.py accumulate_micro_batches), so
+    the gradient is d(mean loss over the global batch)."""
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, shared)
-        (losses.sum() * world / n_pairs).backward()
-        sums += stats
+        return losses.sum(), stats
+
+    stats = accumulate_micro_batches(policy, micro_batches, loss_of, world, n_pairs)
+    sums = sum(stats, torch.zeros(6, dtype=torch.float64, device=device))
     loss, accuracy, chosen, rejected, logp_chosen, logp_rejected = (all_reduce_sum(sums) / n_pairs).tolist()
     return {
         "train/loss": loss, "train/accuracy": accuracy, "train/reward_chosen": chosen, "train/reward_rejected": rejected,

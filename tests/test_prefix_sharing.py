@@ -6,6 +6,8 @@ log-probs of the same tokens, reward-model scores, reference log-probs, the loss
 (with and without LoRA), the sampler's tokens and log-probs, all within 1e-5. Also the memory estimates of
 rollouts/memory.py against hand-computed numbers and against the caches the sampler allocates."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -48,10 +50,10 @@ def random_samples(B: int, G: int, R: int, seed: int = 0) -> SampleOutput:
     return SampleOutput(ids, mask, -torch.rand(N, R, generator=g) * mask, lengths < R)
 
 
-def ref_logprobs(batches: list[dict], R: int) -> torch.Tensor:
+def ref_logprobs(batches: list, R: int) -> torch.Tensor:
     """Every micro-batch's reference log-probs (n, R') on the real tokens, 0 elsewhere, padded to (N, R)."""
-    return torch.cat([torch.nn.functional.pad(torch.where(b["response_mask"], b["ref_logprobs"], 0.0),
-                                              (0, R - b["response_mask"].shape[1])) for b in batches])
+    return torch.cat([torch.nn.functional.pad(torch.where(b.response_mask, b.ref_logprobs, 0.0),
+                                              (0, R - b.response_mask.shape[1])) for b in batches])
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rel: bool = False) -> bool:
@@ -75,13 +77,14 @@ def test_reward_model_scores_and_response_logprobs_match_the_unshared_rows(tldr_
     rows = torch.arange(ids.shape[0] * G)
     for s in (True, False):
         batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, 7, shared=s)
-        grpo.add_logprobs(policy, batches, "ref_logprobs", cfg, gather=False)
+        refs = grpo.batch_logprobs(policy, batches, cfg, gather=False)
+        batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
         if s:
             logp_shared = ref_logprobs(batches, R)
-            tokens_shared = sum(int(b["attention_mask"].sum()) for b in batches)
+            tokens_shared = sum(int(b.attention_mask.sum()) for b in batches)
         else:
             logp = ref_logprobs(batches, R)
-            tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+            tokens = sum(int(b.attention_mask.sum()) for b in batches)
     assert close(logp_shared, logp) and logp.abs().max() > 1
     assert tokens_shared < tokens / 2  # the prompts, most of each row, computed about once per group
 
@@ -106,13 +109,14 @@ def test_update_loss_and_every_gradient_match_the_unshared_rows(tldr_prompts, lo
     results = {}
     for s in (True, False):
         batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, micro, shared=s)
-        grpo.add_logprobs(reference, batches, "ref_logprobs", cfg, gather=False)
+        refs = grpo.batch_logprobs(reference, batches, cfg, gather=False)
+        batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
         policy.zero_grad(set_to_none=True)
-        weights = [AGGREGATIONS[cfg.loss_type](b["response_mask"], R) for b in batches]
+        weights = [AGGREGATIONS[cfg.loss_type](b.response_mask, R) for b in batches]
         normaliser = sum(z for _, z in weights)
         total = 0.0
         for batch, (w, _) in zip(batches, weights):
-            loss, _, _ = grpo.micro_batch_loss(policy, batch, w, cfg)
+            loss, _, _ = grpo.micro_batch_loss(policy, batch, w, cfg.objective(), cfg)
             (loss / normaliser).backward()
             total += float(loss.detach()) / float(normaliser)
         ref = ref_logprobs(batches, R)

@@ -95,7 +95,7 @@ def preference_loss_fn(cfg: Config):
 
 
 def pair_losses(
-    policy, reference, batch: dict, loss_fn, beta: float, device, shared: bool = True
+    policy, reference, batch: dict, loss_fn, beta: float, device, prefix_sharing: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-pair losses (B,) of one collate_pairs batch, differentiable in the policy only, and per-pair
     statistics summed over the batch (6,): loss, implicit-reward accuracy, chosen reward, rejected reward,
@@ -104,8 +104,8 @@ def pair_losses(
     # the reference first: with LoRA it is the policy's own FSDP modules (adapters off), whose no-grad forward
     # should not sit between the policy's forward and its backward
     with torch.no_grad():  # the reference is frozen: no graph, no gradient
-        ref_logps = response_logprobs(reference, batch, device, shared)  # (2B,)
-    logps = response_logprobs(policy, batch, device, shared)  # (2B,); shared: packed rows, each prompt once
+        ref_logps = response_logprobs(reference, batch, device, prefix_sharing)  # (2B,)
+    logps = response_logprobs(policy, batch, device, prefix_sharing)  # (2B,); packed rows, each prompt once
     policy_chosen, policy_rejected = logps[:B], logps[B:]
     ref_chosen, ref_rejected = ref_logps[:B], ref_logps[B:]
     losses = loss_fn(policy_chosen, policy_rejected, ref_chosen, ref_rejected)  # (B,)
@@ -120,14 +120,14 @@ def pair_losses(
 
 
 def accumulate_gradients(policy, reference, micro_batches: list[dict], world: int, n_pairs: int, loss_fn, beta: float, device,
-                         shared: bool = True) -> dict:
+                         prefix_sharing: bool = True) -> dict:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns global metrics.
 
     Each rank's summed loss is divided by the global number of pairs (utils/optim.py accumulate_micro_batches), so
     the gradient is d(mean loss over the global batch)."""
 
     def loss_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, shared)
+        losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, prefix_sharing)
         return losses.sum(), stats
 
     stats = accumulate_micro_batches(policy, micro_batches, loss_of, world, n_pairs)

@@ -87,7 +87,7 @@ class Config(RunConfig, OptimConfig, PairConfig):  # run, optimisation and prefe
 
 
 def accumulate_gradients(
-    model, micro_batches: list[dict], world: int, n_pairs: int, device, shared: bool = True
+    model, micro_batches: list[dict], world: int, n_pairs: int, device, prefix_sharing: bool = True
 ) -> dict[str, float]:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns global metrics.
 
@@ -96,7 +96,7 @@ def accumulate_gradients(
 
     def loss_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         B = batch["n_pairs"]
-        rewards = reward_scores(model, batch, device, shared)  # (2B,)
+        rewards = reward_scores(model, batch, device, prefix_sharing)  # (2B,)
         r_chosen, r_rejected = rewards[:B], rewards[B:]  # (B,), (B,)
         losses = bradley_terry_loss(r_chosen, r_rejected)  # (B,)
         r_chosen, r_rejected = r_chosen.detach().double(), r_rejected.detach().double()

@@ -54,13 +54,15 @@ class MicroBatch:
 
 
 def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_N: torch.Tensor, advantages_N, group, micro,
-                           shared: bool = True) -> list[MicroBatch]:
+                           prefix_sharing: bool = True) -> list[MicroBatch]:
     """Micro-batches of the selected rows, with their advantages and the sampler's log-probs: packed rows with each
-    prompt once for its responses (`shared`), or the prompt + response layout with a copy of the prompt per row."""
+    prompt once for its responses (`prefix_sharing`), or the prompt + response layout with a copy of the prompt per
+    row."""
     batches = []
     for s in range(0, rows_N.shape[0], micro):
         rows = rows_N[s : s + micro]
-        batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows], rows // group, shared)
+        batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows], rows // group,
+                           prefix_sharing)
         sampler_logprobs = samples.logprobs[rows][:, : batch["response_ids"].shape[1]]
         batches.append(MicroBatch.from_rows(batch, advantages_N[s : s + micro], sampler_logprobs))
     return batches

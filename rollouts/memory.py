@@ -40,10 +40,10 @@ def param_count(cfg: GPTConfig) -> int:
 
 
 def kv_cache_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
-                   shared: bool) -> int:
+                   prefix_sharing: bool) -> int:
     """Keys and values of one generate call of `prompts` prompts (prompt_len columns) x `samples` samples."""
     per_position = 2 * cfg.n_layer * cfg.n_embd * dtype_bytes
-    if shared:
+    if prefix_sharing:
         positions = prompts * prompt_len + prompts * samples * new_tokens
     else:
         positions = prompts * samples * (prompt_len + new_tokens)
@@ -51,19 +51,19 @@ def kv_cache_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, 
 
 
 def generate_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
-                   shared: bool) -> int:
+                   prefix_sharing: bool) -> int:
     """KV cache plus the sampler's four (rows, vocabulary) fp32 tensors of one decode step."""
     logits = 4 * prompts * samples * cfg.vocab_size * 4
-    return kv_cache_bytes(cfg, prompts, samples, prompt_len, new_tokens, dtype_bytes, shared) + logits
+    return kv_cache_bytes(cfg, prompts, samples, prompt_len, new_tokens, dtype_bytes, prefix_sharing) + logits
 
 
 def update_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int,
-                 shared: bool, checkpointing: bool) -> int:
+                 prefix_sharing: bool, checkpointing: bool) -> int:
     """Activations and response logits of one training micro-batch of `rows` sequences from `prompts` prompts."""
     C, L = cfg.n_embd, cfg.n_layer
-    tokens = prompts * prompt_len + rows * response_len if shared else rows * (prompt_len + response_len)
+    tokens = prompts * prompt_len + rows * response_len if prefix_sharing else rows * (prompt_len + response_len)
     per_layer = 17 * tokens * C * dtype_bytes
-    if shared:  # every row's copy of its prompt's keys and values, saved for the attention's backward
+    if prefix_sharing:  # every row's copy of its prompt's keys and values, saved for the attention's backward
         per_layer += 2 * rows * prompt_len * C * dtype_bytes
     activations = L * tokens * C * dtype_bytes + per_layer if checkpointing else L * per_layer
     logits = rows * response_len * cfg.vocab_size * (dtype_bytes + 4)  # logits and their fp32 gradient
@@ -71,9 +71,9 @@ def update_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, respo
 
 
 def score_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int,
-                shared: bool) -> int:
+                prefix_sharing: bool) -> int:
     """The reward model's forward of one score micro-batch (no gradient)."""
-    tokens = prompts * prompt_len + rows * response_len if shared else rows * (prompt_len + response_len)
+    tokens = prompts * prompt_len + rows * response_len if prefix_sharing else rows * (prompt_len + response_len)
     return 8 * tokens * cfg.n_embd * dtype_bytes
 
 
@@ -106,16 +106,18 @@ def step_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: i
     score_micro_batch_size) at the longest prompt (--max_prompt_len) and response (--max_new_tokens)."""
     sizes = {"gen_prompts": cfg.gen_prompts, "micro_batch_size": cfg.micro_batch_size,
              "score_micro_batch_size": cfg.score_micro_batch_size} | override
-    P, R, G, K, shared = cfg.max_prompt_len, cfg.max_new_tokens, cfg.num_samples, cfg.kept, cfg.prefix_sharing
+    P, R, G, K, prefix_sharing = cfg.max_prompt_len, cfg.max_new_tokens, cfg.num_samples, cfg.kept, cfg.prefix_sharing
     micro, score_micro = sizes["micro_batch_size"], sizes["score_micro_batch_size"]
     # a micro-batch of consecutive rows spans at most ceil(rows / group) + 1 prompts
     train_prompts = min(micro, -(-micro // K) + 1)
     score_prompts = min(score_micro, -(-score_micro // G) + 1)
     return StepMemory(
         weights=weight_bytes(policy, reward_model, world, dtype_bytes, cfg.lora_enabled),
-        generate=generate_bytes(policy, sizes["gen_prompts"], G, P, R, dtype_bytes, shared),
-        score=0 if reward_model is None else score_bytes(reward_model, score_micro, score_prompts, P, R, dtype_bytes, shared),
-        update=update_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared, cfg.activation_checkpointing),
+        generate=generate_bytes(policy, sizes["gen_prompts"], G, P, R, dtype_bytes, prefix_sharing),
+        score=0 if reward_model is None else score_bytes(reward_model, score_micro, score_prompts, P, R, dtype_bytes,
+                                                         prefix_sharing),
+        update=update_bytes(policy, micro, train_prompts, P, R, dtype_bytes, prefix_sharing,
+                            cfg.activation_checkpointing),
     )
 
 

@@ -69,14 +69,14 @@ def test_reward_model_scores_and_response_logprobs_match_the_unshared_rows(tldr_
     torch.manual_seed(0)
     reward_model = freeze(RewardModel(CFG, pooling))
     # micro-batches of 7 rows: groups split across micro-batches, prompts of 1 to 2 responses per micro-batch
-    shared, unshared = (score(reward_model, ids, mask, samples, G, micro=7, shared=s) for s in (True, False))
+    shared, unshared = (score(reward_model, ids, mask, samples, G, micro=7, prefix_sharing=s) for s in (True, False))
     assert close(shared, unshared) and unshared.std() > 0
     policy = GPT2LMHeadModel(CFG)
     cfg = grpo.Config(max_new_tokens=R, micro_batch_size=7)
     adv = torch.randn(ids.shape[0] * G)
     rows = torch.arange(ids.shape[0] * G)
     for s in (True, False):
-        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, 7, shared=s)
+        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, 7, prefix_sharing=s)
         refs = grpo.batch_logprobs(policy, batches, cfg, gather=False)
         batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
         if s:
@@ -108,7 +108,7 @@ def test_update_loss_and_every_gradient_match_the_unshared_rows(tldr_prompts, lo
     adv = torch.randn(rows.shape[0], generator=torch.Generator().manual_seed(2))
     results = {}
     for s in (True, False):
-        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, micro, shared=s)
+        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, micro, prefix_sharing=s)
         refs = grpo.batch_logprobs(reference, batches, cfg, gather=False)
         batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
         policy.zero_grad(set_to_none=True)
@@ -155,23 +155,23 @@ def test_kv_cache_estimate_is_what_the_sampler_allocates(tldr_prompts):
     unshared = KVCache(CFG, B, P + new, "cpu")
     unshared.update(0, *(torch.zeros(B, CFG.n_head, 1, CFG.n_embd // CFG.n_head),) * 2)
     unshared = unshared.repeat_interleave(G)
-    assert shared.nbytes() == kv_cache_bytes(CFG, B, G, P, new, 4, shared=True)
-    assert unshared.k.nbytes + unshared.v.nbytes == kv_cache_bytes(CFG, B, G, P, new, 4, shared=False)
+    assert shared.nbytes() == kv_cache_bytes(CFG, B, G, P, new, 4, prefix_sharing=True)
+    assert unshared.k.nbytes + unshared.v.nbytes == kv_cache_bytes(CFG, B, G, P, new, 4, prefix_sharing=False)
 
 
 def test_memory_estimates_against_hand_numbers():
     # KV cache of one generate call at the defaults (16 prompts x 64 samples, 512 + 53 positions, bf16): GPT-2
     # keeps 2 x 12 layers x 768 x 2 bytes = 36,864 bytes per position
     rows = 16 * 64
-    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, shared=False) == rows * 565 * 36_864  # 21.3 GB
-    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, shared=True) == (16 * 512 + rows * 53) * 36_864  # 2.3 GB
-    assert kv_cache_bytes(PRESETS["gpt2-xl"], 16, 64, 512, 53, 2, shared=False) == rows * 565 * 307_200  # 177.7 GB
+    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, prefix_sharing=False) == rows * 565 * 36_864  # 21.3 GB
+    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, prefix_sharing=True) == (16 * 512 + rows * 53) * 36_864  # 2.3 GB
+    assert kv_cache_bytes(PRESETS["gpt2-xl"], 16, 64, 512, 53, 2, prefix_sharing=False) == rows * 565 * 307_200  # 177.7 GB
     # gpt2-xl activations, micro-batch 32 of 565-token rows, bf16, no checkpointing: 34 bytes per token, channel
     # and layer (arXiv 2205.05198) = 48 x 34 x 18,080 x 1,600 = 47.2 GB, plus logits and their gradient
     logits = 32 * 53 * 50257 * (2 + 4)
-    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, shared=False, checkpointing=False) == 48 * 34 * 18_080 * 1600 + logits
+    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, prefix_sharing=False, checkpointing=False) == 48 * 34 * 18_080 * 1600 + logits
     # checkpointing keeps each block's input (2 bytes per token and channel) and one block's activations
-    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, shared=False, checkpointing=True) == (
+    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, prefix_sharing=False, checkpointing=True) == (
         48 * 2 * 18_080 * 1600 + 34 * 18_080 * 1600 + logits)
 
 

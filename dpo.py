@@ -194,7 +194,7 @@ def main(cfg: Config) -> dict:
             f"{total_steps} steps")
     ref_val = policy_logps(reference, data.val_set, device, cfg.prefix_sharing) if data.val_set is not None else None
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
-        val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, shared=cfg.prefix_sharing)
+        val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, prefix_sharing=cfg.prefix_sharing)
         run.logger.log({f"val/{k}": v for k, v in val.items()}, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)
     policy.train()
@@ -214,7 +214,8 @@ def main(cfg: Config) -> dict:
             #    (on schedule, at the end, at a new best, or when a signal came)
             metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
             if ref_val is not None and cfg.eval_due(step, total_steps):
-                val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, shared=cfg.prefix_sharing)
+                val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device,
+                                      prefix_sharing=cfg.prefix_sharing)
                 metrics.update({f"val/{k}": v for k, v in val.items()})
             stopping = end_of_step(run, cfg, step, total_steps, metrics, policy, optimizer, scheduler, data.loader)
 

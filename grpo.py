@@ -559,7 +559,8 @@ def main(cfg: Config) -> dict:
 
     def evaluate(step: int) -> dict:
         out = evaluate_summaries(models.policy, models.reward_model, spec, val, cfg, step) if val is not None else {}
-        acc = evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device, shared=cfg.prefix_sharing) if pref else {}
+        acc = evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device,
+                              prefix_sharing=cfg.prefix_sharing) if pref else {}
         return out | {f"eval/pref_{k}": v for k, v in acc.items()}
 
     if step == 0 and cfg.eval_every > 0:

@@ -208,7 +208,7 @@ def main(cfg: Config) -> dict:
     batches = data.step_batches(accum, cfg.overfit_batch)
     model.train()
     if data.val_set is not None and step == 0 and cfg.eval_every > 0:
-        val = evaluate_reward_model(model, data.val_set, device, shared=cfg.prefix_sharing)
+        val = evaluate_reward_model(model, data.val_set, device, prefix_sharing=cfg.prefix_sharing)
         run.logger.log({f"val/{k}": v for k, v in val.items()}, step=0)
     metrics, stopping = {}, False
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
@@ -225,7 +225,7 @@ def main(cfg: Config) -> dict:
             #    best, or when a signal came)
             metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
             if data.val_set is not None and cfg.eval_due(step, total_steps):
-                val = evaluate_reward_model(model, data.val_set, device, shared=cfg.prefix_sharing)
+                val = evaluate_reward_model(model, data.val_set, device, prefix_sharing=cfg.prefix_sharing)
                 metrics.update({f"val/{k}": v for k, v in val.items()})
             stopping = end_of_step(run, cfg, step, total_steps, metrics, model, optimizer, scheduler, data.loader)
 

@@ -137,7 +137,7 @@ def test_generate_with_the_prompt_cache_stored_once_samples_the_same_tokens(tldr
     policy = GPT2LMHeadModel(CFG).eval()
     G, new = 4, 8
     outs = [generate(policy, ids, mask, G, new, temperature=0.9, top_k=50, generator=torch.Generator().manual_seed(3),
-                     stop_ids=(13,), share_prompt=s) for s in (True, False)]
+                     stop_ids=(13,), prefix_sharing=s) for s in (True, False)]
     assert torch.equal(outs[0].response_ids, outs[1].response_ids)
     assert torch.equal(outs[0].response_mask, outs[1].response_mask) and outs[0].response_mask.sum() > ids.shape[0] * G
     assert close(outs[0].logprobs, outs[1].logprobs)

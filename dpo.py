@@ -32,11 +32,12 @@ from model.lora import AdaptersOff, LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.losses import dpo_loss, ipo_loss
 from rlhf.stats import pair_outcomes
+from rollouts.models import sharded_module
 from utils.config import (
     ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config,
 )
 from utils.dist import all_reduce_sum
-from utils.fsdp import resolve_dtype, shard_model
+from utils.fsdp import gathered_params, resolve_dtype, shard_model
 from utils.guard import exit_on_error
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
 from utils.run import Run, end_of_step, finish, resume, start_run
@@ -94,17 +95,27 @@ def preference_loss_fn(cfg: Config):
     return functools.partial(dpo_loss, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
 
 
+@torch.no_grad()  # the reference is frozen: no graph, no gradient
+def reference_logps(reference, micro_batches: list[dict], device, prefix_sharing: bool = True) -> list[torch.Tensor]:
+    """The frozen reference's summed response log-probs (2B,) of every micro-batch of a step, its FSDP units gathered
+    once for all of them (with --frozen_cpu_offload: one host-to-device copy per step, not per micro-batch). Run
+    before the policy's micro-batches: with LoRA the reference is the policy's own FSDP modules (adapters off), whose
+    no-grad forward should not sit between the policy's forward and its backward."""
+    with gathered_params(sharded_module(reference)):
+        return [response_logprobs(reference, batch, device, prefix_sharing) for batch in micro_batches]
+
+
 def pair_losses(
-    policy, reference, batch: dict, loss_fn, beta: float, device, prefix_sharing: bool = True
+    policy, reference, batch: dict, loss_fn, beta: float, device, prefix_sharing: bool = True,
+    ref_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-pair losses (B,) of one collate_pairs batch, differentiable in the policy only, and per-pair
     statistics summed over the batch (6,): loss, implicit-reward accuracy, chosen reward, rejected reward,
-    policy log-prob of chosen, of rejected (rewards are beta * log pi/pi_ref, summed over response tokens)."""
+    policy log-prob of chosen, of rejected (rewards are beta * log pi/pi_ref, summed over response tokens).
+    `ref_logps`: the reference's (reference_logps), else computed here."""
     B = batch["n_pairs"]
-    # the reference first: with LoRA it is the policy's own FSDP modules (adapters off), whose no-grad forward
-    # should not sit between the policy's forward and its backward
-    with torch.no_grad():  # the reference is frozen: no graph, no gradient
-        ref_logps = response_logprobs(reference, batch, device, prefix_sharing)  # (2B,)
+    if ref_logps is None:
+        ref_logps = reference_logps(reference, [batch], device, prefix_sharing)[0]  # (2B,)
     logps = response_logprobs(policy, batch, device, prefix_sharing)  # (2B,); packed rows, each prompt once
     policy_chosen, policy_rejected = logps[:B], logps[B:]
     ref_chosen, ref_rejected = ref_logps[:B], ref_logps[B:]
@@ -124,13 +135,16 @@ def accumulate_gradients(policy, reference, micro_batches: list[dict], world: in
     """Forward and backward over this rank's micro-batches of one optimizer step; returns global metrics.
 
     Each rank's summed loss is divided by the global number of pairs (utils/optim.py accumulate_micro_batches), so
-    the gradient is d(mean loss over the global batch)."""
+    the gradient is d(mean loss over the global batch). The reference's log-probs come first, for every micro-batch
+    at once (reference_logps)."""
+    ref_logps = reference_logps(reference, micro_batches, device, prefix_sharing)
 
-    def loss_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, prefix_sharing)
+    def loss_of(micro: tuple[dict, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, ref = micro
+        losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, prefix_sharing, ref)
         return losses.sum(), stats
 
-    stats = accumulate_micro_batches(policy, micro_batches, loss_of, world, n_pairs)
+    stats = accumulate_micro_batches(policy, list(zip(micro_batches, ref_logps)), loss_of, world, n_pairs)
     sums = sum(stats, torch.zeros(6, dtype=torch.float64, device=device))
     loss, accuracy, chosen, rejected, logp_chosen, logp_rejected = (all_reduce_sum(sums) / n_pairs).tolist()
     return {

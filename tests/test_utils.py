@@ -227,3 +227,37 @@ def test_every_script_help_documents_every_option(script, capsys):
     text = capsys.readouterr().out
     for field in dataclasses.fields(module.Config):
         assert f"--{field.name}" in text, field.name
+
+
+def _without_wandb(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+
+
+def test_wandb_auto_without_wandb_installed_logs_to_metrics_only(tmp_path, monkeypatch, capsys):
+    from utils.logging import Logger
+
+    _without_wandb(monkeypatch)
+    logger = Logger(tmp_path / "run", {"lr": 1.0}, "p", "n", "auto", enabled=True, resume_step=0)
+    logger.log({"train/loss": 1.5}, step=1)
+    logger.finish()
+    assert logger.run is None
+    assert capsys.readouterr().out.strip() == "wandb is not installed: logging to metrics.jsonl only (--wandb_mode auto)"
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text()) == {"step": 1, "train/loss": 1.5}
+
+
+@pytest.mark.parametrize("mode", ["online", "offline"])
+def test_wandb_online_or_offline_without_wandb_installed_stops_at_start(tmp_path, monkeypatch, capsys, mode):
+    import sft
+    from tests.helpers import run_cli
+
+    _without_wandb(monkeypatch)
+    out = tmp_path / "run"
+    code, message = run_cli(sft, ["--model", "tiny", "--random_init", "true", "--train_data", "x.jsonl",
+                                  "--wandb_mode", mode, "--out_dir", str(out)], capsys)
+    assert code == 2
+    assert message.startswith(f"error: --wandb_mode {mode} needs the wandb package, which is not installed: pip install "
+                              f"wandb, or --wandb_mode disabled (or auto: no wandb, metrics.jsonl only)")
+    assert not out.exists()  # nothing written

@@ -10,6 +10,7 @@ torchrun launch does not repeat it once per process).
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import difflib
 import inspect
 import os
@@ -260,7 +261,8 @@ class RunConfig:
     alike) instead of hanging. Raise it when one rank alone does something slow while the others wait (the
     rank-0 Hugging Face export of a large model on a slow disk)."""
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
-    """online, offline, disabled, or auto (online with a wandb login, offline otherwise)."""
+    """online, offline, disabled, or auto (online with a wandb login, offline otherwise, disabled when wandb is not
+    installed). metrics.jsonl is written in every mode."""
     wandb_project: str = "tldr-rlhf"
     """wandb project."""
     run_name: str = "run"
@@ -272,6 +274,9 @@ class RunConfig:
 
     def validate_run(self) -> None:
         require_nonempty(self, "out_dir")
+        if self.wandb_mode in ("online", "offline") and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"--wandb_mode {self.wandb_mode} needs the wandb package, which is not installed: "
+                              f"pip install wandb, or --wandb_mode disabled (or auto: no wandb, metrics.jsonl only)")
         if self.keep_last <= 0:
             raise ConfigError(f"--keep_last must be positive, got {self.keep_last}")
         if self.save_every < 0:

@@ -1,6 +1,7 @@
 """Metrics on rank 0: wandb (online, offline or disabled), a metrics.jsonl file in the run directory that
 tests and plots read, and tqdm progress bars."""
 
+import importlib.util
 import json
 import time
 from collections import defaultdict
@@ -18,7 +19,8 @@ class Logger:
         self, run_dir: str | Path, config: dict, project: str, name: str, mode: str, enabled: bool,
         resume_step: int | None = None, group: str = "", tags: str = "",
     ):
-        """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline).
+        """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline; disabled,
+        with one line saying so, when wandb is not installed).
 
         resume_step: the step a training run starts from (0 for a fresh start). Lines that a killed run wrote
         after that checkpoint are removed from metrics.jsonl and the table files, so a resumed run's files read as
@@ -39,6 +41,9 @@ class Logger:
         self._truncate(self.run_dir / "metrics.jsonl")
         self.file = open(self.run_dir / "metrics.jsonl", "a")
         (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str) + "\n")
+        if mode == "auto" and importlib.util.find_spec("wandb") is None:
+            print("wandb is not installed: logging to metrics.jsonl only (--wandb_mode auto)", flush=True)
+            mode = "disabled"
         if mode == "auto":
             mode = "online" if (os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file()) else "offline"
         if mode != "disabled":

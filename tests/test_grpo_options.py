@@ -146,6 +146,27 @@ def test_the_correction_weights_the_policy_term_only():
     assert torch.allclose(logp.grad, -adv * c + kl_grad)
 
 
+
+def test_token_loss_is_its_three_terms_by_hand():
+    """Objective.token_loss = policy term + KL term - entropy term on response tokens, 0 elsewhere, each term worked
+    by hand on one response: ratio e^0.1 (inside the clip range), k3 with log r = ref - logp, H given."""
+    mask = ragged_mask([2], 3)
+    logp = torch.tensor([[-1.0, -2.0, float("-inf")]])
+    old, ref = torch.tensor([[-1.1, -2.1, 0.0]]), torch.tensor([[-1.5, -1.0, 0.0]])
+    entropy = torch.tensor([[2.0, 3.0, 7.0]])
+    objective = Objective(eps_low=0.2, eps_high=0.2, beta=0.1, entropy_coef=0.01)
+    loss, stats = objective.token_loss(logp, old, ref, torch.tensor([2.0]), mask, entropy_NT=entropy)
+    rho = math.exp(0.1)
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]  # exp(ref - logp) - (ref - logp) - 1
+    want = [-2.0 * rho + 0.1 * k3[0] - 0.01 * 2.0, -2.0 * rho + 0.1 * k3[1] - 0.01 * 3.0, 0.0]
+    assert torch.allclose(loss, torch.tensor([want]))
+    assert torch.allclose(stats["kl"], torch.tensor([[k3[0], k3[1], 0.0]]))
+    assert torch.allclose(stats["ratio_deviation"], torch.tensor([[rho - 1, rho - 1, 0.0]]))
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+        Objective(kl_estimator="k4")
+    with pytest.raises(ValueError, match="unknown importance level 'row'"):
+        Objective(importance_level="row")
+
 # ----------------------------------------------------------------------------------------------------
 # 3. KL estimators and where the KL goes (arXiv 2512.21852)
 

@@ -72,8 +72,6 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) ->
         "reward/mean": reward_mean, "reward/std": reward_std, "reward/selected_mean": kept_mean, "reward/selected_std": kept_std,
         "rs/acceptance_rate": n_prompts * K / visited, "rs/rounds_mean": rounds / n_prompts,
         "rs/rounds_max": all_reduce_max(float(r.selection_stats["rounds"].max()), device),
-        "rs/pool_reward_mean": reward_mean, "rs/pool_reward_std": reward_std,
-        "rs/selected_reward_mean": kept_mean, "rs/selected_reward_std": kept_std,
         "sample/end_fraction": ended / n_samples, "sample/response_length": generated / n_samples,
         "sample/selected_response_length": kept_len / (n_prompts * K),
         "perf/generate_tokens_per_second": generated / r.seconds["generate"],

@@ -265,6 +265,8 @@ def linear_processed_logprobs(
     targets_K = targets_NR.reshape(-1).index_select(0, positions_K)
     settings = (*settings, (targets_K.shape[0],))
     logp_K, entropy_K = _LinearChunkedLogprobs.apply(hidden_KC, weight_VC, targets_K, settings)
-    zeros = torch.zeros(targets_NR.numel(), dtype=torch.float32, device=hidden_NRC.device)
-    entropy = zeros.index_copy(0, positions_K, entropy_K).view(targets_NR.shape) if entropy_K is not None else None
-    return zeros.index_copy(0, positions_K, logp_K).view(targets_NR.shape), entropy
+    # back in the caller's shape as new tensors, not views of flat ones (FSDP hooks a module's outputs)
+    index = torch.unravel_index(positions_K, targets_NR.shape)
+    zeros = torch.zeros(targets_NR.shape, dtype=torch.float32, device=hidden_NRC.device)
+    entropy = zeros.index_put(index, entropy_K) if entropy_K is not None else None
+    return zeros.index_put(index, logp_K), entropy

@@ -39,9 +39,9 @@ from utils.config import (
     ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
 )
 from utils.dist import all_reduce_sum
-from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
+from utils.fsdp import gathered_params, resolve_dtype, shard_model
 from utils.guard import exit_on_error
-from utils.optim import build_optimization, guarded_step, step_throughput
+from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
 from utils.run import Run, end_of_step, epoch_steps, finish, resume, start_run
 
 
@@ -108,17 +108,17 @@ def preference_loss_fn(cfg: Config):
 
 
 @torch.no_grad()  # the reference is frozen: no graph, no gradient
-def reference_logps(reference, micro_batches: list[dict], device, shared: bool = True) -> list[torch.Tensor]:
+def reference_logps(reference, micro_batches: list[dict], device, prefix_sharing: bool = True) -> list[torch.Tensor]:
     """The frozen reference's summed response log-probs (2B,) of every micro-batch of a step, its FSDP units gathered
     once for all of them (with --frozen_cpu_offload: one host-to-device copy per step, not per micro-batch). Run
     before the policy's micro-batches: with LoRA the reference is the policy's own FSDP modules (adapters off), whose
     no-grad forward should not sit between the policy's forward and its backward."""
     with gathered_params(sharded_module(reference)):
-        return [response_logprobs(reference, batch, device, shared) for batch in micro_batches]
+        return [response_logprobs(reference, batch, device, prefix_sharing) for batch in micro_batches]
 
 
 def pair_losses(
-    policy, reference, batch: dict, loss_fn, beta: float, device, shared: bool = True,
+    policy, reference, batch: dict, loss_fn, beta: float, device, prefix_sharing: bool = True,
     ref_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-pair losses (B,) of one collate_pairs batch, differentiable in the policy only, and per-pair
@@ -127,8 +127,8 @@ def pair_losses(
     `ref_logps`: the reference's (reference_logps), else computed here."""
     B = batch["n_pairs"]
     if ref_logps is None:
-        ref_logps = reference_logps(reference, [batch], device, shared)[0]  # (2B,)
-    logps = response_logprobs(policy, batch, device, shared)  # (2B,); shared: packed rows, each prompt once
+        ref_logps = reference_logps(reference, [batch], device, prefix_sharing)[0]  # (2B,)
+    logps = response_logprobs(policy, batch, device, prefix_sharing)  # (2B,); packed rows, each prompt once
     policy_chosen, policy_rejected = logps[:B], logps[B:]
     ref_chosen, ref_rejected = ref_logps[:B], ref_logps[B:]
     losses = loss_fn(policy_chosen, policy_rejected, ref_chosen, ref_rejected)  # (B,)
@@ -143,18 +143,21 @@ def pair_losses(
 
 
 def accumulate_gradients(policy, reference, micro_batches: list[dict], world: int, n_pairs: int, loss_fn, beta: float, device,
-                         shared: bool = True) -> dict:
+                         prefix_sharing: bool = True) -> dict:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns global metrics.
 
-    Each rank's summed loss is divided by the global number of pairs and multiplied by the world size (FSDP
-    averages gradients over ranks), so the reduced gradient is d(mean loss over the global batch)."""
-    sums = torch.zeros(6, dtype=torch.float64, device=device)
-    ref_logps = reference_logps(reference, micro_batches, device, shared)
-    for i, batch in enumerate(micro_batches):
-        set_gradient_sync(policy, i == len(micro_batches) - 1)
-        losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, shared, ref_logps[i])
-        (losses.sum() * world / n_pairs).backward()
-        sums += stats
+    Each rank's summed loss is divided by the global number of pairs (utils/optim.py accumulate_micro_batches), so
+    the gradient is d(mean loss over the global batch). The reference's log-probs come first, for every micro-batch
+    at once (reference_logps)."""
+    ref_logps = reference_logps(reference, micro_batches, device, prefix_sharing)
+
+    def loss_of(micro: tuple[dict, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, ref = micro
+        losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, prefix_sharing, ref)
+        return losses.sum(), stats
+
+    stats = accumulate_micro_batches(policy, list(zip(micro_batches, ref_logps)), loss_of, world, n_pairs)
+    sums = sum(stats, torch.zeros(6, dtype=torch.float64, device=device))
     loss, accuracy, chosen, rejected, logp_chosen, logp_rejected = (all_reduce_sum(sums) / n_pairs).tolist()
     return {
         "train/loss": loss, "train/accuracy": accuracy, "train/reward_chosen": chosen, "train/reward_rejected": rejected,
@@ -226,7 +229,7 @@ def main(cfg: Config) -> dict:
         rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)[: cfg.eval_samples]
         samples = SampleLog(rows, "chosen", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed)
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
-        val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, shared=cfg.prefix_sharing)
+        val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, prefix_sharing=cfg.prefix_sharing)
         run.logger.log({f"val/{k}": v for k, v in val.items()} | (judge.evaluate(policy, "val/") if judge else {}), 0)
         if samples is not None:
             samples.log(run.logger, policy, 0)
@@ -248,7 +251,8 @@ def main(cfg: Config) -> dict:
             #    (on schedule, at the end, at a new best, or when a signal came)
             metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
             if ref_val is not None and cfg.eval_due(step, total_steps):
-                val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, shared=cfg.prefix_sharing)
+                val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device,
+                                      prefix_sharing=cfg.prefix_sharing)
                 metrics.update({f"val/{k}": v for k, v in val.items()})
                 if judge is not None:
                     metrics.update(judge.evaluate(policy, "val/"))

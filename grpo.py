@@ -33,7 +33,7 @@ same samples and losses bit for bit.
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal
 
@@ -48,22 +48,23 @@ from model.lora import LoRAConfig, trainable_summary
 from model.sampler import SampleOutput
 from model.weights import save_export
 from rlhf.grpo import (
-    AGGREGATIONS, entropy_bonus, grpo_token_loss, informative_groups, mismatch_stats, penalize_missing_end,
-    rollout_correction, select, sequence_kl,
+    AGGREGATIONS, Objective, informative_groups, mismatch_stats, penalize_missing_end, select, sequence_kl,
 )
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards
-from rollouts.batches import build_training_batches, kept_advantages, pad_micro_batches, per_rank_sizes
+from rollouts.batches import (
+    MicroBatch, build_training_batches, kept_advantages, pad_micro_batches, per_rank_sizes, with_advantages,
+)
 from rollouts.metrics import StepResult, gold_metrics, step_metrics
 from rollouts.models import Models, build_models, check_models, check_step_fits, refresh_reference, sharded_module
 from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, Scores, rollout, source_values, warn_constant_sources
 from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, parse_config, require_nonempty
-from utils.dist import all_reduce_max, all_reduce_sum, rank_and_world, stream
-from utils.fsdp import gathered_params, set_gradient_sync
+from utils.dist import all_reduce_max, all_reduce_named, all_reduce_sum, rank_and_world, stream
+from utils.fsdp import gathered_params
 from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
 from utils.logging import StageTimer, perf_metrics
-from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
+from utils.optim import accumulate_micro_batches, build_optimizer, build_scheduler, guarded_step
 from utils.run import end_of_step, finish, resume, start_run
 
 TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: the embedded task's gold reward
@@ -239,6 +240,15 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
         """The reward sources of --rewards (imports their functions: a typo fails here)."""
         return parse_rewards(self.rewards, self.reward_length_target, TASK_REWARDS)
 
+    def objective(self) -> Objective:
+        """The loss's options bound once (rlhf/grpo.py Objective): its terms then take tensors only."""
+        return Objective(
+            eps_low=self.eps_low, eps_high=self.eps_high, importance_level=self.importance_level,
+            rollout_correction=self.rollout_correction, rollout_correction_cap=self.rollout_correction_cap,
+            beta=self.beta if self.kl_in == "loss" else 0.0, kl_estimator=self.kl_estimator, kl_ratio=self.kl_ratio,
+            entropy_coef=self.entropy_coef,
+        )
+
     def validate(self) -> None:
         require_nonempty(self, "rewards")
         if any(s.fn is None for s in self.sources()):
@@ -282,13 +292,14 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
 
 
 def score_rewards(spec: RewardSpec, reward_model, prompts: PromptSet, samples: SampleOutput, cfg: Config, step: int) -> Scores:
-    """Stage 3. Reward model: raw score -> minus the penalty (raw units) without an end token -> RM gain/bias; a
-    reward model returning NaN, or one score for every sample of every rank, stops the run here. Functions: their
+    """Stage 3 of step `step` (1-based). Reward model: raw score -> minus the penalty (raw units) without an end
+    token -> RM gain/bias; a reward model returning NaN, or one score for every sample of every rank, stops the run
+    here. Functions: their
     values, whitened over the global batch; a function that raises or returns a non-number stops the run naming
     itself and the row. The reward is the weighted sum (rlhf/rewards.py)."""
     scores = source_values(spec, reward_model, prompts, samples, cfg.num_samples, cfg)
     if scores.raw is not None:
-        check_rewards(scores.raw, "grpo", step + 1, prompts.ids.device)
+        check_rewards(scores.raw, "grpo", step, prompts.ids.device)
         penalized = penalize_missing_end(scores.raw, samples.has_end, cfg.missing_end_penalty)
         scores.values[:, spec.rm_column] = reward_model.normalize(penalized).double()
     warn_constant_sources(spec, scores.values, scores.applies, step + 1)
@@ -297,209 +308,217 @@ def score_rewards(spec: RewardSpec, reward_model, prompts: PromptSet, samples: S
     return scores
 
 
-def response_logprobs(model, batch: dict, cfg: Config, with_entropy: bool = False):
+def response_logprobs(model, batch: MicroBatch, cfg: Config, with_entropy: bool = False):
     """(processed log-probs (n, R), entropy (n, R) or None) of the response tokens: temperature, top-k and top-p
     applied as the sampler drew them, in one chunked pass with the LM head inside it (rlhf/logprobs.py), so the
     (n, R, V) logits are never materialised. Predicted at columns P-1 .. P+R-2 of prompt + response rows, or at their
-    places in packed rows (each prompt's last token, then the response's own columns); the head runs only where the
-    response mask is True (0 log-prob and entropy at padding, which every loss and sum masks out)."""
-    n, R = batch["response_ids"].shape
-    targets, real = batch["response_ids"], batch["response_mask"]
-    if "layout" in batch:  # one packed row: the head runs at its n*R predicting positions
-        mask, where = batch["layout"], batch["layout"].logits_index().view(1, n * R)
-        targets, real = targets.reshape(1, n * R), real.reshape(1, n * R)
+    places in packed rows (each prompt's last token, then the response's own columns); the head runs only at the
+    micro-batch's response tokens (`head_positions`, found when it was built: no host read here), 0 log-prob and
+    entropy at padding, which every loss and sum masks out."""
+    n, R = batch.response_ids.shape
+    targets = batch.response_ids
+    if batch.layout is not None:  # one packed row: the head runs at its n*R predicting positions
+        mask, where = batch.layout, batch.layout.logits_index().view(1, n * R)
+        targets = targets.reshape(1, n * R)
     else:
-        P = batch["prompt_len"]
-        mask, where = batch["attention_mask"], slice(P - 1, P + R - 1)
+        P = batch.prompt_len
+        mask, where = batch.attention_mask, slice(P - 1, P + R - 1)
     head = partial(linear_processed_logprobs, targets_NR=targets, temperature=cfg.temperature, top_k=cfg.top_k,
-                   top_p=cfg.top_p, with_entropy=with_entropy, mask_NR=real)  # padding: no head, log-prob 0
-    logp, entropy = model(batch["input_ids"], batch["position_ids"], mask, logits_slice=where, head=head)
+                   top_p=cfg.top_p, with_entropy=with_entropy, positions_K=batch.head_positions)
+    logp, entropy = model(batch.input_ids, batch.position_ids, mask, logits_slice=where, head=head)
     return logp.view(n, R), entropy.view(n, R) if entropy is not None else None
 
 
 @torch.no_grad()
-def add_logprobs(model, batches: list[dict], key: str, cfg: Config, gather: bool) -> None:
-    """batch[key] = processed log-probs (n, R) of the responses under `model` (no gradient). `gather`: keep the
+def batch_logprobs(model, batches: list[MicroBatch], cfg: Config, gather: bool) -> list[torch.Tensor]:
+    """Processed log-probs (n, R) of each micro-batch's responses under `model` (no gradient). `gather`: keep the
     parameters gathered over all micro-batches (a frozen model, or with LoRA the policy seen with adapters off);
     otherwise FSDP's per-block gathers (the policy, whose training forward this must match)."""
     with gathered_params(sharded_module(model)) if gather else nullcontext():
-        for batch in batches:
-            batch[key], _ = response_logprobs(model, batch, cfg)
+        return [response_logprobs(model, batch, cfg)[0] for batch in batches]
 
 
-# Per-token sums of one epoch of the update, summed over micro-batches and ranks
-UPDATE_SUMS = ("loss", "kl", "clipped", "entropy", "sampler_gap", "outside_support", "tokens", "ratio_deviation",
-               "mismatch_tokens", "mismatch_outside", "mismatch_gap", "corrected")
+def diagnostics(logp: torch.Tensor, old: torch.Tensor, batch: MicroBatch) -> tuple[dict, dict]:
+    """What the loss does not use, of one micro-batch (no graph), as named fp64 sums and maxima over its response
+    tokens: the sampler / trainer mismatch at the sampling weights (`old`: the training forward's log-probs there;
+    rlhf/grpo.py mismatch_stats), and the tokens outside the training forward's top-k / top-p set with the |log-prob
+    gap| to the sampler on the others."""
+    mask = batch.response_mask
+    with torch.no_grad():
+        mismatch = mismatch_stats(old, batch.sampler_logprobs, mask)
+        in_support = mask & torch.isfinite(logp)  # outside: a token the training forward's top-k/top-p set excludes
+        gap = torch.where(in_support, (logp.detach() - batch.sampler_logprobs).abs(), 0.0)
+        sums = {
+            "sampler_gap": gap.sum().double(), "outside_support": (mask & ~in_support).sum().double(),
+            "mismatch_tokens": mismatch["tokens"], "mismatch_outside": mismatch["outside_band"],
+            "mismatch_gap": mismatch["abs_log_gap"],
+        }
+    return sums, {"mismatch_gap_max": mismatch["max_abs_log_gap"]}
 
 
 def micro_batch_loss(
-    policy, batch: dict, w: torch.Tensor, cfg: Config, with_entropy: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sum(w * per-token loss) of one micro-batch (with its graph), its UPDATE_SUMS and the largest |log gap| between
-    the training forward and the sampler (no graph). The entropy is computed when it is a bonus or `with_entropy`
-    (else its sum is 0)."""
-    mask = batch["response_mask"]
+    policy, batch: MicroBatch, w: torch.Tensor, objective: Objective, cfg: Config, with_entropy: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """sum(w * per-token loss) of one micro-batch (with its graph), its named sums (fp64 scalars, no graph: the loss,
+    the terms' statistics, `tokens`, and diagnostics()) and named maxima. The entropy is computed when the objective
+    has an entropy term or `with_entropy` (to log it). No host read: it compiles as one graph
+    (tests/test_grpo.py)."""
+    mask = batch.response_mask
     # the processed log-probs and the entropy of what is sampled (temperature, top-k and top-p applied) in one
     # chunked pass over the vocabulary (rlhf/logprobs.py); the entropy is differentiable, used only as a bonus
-    with_entropy = with_entropy or cfg.entropy_coef != 0
+    with_entropy = with_entropy or objective.needs_entropy
     logp, entropy = response_logprobs(policy, batch, cfg, with_entropy)  # (n, R) each
     # mu = 1: old = current, detached, so the ratio is 1 in value and d ratio = d logp (trl PR #2565);
     # mu > 1: the sampling policy's log-probs, so the ratio moves away from 1 after the first step
-    old = logp.detach() if cfg.policy_epochs == 1 else batch["old_logprobs"]
-    # the sampler / trainer mismatch at the sampling weights: `old` is the training forward's, the tokens were drawn
-    # with the sampler's own log-probs; --rollout_correction reweights the policy term by their ratio
-    correction, corrected = rollout_correction(old, batch["sampler_logprobs"], mask, cfg.rollout_correction,
-                                               cfg.rollout_correction_cap, cfg.importance_level)
-    loss_NT, stats = grpo_token_loss(
-        logp, old, batch["ref_logprobs"], batch["advantages"], mask, cfg.eps_low, cfg.eps_high,
-        cfg.beta if cfg.kl_in == "loss" else 0.0, cfg.kl_estimator, cfg.kl_ratio, cfg.importance_level, w,
-        correction if cfg.rollout_correction != "none" else None,
-    )
-    if cfg.entropy_coef != 0:
-        loss_NT = entropy_bonus(loss_NT, entropy, mask, cfg.entropy_coef)
+    old = logp.detach() if cfg.policy_epochs == 1 else batch.old_logprobs
+    # --rollout_correction reweights the policy term by the training forward's / the sampler's probability ratio
+    correction, corrected = objective.correction(old, batch.sampler_logprobs, mask)
+    loss_NT, stats = objective.token_loss(logp, old, batch.ref_logprobs, batch.advantages, mask, weights_NT=w,
+                                          correction=correction, entropy_NT=entropy)
     loss = (w * loss_NT).sum()
+    sums, maxima = diagnostics(logp, old, batch)
     with torch.no_grad():
-        zero = torch.zeros((), dtype=torch.float64, device=mask.device)
-        mismatch = mismatch_stats(old, batch["sampler_logprobs"], mask)  # tokens, outside the band, sum |gap|, max
-        in_support = mask & torch.isfinite(logp)  # outside: a token the training forward's top-k/top-p set excludes
-        gap = torch.where(in_support, (logp.detach() - batch["sampler_logprobs"]).abs(), 0.0)
-        sums = torch.stack([
-            loss.detach().double(), stats["kl"].sum().double(), stats["clipped"].sum().double(),
-            (entropy.detach() * mask).sum().double() if with_entropy else zero, gap.sum().double(),
-            (mask & ~in_support).sum().double(),
-            mask.sum().double(), stats["ratio_deviation"].sum().double(),
-            *mismatch[:3], corrected.sum().double(),
-        ])
-    return loss, sums, mismatch[3]
+        sums |= {"loss": loss.detach().double(), "tokens": mask.sum().double(), "corrected": corrected.sum().double()}
+        sums |= {name: t.sum().double() for name, t in stats.items()}  # kl, clipped, ratio_deviation
+        if with_entropy:
+            sums["entropy"] = (entropy.detach() * mask).sum().double()
+    return loss, sums, maxima
 
 
-def policy_update(
-    policy, optimizer, scheduler, batches: list[dict], cfg: Config, world: int, device,
-    guard: NonFiniteGuard | None = None, step: int = 0,
-) -> dict:
-    """cfg.policy_epochs optimizer steps over this rank's micro-batches; returns global metrics. `guard` checks each
-    epoch's loss and gradient norm before its optimizer step (stop, or skip that optimizer and scheduler step).
-
-    Every aggregation is sum(w * loss) / Z with token weights w from the mask and a normaliser Z summed over
-    micro-batches and ranks before any backward (rlhf/grpo.py). FSDP averages gradients over ranks, so each
-    rank's loss is multiplied by the world size: the reduced gradient is that of the global loss, for any world
-    size and micro-batch size."""
-    weigh = AGGREGATIONS[cfg.loss_type]
-    weights = [weigh(b["response_mask"], cfg.max_new_tokens) for b in batches]
-    normaliser = all_reduce_sum(sum((z for _, z in weights), torch.zeros(())).to(device).double()).float()
-    if float(normaliser) == 0:  # --min_group_std dropped every group of every rank: no step, on every rank alike
-        return {"train/skipped": 1.0, "train/lr": scheduler.get_last_lr()[0]}
-    sums = torch.zeros(cfg.policy_epochs, len(UPDATE_SUMS), dtype=torch.float64, device=device)
-    grad_norm, skipped, gap_max = 0.0, 0, torch.zeros((), dtype=torch.float64, device=device)
-    log_entropy = cfg.entropy_coef != 0 or (cfg.entropy_every > 0 and step % cfg.entropy_every == 0)
-    for epoch in range(cfg.policy_epochs):
-        epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
-        for i, (batch, (w, _)) in enumerate(zip(batches, weights)):
-            set_gradient_sync(policy, i == len(batches) - 1)
-            loss, micro_sums, micro_gap_max = micro_batch_loss(policy, batch, w, cfg, log_entropy)
-            (loss * world / normaliser).backward()
-            epoch_loss += loss.detach().double()
-            sums[epoch] += micro_sums
-            gap_max = torch.maximum(gap_max, micro_gap_max)
-        epoch_grad_norm = clip_grad_norm(policy, cfg.grad_clip)
-        grad_norm += epoch_grad_norm
-        if guard is None or guard.ok(step, {"train/loss": float(epoch_loss), "train/grad_norm": epoch_grad_norm}):
-            optimizer.step()
-            scheduler.step()
-        else:
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-    per_epoch = [dict(zip(UPDATE_SUMS, e)) for e in all_reduce_sum(sums).tolist()]  # mu x {name: global sum}
-    total = {k: sum(e[k] for e in per_epoch) for k in UPDATE_SUMS}
-    mu, tokens = cfg.policy_epochs, total["tokens"]
+def update_metrics(epochs: list[dict[str, float]], gap_max: float, normaliser: float, steps: list[dict],
+                   cfg: Config, log_entropy: bool) -> dict:
+    """The update's global metrics from each epoch's global sums (micro-batches and ranks), the largest |log gap| to
+    the sampler, the loss normaliser and each optimizer step's own metrics (grad norm, lr, skipped)."""
+    mu = len(epochs)
+    total = {k: sum(e[k] for e in epochs) for k in epochs[0]}
+    tokens, mismatch_tokens = total["tokens"], max(total["mismatch_tokens"], 1.0)
     metrics = {
-        "train/loss": total["loss"] / float(normaliser) / mu,
+        "train/loss": total["loss"] / normaliser / mu,
         "train/kl": total["kl"] / tokens,
         "train/clip_fraction": total["clipped"] / tokens,
         "train/ratio_deviation": total["ratio_deviation"] / tokens,
         "train/logprob_gap_to_sampler": total["sampler_gap"] / tokens,
         "train/outside_top_k_p_fraction": total["outside_support"] / tokens,
-        "train/grad_norm": grad_norm / mu,
-        "train/lr": scheduler.get_last_lr()[0],
-        "train/skipped": skipped / mu,
+        "train/grad_norm": sum(s["train/grad_norm"] for s in steps) / mu,
+        "train/lr": steps[-1]["train/lr"],
+        "train/skipped": sum(s["train/skipped"] for s in steps) / mu,
         # sampler / trainer mismatch at the sampling weights (token ratio exp(train - sampler) outside [0.9, 1.1])
-        "train/mismatch/outside_band_fraction": total["mismatch_outside"] / max(total["mismatch_tokens"], 1.0),
-        "train/mismatch/mean_abs_log_gap": total["mismatch_gap"] / max(total["mismatch_tokens"], 1.0),
-        "train/mismatch/max_abs_log_gap": all_reduce_max(float(gap_max), device),
+        "train/mismatch/outside_band_fraction": total["mismatch_outside"] / mismatch_tokens,
+        "train/mismatch/mean_abs_log_gap": total["mismatch_gap"] / mismatch_tokens,
+        "train/mismatch/max_abs_log_gap": gap_max,
     }
     if cfg.rollout_correction != "none":  # response tokens whose weight was truncated (tis) or masked (mis)
         metrics["train/rollout_correction_fraction"] = total["corrected"] / tokens
     if log_entropy:
         metrics["train/entropy"] = total["entropy"] / tokens
     if mu > 1:  # how far each update moved from the sampling policy: epoch 1 is exactly 0
-        for epoch, e in enumerate(per_epoch, start=1):
+        for epoch, e in enumerate(epochs, start=1):
             for name, key in (("clip_fraction", "clipped"), ("ratio_deviation", "ratio_deviation"), ("kl", "kl")):
                 metrics[f"train/epoch_{epoch}/{name}"] = e[key] / e["tokens"]
     return metrics
 
 
-def kl_in_reward(batches: list[dict], rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg: Config):
-    """--kl_in reward: beta x each kept response's KL estimate (--kl_estimator, summed over its tokens) leaves its
-    reward, and the advantages are recomputed and written back into the micro-batches. Returns the advantages (B*K,)
-    and the penalty (B, K) (0 for dropped groups)."""
-    kept_N = keep_B.repeat_interleave(cfg.kept)  # (B*K,)
-    real = [b for b in batches if not b.get("filler")]
-    kl_N = torch.cat([sequence_kl(b["old_logprobs"], b["ref_logprobs"], b["response_mask"], cfg.kl_estimator)
+def policy_update(
+    policy, optimizer, scheduler, batches: list[MicroBatch], cfg: Config, world: int, device, *,
+    guard: NonFiniteGuard | None = None, step: int = 1,
+) -> dict:
+    """cfg.policy_epochs optimizer steps over this rank's micro-batches (optimizer step `step`, 1-based, of the run);
+    returns global metrics. `guard` checks each epoch's loss and gradient norm before its optimizer step (stop, or
+    skip that optimizer and scheduler step).
+
+    Every aggregation is sum(w * loss) / Z with token weights w from the mask and a normaliser Z summed over
+    micro-batches and ranks before any backward (rlhf/grpo.py); utils/optim.py accumulate_micro_batches scales each
+    rank's loss so the reduced gradient is that of the global loss, for any world size and micro-batch size."""
+    objective = cfg.objective()
+    weigh = AGGREGATIONS[cfg.loss_type]
+    weights = [weigh(b.response_mask, cfg.max_new_tokens) for b in batches]  # (token weights (n, R), Z part)
+    normaliser = all_reduce_sum(sum((z for _, z in weights), torch.zeros(())).to(device).double()).float()
+    if float(normaliser) == 0:  # --min_group_std dropped every group of every rank: no step, on every rank alike
+        return {"train/skipped": 1.0, "train/lr": scheduler.get_last_lr()[0]}
+    log_entropy = cfg.entropy_coef != 0 or (cfg.entropy_every > 0 and step % cfg.entropy_every == 0)
+
+    def loss_of(micro: tuple[MicroBatch, torch.Tensor]):
+        batch, w = micro
+        loss, sums, maxima = micro_batch_loss(policy, batch, w, objective, cfg, log_entropy)
+        return loss, (sums, maxima)
+
+    micro_batches = [(b, w) for b, (w, _) in zip(batches, weights)]
+    epoch_sums, steps, gap_max = [], [], torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(cfg.policy_epochs):
+        outputs = accumulate_micro_batches(policy, micro_batches, loss_of, world, normaliser)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        sums = {k: sum((s[k] for s, _ in outputs), zero) for k in outputs[0][0]}  # this epoch's, over micro-batches
+        for _, maxima in outputs:
+            gap_max = torch.maximum(gap_max, maxima["mismatch_gap_max"])
+        steps.append(guarded_step(policy, optimizer, scheduler, guard, step, {"train/loss": float(sums["loss"])},
+                                  cfg.grad_clip))
+        epoch_sums.append(sums)
+    epochs = all_reduce_named(epoch_sums)  # mu x {name: global sum}: one collective
+    return update_metrics(epochs, all_reduce_max(float(gap_max), device), float(normaliser), steps, cfg, log_entropy)
+
+
+def kl_in_reward(batches: list[MicroBatch], rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg: Config):
+    """--kl_in reward: beta x each kept response's KL estimate (--kl_estimator, summed over its tokens, from the
+    micro-batches' sampling-policy and reference log-probs) leaves its reward, and the advantages are recomputed.
+    Returns the new advantages (B*K,) and the penalty (B, K) (0 for dropped groups)."""
+    real = [b for b in batches if not b.filler]
+    kl_N = torch.cat([sequence_kl(b.old_logprobs, b.ref_logprobs, b.response_mask, cfg.kl_estimator)
                       for b in real]) if real else rewards_BK.new_zeros(0)  # (kept rows,)
     kl_penalty_BK = torch.zeros_like(rewards_BK)
     kl_penalty_BK[keep_B] = cfg.beta * kl_N.float().view(-1, cfg.kept)
-    adv = kept_advantages(rewards_BK - kl_penalty_BK, keep_B, cfg)
-    for s, b in zip(range(0, len(kl_N), cfg.micro_batch_size), real):
-        b["advantages"] = adv[kept_N][s : s + cfg.micro_batch_size]
-    return adv, kl_penalty_BK
+    return kept_advantages(rewards_BK - kl_penalty_BK, keep_B, cfg), kl_penalty_BK
 
 
 def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: RewardSpec, cfg: Config, step: int,
                guard: NonFiniteGuard | None = None) -> StepResult:
-    """Stages 2-7 of GRPO step `step` (0-based) on this rank's prompts; collective over ranks."""
+    """Stages 2-7 of GRPO step `step` (1-based) on this rank's prompts; collective over ranks."""
     rank, world = rank_and_world()
     device, G, timer = prompts.ids.device, cfg.num_samples, StageTimer(prompts.ids.device)
-    generator = stream(cfg.seed, step, rank, "rollout", device=device)
+    generator = stream(cfg.seed, step - 1, rank, "rollout", device=device)  # keyed by the steps before this one
     # 2. generate G responses per prompt; rows b*G .. b*G+G-1 belong to prompt b
     with timer("generate"):
-        samples = rollout(models.policy, prompts.ids, prompts.mask, cfg, G, generator)  # (N, max_new_tokens), N = B*G
+        samples = rollout(models.policy, prompts.ids, prompts.mask, cfg, G, generator)  # (B*G, max_new_tokens)
     # 3. score every source on the samples it applies to; the training reward is their weighted sum
     with timer("score"):
         scores = score_rewards(spec, models.reward_model, prompts, samples, cfg, step)
     # 4. select K of G per prompt, from the combined rewards
     with timer("select"):
-        idx_BK, rs = select(scores.total.view(-1, G), cfg.selection, cfg.kept, cfg.beta_rs, generator)  # (B, K)
-        rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]  # (B, K) rows of N
+        idx_BK, selection_stats = select(scores.total.view(-1, G), cfg.selection, cfg.kept, cfg.beta_rs, generator)
+        rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]  # (B, K) rows of B*G
         # dynamic sampling (--min_group_std): drop the groups whose kept rewards (nearly) tie
         keep_B = informative_groups(scores.total[rows_BK], cfg.min_group_std)  # (B,)
     # 5. advantages: group normalization over the *selected* samples, then over the global batch (all ranks)
     with timer("advantages"):
         rewards_BK = scores.total[rows_BK]  # (B, K)
-        adv = kept_advantages(rewards_BK, keep_B, cfg)  # (B*K,)
+        advantages = kept_advantages(rewards_BK, keep_B, cfg)  # (B*K,)
         kept_N = keep_B.repeat_interleave(cfg.kept)  # (B*K,)
-        batches = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten()[kept_N], adv[kept_N], G,
-                                         cfg.micro_batch_size, cfg.prefix_sharing)
+        batches = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten()[kept_N],
+                                         advantages[kept_N], G, cfg.micro_batch_size, cfg.prefix_sharing)
         if cfg.min_group_std > 0:  # as many micro-batches on every rank, whatever each kept
-            filler = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten()[:1], adv[:1], G, 1,
-                                            cfg.prefix_sharing)[0]
+            filler = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten()[:1], advantages[:1],
+                                            G, 1, cfg.prefix_sharing)[0]
             batches = pad_micro_batches(batches, filler, device)
     # 6. reference log-probs (frozen, parameters gathered once; with LoRA the policy with adapters off); with mu > 1
     #    or the KL in the reward also the sampling policy's (the weights that generated), from the training forward so
     #    the first ratio is 1
     with timer("reference"):
-        add_logprobs(models.reference, batches, "ref_logprobs", cfg, gather=True)
+        refs = batch_logprobs(models.reference, batches, cfg, gather=True)
+        batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
         if cfg.policy_epochs > 1 or cfg.kl_in == "reward":
-            add_logprobs(models.policy, batches, "old_logprobs", cfg, gather=False)
+            olds = batch_logprobs(models.policy, batches, cfg, gather=False)
+            batches = [replace(b, old_logprobs=o) for b, o in zip(batches, olds)]
     # 5'. --kl_in reward: beta x the response's KL estimate leaves its reward, and the advantages are recomputed
     kl_penalty_BK = torch.zeros_like(rewards_BK)
     if cfg.kl_in == "reward":
         with timer("advantages"):
-            adv, kl_penalty_BK = kl_in_reward(batches, rewards_BK, keep_B, cfg)
+            advantages, kl_penalty_BK = kl_in_reward(batches, rewards_BK, keep_B, cfg)
+            batches = with_advantages(batches, advantages[kept_N])
     # 7. update the policy; a non-finite loss or gradient norm stops the run, or skips the optimizer step
     with timer("update"):
-        update = policy_update(models.policy, optimizer, scheduler, batches, cfg, world, device, guard, step + 1)
-    return StepResult(samples, scores, idx_BK, rows_BK, rs, rewards_BK, adv, batches, update, dict(timer.seconds), keep_B,
-                      kl_penalty_BK)
+        update = policy_update(models.policy, optimizer, scheduler, batches, cfg, world, device, guard=guard, step=step)
+    return StepResult(samples=samples, scores=scores, idx_BK=idx_BK, rows_BK=rows_BK, selection_stats=selection_stats,
+                      rewards_BK=rewards_BK, advantages=advantages, batches=batches, update=update,
+                      seconds=dict(timer.seconds), keep_B=keep_B, kl_penalty_BK=kl_penalty_BK)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -541,7 +560,8 @@ def main(cfg: Config) -> dict:
 
     def evaluate(step: int) -> dict:
         out = evaluate_summaries(models.policy, models.reward_model, spec, val, cfg, step) if val is not None else {}
-        acc = evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device, shared=cfg.prefix_sharing) if pref else {}
+        acc = evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device,
+                              prefix_sharing=cfg.prefix_sharing) if pref else {}
         return out | {f"eval/pref_{k}": v for k, v in acc.items()}
 
     if step == 0 and cfg.eval_every > 0:
@@ -561,7 +581,7 @@ def main(cfg: Config) -> dict:
             prompts = prompt_set(train, list(next(batches_iter)), train_applies, device, train_name)
             seconds = {"sample": time.perf_counter() - t_sample}
             # 2.-7. generate, score, select, advantages, reference, update
-            result = train_step(models, optimizer, scheduler, prompts, spec, cfg, step, run.guard)
+            result = train_step(models, optimizer, scheduler, prompts, spec, cfg, step + 1, run.guard)
             step += 1
 
             # 8. log and evaluate

@@ -35,10 +35,10 @@ from utils.config import (
     ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
 )
 from utils.dist import all_reduce_sum, stream
-from utils.fsdp import gathered_params, set_gradient_sync, shard_model
+from utils.fsdp import gathered_params, shard_model
 from utils.guard import check_rewards, exit_on_error
 from utils.logging import track
-from utils.optim import build_optimization, guarded_step, step_throughput
+from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
 from utils.run import end_of_step, epoch_steps, finish, resume, start_run
 
 
@@ -92,25 +92,26 @@ class Config(RunConfig, OptimConfig, PairConfig):  # run, optimisation and prefe
 
 
 def accumulate_gradients(
-    model, micro_batches: list[dict], world: int, n_pairs: int, device, shared: bool = True
+    model, micro_batches: list[dict], world: int, n_pairs: int, device, prefix_sharing: bool = True
 ) -> dict[str, float]:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns global metrics.
 
-    Each rank's summed loss is divided by the global number of pairs and multiplied by the world size (FSDP
-    averages gradients over ranks), so the reduced gradient is d(mean loss over the global batch)."""
-    # sums over pairs: loss, correct (ties 1/2), chosen reward, rejected reward
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
-    for i, batch in enumerate(micro_batches):
-        set_gradient_sync(model, i == len(micro_batches) - 1)
+    Each rank's summed loss is divided by the global number of pairs (utils/optim.py accumulate_micro_batches), so
+    the gradient is d(mean loss over the global batch)."""
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         B = batch["n_pairs"]
-        rewards = reward_scores(model, batch, device, shared)  # (2B,)
+        rewards = reward_scores(model, batch, device, prefix_sharing)  # (2B,)
         r_chosen, r_rejected = rewards[:B], rewards[B:]  # (B,), (B,)
         losses = bradley_terry_loss(r_chosen, r_rejected)  # (B,)
-        (losses.sum() * world / n_pairs).backward()
         r_chosen, r_rejected = r_chosen.detach().double(), r_rejected.detach().double()
-        sums += torch.stack([
+        # sums over pairs: loss, correct (ties 1/2), chosen reward, rejected reward
+        return losses.sum(), torch.stack([
             losses.detach().double().sum(), pair_outcomes(r_chosen, r_rejected).sum(), r_chosen.sum(), r_rejected.sum(),
         ])
+
+    stats = accumulate_micro_batches(model, micro_batches, loss_of, world, n_pairs)
+    sums = sum(stats, torch.zeros(4, dtype=torch.float64, device=device))
     loss, accuracy, chosen, rejected = (all_reduce_sum(sums) / n_pairs).tolist()
     return {
         "train/loss": loss, "train/accuracy": accuracy, "train/reward_chosen": chosen,
@@ -216,7 +217,7 @@ def main(cfg: Config) -> dict:
     batches = data.step_batches(accum, cfg.overfit_batch)
     model.train()
     if data.val_set is not None and step == 0 and cfg.eval_every > 0:
-        val = evaluate_reward_model(model, data.val_set, device, shared=cfg.prefix_sharing)
+        val = evaluate_reward_model(model, data.val_set, device, prefix_sharing=cfg.prefix_sharing)
         run.logger.log({f"val/{k}": v for k, v in val.items()}, step=0)
     metrics, stopping = {}, False
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
@@ -233,7 +234,7 @@ def main(cfg: Config) -> dict:
             #    best, or when a signal came)
             metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
             if data.val_set is not None and cfg.eval_due(step, total_steps):
-                val = evaluate_reward_model(model, data.val_set, device, shared=cfg.prefix_sharing)
+                val = evaluate_reward_model(model, data.val_set, device, prefix_sharing=cfg.prefix_sharing)
                 metrics.update({f"val/{k}": v for k, v in val.items()})
             stopping = end_of_step(run, cfg, step, total_steps, metrics, model, optimizer, scheduler, data.loader)
 

@@ -27,11 +27,11 @@ from utils.config import (
     ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
 )
 from utils.dist import all_reduce_sum, stream
-from utils.fsdp import set_gradient_sync, shard_model
+from utils.fsdp import shard_model
 from utils.guard import exit_on_error
 from utils.logging import track
+from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
 from utils.run import end_of_step, epoch_steps, finish, resume, start_run
-from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
 @dataclass
@@ -138,20 +138,19 @@ def accumulate_gradients(
 ) -> float:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns the global loss.
 
-    Every rank divides its summed NLL by the (weighted) token count of the *global* batch. FSDP averages
-    gradients over ranks, so each rank's loss is also multiplied by the world size: the reduced gradient is
-    then d(sum of all NLL / global count), whatever the world size or the number of micro-batches."""
+    Every rank's summed NLL is divided by the (weighted) token count of the *global* batch (utils/optim.py
+    accumulate_micro_batches), so the gradient is d(sum of all NLL / global count), whatever the world size or the
+    number of micro-batches."""
     n_tokens = sum(b["response_mask"].sum().float() for b in micro_batches)
     if prompt_weight:
         n_tokens = n_tokens + prompt_weight * sum(prompt_targets(b).sum().float() for b in micro_batches)
     n_tokens = all_reduce_sum(n_tokens.to(device))
-    loss_sum = torch.zeros((), device=device)
-    for i, batch in enumerate(micro_batches):
-        set_gradient_sync(model, i == len(micro_batches) - 1)
+    def loss_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         s = weighted_nll_sum(model, batch, prompt_weight, prompt_positions, generator, device)
-        (s * world / n_tokens).backward()
-        loss_sum += s.detach().float()
-    return float(all_reduce_sum(loss_sum) / n_tokens)
+        return s, s.detach().float()
+
+    sums = accumulate_micro_batches(model, micro_batches, loss_of, world, n_tokens)
+    return float(all_reduce_sum(sum(sums, torch.zeros((), device=device))) / n_tokens)
 
 
 def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size: int) -> list[dict]:
@@ -224,8 +223,7 @@ def main(cfg: Config) -> dict:
     judge = None  # --judge: its reward model and posts, for the win rate at every evaluation
     if cfg.judge:
         judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed)
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
-    scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    optimizer, scheduler = build_optimization(model, cfg, total_steps)
 
     # 4. resume: weights, optimizer, schedule, every rank's RNG, data position, best validation so far
     step = resume(run, cfg, model, optimizer, scheduler, loader, total_steps)
@@ -241,26 +239,12 @@ def main(cfg: Config) -> dict:
             micro = [next(batches) for _ in range(accum)]
             prompt_gen = stream(cfg.seed, step, rank, "prompt_positions")  # rebuilt from the step: resumes exactly
             loss = accumulate_gradients(model, micro, world, device, cfg.prompt_loss_weight, cfg.prompt_loss_positions, prompt_gen)
-            grad_norm = clip_grad_norm(model, cfg.grad_clip)
-            finite = run.guard.ok(step + 1, {"train/loss": loss, "train/grad_norm": grad_norm})
-            if finite:
-                optimizer.step()
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            metrics = {"train/loss": loss}
+            guarded_step(model, optimizer, scheduler, run.guard, step + 1, metrics, cfg.grad_clip)
             step += 1
 
             # 6. log, validate, checkpoint (on schedule, at the end, at a new best, or when a signal came)
-            dt = time.perf_counter() - t0
-            seen = all_reduce_sum(torch.tensor(float(sum(b["attention_mask"].sum() for b in micro)), device=device))
-            metrics = {
-                "train/loss": loss,
-                "train/grad_norm": grad_norm,
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/skipped": float(not finite),
-                "perf/step_seconds": dt,
-                "perf/tokens_per_second": float(seen) / dt,
-                "perf/tokens_per_second_per_device": float(seen) / dt / world,
-            }
+            metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
             if val_batches and cfg.eval_due(step, total_steps):
                 metrics["val/loss"] = evaluate(model, val_batches, device, len(val))
                 samples.log(run.logger, model, step)

@@ -162,7 +162,7 @@ def token_counts(r: grpo.StepResult, prompts: PromptSet, G: int) -> dict[str, in
         "generated_tokens": generated,
         "total_tokens": int(prompts.mask.sum()) * G + generated,
         "trained_sequences": r.rows_BK.numel(),
-        "trained_tokens": int(sum(int(b["attention_mask"].sum()) for b in r.batches)),
+        "trained_tokens": int(sum(int(b.attention_mask.sum()) for b in r.batches)),
     }
 
 
@@ -171,7 +171,7 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
     synchronised), train_step's stage seconds, token counts and peak memory."""
     s = build(bcfg, device)
 
-    def one_step(step: int):
+    def one_step(step: int):  # 1-based, as train_step counts
         common.wait_if_asked(device)
         busy0, cpu0 = common.machine_busy_seconds(), time.process_time()
         synchronize(device)
@@ -185,9 +185,9 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
         return seconds, r.seconds, token_counts(r, s.prompts, s.cfg.num_samples), others
 
     for i in range(bcfg.warmup):
-        one_step(i)
+        one_step(i + 1)
     was_reset = reset_peak_memory(device)
-    steps = [one_step(bcfg.warmup + i) for i in range(bcfg.repeats)]
+    steps = [one_step(bcfg.warmup + i + 1) for i in range(bcfg.repeats)]
     peak, peak_what = peak_memory(device, was_reset)
     world = s.world
     dtype = resolve_dtype(s.cfg.dtype, device)

@@ -48,7 +48,7 @@ def held_after_step(bcfg: GRPOBenchConfig, device: torch.device) -> tuple[int, i
     import grpo
 
     s = build(bcfg, device)
-    grpo.train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, 0)
+    grpo.train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, 1)
     policy, reference = s.models.policy, s.models.reference
     reference_params = [] if reference.__class__.__name__ == "AdaptersOff" else list(reference.parameters())
     state = [t for st in s.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]

@@ -114,7 +114,7 @@ def stage_tokens(r: grpo.StepResult, prompts: PromptSet, cfg: grpo.Config, model
         batch = model_rows(prompts.ids, prompts.mask, r.samples.response_ids[rows], r.samples.response_mask[rows],
                            rows // G, cfg.prefix_sharing)
         score_tokens += int(batch["attention_mask"].sum())
-    trained = sum(int(b["attention_mask"].sum()) for b in r.batches)
+    trained = sum(int(b.attention_mask.sum()) for b in r.batches)
     return {"generate": kv_positions, "score": score_tokens, "reference": trained, "update": trained * cfg.policy_epochs,
             "kv_cache_bytes": first_call}
 
@@ -139,7 +139,7 @@ def measure(bcfg: PrefixBenchConfig, device: torch.device) -> dict:
             was_reset = common.reset_peak_memory(device)
             common.synchronize(device)
             t0 = time.perf_counter()
-            r = grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, step=i)
+            r = grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, step=i + 1)
             common.synchronize(device)
             m = out[mode]
             m["step"].append(time.perf_counter() - t0)

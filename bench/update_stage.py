@@ -36,7 +36,7 @@ bcfg = trl_configs(device, False)[0]
 s = grpo_step.build(bcfg, device)
 if int(sys.argv[3]) >= 0 and hasattr(s.cfg, "entropy_every"):  # a tree without the option logs it every step
     s.cfg.entropy_every = int(sys.argv[3])
-r = grpo.train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, 0)
+r = grpo.train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, 1)
 
 def rss():
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -48,10 +48,12 @@ for i in range(int(sys.argv[1])):
     before = rss()
     common.reset_peak_memory(device)
     t0 = time.perf_counter()
-    grpo.policy_update(s.models.policy, s.optimizer, s.scheduler, r.batches, s.cfg, 1, device, None, i + 2)
+    grpo.policy_update(s.models.policy, s.optimizer, s.scheduler, r.batches, s.cfg, 1, device, guard=None, step=i + 2)
     seconds.append(time.perf_counter() - t0)
     added.append(common.peak_memory(device)[0] - before)
-logits = sum(b["response_ids"].numel() for b in r.batches[:1]) * s.models.policy.cfg.vocab_size * 4
+first = r.batches[0]  # a dict in a tree without typed micro-batches
+response_ids = first["response_ids"] if isinstance(first, dict) else first.response_ids
+logits = response_ids.numel() * s.models.policy.cfg.vocab_size * 4
 print(json.dumps({"seconds": seconds, "peak_added": added, "logits_bytes": logits, "config": bcfg.describe()}))
 """
 

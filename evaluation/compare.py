@@ -19,7 +19,6 @@ it, and for a metric, the metrics that exist.
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys

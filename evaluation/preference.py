@@ -46,16 +46,16 @@ def packed_pairs(batch: dict, device) -> tuple[torch.Tensor, torch.Tensor, Share
                              batch["response_ids"].to(device), batch["response_mask"].to(device), group)
 
 
-def response_logprobs(model: nn.Module, batch: dict, device, shared: bool = True) -> torch.Tensor:
-    """log pi(y | x) of every row (2B,), summed over response tokens, in fp32; differentiable. `shared`: packed rows
-    (packed_pairs); else one padded row per response.
+def response_logprobs(model: nn.Module, batch: dict, device, prefix_sharing: bool = True) -> torch.Tensor:
+    """log pi(y | x) of every row (2B,), summed over response tokens, in fp32; differentiable. `prefix_sharing`:
+    packed rows (packed_pairs); else one padded row per response.
 
     The LM head runs only at the positions that predict real response tokens (columns P-1 .. P+R-2 of the padded
     rows, or their places in the packed row; see data/tldr.py), inside rlhf/logprobs.py's chunked pass (GRPO's
     function), so the (2B, R, V) logits are never materialised."""
     n, R = batch["response_ids"].shape
     targets, mask = batch["response_ids"].to(device), batch["response_mask"].to(device)
-    if shared:
+    if prefix_sharing:
         input_ids, position_ids, layout = packed_pairs(batch, device)
         logp, _ = model(input_ids, position_ids, layout, logits_slice=layout.logits_index().view(1, n * R),
                         head=partial(linear_processed_logprobs, targets_NR=targets.view(1, n * R), mask_NR=mask.view(1, n * R)))
@@ -68,10 +68,10 @@ def response_logprobs(model: nn.Module, batch: dict, device, shared: bool = True
     return (logp.view(n, R) * mask).sum(-1)  # (2B,); 0 at padding
 
 
-def reward_scores(model: nn.Module, batch: dict, device, shared: bool = True) -> torch.Tensor:
+def reward_scores(model: nn.Module, batch: dict, device, prefix_sharing: bool = True) -> torch.Tensor:
     """Raw reward of every row (2B,) (read at each row's last real token, or summed over its response: the model's
-    pooling). `shared`: packed rows (packed_pairs); else one padded row per response."""
-    if shared:
+    pooling). `prefix_sharing`: packed rows (packed_pairs); else one padded row per response."""
+    if prefix_sharing:
         return model(*packed_pairs(batch, device))
     return model(batch["input_ids"].to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device),
                  prompt_len=batch["prompt_len"])
@@ -169,12 +169,12 @@ def _in_eval_mode(models: list[nn.Module]):
 
 
 def evaluate_reward_model(
-    model: nn.Module, eval_set: EvalSet, device, n_resamples: int = 2000, seed: int = 0, shared: bool = True
+    model: nn.Module, eval_set: EvalSet, device, n_resamples: int = 2000, seed: int = 0, prefix_sharing: bool = True
 ) -> dict:
     """Preference accuracy of a reward model's raw scalar (call on every rank; every rank gets the results).
-    `shared`: packed rows (packed_pairs)."""
+    `prefix_sharing`: packed rows (packed_pairs)."""
     was = _in_eval_mode([model])
-    index, c, r = score_local(lambda b: reward_scores(model, b, device, shared), eval_set, device,
+    index, c, r = score_local(lambda b: reward_scores(model, b, device, prefix_sharing), eval_set, device,
                               "preference accuracy (reward model)")
     model.train(was[0])
     c, r = gather_pair_scores(index, c, r, eval_set.n_pairs)
@@ -182,13 +182,14 @@ def evaluate_reward_model(
 
 
 def policy_logps(
-    model: nn.Module, eval_set: EvalSet, device, shared: bool = True, desc: str = "preference log-probs (reference)"
+    model: nn.Module, eval_set: EvalSet, device, prefix_sharing: bool = True,
+    desc: str = "preference log-probs (reference)",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's summed response log-probs: (pair_index, chosen, rejected), each (n,). A frozen reference's
-    can be computed once and passed to evaluate_policy at every evaluation. `shared`: packed rows (packed_pairs);
-    `desc`: the progress shown."""
+    can be computed once and passed to evaluate_policy at every evaluation. `prefix_sharing`: packed rows
+    (packed_pairs); `desc`: the progress shown."""
     was = _in_eval_mode([model])
-    out = score_local(lambda b: response_logprobs(model, b, device, shared), eval_set, device, desc)
+    out = score_local(lambda b: response_logprobs(model, b, device, prefix_sharing), eval_set, device, desc)
     model.train(was[0])
     return out
 
@@ -201,12 +202,12 @@ def evaluate_policy(
     device,
     n_resamples: int = 2000,
     seed: int = 0,
-    shared: bool = True,
+    prefix_sharing: bool = True,
 ) -> dict:
     """Preference accuracy of the implicit reward beta * (log pi(y|x) - log pi_ref(y|x)). `reference` is the
-    reference model or its policy_logps on this eval set. `shared`: packed rows (packed_pairs)."""
-    index, pc, pr = policy_logps(policy, eval_set, device, shared, "preference accuracy (policy)")
-    ref = reference if isinstance(reference, tuple) else policy_logps(reference, eval_set, device, shared)
+    reference model or its policy_logps on this eval set. `prefix_sharing`: packed rows (packed_pairs)."""
+    index, pc, pr = policy_logps(policy, eval_set, device, prefix_sharing, "preference accuracy (policy)")
+    ref = reference if isinstance(reference, tuple) else policy_logps(reference, eval_set, device, prefix_sharing)
     if not torch.equal(ref[0], index):
         raise ValueError("reference log-probs were computed on another evaluation set")
     c, r = gather_pair_scores(index, beta * (pc - ref[1]), beta * (pr - ref[2]), eval_set.n_pairs)

@@ -68,7 +68,7 @@ def reward_of_samples(reward_model, prompt_ids: torch.Tensor, prompt_mask: torch
                       group: int, micro_batch_size: int = 16) -> torch.Tensor:
     """The reward model's normalized score (gain * raw + bias: reward_model.py's normalisation) of every sample (N,),
     sample n answering prompt n // group."""
-    raw = score(reward_model, prompt_ids, prompt_mask, samples, group, micro_batch_size, shared=False)  # (N,)
+    raw = score(reward_model, prompt_ids, prompt_mask, samples, group, micro_batch_size, prefix_sharing=False)  # (N,)
     return reward_model.normalize(raw).float()
 
 
@@ -109,8 +109,8 @@ def summary_win_rate(policy, reward_model, rows: list[dict[str, str]], tok, max_
                                           on_chunk=progress.advance)
     progress.close()
     references = reference_summaries([r["completion"] for r in rows], tok, max_new_tokens, ids.device)
-    policy_raw = score(reward_model, ids, mask, samples, 1, micro_batch_size, shared=False).double().cpu()
-    reference_raw = score(reward_model, ids, mask, references, 1, micro_batch_size, shared=False).double().cpu()
+    policy_raw = score(reward_model, ids, mask, samples, 1, micro_batch_size, prefix_sharing=False).double().cpu()
+    reference_raw = score(reward_model, ids, mask, references, 1, micro_batch_size, prefix_sharing=False).double().cpu()
     out = {f"summary_{k}": v for k, v in win_rate(policy_raw, reference_raw, n_resamples, seed=seed).items()}
     gain, bias = float(reward_model.gain), float(reward_model.bias)
     out |= {"summary_prompts": len(rows), "summary_reward_mean": float((gain * policy_raw + bias).mean()),

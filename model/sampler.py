@@ -2,7 +2,7 @@
 
 Prompts arrive left-padded with a boolean mask; position ids count real tokens only, so a padded prompt is
 computed exactly as it would be alone (GPT-2's positions are absolute). Each prompt is prefilled once for its
-`num_samples` samples: 64 samples of one prompt cost one prefill, not 64. With `share_prompt` (the default) its
+`num_samples` samples: 64 samples of one prompt cost one prefill, not 64. With `prefix_sharing` (the default) its
 keys and values are also stored once (model/gpt2.py's SharedKVCache) and every decode step reads them once per
 prompt, not once per sample: the cache holds B*P + N*max_new_tokens positions instead of N*(P + max_new_tokens).
 Without it they are copied to every sample (KVCache.repeat_interleave), the reference the tests compare against.
@@ -89,9 +89,9 @@ def generate(
     generator: torch.Generator | None = None,
     stop_ids: tuple[int, ...] = (END_ID, EOS_ID),
     done_check_every: int | None = None,
-    share_prompt: bool = True,
+    prefix_sharing: bool = True,
 ) -> SampleOutput:
-    """Sample `num_samples` responses for each of B left-padded prompts (B, P); `share_prompt`: one copy of each
+    """Sample `num_samples` responses for each of B left-padded prompts (B, P); `prefix_sharing`: one copy of each
     prompt's keys and values for its samples (see the module docstring).
 
     Returns N = B * num_samples rows grouped by prompt: rows b*G .. b*G+G-1 belong to prompt b.
@@ -111,9 +111,9 @@ def generate(
     prompt_pos = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P) positions of real tokens from 0
 
     # 1. prefill each prompt once; its cache is then shared by its G samples, or copied to each of them
-    cache = KVCache(model.cfg, B, P if share_prompt else P + max_new_tokens, device)
+    cache = KVCache(model.cfg, B, P if prefix_sharing else P + max_new_tokens, device)
     logits = model(prompt_ids, prompt_pos, prompt_mask, kv_cache=cache, logits_slice=slice(-1, None))[:, -1]  # (B, V)
-    if share_prompt:
+    if prefix_sharing:
         cache = SharedKVCache(cache, G, max_new_tokens)
     elif G > 1:
         cache = cache.repeat_interleave(G)

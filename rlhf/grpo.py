@@ -19,6 +19,7 @@ Shapes: B prompts, G samples per prompt, K selected, N = B * K sequences, T resp
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -338,71 +339,130 @@ def rollout_correction(
     return w, beyond.expand_as(mask) & mask
 
 
-def mismatch_stats(train_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sampler / trainer mismatch of one micro-batch, over its response tokens where both log-probs are finite:
-    fp64 [tokens, tokens whose exp(train_logp - sampler_logp) lies outside MISMATCH_BAND, sum of |log gap|, max of
-    |log gap|] (sums reduce over ranks by summing, the max by max). The mean alone hides a tail of mismatched
-    tokens, hence the share outside the band and the max."""
+def mismatch_stats(train_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sampler / trainer mismatch of one micro-batch, over its response tokens where both log-probs are finite, as
+    fp64 scalars: `tokens`, `outside_band` (tokens whose exp(train_logp - sampler_logp) lies outside MISMATCH_BAND),
+    `abs_log_gap` (sum of |log gap|), all summed over ranks, and `max_abs_log_gap`, reduced by max. The mean alone
+    hides a tail of mismatched tokens, hence the share outside the band and the max. No host read: a micro-batch
+    with no such token has a max of 0 (the gap is 0 wherever it is not counted)."""
     m = mask & torch.isfinite(train_logp) & torch.isfinite(sampler_logp)
     gap = torch.where(m, train_logp.double() - sampler_logp.double(), 0.0)
     lo, hi = math.log(MISMATCH_BAND[0]), math.log(MISMATCH_BAND[1])
     outside = m & ((gap < lo) | (gap > hi))
-    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
-    return torch.stack([m.sum().double(), outside.sum().double(), gap.abs().sum(), gap.abs().max() if m.any() else zero])
+    return {"tokens": m.sum().double(), "outside_band": outside.sum().double(), "abs_log_gap": gap.abs().sum(),
+            "max_abs_log_gap": gap.abs().max()}
 
 
-def grpo_token_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor,
-    advantages_N: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    beta: float,
-    kl_estimator: str = "k3",
-    kl_ratio: bool = False,
-    importance_level: str = "token",
-    weights_NT: torch.Tensor | None = None,
-    correction: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token GRPO loss (N, T), 0 on masked tokens: policy term + beta * KL estimate.
+def floor_logprobs(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`logp` with masked positions replaced by 0 and the rest floored at LOGPROB_FLOOR: padding can be -inf (outside
+    a top-k set), and -inf * 0 would be NaN in the value and in the gradient; a floored value passes no gradient."""
+    return torch.where(mask, logp, torch.zeros((), dtype=logp.dtype, device=logp.device)).clamp(min=LOGPROB_FLOOR)
 
-    The policy term is the clipped surrogate with one ratio per token (`importance_level` "token"), or GSPO's with
-    one length-normalised ratio per sequence ("sequence": spread over the tokens with the aggregation's token
-    weights `weights_NT`, so each sequence counts once whatever its length), times the rollout `correction`
-    weights when given ((N, T) or (N, 1), detached). The KL estimate is `kl_estimator`'s (KL_ESTIMATORS), times
-    the ratio pi / pi_old (pi_old detached) with `kl_ratio`; beta = 0 when the KL is in the reward instead.
 
-    Masked positions are replaced by 0 before any arithmetic: their log-probs can be -inf (padding outside a
-    top-k set), and -inf * 0 would be NaN in the value and in the gradient. Response tokens outside a top-k /
-    top-p set are floored (see above). Returns the loss and per-token `kl`, `clipped` and `ratio_deviation`
-    |rho - 1| (N, T), detached and masked, for logging (rho is exactly 1 in the first of mu > 1 updates; at
-    sequence level the sequence's ratio and clipping on each of its tokens)."""
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    logp = torch.where(mask, logp, zero).clamp(min=LOGPROB_FLOOR)
-    old_logp = torch.where(mask, old_logp, zero).clamp(min=LOGPROB_FLOOR)
-    ref_logp = torch.where(mask, ref_logp, zero).clamp(min=LOGPROB_FLOOR)
-    token_ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    if importance_level == "token":
-        surrogate, is_clipped = clipped_surrogate(logp, old_logp, advantages_N[:, None], eps_low, eps_high)
-        ratio = token_ratio.detach()
-    elif importance_level == "sequence":
-        if weights_NT is None:
-            raise ValueError("the sequence-level importance ratio needs the aggregation's token weights")
-        loss_N, clipped_N, s_N = sequence_clipped_surrogate(logp, old_logp, advantages_N, mask, eps_low, eps_high)
-        surrogate = spread_sequence_loss(loss_N, weights_NT)
-        is_clipped, ratio = clipped_N[:, None].expand_as(mask), s_N[:, None].detach().expand_as(logp)
-    else:
-        raise ValueError(f"unknown importance level {importance_level!r}; expected token or sequence")
-    if correction is not None:
-        surrogate = surrogate * correction
-    kl = kl_estimate(logp, ref_logp, kl_estimator)
-    kl_term = token_ratio * kl if kl_ratio else kl
-    loss = torch.where(mask, surrogate + beta * kl_term, zero)
-    return loss, {
-        "kl": (kl * mask).detach(), "clipped": (is_clipped & mask), "ratio_deviation": ((ratio - 1.0).abs() * mask),
-    }
+@dataclass(frozen=True)
+class Objective:
+    """The per-token GRPO loss as three terms, with the options bound once per run (OpenRLHF's PolicyLoss; verl's
+    compute_policy_loss + agg_loss): each term takes tensors only.
+
+        policy   clipped ratio x advantage (one ratio per token, or GSPO's per sequence: `importance_level`), times
+                 the rollout correction's weights (`rollout_correction`, `rollout_correction_cap`)
+        kl       beta x the KL estimate (`kl_estimator`, times pi / pi_old with `kl_ratio`); beta = 0 when the KL
+                 is in the reward instead
+        entropy  entropy_coef x the token entropy, subtracted (a bonus; a penalty when negative)
+
+    `token_loss` composes them into the loss (N, T), 0 on masked tokens; the aggregation's token weights turn it
+    into a scalar (AGGREGATIONS)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    importance_level: str = "token"
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 3.0
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    kl_ratio: bool = False
+    entropy_coef: float = 0.0
+
+    def __post_init__(self):
+        if self.importance_level not in ("token", "sequence"):
+            raise ValueError(f"unknown importance level {self.importance_level!r}; expected token or sequence")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"unknown rollout correction {self.rollout_correction!r}; "
+                             f"expected one of {ROLLOUT_CORRECTIONS}")
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss has an entropy term (the log-prob pass must then return a differentiable entropy)."""
+        return self.entropy_coef != 0
+
+    def correction(self, train_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor):
+        """(rollout-correction weights (N, T) or (N, 1), detached, or None without a correction; where they differ
+        from the ratio (N, T)): see rollout_correction."""
+        w, corrected = rollout_correction(train_logp, sampler_logp, mask, self.rollout_correction,
+                                          self.rollout_correction_cap, self.importance_level)
+        return (None if self.rollout_correction == "none" else w), corrected
+
+    def policy_term(
+        self, logp: torch.Tensor, old_logp: torch.Tensor, advantages_N: torch.Tensor, mask: torch.Tensor,
+        weights_NT: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(clipped surrogate loss (N, T), where it is clipped (N, T), the ratio (N, T), detached) from floored
+        log-probs (floor_logprobs). At sequence level GSPO's loss is spread over the tokens with the aggregation's
+        token weights `weights_NT`, so each sequence counts once whatever its length, and each token carries its
+        sequence's ratio and clipping. Times the rollout `correction` weights when given."""
+        if self.importance_level == "token":
+            adv_N1 = advantages_N[:, None]
+            surrogate, is_clipped = clipped_surrogate(logp, old_logp, adv_N1, self.eps_low, self.eps_high)
+            ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+        else:
+            if weights_NT is None:
+                raise ValueError("the sequence-level importance ratio needs the aggregation's token weights")
+            loss_N, clipped_N, s_N = sequence_clipped_surrogate(logp, old_logp, advantages_N, mask, self.eps_low,
+                                                                self.eps_high)
+            surrogate = spread_sequence_loss(loss_N, weights_NT)
+            is_clipped, ratio = clipped_N[:, None].expand_as(mask), s_N[:, None].detach().expand_as(logp)
+        if correction is not None:
+            surrogate = surrogate * correction
+        return surrogate, is_clipped, ratio
+
+    def kl_term(
+        self, logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(beta x the KL estimate (N, T), times pi / pi_old with kl_ratio (pi_old detached); the estimate (N, T))
+        from floored log-probs."""
+        kl = kl_estimate(logp, ref_logp, self.kl_estimator)
+        if self.kl_ratio:
+            kl_weighted = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) * kl
+        else:
+            kl_weighted = kl
+        return self.beta * kl_weighted, kl
+
+    def entropy_term(self, entropy_NT: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """entropy_coef x H per response token (0 on masked tokens), subtracted from the loss: PPO's entropy bonus
+        (Schulman et al. 2017, eq. 9), which keeps the policy from collapsing onto a few tokens. `entropy_NT` must
+        carry the gradient (rlhf/logprobs.py with with_entropy=True)."""
+        return self.entropy_coef * torch.where(mask, entropy_NT, 0.0)
+
+    def token_loss(
+        self, logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages_N: torch.Tensor,
+        mask: torch.Tensor, *, weights_NT: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+        entropy_NT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token loss (N, T), 0 on masked tokens: policy term + KL term, minus the entropy term when
+        entropy_coef != 0 (then `entropy_NT` is required). Response tokens outside a top-k / top-p set are floored
+        (see above). Also returns per-token `kl`, `clipped` and `ratio_deviation` |rho - 1| (N, T), detached and
+        masked, for logging (rho is exactly 1 in the first of mu > 1 updates)."""
+        logp, old_logp, ref_logp = (floor_logprobs(x, mask) for x in (logp, old_logp, ref_logp))
+        policy_NT, is_clipped, ratio = self.policy_term(logp, old_logp, advantages_N, mask, weights_NT, correction)
+        kl_NT, kl = self.kl_term(logp, old_logp, ref_logp)
+        loss = torch.where(mask, policy_NT + kl_NT, torch.zeros((), dtype=logp.dtype, device=logp.device))
+        if self.needs_entropy:
+            loss = loss - self.entropy_term(entropy_NT, mask)
+        return loss, {
+            "kl": (kl * mask).detach(), "clipped": (is_clipped & mask), "ratio_deviation": ((ratio - 1.0).abs() * mask),
+        }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -439,13 +499,6 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.
     "dapo": token_mean_weights,
     "dr_grpo": dr_grpo_weights,
 }
-
-
-def entropy_bonus(loss_NT: torch.Tensor, entropy_NT: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
-    """loss - coef * H per response token (0 on masked tokens), aggregated like the loss: the entropy bonus of PPO
-    (Schulman et al. 2017, eq. 9), which keeps the policy from collapsing onto a few tokens. `entropy_NT` must carry
-    the gradient (rlhf/logprobs.py processed_logprobs(..., with_entropy=True), as grpo.py computes it)."""
-    return loss_NT - coef * torch.where(mask, entropy_NT, 0.0)
 
 
 def token_entropy(logits_BTV: torch.Tensor) -> torch.Tensor:

@@ -139,7 +139,8 @@ def processed_logprobs(
 
 class _LinearChunkedLogprobs(torch.autograd.Function):
     """(log p(target) (M,), entropy (M,) or None) from hidden states h (M, C) and the head weight W (V, C): the
-    logits of `chunk` positions at a time, F.linear as nn.Linear computes them. Saves h and W (alive anyway), the
+    logits of `chunk` positions at a time, F.linear as nn.Linear computes them. `settings`: (temperature, top_k, top_p,
+    with_entropy, chunk, the outputs' shape). Saves h and W (alive anyway), the
     entropy (M,) and, when an input needs a gradient, the processed probabilities P (M, V) (fp32, or the head's 16-bit
     dtype).
 
@@ -150,7 +151,8 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
     -diag(g_H) Q with Q = P log P + P H, built in vocabulary blocks."""
 
     @staticmethod
-    def forward(ctx, hidden_MC, weight_VC, targets_M, temperature, top_k, top_p, with_entropy, chunk, lead):
+    def forward(ctx, hidden_MC, weight_VC, targets_M, settings):
+        temperature, top_k, top_p, with_entropy, chunk, lead = settings
         M, V = hidden_MC.shape[0], weight_VC.shape[0]
         masked = top_k > 0 or top_p < 1.0
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -185,7 +187,7 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
         hidden_MC, weight_VC, targets_M, probs_MV, entropy_out, logp_out = ctx.saved_tensors
         temperature, masked = ctx.settings
         if grad_logp_M is None and grad_entropy_M is None:
-            return (None,) * 9
+            return (None,) * 4
         logp_M, entropy_M = logp_out.reshape(-1), entropy_out.reshape(-1) if entropy_out is not None else None
         grad_logp_M = grad_logp_M.reshape(-1) if grad_logp_M is not None else None
         grad_entropy_M = grad_entropy_M.reshape(-1) if grad_entropy_M is not None else None
@@ -219,43 +221,52 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
                     grad_weight_VC[v : v + block] += (q_Mb.T @ hidden_MC).float()
         grad_hidden_MC = grad_hidden_MC.to(hidden_MC.dtype) if want_hidden else None
         grad_weight_VC = grad_weight_VC.to(dtype) if want_weight else None
-        return grad_hidden_MC, grad_weight_VC, None, None, None, None, None, None, None
+        return grad_hidden_MC, grad_weight_VC, None, None
 
 
 def linear_processed_logprobs(
     hidden_NRC: torch.Tensor,
     weight_VC: torch.Tensor,
     targets_NR: torch.Tensor,
+    *,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
     with_entropy: bool = False,
     chunk: int | None = None,
     mask_NR: torch.Tensor | None = None,
+    positions_K: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """processed_logprobs(F.linear(hidden, weight), targets, ...) without the (n, R, V) logits: the LM head applied
-    `chunk` positions at a time inside the pass (default: CHUNK on a CPU, GPU_CHUNK_BYTES of logits on a GPU). Differentiable with respect to the hidden states and the weight
-    (a frozen weight gets no gradient computed). GPT2LMHeadModel.forward(..., head=...) calls it with its tied head
-    weight, inside the root module's forward, so FSDP has the weight gathered.
+    `chunk` positions at a time inside the pass (default: CHUNK on a CPU, GPU_CHUNK_BYTES of logits on a GPU).
+    Differentiable with respect to the hidden states and the weight (a frozen weight gets no gradient computed).
+    GPT2LMHeadModel.forward(..., head=...) calls it with its tied head weight, inside the root module's forward, so
+    FSDP has the weight gathered.
 
     With `mask_NR` (bool, the shape of targets_NR) the head runs only at the True positions, packed together: a
     batch of padded responses (about half padding in the demo's SFT) pays for its real tokens only. The False
-    positions get log-prob 0 and entropy 0, and no gradient reaches their hidden states."""
+    positions get log-prob 0 and entropy 0, and no gradient reaches their hidden states. Finding the True positions
+    reads their count on the host; `positions_K` (long (K,), the flat row-major indices of the True positions of
+    targets_NR, found beforehand) does the same with no host read, so a caller's pass can compile as one graph."""
     *lead, C = hidden_NRC.shape
     if chunk is None:
         chunk = CHUNK if hidden_NRC.device.type == "cpu" else max(CHUNK, GPU_CHUNK_BYTES // (4 * weight_VC.shape[0]))
-    if mask_NR is None:
+    settings = (temperature, top_k, top_p, with_entropy, chunk)
+    if mask_NR is None and positions_K is None:
         return _LinearChunkedLogprobs.apply(
-            hidden_NRC.reshape(-1, C), weight_VC, targets_NR.reshape(-1), temperature, top_k, top_p, with_entropy, chunk,
-            tuple(lead),
+            hidden_NRC.reshape(-1, C), weight_VC, targets_NR.reshape(-1), (*settings, tuple(lead))
         )
-    if mask_NR.shape != targets_NR.shape:
-        raise ValueError(f"mask_NR has shape {tuple(mask_NR.shape)}, targets_NR {tuple(targets_NR.shape)}: expected the same")
-    mask_NR = mask_NR.bool()
-    hidden_KC, targets_K = hidden_NRC[mask_NR], targets_NR[mask_NR]  # the True positions, in row-major order
-    logp_K, entropy_K = _LinearChunkedLogprobs.apply(
-        hidden_KC, weight_VC, targets_K, temperature, top_k, top_p, with_entropy, chunk, (targets_K.shape[0],)
-    )
+    if positions_K is None:
+        if mask_NR.shape != targets_NR.shape:
+            raise ValueError(f"mask_NR has shape {tuple(mask_NR.shape)}, targets_NR {tuple(targets_NR.shape)}: "
+                             "expected the same")
+        positions_K = mask_NR.reshape(-1).nonzero().squeeze(1)  # the True positions, in row-major order
+    hidden_KC = hidden_NRC.reshape(-1, C).index_select(0, positions_K)
+    targets_K = targets_NR.reshape(-1).index_select(0, positions_K)
+    settings = (*settings, (targets_K.shape[0],))
+    logp_K, entropy_K = _LinearChunkedLogprobs.apply(hidden_KC, weight_VC, targets_K, settings)
+    # back in the caller's shape as new tensors, not views of flat ones (FSDP hooks a module's outputs)
+    index = torch.unravel_index(positions_K, targets_NR.shape)
     zeros = torch.zeros(targets_NR.shape, dtype=torch.float32, device=hidden_NRC.device)
-    entropy = zeros.masked_scatter(mask_NR, entropy_K) if entropy_K is not None else None
-    return zeros.masked_scatter(mask_NR, logp_K), entropy  # back in row-major order: masked_scatter fills that way
+    entropy = zeros.index_put(index, entropy_K) if entropy_K is not None else None
+    return zeros.index_put(index, logp_K), entropy

@@ -1,8 +1,11 @@
 """GRPO's training micro-batches from a step's rollouts (stage 5 of grpo.py): the kept samples' advantages, their
 packed rows, and the filler micro-batches that keep every rank's FSDP collectives in step."""
 
+from dataclasses import dataclass, replace
+
 import torch
 
+from model.gpt2 import SharedPrefix
 from model.sampler import SampleOutput
 from rlhf.grpo import advantages
 from rollouts.sampling import model_rows
@@ -23,18 +26,59 @@ def per_rank_sizes(cfg, world: int) -> tuple[int, int]:
     return prompts, prompts * cfg.kept // cfg.micro_batch_size
 
 
+@dataclass
+class MicroBatch:
+    """One micro-batch of the update: n kept responses as the rows a policy forward takes (rollouts/sampling.py
+    model_rows: packed with each prompt once when `layout` is set, else prompt + response rows of width prompt_len +
+    R), and what the loss reads of them. Stage 6 fills in the log-probs (dataclasses.replace)."""
+
+    input_ids: torch.Tensor  # (1, T) packed, or (n, P+R)
+    position_ids: torch.Tensor  # as input_ids
+    attention_mask: torch.Tensor  # as input_ids, True on the real tokens
+    response_ids: torch.Tensor  # (n, R)
+    response_mask: torch.Tensor  # (n, R) bool
+    head_positions: torch.Tensor  # (K,) long: flat indices of response_mask's True entries, where the LM head runs
+    advantages: torch.Tensor  # (n,)
+    sampler_logprobs: torch.Tensor  # (n, R): the sampler's own log-probs of the tokens it drew
+    layout: SharedPrefix | None = None  # packed rows: the model's attention layout
+    prompt_len: int = 0  # prompt + response rows: the prompt's width P
+    ref_logprobs: torch.Tensor | None = None  # (n, R) under the reference (stage 6)
+    old_logprobs: torch.Tensor | None = None  # (n, R) under the sampling policy (stage 6, mu > 1 or --kl_in reward)
+    filler: bool = False  # a filler that keeps ranks in step (pad_micro_batches): no response token
+
+    @classmethod
+    def from_rows(cls, rows: dict, advantages: torch.Tensor, sampler_logprobs: torch.Tensor) -> "MicroBatch":
+        """From model_rows' dict; the head's positions are found here, once, not in the update's forward."""
+        head_positions = rows["response_mask"].reshape(-1).nonzero().squeeze(1)
+        return cls(**rows, head_positions=head_positions, advantages=advantages, sampler_logprobs=sampler_logprobs)
+
+
 def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_N: torch.Tensor, advantages_N, group, micro,
-                           shared: bool = True):
-    """Micro-batches of the selected rows, plus advantages and the sampler's log-probs: packed rows with each prompt
-    once for its responses (`shared`), or the prompt + response layout with a copy of the prompt per row."""
+                           prefix_sharing: bool = True) -> list[MicroBatch]:
+    """Micro-batches of the selected rows, with their advantages and the sampler's log-probs: packed rows with each
+    prompt once for its responses (`prefix_sharing`), or the prompt + response layout with a copy of the prompt per
+    row."""
     batches = []
     for s in range(0, rows_N.shape[0], micro):
         rows = rows_N[s : s + micro]
-        batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows], rows // group, shared)
-        batch["advantages"] = advantages_N[s : s + micro]
-        batch["sampler_logprobs"] = samples.logprobs[rows][:, : batch["response_ids"].shape[1]]
-        batches.append(batch)
+        batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows], rows // group,
+                           prefix_sharing)
+        sampler_logprobs = samples.logprobs[rows][:, : batch["response_ids"].shape[1]]
+        batches.append(MicroBatch.from_rows(batch, advantages_N[s : s + micro], sampler_logprobs))
     return batches
+
+
+def with_advantages(batches: list[MicroBatch], advantages_N: torch.Tensor) -> list[MicroBatch]:
+    """The micro-batches with new advantages, `advantages_N` in the order of their rows (fillers keep theirs)."""
+    out, start = [], 0
+    for b in batches:
+        if b.filler:
+            out.append(b)
+            continue
+        n = b.advantages.shape[0]
+        out.append(replace(b, advantages=advantages_N[start : start + n]))
+        start += n
+    return out
 
 
 def kept_advantages(rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg) -> torch.Tensor:
@@ -46,12 +90,13 @@ def kept_advantages(rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg) -> torc
     return adv_BK.flatten()
 
 
-def pad_micro_batches(batches: list[dict], filler: dict, device) -> list[dict]:
+def pad_micro_batches(batches: list[MicroBatch], filler: MicroBatch, device) -> list[MicroBatch]:
     """`batches` followed by filler micro-batches up to the largest count of any rank. Every rank must run as many
     forward / backward passes as the others (each gathers and reduces FSDP shards): with --min_group_std the
     ranks can keep different numbers of groups. A filler is `filler` (a one-response micro-batch, in the layout
     the others use) with an empty response mask: weight 0, nothing added to any normaliser or sum."""
     n_micro = int(all_reduce_max(float(len(batches)), device))
-    filler = dict(filler, response_mask=torch.zeros_like(filler["response_mask"]),
-                  advantages=torch.zeros_like(filler["advantages"]), filler=True)
-    return batches + [dict(filler) for _ in range(n_micro - len(batches))]
+    no_response = torch.zeros_like(filler.response_mask)
+    filler = replace(filler, response_mask=no_response, head_positions=filler.head_positions[:0],
+                     advantages=torch.zeros_like(filler.advantages), filler=True)
+    return batches + [filler] * (n_micro - len(batches))

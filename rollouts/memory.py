@@ -48,10 +48,10 @@ def param_count(cfg: GPTConfig) -> int:
 
 
 def kv_cache_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
-                   shared: bool) -> int:
+                   prefix_sharing: bool) -> int:
     """Keys and values of one generate call of `prompts` prompts (prompt_len columns) x `samples` samples."""
     per_position = 2 * cfg.n_layer * cfg.n_embd * dtype_bytes
-    if shared:
+    if prefix_sharing:
         positions = prompts * prompt_len + prompts * samples * new_tokens
     else:
         positions = prompts * samples * (prompt_len + new_tokens)
@@ -59,18 +59,18 @@ def kv_cache_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, 
 
 
 def generate_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
-                   shared: bool) -> int:
+                   prefix_sharing: bool) -> int:
     """KV cache plus the sampler's four (rows, vocabulary) fp32 tensors of one decode step."""
     logits = 4 * prompts * samples * cfg.vocab_size * 4
-    return kv_cache_bytes(cfg, prompts, samples, prompt_len, new_tokens, dtype_bytes, shared) + logits
+    return kv_cache_bytes(cfg, prompts, samples, prompt_len, new_tokens, dtype_bytes, prefix_sharing) + logits
 
 
 def attention_scores_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int,
-                           dtype_bytes: int, shared: bool) -> int:
+                           dtype_bytes: int, prefix_sharing: bool) -> int:
     """One layer's (queries, keys) attention scores and probabilities of every head, as the math kernel keeps them for
     the backward (--deterministic). With prefix sharing each prompt attends to itself once and each response to its
     prompt and itself."""
-    if shared:
+    if prefix_sharing:
         pairs = prompts * prompt_len * prompt_len + rows * response_len * (prompt_len + response_len)
     else:
         pairs = rows * (prompt_len + response_len) ** 2
@@ -78,25 +78,25 @@ def attention_scores_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: 
 
 
 def update_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int,
-                 shared: bool, checkpointing: bool, math_attention: bool = False) -> int:
+                 prefix_sharing: bool, checkpointing: bool, math_attention: bool = False) -> int:
     """Activations and response logits of one training micro-batch of `rows` sequences from `prompts` prompts;
     `math_attention`: the (T, T) scores the math kernel keeps (--deterministic)."""
     C, L = cfg.n_embd, cfg.n_layer
-    tokens = prompts * prompt_len + rows * response_len if shared else rows * (prompt_len + response_len)
+    tokens = prompts * prompt_len + rows * response_len if prefix_sharing else rows * (prompt_len + response_len)
     per_layer = 17 * tokens * C * dtype_bytes
-    if shared:  # every row's copy of its prompt's keys and values, saved for the attention's backward
+    if prefix_sharing:  # every row's copy of its prompt's keys and values, saved for the attention's backward
         per_layer += 2 * rows * prompt_len * C * dtype_bytes
     if math_attention:
-        per_layer += attention_scores_bytes(cfg, rows, prompts, prompt_len, response_len, dtype_bytes, shared)
+        per_layer += attention_scores_bytes(cfg, rows, prompts, prompt_len, response_len, dtype_bytes, prefix_sharing)
     activations = L * tokens * C * dtype_bytes + per_layer if checkpointing else L * per_layer
     logits = rows * response_len * cfg.vocab_size * (dtype_bytes + 4)  # logits and their fp32 gradient
     return activations + logits
 
 
 def score_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int,
-                shared: bool) -> int:
+                prefix_sharing: bool) -> int:
     """The reward model's forward of one score micro-batch (no gradient)."""
-    tokens = prompts * prompt_len + rows * response_len if shared else rows * (prompt_len + response_len)
+    tokens = prompts * prompt_len + rows * response_len if prefix_sharing else rows * (prompt_len + response_len)
     return 8 * tokens * cfg.n_embd * dtype_bytes
 
 

@@ -8,6 +8,7 @@ import torch
 
 from data.tldr import decode_responses
 from model.sampler import SampleOutput
+from rollouts.batches import MicroBatch
 from rlhf.rewards import source_stats
 from rollouts.prompts import PromptSet
 from rollouts.sampling import RewardSpec, Scores
@@ -17,23 +18,20 @@ from utils.guard import all_ranks_agree
 
 @dataclass
 class StepResult:
-    """What one GRPO step produced on this rank: G samples per prompt and their Scores, the kept columns (B, K) and
-    rows (B, K) of the samples, selection stats, the kept rewards (B, K) and advantages (B*K,, 0 in dropped groups),
-    the training micro-batches, the update's global metrics, each stage's seconds, which groups were trained on
-    (B,) (all but those --min_group_std dropped) and beta x KL taken from each kept reward with --kl_in reward."""
+    """What one GRPO step produced on this rank (grpo.py train_step's names)."""
 
-    samples: SampleOutput
-    scores: Scores
-    idx_BK: torch.Tensor
-    rows_BK: torch.Tensor
-    selection: dict
-    rewards_BK: torch.Tensor
-    advantages: torch.Tensor
-    batches: list[dict]
-    update: dict
-    seconds: dict
-    trained_B: torch.Tensor
-    kl_penalty_BK: torch.Tensor
+    samples: SampleOutput  # G samples per prompt, rows b*G .. b*G+G-1 of prompt b
+    scores: Scores  # every reward source's values and the training reward
+    idx_BK: torch.Tensor  # (B, K) kept columns of each prompt's group
+    rows_BK: torch.Tensor  # (B, K) kept rows of the samples
+    selection_stats: dict  # per prompt (B,): candidates visited and rounds (rlhf/grpo.py select)
+    rewards_BK: torch.Tensor  # (B, K) the kept samples' rewards
+    advantages: torch.Tensor  # (B*K,), 0 in the groups --min_group_std dropped
+    batches: list[MicroBatch]  # the update's micro-batches
+    update: dict  # the update's global metrics
+    seconds: dict  # each stage's seconds
+    keep_B: torch.Tensor  # (B,) the groups trained on (all but those --min_group_std dropped)
+    kl_penalty_BK: torch.Tensor  # (B, K) beta x KL taken from each kept reward with --kl_in reward, else 0
 
 
 def gold_metrics(gold_reward, gold_parts, tok, prompts: PromptSet, samples: SampleOutput, group: int) -> dict:
@@ -62,19 +60,18 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) ->
     reward_mean, reward_std = global_mean_std(r.scores.total)
     kept_mean, kept_std = global_mean_std(r.rewards_BK)
     n_prompts, visited, rounds, ended, generated, kept_len, train_tokens = all_reduce_sum(torch.stack([
-        torch.tensor(float(r.idx_BK.shape[0]), dtype=torch.float64, device=device), r.selection["visited"].double().sum(),
-        r.selection["rounds"].double().sum(), r.samples.has_end.double().sum(), r.samples.response_mask.double().sum(),
+        torch.tensor(float(r.idx_BK.shape[0]), dtype=torch.float64, device=device),
+        r.selection_stats["visited"].double().sum(), r.selection_stats["rounds"].double().sum(),
+        r.samples.has_end.double().sum(), r.samples.response_mask.double().sum(),
         r.samples.response_mask[rows_N].double().sum(),
-        sum((b["attention_mask"].sum() for b in r.batches if not b.get("filler")), torch.zeros((), device=device)).double(),
+        sum((b.attention_mask.sum() for b in r.batches if not b.filler), torch.zeros((), device=device)).double(),
     ])).tolist()
     n_samples = n_prompts * G
     metrics = {
         **r.update,
         "reward/mean": reward_mean, "reward/std": reward_std, "reward/selected_mean": kept_mean, "reward/selected_std": kept_std,
         "rs/acceptance_rate": n_prompts * K / visited, "rs/rounds_mean": rounds / n_prompts,
-        "rs/rounds_max": all_reduce_max(float(r.selection["rounds"].max()), device),
-        "rs/pool_reward_mean": reward_mean, "rs/pool_reward_std": reward_std,
-        "rs/selected_reward_mean": kept_mean, "rs/selected_reward_std": kept_std,
+        "rs/rounds_max": all_reduce_max(float(r.selection_stats["rounds"].max()), device),
         "sample/end_fraction": ended / n_samples, "sample/response_length": generated / n_samples,
         "sample/selected_response_length": kept_len / (n_prompts * K),
         "perf/generate_tokens_per_second": generated / r.seconds["generate"],
@@ -82,9 +79,9 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) ->
         "perf/generated_tokens": generated,
     }
     if cfg.min_group_std > 0:  # dynamic sampling: the share of groups whose kept rewards tied, not trained on
-        metrics["sample/dropped_group_fraction"] = 1.0 - float(all_reduce_sum(r.trained_B.double().sum())) / n_prompts
+        metrics["sample/dropped_group_fraction"] = 1.0 - float(all_reduce_sum(r.keep_B.double().sum())) / n_prompts
     if cfg.kl_in == "reward":  # beta x the summed KL estimate taken from each trained sample's reward
-        penalty = r.kl_penalty_BK[r.trained_B].double()
+        penalty = r.kl_penalty_BK[r.keep_B].double()
         count, total = all_reduce_sum(torch.stack([penalty.new_tensor(float(penalty.numel())), penalty.sum()])).tolist()
         metrics["reward/kl_penalty_mean"] = total / max(count, 1.0)
     if r.scores.raw is not None:

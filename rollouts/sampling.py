@@ -63,7 +63,7 @@ def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, g
             parts.append(generate(
                 policy, ids[:, first:], mask[:, first:], num_samples, cfg.max_new_tokens,
                 temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
-                share_prompt=cfg.prefix_sharing,
+                prefix_sharing=cfg.prefix_sharing,
             ))
             if on_chunk is not None:
                 on_chunk(ids.shape[0])
@@ -89,19 +89,23 @@ def shared_prompt_rows(prompt_ids, prompt_mask, response_ids, response_mask, pro
             "response_ids": response_ids, "response_mask": response_mask}
 
 
-def model_rows(prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row: torch.Tensor, shared: bool) -> dict:
-    """The rows a forward over n prompt + response sequences takes: packed with each prompt once (`shared`), or
+def model_rows(
+    prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row: torch.Tensor, prefix_sharing: bool
+) -> dict:
+    """The rows a forward over n prompt + response sequences takes: packed with each prompt once (`prefix_sharing`), or
     one row per response with its own copy of the prompt (data.tldr.prompt_response_rows)."""
-    if shared:
+    if prefix_sharing:
         return shared_prompt_rows(prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row)
     return prompt_response_rows(prompt_ids[prompt_of_row], prompt_mask[prompt_of_row], response_ids, response_mask)
 
 
 @torch.no_grad()
-def score(reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: int, micro: int, shared: bool = True) -> torch.Tensor:
+def score(
+    reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: int, micro: int, prefix_sharing: bool = True
+) -> torch.Tensor:
     """Raw reward-model score (N,) of every prompt + response row, read at the row's last real token (the end token,
     or the last sampled token when the response ran out of tokens) or summed over its response (the model's
-    pooling). Row n belongs to prompt n // group. `shared`: each micro-batch's prompts are computed once for all
+    pooling). Row n belongs to prompt n // group. `prefix_sharing`: each micro-batch's prompts are computed once for all
     their responses (packed rows)."""
     N = samples.response_ids.shape[0]
     scores = []
@@ -109,8 +113,8 @@ def score(reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: i
         for s in range(0, N, micro):
             rows = torch.arange(s, min(s + micro, N), device=prompt_ids.device)
             batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows],
-                               rows // group, shared)
-            mask = batch["layout"] if shared else batch["attention_mask"]
+                               rows // group, prefix_sharing)
+            mask = batch["layout"] if prefix_sharing else batch["attention_mask"]
             scores.append(reward_model(batch["input_ids"], batch["position_ids"], mask, prompt_len=batch.get("prompt_len")))
     return torch.cat(scores).float()
 

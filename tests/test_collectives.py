@@ -15,6 +15,7 @@ from model.heads import RewardModel
 from model.lora import AdaptersOff, LoRAConfig, apply_lora
 from model.sampler import generate
 from model.weights import freeze
+from rollouts.batches import MicroBatch
 from utils.fsdp import forward_order_records, gathered_params, shard_model
 
 CFG = GPTConfig(vocab_size=512, n_positions=64, n_layer=2, n_head=2, n_embd=32)
@@ -71,18 +72,20 @@ def test_lora_reference_is_gathered_once_for_all_micro_batches(one_rank_group, a
     shard_model(policy)
     ids, pos, mask = rows(n=6)
     response_ids = torch.randint(0, CFG.vocab_size, (6, 5))
-    batches = [prompt_response_rows(ids[i : i + 2], mask[i : i + 2], response_ids[i : i + 2], torch.ones(2, 5, dtype=torch.bool))
+    real = torch.ones(2, 5, dtype=torch.bool)
+    rows_of = [prompt_response_rows(ids[i : i + 2], mask[i : i + 2], response_ids[i : i + 2], real)
                for i in range(0, 6, 2)]  # 3 micro-batches
+    batches = [MicroBatch.from_rows(r, torch.zeros(2), torch.zeros(2, 5)) for r in rows_of]
     cfg = SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0)
-    grpo.add_logprobs(AdaptersOff(policy), batches, "ref_logprobs", cfg, gather=True)
+    gathered = grpo.batch_logprobs(AdaptersOff(policy), batches, cfg, gather=True)
     assert len(all_gathers) == UNITS  # once per unit, not once per unit per micro-batch
     all_gathers.clear()
-    grpo.add_logprobs(AdaptersOff(policy), batches, "per_block", cfg, gather=False)
+    per_block = grpo.batch_logprobs(AdaptersOff(policy), batches, cfg, gather=False)
     # per block: the blocks once per micro-batch; the root of a model that trains stays gathered after its first
     # forward (it reshards only when its backward or an optimizer step comes), so it is gathered once
     assert len(all_gathers) == 3 * (UNITS - 1) + 1
-    for b in batches:
-        assert torch.equal(b["ref_logprobs"], b["per_block"])
+    for a, b in zip(gathered, per_block):
+        assert torch.equal(a, b)
 
 
 def test_sampler_checks_for_finished_rows_every_few_tokens_with_the_same_rows():

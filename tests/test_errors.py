@@ -382,12 +382,12 @@ def test_grpo_step_skips_a_nonfinite_update_and_leaves_weights_and_schedule_alon
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     guard = NonFiniteGuard("grpo", "skip", torch.device("cpu"), max_consecutive_skips=2)
     models, (prompts, spec) = Models(policy, reference, None), helpers.prompts_and_rewards(cfg)
-    result = grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, 6, guard)  # 0-based: step 7
+    result = grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, 7, guard)
     assert result.advantages.isfinite().all() and result.update["train/skipped"] == 1.0 and scheduler.last_epoch == 0
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
     assert all(p.grad is None for p in policy.parameters())
     with pytest.raises(NumericalError, match="grpo: non-finite train/loss and train/grad_norm at step 8.*2 steps in a row"):
-        grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, 7, guard)
+        grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, 8, guard)
 
 
 # ----------------------------------------------------------------------------------------------------

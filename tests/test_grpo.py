@@ -3,17 +3,19 @@ two-process end-to-end run that changes every parameter and resumes exactly."""
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from data.tldr import collate_sft, pad_prompts, prompt_response_rows
 from data.tokenizer import get_tokenizer
-from grpo import Config, train_step
+from grpo import Config, micro_batch_loss, train_step
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
-from model.sampler import END_ID
+from model.sampler import END_ID, SampleOutput
 from model.weights import build_policy, freeze
-from rlhf.grpo import global_normalize
+from rlhf.grpo import AGGREGATIONS, global_normalize
+from rollouts.batches import build_training_batches
 from rollouts.models import Models
 from rollouts.sampling import RewardSpec
 from tests.conftest import assert_same_metrics, kill_and_rerun, run_script
@@ -52,8 +54,8 @@ def test_step_trains_the_policy_and_leaves_the_frozen_reference_alone():
     optimizer = build_optimizer(policy, cfg.lr, 0.0)
     assert all(p.requires_grad for group in optimizer.param_groups for p in group["params"])
     prompts, spec = prompts_and_rewards(cfg)
-    r = train_step(models, optimizer, build_scheduler(optimizer, 1, 10), prompts, spec, cfg, step=0)
-    assert len(r.batches) == 2 and not any(b["ref_logprobs"].requires_grad for b in r.batches)
+    r = train_step(models, optimizer, build_scheduler(optimizer, 1, 10), prompts, spec, cfg, step=1)
+    assert len(r.batches) == 2 and not any(b.ref_logprobs.requires_grad for b in r.batches)
     assert r.advantages.abs().max() > 0  # the length reward tells the samples apart
     assert all(p.grad is None for p in models.reference.parameters())
     assert all(torch.equal(v, before_ref[k]) for k, v in models.reference.state_dict().items())
@@ -180,3 +182,34 @@ def test_summary_evaluation_gives_every_rank_as_many_prompts_and_padding_counts_
     assert out == evaluate_summaries(policy, None, spec, alone, cfg, 0)
     v.counted = None  # counting the padding copy too would move the means
     assert evaluate_summaries(policy, None, spec, v, cfg, 0) != out
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_micro_batch_loss_compiles_as_one_graph_without_host_reads(shared):
+    """The update's micro-batch (the policy forward, the chunked log-prob pass, the loss's terms and its sums) reads
+    nothing back to the host: torch.compile(fullgraph=True) raises at a graph break, which a data-dependent read
+    (.item(), bool(), a boolean index, nonzero) makes. Dynamo's capture alone (backend "eager", no code generation, so
+    the test takes seconds); the compiled call gives the eager loss, sums and gradients."""
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, n_positions=32))
+    G, R = 3, 5
+    prompt_ids, prompt_mask = pad_prompts([[5, 6, 7], [8, 9]], pad_id=0)
+    lengths = torch.tensor([5, 2, 3, 1, 4, 5])
+    response_mask = torch.arange(R)[None] < lengths[:, None]
+    samples = SampleOutput(torch.randint(0, 64, (6, R)), response_mask, -torch.rand(6, R) * response_mask, lengths < R)
+    cfg = Config(max_new_tokens=R, micro_batch_size=6, policy_epochs=2, rollout_correction="tis", entropy_coef=0.01,
+                 importance_level="sequence", top_k=20, temperature=0.9)
+    (batch,) = build_training_batches(prompt_ids, prompt_mask, samples, torch.arange(6), torch.randn(6), G, 6, shared)
+    batch = replace(batch, ref_logprobs=-torch.rand(6, R), old_logprobs=-torch.rand(6, R))
+    w, _ = AGGREGATIONS[cfg.loss_type](batch.response_mask, R)
+    results = []
+    for fn in (micro_batch_loss, torch.compile(micro_batch_loss, fullgraph=True, backend="eager")):
+        policy.zero_grad(set_to_none=True)
+        loss, sums, maxima = fn(policy, batch, w, cfg.objective(), cfg, True)
+        loss.backward()
+        results.append((loss.detach(), sums, maxima, [p.grad.clone() for p in policy.parameters()]))
+    (eager_loss, eager_sums, eager_max, eager_grads), (loss, sums, maxima, grads) = results
+    assert eager_loss != 0 and torch.equal(loss, eager_loss)
+    assert sums.keys() == eager_sums.keys() and all(torch.equal(sums[k], eager_sums[k]) for k in sums)
+    assert torch.equal(maxima["mismatch_gap_max"], eager_max["mismatch_gap_max"])
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))

@@ -45,8 +45,8 @@ def test_second_of_two_updates_moves_the_ratio_off_one_and_clipping_engages():
         cfg = tiny_config(beta=0.0, lr=5e-2, grad_clip=0.0, policy_epochs=mu)
         optimizer = build_optimizer(policy, cfg.lr, 0.0)
         prompts, spec = prompts_and_rewards(cfg)
-        r = train_step(models, optimizer, build_scheduler(optimizer, 1, 10), prompts, spec, cfg, step=0)
-        assert ("old_logprobs" in r.batches[0]) == (mu > 1)  # mu > 1: the sampling policy's log-probs, kept
+        r = train_step(models, optimizer, build_scheduler(optimizer, 1, 10), prompts, spec, cfg, step=1)
+        assert (r.batches[0].old_logprobs is not None) == (mu > 1)  # mu > 1: the sampling policy's log-probs, kept
         updates[mu], samples[mu] = r.update, r.samples.response_ids[r.rows_BK.flatten()]
     m = updates[2]
     # update 1: the old log-probs are the sampling policy's, i.e. the current ones: ratio exactly 1, nothing clipped
@@ -78,11 +78,11 @@ def test_after_a_reference_refresh_the_kl_term_is_exactly_zero(lora):
     def kl(step: int) -> float:
         return train_step(models, optimizer, scheduler, prompts, spec, cfg, step).update["train/kl"]
 
-    kls = [kl(step) for step in range(3)]
+    kls = [kl(step) for step in range(1, 4)]
     assert kls[0] == 0.0 and kls[1] > 0 and kls[2] > kls[1]  # the policy drifts from the reference
     refresh_reference(models)
-    assert kl(3) == 0.0  # exactly, not ~
-    assert kl(4) > 0
+    assert kl(4) == 0.0  # exactly, not ~
+    assert kl(5) > 0
 
 
 @pytest.mark.parametrize("coef", [0.5, -0.5])
@@ -97,7 +97,7 @@ def test_entropy_term_is_the_loss_when_advantages_and_beta_are_zero_and_moves_th
     optimizer = build_optimizer(policy, cfg.lr, 0.0)
     scheduler = build_scheduler(optimizer, 1, 10)
     prompts, spec = prompts_and_rewards(cfg, [ZERO_REWARD])  # every advantage exactly 0
-    steps = [train_step(models, optimizer, scheduler, prompts, spec, cfg, step) for step in range(4)]
+    steps = [train_step(models, optimizer, scheduler, prompts, spec, cfg, step) for step in range(1, 5)]
     assert all(not r.advantages.any() for r in steps)
     # token-mean aggregation: loss = -coef * mean token entropy (the surrogate is 0 with zero advantages)
     first = steps[0].update
@@ -105,14 +105,14 @@ def test_entropy_term_is_the_loss_when_advantages_and_beta_are_zero_and_moves_th
     entropies = [r.update["train/entropy"] for r in steps]
     assert (entropies[-1] - entropies[0]) * (1 if coef > 0 else -1) > 0.5, entropies  # 4 steps of lr 1e-2
     no_bonus = replace(cfg, entropy_coef=0.0)
-    assert train_step(models, optimizer, scheduler, prompts, spec, no_bonus, 4).update["train/grad_norm"] == 0.0
+    assert train_step(models, optimizer, scheduler, prompts, spec, no_bonus, 5).update["train/grad_norm"] == 0.0
 
 
 def test_entropy_every_logs_the_entropy_on_its_steps_only_and_changes_nothing_else():
     torch.manual_seed(0)
     start = GPT2LMHeadModel(SMALL)
     updates = {}
-    for every, step in ((1, 0), (2, 0), (2, 1), (0, 1)):  # train_step's step is 0-based: --entropy_every 2 logs step 2
+    for every, step in ((1, 1), (2, 1), (2, 2), (0, 2)):  # --entropy_every 2 logs steps 2, 4, ...
         policy = copy.deepcopy(start)
         models = Models(policy, freeze(copy.deepcopy(start)), None)
         cfg = tiny_config(entropy_every=every)
@@ -120,10 +120,10 @@ def test_entropy_every_logs_the_entropy_on_its_steps_only_and_changes_nothing_el
         prompts, spec = prompts_and_rewards(cfg)
         scheduler = build_scheduler(optimizer, 1, 10)
         updates[every, step] = train_step(models, optimizer, scheduler, prompts, spec, cfg, step).update
-    assert "train/entropy" in updates[1, 0] and "train/entropy" in updates[2, 1]
-    assert "train/entropy" not in updates[2, 0] and "train/entropy" not in updates[0, 1]
-    assert updates[2, 0] == {k: v for k, v in updates[1, 0].items() if k != "train/entropy"}
-    assert 0 < updates[1, 0]["train/entropy"] <= math.log(SMALL.vocab_size)
+    assert "train/entropy" in updates[1, 1] and "train/entropy" in updates[2, 2]
+    assert "train/entropy" not in updates[2, 1] and "train/entropy" not in updates[0, 2]
+    assert updates[2, 1] == {k: v for k, v in updates[1, 1].items() if k != "train/entropy"}
+    assert 0 < updates[1, 1]["train/entropy"] <= math.log(SMALL.vocab_size)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -9,13 +9,13 @@ import torch
 
 from rlhf.grpo import (
     AGGREGATIONS,
+    Objective,
     advantages,
     clipped_surrogate,
     dr_grpo_weights,
     global_normalize,
     group_center,
     group_normalize,
-    grpo_token_loss,
     grpo_weights,
     k3_kl,
     penalize_missing_end,
@@ -208,7 +208,7 @@ def test_loss_at_ratio_one_is_the_kl_in_value_and_the_policy_gradient_in_gradien
     ref = -torch.rand(N, T, generator=g) * 3
     adv = global_normalize(torch.randn(N, generator=g))  # mean exactly ~0 over sequences
     for name in AGGREGATIONS:
-        loss, _ = grpo_token_loss(logp, logp.detach(), ref, adv, mask, 0.2, 0.2, beta)
+        loss, _ = Objective(beta=beta).token_loss(logp, logp.detach(), ref, adv, mask)
         total = aggregate(loss, mask, name)
         kl_term = aggregate(beta * k3_kl(logp, ref) * mask, mask, name)
         pg_term = aggregate(-adv[:, None] * logp * mask, mask, name)
@@ -218,7 +218,7 @@ def test_loss_at_ratio_one_is_the_kl_in_value_and_the_policy_gradient_in_gradien
         if name == "grpo":  # per-sequence means: the advantage part of the value is -mean(A) = 0
             assert float(total.detach()) == pytest.approx(float(kl_term.detach()), abs=1e-6)
     # without a KL term the value is zero and the gradient is pure policy gradient
-    loss, _ = grpo_token_loss(logp, logp.detach(), ref, adv, mask, 0.2, 0.2, 0.0)
+    loss, _ = Objective(beta=0.0).token_loss(logp, logp.detach(), ref, adv, mask)
     assert abs(float(aggregate(loss, mask, "grpo").detach())) < 1e-6
 
 
@@ -242,7 +242,7 @@ def test_masked_tokens_get_no_gradient_even_with_infinite_logprobs():
     mask = ragged_mask([3, 1], 4)
     logp = torch.tensor([[-1.0, -2.0, -0.5, float("-inf")], [-1.5, float("-inf"), -3.0, -1.0]], requires_grad=True)
     ref = torch.tensor([[-1.2, -1.0, -0.7, -2.0], [-1.0, -1.0, float("-inf"), -1.0]])
-    loss, stats = grpo_token_loss(logp, logp.detach(), ref, torch.tensor([1.0, -1.0]), mask, 0.2, 0.2, 0.1)
+    loss, stats = Objective(beta=0.1).token_loss(logp, logp.detach(), ref, torch.tensor([1.0, -1.0]), mask)
     total = aggregate(loss, mask, "bnpo")
     total.backward()
     assert torch.isfinite(total) and torch.isfinite(logp.grad).all()
@@ -257,7 +257,7 @@ def test_tokens_outside_a_top_k_set_give_a_bounded_loss_and_finite_gradient():
     logp = torch.tensor([[-1.0, inf, -2.0, inf]], requires_grad=True)
     old = torch.tensor([[-1.0, -0.5, inf, inf]])
     ref = torch.tensor([[inf, -1.0, -2.0, inf]])
-    loss, stats = grpo_token_loss(logp, old, ref, torch.tensor([1.0]), mask, 0.2, 0.2, 0.1)
+    loss, stats = Objective(beta=0.1).token_loss(logp, old, ref, torch.tensor([1.0]), mask)
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
     assert stats["kl"].max() <= 10.0 and stats["kl"][0, 3] == 0.0  # excluded by both: no divergence
@@ -291,7 +291,7 @@ def test_aggregations_do_not_depend_on_the_micro_batch_split(name):
         z = sum(AGGREGATIONS[name](mask[p], T)[1] for p in parts)
         total = 0.0
         for p in parts:
-            loss, _ = grpo_token_loss(logp[p], old[p], ref[p], adv[p], mask[p], 0.2, 0.28, 0.05)
+            loss, _ = Objective(eps_high=0.28, beta=0.05).token_loss(logp[p], old[p], ref[p], adv[p], mask[p])
             total = total + (AGGREGATIONS[name](mask[p], T)[0] * loss).sum() / z
         (grad,) = torch.autograd.grad(total, logp)
         return total.detach(), grad

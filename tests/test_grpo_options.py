@@ -11,8 +11,8 @@ import torch
 from grpo import Config
 from rlhf.grpo import (
     AGGREGATIONS,
+    Objective,
     dr_grpo_weights,
-    grpo_token_loss,
     grpo_weights,
     informative_groups,
     kl_estimate,
@@ -62,7 +62,7 @@ def test_a_sequence_weighs_the_same_whatever_its_length_under_every_aggregation(
     old = torch.full((2, T), -1.05)  # ratio exp(0.05) on every token: inside the clip range
     adv = torch.tensor([1.0, 1.0])
     w, _ = AGGREGATIONS[name](mask, T)
-    loss, _ = grpo_token_loss(logp, old, old, adv, mask, 0.2, 0.2, 0.0, importance_level="sequence", weights_NT=w)
+    loss, _ = Objective(importance_level="sequence").token_loss(logp, old, old, adv, mask, weights_NT=w)
     (grad,) = torch.autograd.grad(aggregate(loss, mask, name), logp)
     per_sequence = grad.sum(1)
     assert torch.allclose(per_sequence[0], per_sequence[1]), (name, per_sequence)
@@ -92,8 +92,8 @@ def test_token_and_sequence_level_give_the_same_gradient_at_ratio_one():
     w, z = grpo_weights(mask, T)
     grads, values = {}, {}
     for level in ("token", "sequence"):
-        loss, _ = grpo_token_loss(logp, logp.detach(), ref, adv, mask, 0.2, 0.2, 0.1, importance_level=level,
-                                  weights_NT=w)
+        objective = Objective(beta=0.1, importance_level=level)
+        loss, _ = objective.token_loss(logp, logp.detach(), ref, adv, mask, weights_NT=w)
         total = (w * loss).sum() / z
         (grads[level],) = torch.autograd.grad(total, logp)
         values[level] = float(total.detach())
@@ -109,7 +109,8 @@ def test_mismatch_stats_by_hand():
     mask = ragged_mask([3, 2], 3)
     train = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -0.5, 9.0]])
     sampler = torch.tensor([[-1.05, -1.8, -3.0], [-1.0, -1.5, 0.0]])  # gaps 0.05, -0.2, 0 | 0, 1.0 | (masked)
-    tokens, outside, gap_sum, gap_max = mismatch_stats(train, sampler, mask).tolist()
+    stats = {k: float(v) for k, v in mismatch_stats(train, sampler, mask).items()}
+    tokens, outside, gap_sum, gap_max = (stats[k] for k in ("tokens", "outside_band", "abs_log_gap", "max_abs_log_gap"))
     # the band [0.9, 1.1] in log space is [-0.105, 0.095]: -0.2 and 1.0 lie outside
     assert (tokens, outside) == (5.0, 2.0)
     assert gap_sum == pytest.approx(0.05 + 0.2 + 1.0) and gap_max == pytest.approx(1.0)
@@ -139,11 +140,32 @@ def test_the_correction_weights_the_policy_term_only():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]])
     adv, c = torch.tensor([2.0]), torch.tensor([[0.5, 0.0]])
-    loss, _ = grpo_token_loss(logp, logp.detach(), ref, adv, mask, 0.2, 0.2, 0.1, correction=c)
+    loss, _ = Objective(beta=0.1).token_loss(logp, logp.detach(), ref, adv, mask, correction=c)
     loss.sum().backward()
     kl_grad = 0.1 * (1 - torch.exp(ref - logp.detach()))  # d k3 / d logp = 1 - exp(ref - logp)
     assert torch.allclose(logp.grad, -adv * c + kl_grad)
 
+
+
+def test_token_loss_is_its_three_terms_by_hand():
+    """Objective.token_loss = policy term + KL term - entropy term on response tokens, 0 elsewhere, each term worked
+    by hand on one response: ratio e^0.1 (inside the clip range), k3 with log r = ref - logp, H given."""
+    mask = ragged_mask([2], 3)
+    logp = torch.tensor([[-1.0, -2.0, float("-inf")]])
+    old, ref = torch.tensor([[-1.1, -2.1, 0.0]]), torch.tensor([[-1.5, -1.0, 0.0]])
+    entropy = torch.tensor([[2.0, 3.0, 7.0]])
+    objective = Objective(eps_low=0.2, eps_high=0.2, beta=0.1, entropy_coef=0.01)
+    loss, stats = objective.token_loss(logp, old, ref, torch.tensor([2.0]), mask, entropy_NT=entropy)
+    rho = math.exp(0.1)
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]  # exp(ref - logp) - (ref - logp) - 1
+    want = [-2.0 * rho + 0.1 * k3[0] - 0.01 * 2.0, -2.0 * rho + 0.1 * k3[1] - 0.01 * 3.0, 0.0]
+    assert torch.allclose(loss, torch.tensor([want]))
+    assert torch.allclose(stats["kl"], torch.tensor([[k3[0], k3[1], 0.0]]))
+    assert torch.allclose(stats["ratio_deviation"], torch.tensor([[rho - 1, rho - 1, 0.0]]))
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+        Objective(kl_estimator="k4")
+    with pytest.raises(ValueError, match="unknown importance level 'row'"):
+        Objective(importance_level="row")
 
 # ----------------------------------------------------------------------------------------------------
 # 3. KL estimators and where the KL goes (arXiv 2512.21852)
@@ -207,11 +229,12 @@ def test_expected_gradient_of_each_estimator_on_a_toy_categorical_policy():
 
 
 def test_kl_ratio_term_in_the_loss_matches_the_estimator():
-    """grpo_token_loss with kl_ratio: beta * rho * k, rho = exp(logp - old) with old detached."""
+    """Objective.token_loss with kl_ratio: beta * rho * k, rho = exp(logp - old) with old detached."""
     mask = ragged_mask([2], 2)
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old, ref = torch.tensor([[-1.1, -2.0]]), torch.tensor([[-1.5, -1.0]])
-    loss, stats = grpo_token_loss(logp, old, ref, torch.tensor([0.0]), mask, 0.2, 0.2, 0.5, "k2", True)
+    objective = Objective(beta=0.5, kl_estimator="k2", kl_ratio=True)
+    loss, stats = objective.token_loss(logp, old, ref, torch.tensor([0.0]), mask)
     k2 = 0.5 * (logp.detach() - ref) ** 2
     assert torch.allclose(loss.detach(), 0.5 * torch.exp(logp.detach() - old) * k2)
     assert torch.allclose(stats["kl"], k2)

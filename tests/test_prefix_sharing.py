@@ -6,6 +6,8 @@ log-probs of the same tokens, reward-model scores, reference log-probs, the loss
 (with and without LoRA), the sampler's tokens and log-probs, all within 1e-5. Also the memory estimates of
 rollouts/memory.py against hand-computed numbers and against the caches the sampler allocates."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -48,10 +50,10 @@ def random_samples(B: int, G: int, R: int, seed: int = 0) -> SampleOutput:
     return SampleOutput(ids, mask, -torch.rand(N, R, generator=g) * mask, lengths < R)
 
 
-def ref_logprobs(batches: list[dict], R: int) -> torch.Tensor:
+def ref_logprobs(batches: list, R: int) -> torch.Tensor:
     """Every micro-batch's reference log-probs (n, R') on the real tokens, 0 elsewhere, padded to (N, R)."""
-    return torch.cat([torch.nn.functional.pad(torch.where(b["response_mask"], b["ref_logprobs"], 0.0),
-                                              (0, R - b["response_mask"].shape[1])) for b in batches])
+    return torch.cat([torch.nn.functional.pad(torch.where(b.response_mask, b.ref_logprobs, 0.0),
+                                              (0, R - b.response_mask.shape[1])) for b in batches])
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rel: bool = False) -> bool:
@@ -67,21 +69,22 @@ def test_reward_model_scores_and_response_logprobs_match_the_unshared_rows(tldr_
     torch.manual_seed(0)
     reward_model = freeze(RewardModel(CFG, pooling))
     # micro-batches of 7 rows: groups split across micro-batches, prompts of 1 to 2 responses per micro-batch
-    shared, unshared = (score(reward_model, ids, mask, samples, G, micro=7, shared=s) for s in (True, False))
+    shared, unshared = (score(reward_model, ids, mask, samples, G, micro=7, prefix_sharing=s) for s in (True, False))
     assert close(shared, unshared) and unshared.std() > 0
     policy = GPT2LMHeadModel(CFG)
     cfg = grpo.Config(max_new_tokens=R, micro_batch_size=7)
     adv = torch.randn(ids.shape[0] * G)
     rows = torch.arange(ids.shape[0] * G)
     for s in (True, False):
-        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, 7, shared=s)
-        grpo.add_logprobs(policy, batches, "ref_logprobs", cfg, gather=False)
+        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, 7, prefix_sharing=s)
+        refs = grpo.batch_logprobs(policy, batches, cfg, gather=False)
+        batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
         if s:
             logp_shared = ref_logprobs(batches, R)
-            tokens_shared = sum(int(b["attention_mask"].sum()) for b in batches)
+            tokens_shared = sum(int(b.attention_mask.sum()) for b in batches)
         else:
             logp = ref_logprobs(batches, R)
-            tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+            tokens = sum(int(b.attention_mask.sum()) for b in batches)
     assert close(logp_shared, logp) and logp.abs().max() > 1
     assert tokens_shared < tokens / 2  # the prompts, most of each row, computed about once per group
 
@@ -105,14 +108,15 @@ def test_update_loss_and_every_gradient_match_the_unshared_rows(tldr_prompts, lo
     adv = torch.randn(rows.shape[0], generator=torch.Generator().manual_seed(2))
     results = {}
     for s in (True, False):
-        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, micro, shared=s)
-        grpo.add_logprobs(reference, batches, "ref_logprobs", cfg, gather=False)
+        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, micro, prefix_sharing=s)
+        refs = grpo.batch_logprobs(reference, batches, cfg, gather=False)
+        batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
         policy.zero_grad(set_to_none=True)
-        weights = [AGGREGATIONS[cfg.loss_type](b["response_mask"], R) for b in batches]
+        weights = [AGGREGATIONS[cfg.loss_type](b.response_mask, R) for b in batches]
         normaliser = sum(z for _, z in weights)
         total = 0.0
         for batch, (w, _) in zip(batches, weights):
-            loss, _, _ = grpo.micro_batch_loss(policy, batch, w, cfg)
+            loss, _, _ = grpo.micro_batch_loss(policy, batch, w, cfg.objective(), cfg)
             (loss / normaliser).backward()
             total += float(loss.detach()) / float(normaliser)
         ref = ref_logprobs(batches, R)
@@ -133,7 +137,7 @@ def test_generate_with_the_prompt_cache_stored_once_samples_the_same_tokens(tldr
     policy = GPT2LMHeadModel(CFG).eval()
     G, new = 4, 8
     outs = [generate(policy, ids, mask, G, new, temperature=0.9, top_k=50, generator=torch.Generator().manual_seed(3),
-                     stop_ids=(13,), share_prompt=s) for s in (True, False)]
+                     stop_ids=(13,), prefix_sharing=s) for s in (True, False)]
     assert torch.equal(outs[0].response_ids, outs[1].response_ids)
     assert torch.equal(outs[0].response_mask, outs[1].response_mask) and outs[0].response_mask.sum() > ids.shape[0] * G
     assert close(outs[0].logprobs, outs[1].logprobs)
@@ -151,23 +155,23 @@ def test_kv_cache_estimate_is_what_the_sampler_allocates(tldr_prompts):
     unshared = KVCache(CFG, B, P + new, "cpu")
     unshared.update(0, *(torch.zeros(B, CFG.n_head, 1, CFG.n_embd // CFG.n_head),) * 2)
     unshared = unshared.repeat_interleave(G)
-    assert shared.nbytes() == kv_cache_bytes(CFG, B, G, P, new, 4, shared=True)
-    assert unshared.k.nbytes + unshared.v.nbytes == kv_cache_bytes(CFG, B, G, P, new, 4, shared=False)
+    assert shared.nbytes() == kv_cache_bytes(CFG, B, G, P, new, 4, prefix_sharing=True)
+    assert unshared.k.nbytes + unshared.v.nbytes == kv_cache_bytes(CFG, B, G, P, new, 4, prefix_sharing=False)
 
 
 def test_memory_estimates_against_hand_numbers():
     # KV cache of one generate call at the defaults (16 prompts x 64 samples, 512 + 53 positions, bf16): GPT-2
     # keeps 2 x 12 layers x 768 x 2 bytes = 36,864 bytes per position
     rows = 16 * 64
-    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, shared=False) == rows * 565 * 36_864  # 21.3 GB
-    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, shared=True) == (16 * 512 + rows * 53) * 36_864  # 2.3 GB
-    assert kv_cache_bytes(PRESETS["gpt2-xl"], 16, 64, 512, 53, 2, shared=False) == rows * 565 * 307_200  # 177.7 GB
+    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, prefix_sharing=False) == rows * 565 * 36_864  # 21.3 GB
+    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, prefix_sharing=True) == (16 * 512 + rows * 53) * 36_864  # 2.3 GB
+    assert kv_cache_bytes(PRESETS["gpt2-xl"], 16, 64, 512, 53, 2, prefix_sharing=False) == rows * 565 * 307_200  # 177.7 GB
     # gpt2-xl activations, micro-batch 32 of 565-token rows, bf16, no checkpointing: 34 bytes per token, channel
     # and layer (arXiv 2205.05198) = 48 x 34 x 18,080 x 1,600 = 47.2 GB, plus logits and their gradient
     logits = 32 * 53 * 50257 * (2 + 4)
-    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, shared=False, checkpointing=False) == 48 * 34 * 18_080 * 1600 + logits
+    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, prefix_sharing=False, checkpointing=False) == 48 * 34 * 18_080 * 1600 + logits
     # checkpointing keeps each block's input (2 bytes per token and channel) and one block's activations
-    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, shared=False, checkpointing=True) == (
+    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, prefix_sharing=False, checkpointing=True) == (
         48 * 2 * 18_080 * 1600 + 34 * 18_080 * 1600 + logits)
 
 
@@ -185,7 +189,7 @@ def test_memory_terms_for_frozen_models_gathers_no_sync_gradients_and_math_atten
     # generation holds the whole gathered policy (bf16: 2 bytes per parameter) beside the KV cache and logits
     cfg = grpo.Config(max_prompt_len=512)
     est = step_memory(cfg, gpt2, gpt2, 8, 2)
-    assert est.generate == 2 * n + generate_bytes(gpt2, 16, 64, 512, 53, 2, shared=True)
+    assert est.generate == 2 * n + generate_bytes(gpt2, 16, 64, 512, 53, 2, prefix_sharing=True)
     # the unsharded fp32 gradients between micro-batches: 256 prompts x 8 kept / 8 ranks / 32 rows = 8 micro-batches
     assert no_sync_grad_bytes(gpt2, 8, lora=False) == 4 * n
     assert no_sync_grad_bytes(gpt2, 1, lora=False) == 0  # one micro-batch reduce-scatters in its own backward
@@ -193,14 +197,14 @@ def test_memory_terms_for_frozen_models_gathers_no_sync_gradients_and_math_atten
     assert est.update - step_memory(one_micro, gpt2, gpt2, 8, 2).update == 4 * n
     # --deterministic's math attention: two (T, T) tensors per head and layer kept for the backward; gpt2-xl, 8 rows of
     # 512 + 53 tokens, bf16: 2 x 25 heads x 8 x 565^2 x 2 bytes = 255 MB per layer, 12.3 GB over 48 layers
-    assert attention_scores_bytes(xl, 8, 8, 512, 53, 2, shared=False) == 2 * 25 * 8 * 565 * 565 * 2
-    plain = update_bytes(xl, 8, 8, 512, 53, 2, shared=False, checkpointing=False)
-    math = update_bytes(xl, 8, 8, 512, 53, 2, shared=False, checkpointing=False, math_attention=True)
+    assert attention_scores_bytes(xl, 8, 8, 512, 53, 2, prefix_sharing=False) == 2 * 25 * 8 * 565 * 565 * 2
+    plain = update_bytes(xl, 8, 8, 512, 53, 2, prefix_sharing=False, checkpointing=False)
+    math = update_bytes(xl, 8, 8, 512, 53, 2, prefix_sharing=False, checkpointing=False, math_attention=True)
     assert math - plain == 48 * 2 * 25 * 8 * 565 * 565 * 2 == 12_258_240_000
     # shared prefix: 2 prompts of 512 attend to themselves once, 8 responses of 53 to their prompt and themselves
-    assert attention_scores_bytes(xl, 8, 2, 512, 53, 2, shared=True) == 2 * 25 * (2 * 512 * 512 + 8 * 53 * 565) * 2
-    checkpointed = update_bytes(xl, 8, 8, 512, 53, 2, shared=False, checkpointing=True, math_attention=True)
-    assert checkpointed - update_bytes(xl, 8, 8, 512, 53, 2, shared=False, checkpointing=True) == 2 * 25 * 8 * 565 * 565 * 2
+    assert attention_scores_bytes(xl, 8, 2, 512, 53, 2, prefix_sharing=True) == 2 * 25 * (2 * 512 * 512 + 8 * 53 * 565) * 2
+    checkpointed = update_bytes(xl, 8, 8, 512, 53, 2, prefix_sharing=False, checkpointing=True, math_attention=True)
+    assert checkpointed - update_bytes(xl, 8, 8, 512, 53, 2, prefix_sharing=False, checkpointing=True) == 2 * 25 * 8 * 565 * 565 * 2
     deterministic = grpo.Config(max_prompt_len=512, deterministic=True)
     assert step_memory(deterministic, xl, xl, 1, 2).update > step_memory(grpo.Config(max_prompt_len=512), xl, xl, 1, 2).update
 
@@ -304,10 +308,10 @@ def test_bf16_with_the_default_attention_kernel_matches_fp32_on_left_padded_and_
     batch = collate_pairs(prompts, chosen, rejected)
     policy, reward_model = policy.to(device).eval(), reward_model.to(device).eval()
     with torch.no_grad():
-        want_logp = response_logprobs(policy, batch, device, shared=False).float()
-        want_score = reward_scores(reward_model, batch, device, shared=False).float()
+        want_logp = response_logprobs(policy, batch, device, prefix_sharing=False).float()
+        want_score = reward_scores(reward_model, batch, device, prefix_sharing=False).float()
         wrong = dict(batch, attention_mask=torch.ones_like(batch["attention_mask"]))  # attends to the padding
-        masking_error = (response_logprobs(policy, wrong, device, shared=False).float() - want_logp).abs().max()
+        masking_error = (response_logprobs(policy, wrong, device, prefix_sharing=False).float() - want_logp).abs().max()
         policy16, reward16 = policy.to(torch.bfloat16), reward_model.to(torch.bfloat16)
         for shared in (False, True):
             logp_error = (response_logprobs(policy16, batch, device, shared).float() - want_logp).abs().max()

@@ -110,6 +110,14 @@ def all_reduce_mean_dict(metrics: dict[str, float], device: torch.device) -> dic
     return dict(zip(keys, t.tolist()))
 
 
+def all_reduce_named(sums: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Each dict's scalar tensors summed over ranks, in one collective; names are matched by key (every rank builds
+    its dicts with the same keys), never by position in a list."""
+    names = list(sums[0])
+    table = all_reduce_sum(torch.stack([torch.stack([s[k] for k in names]) for s in sums])).tolist()
+    return [dict(zip(names, row)) for row in table]
+
+
 def rank_and_world() -> tuple[int, int]:
     """(rank, world size) of the default process group; (0, 1) without one."""
     if dist.is_initialized():

@@ -1,4 +1,5 @@
-"""Optimizer, learning-rate schedule and the guarded optimizer step shared by every stage."""
+"""Optimizer, learning-rate schedule and the gradient step every stage takes: the accumulation over micro-batches
+(accumulate_micro_batches) and the guarded optimizer step (guarded_step)."""
 
 import math
 
@@ -7,6 +8,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from utils.dist import all_reduce_sum
+from utils.fsdp import set_gradient_sync
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> torch.optim.AdamW:
@@ -60,19 +62,37 @@ def build_optimization(model: nn.Module, cfg, total_steps: int):
     return optimizer, build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
 
 
-def guarded_step(model: nn.Module, optimizer, scheduler, guard, step: int, metrics: dict, grad_clip: float) -> bool:
-    """Clip the gradient norm, then step the optimizer and the schedule unless `guard` (utils/guard.py) finds
-    metrics["train/loss"] or the norm non-finite: it raises (--on_nonfinite stop) or the step is skipped (skip).
-    Gradients are cleared either way. Adds train/grad_norm, train/lr and train/skipped to `metrics`; `step` is the
-    1-based number of the step being taken. Returns whether the optimizer stepped."""
+def accumulate_micro_batches(model: nn.Module, micro_batches: list, loss_fn, world: int, normaliser) -> list:
+    """Forward and backward over this rank's micro-batches of one optimizer step; returns what `loss_fn` returned
+    beside each loss, in order.
+
+    `loss_fn(micro_batch)` returns (this micro-batch's loss summed over its rows or tokens, with its graph; anything
+    detached to keep). Each is divided by `normaliser`, the count (or weight) of the *global* batch over all ranks and
+    micro-batches, and multiplied by the world size: FSDP averages gradients over ranks, so the reduced gradient is
+    that of (the sum of every rank's losses / normaliser), whatever the world size or number of micro-batches. The
+    gradient reduce-scatter runs once, after the last micro-batch's backward."""
+    kept = []
+    for i, batch in enumerate(micro_batches):
+        set_gradient_sync(model, i == len(micro_batches) - 1)
+        loss, out = loss_fn(batch)
+        (loss * world / normaliser).backward()
+        kept.append(out)
+    return kept
+
+
+def guarded_step(model: nn.Module, optimizer, scheduler, guard, step: int, metrics: dict, grad_clip: float) -> dict:
+    """Clip the gradient norm, then step the optimizer and the schedule unless `guard` (utils/guard.py; None: no
+    check) finds metrics["train/loss"] or the norm non-finite: it raises (--on_nonfinite stop) or the step is skipped
+    (skip). Gradients are cleared either way. Adds train/grad_norm, train/lr and train/skipped to `metrics` and
+    returns it; `step` is the 1-based number of the step being taken."""
     metrics["train/grad_norm"] = clip_grad_norm(model, grad_clip)
-    stepped = guard.ok(step, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
+    stepped = guard is None or guard.ok(step, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
     if stepped:
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     metrics.update({"train/lr": scheduler.get_last_lr()[0], "train/skipped": float(not stepped)})
-    return stepped
+    return metrics
 
 
 def step_throughput(micro_batches: list[dict], seconds: float, world: int, device) -> dict[str, float]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.tldr import pad_prompts  # noqa: E402
-from grpo import Config, add_logprobs, build_training_batches, policy_update  # noqa: E402
+from grpo import Config, batch_logprobs, build_training_batches, policy_update  # noqa: E402
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.sampler import SampleOutput  # noqa: E402
 from model.weights import freeze  # noqa: E402
@@ -100,7 +100,8 @@ def main(out: str, micro: int, shared: bool):
     cfg = Config(temperature=0.9, beta=0.1, eps_low=0.2, eps_high=0.28, max_new_tokens=R, micro_batch_size=micro, grad_clip=0.0)
     batches = build_training_batches(prompt_ids, prompt_mask, local, torch.arange(per_rank * G), advantages, G, micro,
                                      shared)
-    add_logprobs(reference, batches, "ref_logprobs", cfg, gather=True)
+    refs = batch_logprobs(reference, batches, cfg, gather=True)
+    batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
     for loss_type in ("grpo", "bnpo", "dr_grpo"):
         recorder = GradRecorder(policy)
         metrics = policy_update(policy, recorder, ConstantLR(), batches, replace(cfg, loss_type=loss_type), world, info.device)

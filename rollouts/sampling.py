@@ -56,7 +56,7 @@ def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, g
             parts.append(generate(
                 policy, ids[:, first:], mask[:, first:], num_samples, cfg.max_new_tokens,
                 temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
-                share_prompt=cfg.prefix_sharing,
+                share_prompt=cfg.prefix_sharing, compile=cfg.compile,
             ))
     policy.train(was_training)
     fields = ("response_ids", "response_mask", "logprobs", "has_end")

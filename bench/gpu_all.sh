@@ -58,5 +58,15 @@ fi
 "$PY" -m bench.run_all --device cuda $QUICK_FLAG --out "$OUT_DIR/results.json" 2>&1 | tee "$OUT_DIR/bench_cuda.log"
 rc_bench=${PIPESTATUS[0]}
 
+# ---- --compile (the compiled decode step) against eager ----
+# decode tokens/s of gpt2 (bf16) at 1,024 rows (16 prompts x 64 samples, 352-384-token prompts, 56 new tokens) and the
+# reference GRPO step time (bench/grpo_step.py's gpu-reference), each with and without --compile, compilation timed
+# apart (bench/compiled.py)                                              -> OUT_DIR/compile.json, compile_cuda.log
+"$PY" -m bench.run_all --device cuda $QUICK_FLAG --only compile --out "$OUT_DIR/compile.json" 2>&1 \
+  | tee "$OUT_DIR/compile_cuda.log"
+rc_compile=${PIPESTATUS[0]}
+[ "$rc_compile" -eq 0 ] || rc_bench=$rc_compile
+# ---- end of the --compile block ----
+
 echo "gpu_all: pytest -m gpu exit $rc_tests, bench.run_all exit $rc_bench; results in $OUT_DIR" | tee "$OUT_DIR/summary.txt"
 [ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]

@@ -17,10 +17,10 @@ The reward model and DPO train on comparisons of SFT samples, as in summarize-fr
 summaries (which key items they name, which they invent, length, filler, ending) is what the reward model must
 learn, and comparisons of its own samples teach exactly that. Each labelled summary is also compared with itself with
 one key item swapped for an invented one (swap pairs, data.synthetic.label_pairs), and the reward model sums its head
-over the response tokens (reward_model.py --pooling sum): without both, it learned to count the items a summary names
-but not to check them against the post (docs/demo_results.md). The SFT stage is long for a tiny model (2,400 steps)
-because copying the post's items appears only after a plateau (docs/demo_results.md). (The task's static
-preference files compare summaries of a better writer; they serve the tests and users with larger models.)
+over the response tokens (reward_model.py --pooling sum), so that it checks a summary's items against the post rather
+than counting them. The SFT stage is long for a tiny model (2,400 steps) because copying the post's items appears only
+after a plateau. docs/results.md has the results and what was tried. (The task's static preference files compare
+summaries of a better writer; they serve the tests and users with larger models.)
 """
 
 import argparse
@@ -309,23 +309,24 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", default="runs/demo", help="run directory (data/, sft/, rm/, dpo/, grpo/, summary.json)")
     p.add_argument("--nproc", type=int, default=1, help="processes per stage (torchrun when > 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic task and of every stage")
     p.add_argument("--model", default="tiny", help="GPT-2 preset trained from random initialisation")
     p.add_argument("--sft_steps", type=int, default=2400, help="SFT optimizer steps (the tiny policy starts copying the "
-                   "post's items after ~600-800 steps at --sft_lr 6e-3; 300 never did: docs/demo_results.md)")
-    p.add_argument("--sft_lr", type=float, default=6e-3, help="SFT peak learning rate (1e-2 never started copying)")
+                   "post's items after a plateau of ~600-800 steps at --sft_lr 6e-3: docs/results.md)")
+    p.add_argument("--sft_lr", type=float, default=6e-3, help="SFT peak learning rate")
     p.add_argument("--prompt_loss_weight", type=float, default=0.0, help="SFT's weight of the next-token loss on the "
-                   "post relative to the summary (sft.py --prompt_loss_weight); 0.1 did not make the tiny policy copy the "
-                   "post's items in 300 steps (docs/demo_results.md)")
+                   "post relative to the summary (sft.py --prompt_loss_weight)")
     p.add_argument("--rm_steps", type=int, default=900, help="reward-model optimizer steps at a constant lr 2e-3 (a "
                    "summed head learns to check items slowly: swap accuracy 0.72 to 0.85 after 900 steps on three "
-                   "seeds; on the task before, 0.80 after 900 and 0.88 after 1,500 on seed 0; docs/demo_results.md)")
+                   "seeds: docs/results.md)")
     p.add_argument("--rm_pooling", default="sum", choices=["last", "sum"], help="reward_model.py --pooling: the head "
-                   "summed over the response tokens (sum) or read at the end token (last); a last-token head never "
-                   "learned to check the items (docs/demo_results.md)")
+                   "summed over the response tokens (sum) or read at the end token (last, which does not learn to "
+                   "check the items: docs/results.md)")
     p.add_argument("--swap_pairs", action=argparse.BooleanOptionalAction, default=True, help="add to the training "
                    "pairs each labelled summary against itself with a key item swapped for an invented one")
     p.add_argument("--pair_prompts", type=int, default=2000, help="training prompts whose SFT samples (8 each) are labelled "
@@ -337,7 +338,7 @@ def main() -> None:
     p.add_argument("--ablation_seeds", type=int, default=0, help="with N > 0: instead of DPO and GRPO, the ablation of "
                    "GRPO's selection and global normalization (ABLATION), N seeds each, from one SFT policy and reward model")
     p.add_argument("--ablation_variants", nargs="+", default=list(ABLATION), metavar="NAME",
-                   help=f"which variants of ABLATION to run (default: all of {', '.join(ABLATION)})")
+                   help="which variants of ABLATION to run")
     p.add_argument("--reuse", action="store_true", help="reuse --out's SFT policy, labelled pairs and reward model "
                    "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
                    "one that is redone is redone too)")

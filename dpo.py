@@ -32,11 +32,12 @@ from model.lora import AdaptersOff, LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.losses import dpo_loss, ipo_loss
 from rlhf.stats import pair_outcomes
+from rollouts.models import sharded_module
 from utils.config import (
     ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config,
 )
 from utils.dist import all_reduce_sum
-from utils.fsdp import resolve_dtype, set_gradient_sync, shard_model
+from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
 from utils.guard import exit_on_error
 from utils.optim import build_optimization, guarded_step, step_throughput
 from utils.run import Run, end_of_step, finish, resume, start_run
@@ -44,6 +45,7 @@ from utils.run import Run, end_of_step, finish, resume, start_run
 
 @dataclass
 class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisation, preference-pair and LoRA options
+    # --- models
     model: str = "runs/sft/hf"
     """Starting policy: an SFT export (Hugging Face-format folder), a hub name (gpt2, ...), or with
     --random_init a preset (tiny, small, gpt2, ...)."""
@@ -52,12 +54,14 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisati
     reference: str = ""
     """Frozen reference policy; empty: the starting policy (the usual choice): a frozen copy of it, or with LoRA the
     policy's own base weights (adapters off, no copy)."""
+    # --- objective
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid: DPO (with --label_smoothing, cDPO); ipo: IPO's squared loss."""
     beta: float = 0.1
     """KL strength beta (DPO's beta; IPO's tau, target margin 1/(2 beta))."""
     label_smoothing: float = 0.0
     """cDPO: probability that a preference label is flipped, in [0, 0.5) (sigmoid loss only)."""
+    # --- models
     reference_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Dtype the frozen reference is stored and run in: bf16, fp32, or auto (the policy's compute dtype, --dtype: then
     the policy and its reference compute alike, the implicit reward is 0 at step 0 and the first sigmoid loss is log
@@ -65,6 +69,7 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisati
     frozen_cpu_offload: bool = False
     """Keep the frozen reference's FSDP shards in CPU memory between forward passes (needs a GPU). Unused with LoRA
     and no --reference."""
+    # shared options, with this stage's defaults
     lr: float = 1e-6
     eval_every: int = 100
     """Validation preference accuracy of the implicit reward every N steps, before the first step and after the last;
@@ -94,17 +99,27 @@ def preference_loss_fn(cfg: Config):
     return functools.partial(dpo_loss, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
 
 
+@torch.no_grad()  # the reference is frozen: no graph, no gradient
+def reference_logps(reference, micro_batches: list[dict], device, shared: bool = True) -> list[torch.Tensor]:
+    """The frozen reference's summed response log-probs (2B,) of every micro-batch of a step, its FSDP units gathered
+    once for all of them (with --frozen_cpu_offload: one host-to-device copy per step, not per micro-batch). Run
+    before the policy's micro-batches: with LoRA the reference is the policy's own FSDP modules (adapters off), whose
+    no-grad forward should not sit between the policy's forward and its backward."""
+    with gathered_params(sharded_module(reference)):
+        return [response_logprobs(reference, batch, device, shared) for batch in micro_batches]
+
+
 def pair_losses(
-    policy, reference, batch: dict, loss_fn, beta: float, device, shared: bool = True
+    policy, reference, batch: dict, loss_fn, beta: float, device, shared: bool = True,
+    ref_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-pair losses (B,) of one collate_pairs batch, differentiable in the policy only, and per-pair
     statistics summed over the batch (6,): loss, implicit-reward accuracy, chosen reward, rejected reward,
-    policy log-prob of chosen, of rejected (rewards are beta * log pi/pi_ref, summed over response tokens)."""
+    policy log-prob of chosen, of rejected (rewards are beta * log pi/pi_ref, summed over response tokens).
+    `ref_logps`: the reference's (reference_logps), else computed here."""
     B = batch["n_pairs"]
-    # the reference first: with LoRA it is the policy's own FSDP modules (adapters off), whose no-grad forward
-    # should not sit between the policy's forward and its backward
-    with torch.no_grad():  # the reference is frozen: no graph, no gradient
-        ref_logps = response_logprobs(reference, batch, device, shared)  # (2B,)
+    if ref_logps is None:
+        ref_logps = reference_logps(reference, [batch], device, shared)[0]  # (2B,)
     logps = response_logprobs(policy, batch, device, shared)  # (2B,); shared: packed rows, each prompt once
     policy_chosen, policy_rejected = logps[:B], logps[B:]
     ref_chosen, ref_rejected = ref_logps[:B], ref_logps[B:]
@@ -126,9 +141,10 @@ def accumulate_gradients(policy, reference, micro_batches: list[dict], world: in
     Each rank's summed loss is divided by the global number of pairs and multiplied by the world size (FSDP
     averages gradients over ranks), so the reduced gradient is d(mean loss over the global batch)."""
     sums = torch.zeros(6, dtype=torch.float64, device=device)
+    ref_logps = reference_logps(reference, micro_batches, device, shared)
     for i, batch in enumerate(micro_batches):
         set_gradient_sync(policy, i == len(micro_batches) - 1)
-        losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, shared)
+        losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, shared, ref_logps[i])
         (losses.sum() * world / n_pairs).backward()
         sums += stats
     loss, accuracy, chosen, rejected, logp_chosen, logp_rejected = (all_reduce_sum(sums) / n_pairs).tolist()

@@ -26,6 +26,7 @@ from utils.logging import Logger
 
 @dataclass
 class Config:
+    # --- models
     reward_model: str = ""
     """Reward model to evaluate: a Hugging Face-format folder (reward_model.py's hf/) or hub name."""
     policy: str = ""
@@ -34,6 +35,7 @@ class Config:
     """Reference policy of the implicit reward (usually the SFT model the policy started from)."""
     beta: float = 0.1
     """beta of the implicit reward beta * log(pi/pi_ref) (does not change the accuracy, only the scores)."""
+    # --- data
     val_data: str = "trl-lib/tldr-preference"
     """Preference rows (prompt, chosen, rejected) to evaluate on: a hub dataset name, a .jsonl/.parquet file or a
     folder."""
@@ -45,12 +47,15 @@ class Config:
     """Prompt tokens kept; longer posts are cut so subreddit, title and "TL;DR:" survive."""
     max_response_len: int = 64
     """Response tokens kept, including the "\\n" end token."""
+    # --- batch sizes and optimisation
     micro_batch_size: int = 8
     """Pairs per forward pass on each rank."""
+    # --- evaluation and logging
     bootstrap_samples: int = 2000
     """Bootstrap resamples for the 95% confidence intervals."""
     seed: int = 0
     """Seed of the bootstrap."""
+    # --- run
     out_dir: str = ""
     """When set: write preference_eval.json and metrics.jsonl there and log to wandb (see --wandb_mode)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -60,6 +65,7 @@ class Config:
     dist_timeout_minutes: float = 30.0
     """Process-group timeout: a collective that waits longer than this for another rank fails the run (NCCL and gloo
     alike) instead of hanging."""
+    # --- evaluation and logging
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     """online, offline, disabled, or auto (online with a wandb login, offline otherwise); used with --out_dir."""
     wandb_project: str = "tldr-rlhf"

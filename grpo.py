@@ -139,7 +139,7 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig):  # t
     """Dynamic sampling (DAPO, arXiv 2503.14476): drop the groups whose K kept rewards have a std (float64) below
     this, measured after selection; they would have advantage ~0 and only dilute the batch. The batch shrinks (the
     share dropped is logged as sample/dropped_group_fraction); no other prompts are drawn. 0 keeps every group."""
-    # --- advantages and loss
+    # --- objective
     scale_by_std: bool = True
     """Divide by the group's std in group normalization; false gives Dr. GRPO's r - mean (arXiv 2503.20783)."""
     global_norm: bool = True
@@ -189,7 +189,7 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig):  # t
     """Log train/entropy every N steps (1: every step; 0: never). It comes from the log-softmax the log-probs
     already compute, but still costs an exp and a multiply-sum over the vocabulary at every response token; a
     step that does not log it skips that. With --entropy_coef != 0 it is computed (and logged) every step."""
-    # --- batch sizes (and the shared optimisation options, with GRPO's defaults)
+    # --- batch sizes and optimisation
     prompts_per_step: int = 256
     """Global prompts per step, over all ranks (x num_kept sequences in the update)."""
     micro_batch_size: int = 32
@@ -198,7 +198,7 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig):  # t
     """Sequences per reward-model forward on each rank."""
     lr: float = 3e-6
     warmup_steps: int = 10
-    # --- evaluation, logging and run (and the shared run options, with GRPO's defaults)
+    # --- evaluation and logging
     eval_every: int = 50
     """Evaluate before the first step, every N steps and after the last; 0: only after the last; -1: never."""
     eval_greedy: bool = True

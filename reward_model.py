@@ -43,6 +43,7 @@ from utils.run import end_of_step, finish, resume, start_run
 
 @dataclass
 class Config(RunConfig, OptimConfig, PairConfig, DecodeConfig):  # run, optimisation, preference-pair, decode options
+    # --- models
     model: str = "runs/sft/hf"
     """Starting weights: an SFT export (Hugging Face-format folder; a new scalar head is added), a reward-model
     folder (its head is kept), a hub name (gpt2, ...), or with --random_init a preset (tiny, small, gpt2, ...)."""
@@ -53,9 +54,11 @@ class Config(RunConfig, OptimConfig, PairConfig, DecodeConfig):  # run, optimisa
     (transformers' GPT2ForSequenceClassification); "sum", the head at every response token, summed (a per-token
     reward, which can check each word against the post); empty: a reward-model --model folder's own, else
     "last"."""
+    # shared options, with this stage's defaults
     max_response_len: int = 64
     """Response tokens kept, including the "\\n" end token (also the sampling length of the normalisation)."""
     lr: float = 1e-5
+    # --- sampling (of the SFT responses that fit the reward normalisation)
     sft_policy: str = ""
     """Policy whose samples fit the reward normalisation: an SFT export folder or hub name; empty: --model
     (with --random_init, a random policy of that preset)."""
@@ -67,6 +70,7 @@ class Config(RunConfig, OptimConfig, PairConfig, DecodeConfig):  # run, optimisa
     """Normalisation prompts per generation call on each rank."""
     norm_temperature: float = 1.0
     """Sampling temperature of the normalisation responses (use the temperature GRPO samples at)."""
+    # shared options, with this stage's defaults
     eval_every: int = 100
     """Validation preference accuracy every N steps, before the first step and after the last; 0: only after the
     last; -1: never."""

@@ -34,17 +34,21 @@ from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 @dataclass
 class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisation, data and LoRA options shared by every stage
+    # --- models
     model: str = "gpt2"
     """Starting weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local Hugging Face-format
     folder, or with --random_init a preset (tiny, small, gpt2, ...)."""
     random_init: bool = False
     """Start from random GPT-2 initialisation of the preset named by --model instead of loading weights."""
+    # --- data
     max_response_len: int = 64
     """Response tokens kept, including the "\\n" end token."""
+    # --- batch sizes and optimisation
     batch_size: int = 64
     """Global batch size (rows per optimizer step, over all ranks)."""
     micro_batch_size: int = 8
     """Rows per forward/backward on each rank; batch_size / (micro_batch_size * world) accumulation steps."""
+    # --- objective
     prompt_loss_weight: float = 0.0
     """Weight of the next-token loss on prompt tokens, relative to response tokens. 0 (the default) trains on the
     response only, as is usual for TL;DR SFT from pretrained GPT-2; a model trained from scratch (the embedded
@@ -52,6 +56,7 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
     prompt_loss_positions: int = 16
     """With --prompt_loss_weight > 0: prompt tokens per row drawn (uniformly, anew each step) for an unbiased
     estimate of the prompt loss; each drawn token is scaled by the row's prompt length / the number drawn."""
+    # shared options, with this stage's defaults
     eval_every: int = 100
     """Validation loss every N steps and after the last; 0: only after the last; -1: never."""
     out_dir: str = "runs/sft"

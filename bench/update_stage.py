@@ -66,9 +66,11 @@ def child(tree: Path, repeats: int, threads: int, entropy_every: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("trees", nargs=2, type=Path, help="two source trees: before, after")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of one child per tree, the trees interleaved")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates per child")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads in each child")
     parser.add_argument("--entropy_every", type=int, default=-1,

@@ -38,24 +38,17 @@ and ends with "\\n": gold = GOLD_REWARD_MAX = 4 (`best_summary`). All terms are 
 so gold rewards compare exactly.
 
 Whether a small model trained from random weights learns to copy the items is measured, not assumed
-(docs/demo_results.md): the demo's 2-layer GPT-2 does, but only after a plateau, and only when it sees the same
+(docs/results.md): the demo's 2-layer GPT-2 does, but only after a plateau, and only when it sees the same
 SFT rows many times. With the 2,000 SFT rows, the demo's 2,400 steps of 32 at lr 6e-3 (38 passes over the rows: it
-memorises them, train loss 0.04 against a validation loss of 1.4, and its copying still improves) name 1.4-2.3 key
-items per sampled summary, 57-91% of the items it names right, depending on the seed (the data's summaries name 2.48,
-95% right). Measured and dropped: the checkpoint of lowest validation loss (seed 0, step 1,400) named 1.82 right and
-0.68 invented against the final policy's 2.03 and 0.40; 10,000 SFT rows (no memorising) named 0.94 right and 1.59
-invented; 300 steps name the items at chance. The policy's likelihood prefers a post's item to an invented one 99.7%
-of the time or more (`swap_key_item`); a reward model trained on comparisons of its samples alone does not (0.48-0.52,
-chance, measured on the task before), one trained with swap pairs too (`label_pairs`) and a head summed over the
-summary's tokens prefers it 72-85% of the time.
+memorises them, and its copying still improves) name 1.4-2.3 key items per sampled summary, 57-91% of the items it
+names right, depending on the seed (the data's summaries name 2.48, 95% right). The policy's likelihood prefers a
+post's item to an invented one 99.7% of the time or more (`swap_key_item`); a reward model trained with swap pairs
+(`label_pairs`) and a head summed over the summary's tokens prefers it 72-85% of the time.
 
 Data, in the layouts of the Hugging Face datasets (see `write_task`):
 - SFT (`trl-lib/tldr`: prompt, completion): good but imperfect summaries (SFT_QUALITY: mostly 2 or all
   3 of the items, 2.48 named on average, sometimes extra filler words, 5% of the named items wrong), so RL has room
-  above SFT in checking the items, in length and in the item left out, but little in naming more: with SFT summaries
-  that named 1.64 items (p_named 0.05 / 0.35 / 0.45 / 0.15), GRPO gained mostly by naming more items at the SFT
-  policy's precision and invented more items than SFT on one seed of three; with these it invents fewer than SFT on
-  four runs of five (three seeds; docs/demo_results.md).
+  above SFT in checking the items, in length and in the item left out, but little in naming more (docs/results.md).
 - preference (`trl-lib/tldr-preference`: prompt, chosen, rejected): two summaries of mixed quality
   (PREF_QUALITY) of the same post; chosen = the higher gold reward, ties skipped, then each pair
   swapped with probability `label_noise` (the analogue of human disagreement; on validation the
@@ -387,8 +380,7 @@ def label_pairs(prompt: str, summaries: Sequence[str], label_noise: float, rng: 
     itself with one key item swapped for an invented one (swap_key_item, drawn from `swap_rng`; the original is
     better), right after that pair: two summaries that differ in one word, so what separates them is whether the word
     is in the post. Swap pairs carry no label noise: the noise stands for labellers disagreeing on close calls, and a
-    wrong name is not one (with 10% noise on them the demo's reward model checked items less well:
-    docs/demo_results.md). Rows: prompt, chosen, rejected (without END, which the loaders append) and swap (bool)."""
+    wrong name is not one (with 10% noise on them the demo's reward model checks items less well: docs/results.md). Rows: prompt, chosen, rejected (without END, which the loaders append) and swap (bool)."""
     rows = []
     for chosen, rejected in gold_pairs(prompt, summaries):
         if rng.random() < label_noise:
@@ -550,13 +542,15 @@ def task_stats(paths: dict[str, Path]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n-sft-train", type=int, default=2000)
-    parser.add_argument("--n-sft-val", type=int, default=200)
-    parser.add_argument("--n-pref-train", type=int, default=2000)
-    parser.add_argument("--n-pref-val", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0, help="seed of every post, summary and label")
+    parser.add_argument("--n-sft-train", type=int, default=2000, help="SFT training rows (sft/train.jsonl)")
+    parser.add_argument("--n-sft-val", type=int, default=200, help="SFT validation rows (sft/validation.jsonl)")
+    parser.add_argument("--n-pref-train", type=int, default=2000, help="preference training pairs")
+    parser.add_argument("--n-pref-val", type=int, default=400, help="preference validation pairs")
     parser.add_argument("--n-prompts", type=int, default=2000, help="RL prompts (prompts/train.jsonl)")
     parser.add_argument("--label-noise", type=float, default=0.1, help="probability a pair is swapped")
     args = parser.parse_args(argv)

@@ -156,7 +156,9 @@ def plot(
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl and config.json)")
     p.add_argument("--metrics", nargs="+", default=["reward/gold_mean", "reward/mean", "train/kl"],
                    help="metrics to tabulate and draw")

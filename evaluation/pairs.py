@@ -18,8 +18,10 @@ from utils.config import ConfigError, DataConfig
 class PairConfig(DataConfig):
     train_data: str = "trl-lib/tldr-preference"
     val_data: str = "trl-lib/tldr-preference"
+    # --- data
     max_response_len: int = 64
     """Response tokens kept, including the "\\n" end token."""
+    # --- batch sizes and optimisation
     batch_size: int = 64
     """Global batch size in pairs per optimizer step, over all ranks."""
     micro_batch_size: int = 8

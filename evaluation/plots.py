@@ -91,7 +91,9 @@ def demo_curves(run: Path, out: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--run", default="runs/demo", help="demo run directory")
     p.add_argument("--out", default="assets", help="folder for the PNGs")
     args = p.parse_args()

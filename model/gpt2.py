@@ -367,8 +367,8 @@ class CausalSelfAttention(nn.Module):
         masks: the prompts among themselves, and the responses over [their prompt's keys, their own keys]. The
         prompt keys are gathered per response (n*P keys per layer, as many as the unshared rows hold; the gather's
         backward sums their gradients into the one prompt computation). index_select, not k_p[group]: the same sums,
-        but on a CPU its backward (index_add) is ~15x faster than advanced indexing's (index_put with accumulate),
-        which was a fifth of the demo's reward-model step (docs/benchmarks.md)."""
+        but on a CPU its backward (index_add) is much cheaper than advanced indexing's (index_put with accumulate)
+        (docs/benchmarks.md)."""
         C, nh = x_TC.shape[1], self.n_head
         B, P = layout.prompt_mask.shape
         n, R = layout.response_mask.shape

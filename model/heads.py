@@ -23,7 +23,7 @@ class RewardModel(nn.Module):
       transformers' GPT2ForSequenceClassification, so the exported folder loads there and scores the same.
     - "sum": the same projection at every response token, summed over the response (a per-token reward; 0 for an
       empty response). Each token's score can check that token against the prompt (a copied name against an
-      invented one), which a single read at the end has to do for all of them at once (docs/demo_results.md).
+      invented one), which a single read at the end has to do for all of them at once (docs/results.md).
       The export loads in transformers too, but there the class reads the last token only: score it here.
 
     `gain` and `bias` are fitted after training so that rewards of SFT samples have mean 0 and std 1

@@ -43,6 +43,7 @@ TARGETS = ("c_attn", "c_proj", "c_fc")
 class LoRAConfig:
     """LoRA options; sft.py, dpo.py and grpo.py's configs inherit them, so each script takes --lora_rank etc."""
 
+    # --- LoRA
     lora_rank: int = 0
     """LoRA rank r on the --lora_targets projections (model/lora.py); 0 disables LoRA and trains every weight.
     With LoRA only the adapters are trained, and DPO/GRPO's reference is the base model with adapters off."""
@@ -256,10 +257,10 @@ def main() -> None:
 
     from model.gpt2 import PRESETS
 
-    p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--model", default="gpt2", choices=sorted(PRESETS))
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--targets", default="c_attn,c_proj,c_fc")
+    p = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="gpt2", choices=sorted(PRESETS), help="GPT-2 preset")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
+    p.add_argument("--targets", default="c_attn,c_proj,c_fc", help="projections to adapt (--lora_targets)")
     args = p.parse_args()
     r = lora_memory_report(PRESETS[args.model], args.rank, args.targets)
     mib = 2**20

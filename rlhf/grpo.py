@@ -10,7 +10,7 @@ Order of reward processing in grpo.py, per prompt with G samples:
     6. global norm    A = (A - mean(A)) / (std(A) + eps)        over every selected sample on every rank
 
 The penalty is applied in raw units before the gain/bias, so penalised and unpenalised rewards share one scale
-(the reference repository overwrote already-normalised rewards with a constant, mixing scales). Group and
+(a constant written over already-normalised rewards would mix two scales). Group and
 global normalization are invariant to the gain and bias (up to eps); the penalty in normalised units is
 gain * missing_end_penalty.
 
@@ -36,7 +36,7 @@ def penalize_missing_end(raw_rewards_N: torch.Tensor, has_end_N: torch.Tensor, p
 # indices are columns of the (B, G) reward matrix and stats holds per-prompt (B,) tensors: "visited" (candidates
 # examined; acceptance rate = K / visited) and "rounds" (passes over the candidates), so callers can reduce
 # them over ranks. Random numbers are fp32 from the given generator
-# (the reference repository drew them in bf16, whose 8-bit mantissa makes acceptance probabilities coarse).
+# (bf16's 8-bit mantissa would make the acceptance probabilities coarse).
 
 
 def _one_pass(rewards_BG: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -189,8 +189,7 @@ def global_normalize(
     """Whiten advantages over the whole batch: (A - mean) / (std + eps), population std.
 
     `reduce_sum` sums a tensor over ranks (utils.dist.all_reduce_sum); count, sum and sum of squares are
-    reduced together in fp64, so the statistics are those of the concatenated global batch, not the local shard
-    (the reference repository's "global" normalization saw its own rank only)."""
+    reduced together in fp64, so the statistics are those of the concatenated global batch, not the local shard."""
     a = advantages.double()
     count = torch.tensor(float(a.numel()), dtype=torch.float64, device=a.device)
     stats = reduce_sum(torch.stack([count, a.sum(), (a * a).sum()]))

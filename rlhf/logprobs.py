@@ -97,7 +97,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             z_cV = process_logits(logits_MV[s:e], temperature, top_k, top_p)  # (c, V)
             out_cV = grad_MV[s:e] if in_place else torch.empty_like(z_cV)
             if grad_entropy_M is None:
-                torch.softmax(z_cV, -1, out=out_cV)  # p, in one kernel (2.4x faster than exp of the log-softmax)
+                torch.softmax(z_cV, -1, out=out_cV)  # p, in one kernel (cheaper than exp of the log-softmax: docs/benchmarks.md)
             else:  # -p_j (log p_j + H) g_H needs log p too
                 torch.log_softmax(z_cV, -1, out=out_cV)
                 term_cV = (_finite(out_cV, masked) + entropy_M[s:e, None]).mul_(-scale * grad_entropy_M[s:e, None])

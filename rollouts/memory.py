@@ -5,21 +5,29 @@ instead of running out of memory in the middle of a run.
 The estimates are upper-bound arithmetic on the tensors each stage keeps alive (no allocator fragmentation, no
 framework workspace; `check_memory` keeps a 10% margin for those):
 
-- weights: the policy's fp32 parameters, gradients and two AdamW moments (16 bytes per parameter), the frozen
-  reference and reward model in the compute dtype, all sharded over the ranks by FSDP; each FSDP unit is gathered
-  whole while in use, which the margin covers for the block-sized units of GPT-2.
-- generate: the KV cache, keys and values of every layer, 2 * n_layer * n_embd values per cached position. Without
-  prefix sharing every sample holds its prompt: gen_prompts * G * (P + new) positions; with it each prompt is held
-  once: gen_prompts * (P + G * new). Plus the (rows, vocabulary) fp32 logits the sampler processes per step
+- weights: the policy's fp32 parameters, gradients and two AdamW moments (16 bytes per parameter), and the frozen
+  reference and reward model, whose sharded parameters FSDP also keeps in fp32 (mixed precision casts a gathered copy
+  to the compute dtype, not the stored shard; 0 on the device with --frozen_cpu_offload), all sharded over the ranks.
+  A block-sized FSDP unit gathered while in use is left to the margin.
+- generate: the policy gathered whole for the call (utils/fsdp.gathered_params: every parameter in the compute dtype
+  on every rank), and the KV cache, keys and values of every layer, 2 * n_layer * n_embd values per cached position.
+  Without prefix sharing every sample holds its prompt: gen_prompts * G * (P + new) positions; with it each prompt is
+  held once: gen_prompts * (P + G * new). Plus the (rows, vocabulary) fp32 logits the sampler processes per step
   (four alive at once: logits, processed, log-softmax, probabilities).
 - update: activations per transformer layer, 34 bytes per token and channel at 16-bit precision (Korthikanti et al.,
   arXiv 2205.05198, table 2, with an attention kernel that keeps no (T, T) score matrix), i.e. 17 values per token
   and channel in the compute dtype; with activation checkpointing only each block's input is kept, plus one block's
   activations recomputed in the backward. Tokens are the micro-batch's rows x (P + R), or with prefix sharing its
   prompts x P + rows x R plus each row's copy of its prompt's keys and values (model/gpt2.py's SharedPrefix). Plus
-  the response logits and their fp32 gradient.
-- score: the reward model's forward of a score micro-batch without gradient: a few (tokens, 4 * n_embd) temporaries
-  of one layer at a time, counted as 8 values per token and channel.
+  the response logits and their fp32 gradient. When a step has more than one micro-batch per rank, FSDP2 keeps the
+  unsharded fp32 gradient of every trained parameter between micro-batches (no reduce-scatter until the last one).
+  Under --deterministic the math attention kernel keeps each layer's (T, T) scores and probabilities per head for
+  the backward (two per layer in the compute dtype; one layer's with activation checkpointing).
+- score: the reward model gathered whole for the scoring (4 bytes per parameter in fp32, else the compute dtype) and
+  its forward of a score micro-batch without gradient: a few (tokens, 4 * n_embd) temporaries of one layer at a
+  time, counted as 8 values per token and channel.
+- reference: the same for the frozen reference's log-probs of one training micro-batch, plus its fp32 response
+  logits (none with LoRA: the reference is the policy with its adapters off).
 """
 
 from dataclasses import dataclass
@@ -57,14 +65,29 @@ def generate_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, 
     return kv_cache_bytes(cfg, prompts, samples, prompt_len, new_tokens, dtype_bytes, shared) + logits
 
 
+def attention_scores_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int,
+                           dtype_bytes: int, shared: bool) -> int:
+    """One layer's (queries, keys) attention scores and probabilities of every head, as the math kernel keeps them for
+    the backward (--deterministic). With prefix sharing each prompt attends to itself once and each response to its
+    prompt and itself."""
+    if shared:
+        pairs = prompts * prompt_len * prompt_len + rows * response_len * (prompt_len + response_len)
+    else:
+        pairs = rows * (prompt_len + response_len) ** 2
+    return 2 * cfg.n_head * pairs * dtype_bytes
+
+
 def update_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int,
-                 shared: bool, checkpointing: bool) -> int:
-    """Activations and response logits of one training micro-batch of `rows` sequences from `prompts` prompts."""
+                 shared: bool, checkpointing: bool, math_attention: bool = False) -> int:
+    """Activations and response logits of one training micro-batch of `rows` sequences from `prompts` prompts;
+    `math_attention`: the (T, T) scores the math kernel keeps (--deterministic)."""
     C, L = cfg.n_embd, cfg.n_layer
     tokens = prompts * prompt_len + rows * response_len if shared else rows * (prompt_len + response_len)
     per_layer = 17 * tokens * C * dtype_bytes
     if shared:  # every row's copy of its prompt's keys and values, saved for the attention's backward
         per_layer += 2 * rows * prompt_len * C * dtype_bytes
+    if math_attention:
+        per_layer += attention_scores_bytes(cfg, rows, prompts, prompt_len, response_len, dtype_bytes, shared)
     activations = L * tokens * C * dtype_bytes + per_layer if checkpointing else L * per_layer
     logits = rows * response_len * cfg.vocab_size * (dtype_bytes + 4)  # logits and their fp32 gradient
     return activations + logits
@@ -77,14 +100,22 @@ def score_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, respon
     return 8 * tokens * cfg.n_embd * dtype_bytes
 
 
-def weight_bytes(policy: GPTConfig, reward_model: GPTConfig | None, world: int, dtype_bytes: int, lora: bool) -> int:
+def weight_bytes(policy: GPTConfig, reward_model: GPTConfig | None, world: int, lora: bool,
+                 frozen_offload: bool = False) -> int:
     """Policy (fp32 weights, gradients, AdamW moments; with LoRA the frozen base alone, the adapters are small),
-    reference (none with LoRA: the policy with adapters off) and reward model, sharded over `world` ranks."""
+    reference (none with LoRA: the policy with adapters off) and reward model (fp32 shards, as FSDP keeps them; on
+    the host with `frozen_offload`), sharded over `world` ranks."""
     n = param_count(policy)
-    total = n * (4 if lora else 16) + (0 if lora else n * dtype_bytes)
-    if reward_model is not None:
-        total += param_count(reward_model) * dtype_bytes
+    total = n * (4 if lora else 16)
+    if not frozen_offload:
+        total += (0 if lora else n * 4) + (param_count(reward_model) * 4 if reward_model is not None else 0)
     return total // world
+
+
+def no_sync_grad_bytes(policy: GPTConfig, micro_batches: int, lora: bool) -> int:
+    """The unsharded fp32 gradients FSDP2 accumulates between the micro-batches of one optimizer step (none with a
+    single micro-batch, whose backward reduce-scatters at once; LoRA's adapters are small)."""
+    return 0 if micro_batches <= 1 or lora else param_count(policy) * 4
 
 
 @dataclass
@@ -94,11 +125,12 @@ class StepMemory:
     weights: int
     generate: int
     score: int
+    reference: int
     update: int
 
     @property
     def peak(self) -> int:
-        return self.weights + max(self.generate, self.score, self.update)
+        return self.weights + max(self.generate, self.score, self.reference, self.update)
 
 
 def step_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: int, dtype_bytes: int, **override) -> StepMemory:
@@ -108,14 +140,28 @@ def step_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: i
              "score_micro_batch_size": cfg.score_micro_batch_size} | override
     P, R, G, K, shared = cfg.max_prompt_len, cfg.max_new_tokens, cfg.num_samples, cfg.kept, cfg.prefix_sharing
     micro, score_micro = sizes["micro_batch_size"], sizes["score_micro_batch_size"]
+    lora, math_attention = cfg.lora_enabled, cfg.deterministic
     # a micro-batch of consecutive rows spans at most ceil(rows / group) + 1 prompts
     train_prompts = min(micro, -(-micro // K) + 1)
     score_prompts = min(score_micro, -(-score_micro // G) + 1)
+    micro_batches = -(-(-(-cfg.prompts_per_step // world) * K) // micro)  # per rank: ceil(ceil(B / world) * K / micro)
+    gathered_policy = param_count(policy) * dtype_bytes
+    forward_scores = attention_scores_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared) if math_attention else 0
+    reference = 0 if lora else (gathered_policy + score_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared)
+                                + forward_scores + micro * R * policy.vocab_size * 4)
+    score = 0
+    if reward_model is not None:
+        score = param_count(reward_model) * dtype_bytes + score_bytes(reward_model, score_micro, score_prompts, P, R,
+                                                                      dtype_bytes, shared)
+        if math_attention:
+            score += attention_scores_bytes(reward_model, score_micro, score_prompts, P, R, dtype_bytes, shared)
     return StepMemory(
-        weights=weight_bytes(policy, reward_model, world, dtype_bytes, cfg.lora_enabled),
-        generate=generate_bytes(policy, sizes["gen_prompts"], G, P, R, dtype_bytes, shared),
-        score=0 if reward_model is None else score_bytes(reward_model, score_micro, score_prompts, P, R, dtype_bytes, shared),
-        update=update_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared, cfg.activation_checkpointing),
+        weights=weight_bytes(policy, reward_model, world, lora, cfg.frozen_cpu_offload),
+        generate=gathered_policy + generate_bytes(policy, sizes["gen_prompts"], G, P, R, dtype_bytes, shared),
+        score=score,
+        reference=reference,
+        update=(update_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared, cfg.activation_checkpointing,
+                             math_attention) + no_sync_grad_bytes(policy, micro_batches, lora)),
     )
 
 
@@ -144,23 +190,28 @@ def check_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: 
     free = f"{size(free_bytes)} is free on {where}"
     if est.weights >= budget:
         raise ConfigError(f"the models' weights and optimizer state need about {size(est.weights)} per rank but "
-                          f"{free}: use more ranks or --lora_rank")
-    stages = {"generate": ("gen_prompts", "KV cache and logits of one generate call"),
-              "score": ("score_micro_batch_size", "one reward-model micro-batch"),
-              "update": ("micro_batch_size", "activations of one training micro-batch")}
+                          f"{free}: use more ranks, --lora_rank or --frozen_cpu_offload true")
+    stages = {"gen_prompts": (("generate",), "KV cache and logits of one generate call"),
+              "score_micro_batch_size": (("score",), "one reward-model micro-batch"),
+              "micro_batch_size": (("reference", "update"),
+                                   "one training micro-batch: its activations, or the reference's log-probs")}
     problems = []
-    for stage, (option, what) in stages.items():
-        if est.weights + getattr(est, stage) <= budget:
+    for option, (names, what) in stages.items():
+        def need(e: StepMemory, names: tuple[str, ...] = names) -> int:
+            return max(getattr(e, n) for n in names)
+
+        if est.weights + need(est) <= budget:
             continue
         value = getattr(cfg, option)
-        def fits(v: int, option: str = option, stage: str = stage) -> bool:
-            return est.weights + getattr(step_memory(cfg, policy, reward_model, world, dtype_bytes, **{option: v}), stage) <= budget
+
+        def fits(v: int, option: str = option, need=need) -> bool:
+            return est.weights + need(step_memory(cfg, policy, reward_model, world, dtype_bytes, **{option: v})) <= budget
 
         best = largest_fitting(fits, value)
         hint = f"lower --{option} to {best}" if best else f"--{option} 1 does not fit either"
-        if stage == "update" and not cfg.activation_checkpointing:
+        if option == "micro_batch_size" and not cfg.activation_checkpointing:
             hint += " or set --activation_checkpointing true"
-        problems.append(f"--{option} {value} needs about {size(getattr(est, stage))} ({what}): {hint}")
+        problems.append(f"--{option} {value} needs about {size(need(est))} ({what}): {hint}")
     sharing = "" if cfg.prefix_sharing else " (or set --prefix_sharing true)"
     raise ConfigError(f"not enough device memory, {size(est.weights)} of weights and {free}{sharing}; "
                       + "; ".join(problems))

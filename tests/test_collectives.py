@@ -193,3 +193,69 @@ def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tm
     batch = collate_pairs(prompts, chosen, rejected)
     losses, _ = dpo.pair_losses(policy, reference, batch, dpo.preference_loss_fn(cfg), cfg.beta, run.device)
     assert torch.allclose(losses, torch.full_like(losses, math.log(2.0)), rtol=0, atol=1e-6), losses
+
+
+def test_every_unit_is_sharded_on_a_mesh_of_the_runs_device_type(one_rank_group, monkeypatch):
+    """fully_shard's default mesh follows the machine's accelerator, not the process group: on a machine with a GPU a
+    gloo (CPU) run would shard onto the GPU. shard_model passes a mesh of the run's device type; with the accelerator
+    reported as CUDA (as on a GPU machine), sharding still happens on a cpu mesh (FSDP2's default would fail here)."""
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
+    torch.manual_seed(0)
+    model = shard_model(GPT2LMHeadModel(CFG))
+    meshes = {p.device_mesh.device_type for p in model.parameters()}
+    assert meshes == {"cpu"}
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_reshard_settings_are_the_ones_shard_model_gave_and_come_back_after_a_gathered_block(one_rank_group):
+    from torch.distributed.fsdp import FSDPModule
+
+    from utils.fsdp import reshards_after_forward
+
+    torch.manual_seed(0)
+    trained = shard_model(GPT2LMHeadModel(CFG))
+    frozen = shard_model(freeze(GPT2LMHeadModel(CFG)))
+    settings = lambda model: [reshards_after_forward(m) for m in model.modules() if isinstance(m, FSDPModule)]
+    # blocks come first in modules() order after the root: [root, block 0, block 1]
+    assert settings(trained) == [False, True, True]  # a training root stays gathered from forward to backward
+    assert settings(frozen) == [True, True, True]
+    ids, pos, mask = rows()
+    with gathered_params(trained), torch.no_grad():
+        assert settings(trained) == [False, False, False]
+        trained(ids, pos, mask)
+    assert settings(trained) == [False, True, True]
+    # what FSDP2 does matches the recorded setting: after a frozen forward every unit is resharded
+    with torch.no_grad():
+        frozen(ids, pos, mask)
+    assert all(not m._get_fsdp_state()._fsdp_param_group.is_unsharded  # noqa: SLF001 (FSDP2's own view)
+               for m in frozen.modules() if isinstance(m, FSDPModule))
+
+
+def test_dpo_reference_is_gathered_once_per_step(one_rank_group, monkeypatch):
+    """DPO's frozen reference is gathered once for all the micro-batches of a step (as GRPO's frozen models are), not
+    once per micro-batch; the policy, which trains, is gathered in every micro-batch's forward."""
+    import dpo
+    from data.tldr import collate_pairs
+
+    unshards = []
+    real = _fsdp_param_group.FSDPParamGroup._to_unsharded
+
+    def counting(group):
+        if not group.is_unsharded:
+            unshards.append(group)
+        return real(group)
+
+    monkeypatch.setattr(_fsdp_param_group.FSDPParamGroup, "_to_unsharded", counting)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50257, n_positions=64, n_layer=2, n_head=2, n_embd=16)  # pairs end in GPT-2's end token
+    policy = shard_model(GPT2LMHeadModel(cfg))
+    reference = shard_model(freeze(GPT2LMHeadModel(cfg)))
+    ref_groups = {id(m._get_fsdp_state()._fsdp_param_group) for m in reference.modules() if hasattr(m, "_get_fsdp_state")}
+    g = torch.Generator().manual_seed(0)
+    pairs = lambda: [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (7, 5)]
+    micro = [collate_pairs(pairs(), pairs(), pairs()) for _ in range(3)]  # 3 micro-batches of 2 pairs
+    loss_fn = dpo.preference_loss_fn(dpo.Config())
+    dpo.accumulate_gradients(policy, reference, micro, 1, 6, loss_fn, 0.1, torch.device("cpu"))
+    from_reference = [grp for grp in unshards if id(grp) in ref_groups]
+    assert len(from_reference) == UNITS  # once per unit for the whole step
+    assert len(unshards) - len(from_reference) >= 3 * CFG.n_layer  # the policy's blocks: every micro-batch's forward

@@ -1,7 +1,9 @@
 """Checks only a GPU can make (`pytest -m gpu`, run by bench/gpu_all.sh): --deterministic makes two identical runs
 agree bit for bit on CUDA in bf16, and a run resumed from its sharded checkpoint equals the uninterrupted one there;
-with two GPUs, the same over NCCL (each rank writing its own checkpoint shards, the process group bound to its GPU).
-Each runs a golden configuration (tests/golden/stages.py) moved to the GPU."""
+CPU offload of the frozen models and activation checkpointing leave a deterministic run unchanged; the memory
+estimate (rollouts/memory.py) bounds the measured peak of the step it estimates; with two GPUs, the same over NCCL
+(each rank writing its own checkpoint shards, the process group bound to its GPU). Each run is a golden configuration
+(tests/golden/stages.py) moved to the GPU."""
 
 import json
 import shutil
@@ -33,6 +35,36 @@ def test_resume_from_a_sharded_checkpoint_is_bit_exact_on_gpu(tmp_path):
     (out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
     resumed = run("sft", tmp_path / "full", (*ON_GPU, "--save_every", "1", "--keep_last", "3"), fresh=False)
     assert resumed == full, (full, resumed)
+
+
+def test_frozen_cpu_offload_and_activation_checkpointing_leave_a_deterministic_run_unchanged(tmp_path):
+    # offload only moves where the frozen models' shards live between uses (the gathered values are the same), and
+    # checkpointing recomputes each block's forward in the backward with the same deterministic kernels: GRPO's
+    # numbers and final parameters must be the plain run's, bit for bit
+    plain = run("grpo_rso", tmp_path / "plain", ON_GPU)
+    assert run("grpo_rso", tmp_path / "offload", (*ON_GPU, "--frozen_cpu_offload", "true")) == plain
+    assert run("grpo_rso", tmp_path / "checkpointing", (*ON_GPU, "--activation_checkpointing", "true")) == plain
+
+
+def test_memory_estimate_bounds_the_measured_peak_of_the_step_it_estimates():
+    # one GRPO step of GPT-2 124M (random weights) in bf16 with 4 micro-batches per optimizer step: the estimate that
+    # decides whether a run may start must be at least what the step allocates (within the check's 10% margin), and
+    # not so loose that it refuses runs that fit (at most 3x)
+    from bench.grpo_step import GRPOBenchConfig, measure_steps
+    from rollouts.memory import MARGIN
+    from utils.dist import cleanup_distributed
+
+    cleanup_distributed()
+    bcfg = GRPOBenchConfig("gpu-memory-check", "gpt2", prompts=16, num_samples=16, num_kept=4, selection="rso",
+                           max_new_tokens=32, prompt_len=256, min_prompt_len=224, gen_prompts=8, micro_batch_size=16,
+                           score_micro_batch_size=64, warmup=1, repeats=1)
+    try:
+        m = measure_steps(bcfg, torch.device("cuda"))
+    finally:
+        cleanup_distributed()
+    measured, estimated = m["peak_memory_bytes"], m["estimated_peak_bytes"]
+    assert measured <= estimated / MARGIN, (measured, m["estimated_bytes"])
+    assert estimated <= 3 * measured, (measured, m["estimated_bytes"])
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

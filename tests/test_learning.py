@@ -1,6 +1,6 @@
 """Each stage learns what it should: the whole demo pipeline on the embedded task, with the demo's defaults.
 
-Thresholds come from demo runs (docs/demo_results.md records every field), set below the worst of three seeds with a
+Thresholds come from demo runs (docs/results.md records every field), set below the worst of three seeds with a
 margin: the reward model and DPO beat chance on held-out pairs, and GRPO raises the gold reward of sampled summaries
 over the SFT policy's. The other tests hold what the gold reward is for: the SFT policy copies key items from the post
 (at chance it names about 0.08 per summary; its likelihood prefers the post's item to an invented one), the reward
@@ -8,7 +8,7 @@ model and DPO check a summary's items against the post (the swap probe), DPO nam
 fewer, GRPO names more key items than SFT, and no summary without content (empty, generic, filler) scores as high as
 the SFT policy's samples. Not tested, because it does not hold on every run: that GRPO invents no more items than SFT
 (five runs of three seeds: -0.083 to +0.034 per summary; +0.034 on one of the three runs of seed 0, where GRPO named
-more items at the SFT policy's precision; docs/demo_results.md). Two-thread runs of seed 0 from two checkouts of the
+more items at the SFT policy's precision; docs/results.md). Two-thread runs of seed 0 from two checkouts of the
 same code differed (SFT's losses part at step 8, at 1e-7; two clean-clone runs were identical), so a seed alone does
 not fix a run.
 """
@@ -67,7 +67,7 @@ def test_reward_model_and_dpo_check_items_against_the_post(demo):
     summary, _, _ = demo
     assert summary["rm_swap_accuracy"] > SWAP_ACCURACY_MIN, summary
     assert summary["dpo_swap_accuracy"] > SWAP_ACCURACY_MIN, summary
-    # the appended-item probe ran (its sign is the reward model's, either way: docs/demo_results.md)
+    # the appended-item probe ran (its sign is the reward model's, either way: docs/results.md)
     assert all(math.isfinite(summary[k]) for k in ("rm_append_correct", "rm_append_invented")), summary
     assert summary["dpo_items_invented"] < summary["sft_items_invented"], summary
     assert summary["dpo_items_correct"] > summary["sft_items_correct"], summary

@@ -171,19 +171,55 @@ def test_memory_estimates_against_hand_numbers():
         48 * 2 * 18_080 * 1600 + 34 * 18_080 * 1600 + logits)
 
 
+def test_memory_terms_for_frozen_models_gathers_no_sync_gradients_and_math_attention():
+    from rollouts.memory import attention_scores_bytes, generate_bytes, no_sync_grad_bytes, param_count, weight_bytes
+
+    gpt2, xl = PRESETS["gpt2"], PRESETS["gpt2-xl"]
+    n = param_count(gpt2)
+    assert n == 124_439_808  # GPT-2 small, tied head counted once
+    # frozen reference and reward model keep fp32 shards (4 bytes per parameter), whatever the compute dtype; the
+    # policy 16 (weights, gradients, two AdamW moments); over 2 ranks. Offloaded frozen models cost the device nothing.
+    assert weight_bytes(gpt2, gpt2, 2, lora=False) == (16 + 4 + 4) * n // 2
+    assert weight_bytes(gpt2, gpt2, 2, lora=False, frozen_offload=True) == 16 * n // 2
+    assert weight_bytes(gpt2, None, 1, lora=True) == 4 * n  # LoRA: the frozen base; the reference is the policy itself
+    # generation holds the whole gathered policy (bf16: 2 bytes per parameter) beside the KV cache and logits
+    cfg = grpo.Config(max_prompt_len=512)
+    est = step_memory(cfg, gpt2, gpt2, 8, 2)
+    assert est.generate == 2 * n + generate_bytes(gpt2, 16, 64, 512, 53, 2, shared=True)
+    # the unsharded fp32 gradients between micro-batches: 256 prompts x 8 kept / 8 ranks / 32 rows = 8 micro-batches
+    assert no_sync_grad_bytes(gpt2, 8, lora=False) == 4 * n
+    assert no_sync_grad_bytes(gpt2, 1, lora=False) == 0  # one micro-batch reduce-scatters in its own backward
+    one_micro = grpo.Config(max_prompt_len=512, prompts_per_step=32, micro_batch_size=32)  # 32 x 8 / 8 ranks = 32 rows
+    assert est.update - step_memory(one_micro, gpt2, gpt2, 8, 2).update == 4 * n
+    # --deterministic's math attention: two (T, T) tensors per head and layer kept for the backward; gpt2-xl, 8 rows of
+    # 512 + 53 tokens, bf16: 2 x 25 heads x 8 x 565^2 x 2 bytes = 255 MB per layer, 12.3 GB over 48 layers
+    assert attention_scores_bytes(xl, 8, 8, 512, 53, 2, shared=False) == 2 * 25 * 8 * 565 * 565 * 2
+    plain = update_bytes(xl, 8, 8, 512, 53, 2, shared=False, checkpointing=False)
+    math = update_bytes(xl, 8, 8, 512, 53, 2, shared=False, checkpointing=False, math_attention=True)
+    assert math - plain == 48 * 2 * 25 * 8 * 565 * 565 * 2 == 12_258_240_000
+    # shared prefix: 2 prompts of 512 attend to themselves once, 8 responses of 53 to their prompt and themselves
+    assert attention_scores_bytes(xl, 8, 2, 512, 53, 2, shared=True) == 2 * 25 * (2 * 512 * 512 + 8 * 53 * 565) * 2
+    checkpointed = update_bytes(xl, 8, 8, 512, 53, 2, shared=False, checkpointing=True, math_attention=True)
+    assert checkpointed - update_bytes(xl, 8, 8, 512, 53, 2, shared=False, checkpointing=True) == 2 * 25 * 8 * 565 * 565 * 2
+    deterministic = grpo.Config(max_prompt_len=512, deterministic=True)
+    assert step_memory(deterministic, xl, xl, 1, 2).update > step_memory(grpo.Config(max_prompt_len=512), xl, xl, 1, 2).update
+
+
 def test_memory_check_names_the_option_to_lower():
     xl = PRESETS["gpt2-xl"]
     cfg = grpo.Config(max_prompt_len=512, prefix_sharing=False)
     free = 80 * GiB
     with pytest.raises(ConfigError) as info:
         check_memory(cfg, xl, xl, 1, 2, free, "cuda:0")
-    # unshared: the KV cache (166 GiB, 10.4 per prompt) and the activations of 32 rows x 565 tokens (44 GiB) beside 29 GiB
-    # of weights (1.56B parameters x (16 + 2) bytes, plus the bf16 reward model) in 90% of 80 GiB
+    # unshared: the gathered policy (2.9 GiB) and the KV cache (166 GiB, 10.4 per prompt) of one generate call, and the
+    # activations of 32 rows x 565 tokens (44.4 GiB) plus the unsharded fp32 gradients FSDP2 keeps between the step's
+    # 64 micro-batches (5.8 GiB), beside 34.8 GiB of weights (1.56B parameters x 16 bytes for the policy and 4 each for
+    # the fp32 reference and reward model) in 90% of 80 GiB
     assert str(info.value) == (
-        "not enough device memory, 29.0 GiB of weights and 80.0 GiB is free on cuda:0 (or set --prefix_sharing true); "
-        "--gen_prompts 16 needs about 166.3 GiB (KV cache and logits of one generate call): lower --gen_prompts to 4; "
-        "--micro_batch_size 32 needs about 44.4 GiB (activations of one training micro-batch): lower "
-        "--micro_batch_size to 16 or set --activation_checkpointing true")
+        "not enough device memory, 34.8 GiB of weights and 80.0 GiB is free on cuda:0 (or set --prefix_sharing true); "
+        "--gen_prompts 16 needs about 169.2 GiB (KV cache and logits of one generate call): lower --gen_prompts to 2; "
+        "--micro_batch_size 32 needs about 50.2 GiB (one training micro-batch: its activations, or the reference's "
+        "log-probs): lower --micro_batch_size to 16 or set --activation_checkpointing true")
     est = check_memory(grpo.Config(max_prompt_len=512), xl, xl, 1, 2, free, "cuda:0")  # the defaults fit with sharing
     assert est.peak < 0.9 * free
     big_micro = grpo.Config(max_prompt_len=512, micro_batch_size=256, prefix_sharing=True)
@@ -211,7 +247,7 @@ def test_grpo_stops_before_loading_weights_when_generation_cannot_fit(tmp_path, 
             "--wandb_mode", "disabled", "--out_dir", str(tmp_path / "run")]
     code, message = run_cli(grpo, args, capsys)
     assert code == 2
-    assert message.startswith("error: not enough device memory") and "--gen_prompts 8 needs about 420 MiB" in message
+    assert message.startswith("error: not enough device memory") and "--gen_prompts 8 needs about 432 MiB" in message
     assert "lower --gen_prompts to 2" in message and "--micro_batch_size" not in message  # 8 -> 4 -> 2 (halving)
 
 
@@ -240,3 +276,41 @@ def test_pair_batches_packed_match_the_padded_rows(tldr_prompts, pooling):
     for a, b in zip(out[True], out[False]):
         assert close(a, b, rel=True)
     assert out[False][0].std() > 0 and out[False][1].abs().min() > 1 and out[False][2].abs().max() > 0
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
+def test_bf16_with_the_default_attention_kernel_matches_fp32_on_left_padded_and_packed_rows(device):
+    """The production path: bf16 weights and activations, the attention kernel torch picks (flash or memory-efficient
+    on a GPU; not the math kernel --deterministic forces), on left-padded rows and on packed prefix-sharing rows,
+    against fp32. The tolerance is set against what a masking error costs: attending to the left padding moves the
+    log-probs at least 5x more than bf16 rounding does."""
+    from data.tldr import collate_pairs
+    from evaluation.preference import response_logprobs, reward_scores
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, n_positions=256)
+    policy, reward_model = GPT2LMHeadModel(cfg), RewardModel(cfg, "last")
+    with torch.no_grad():  # sharper attention than GPT-2's init, so that which keys are attended matters
+        for m in (policy, reward_model):
+            for block in m.modules():
+                if hasattr(block, "c_attn"):
+                    block.c_attn.weight.mul_(8)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (40, 7, 23, 31)]  # left-padded to 40
+    chosen = [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (5, 12, 3, 9)]
+    rejected = [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (8, 2, 11, 6)]
+    batch = collate_pairs(prompts, chosen, rejected)
+    policy, reward_model = policy.to(device).eval(), reward_model.to(device).eval()
+    with torch.no_grad():
+        want_logp = response_logprobs(policy, batch, device, shared=False).float()
+        want_score = reward_scores(reward_model, batch, device, shared=False).float()
+        wrong = dict(batch, attention_mask=torch.ones_like(batch["attention_mask"]))  # attends to the padding
+        masking_error = (response_logprobs(policy, wrong, device, shared=False).float() - want_logp).abs().max()
+        policy16, reward16 = policy.to(torch.bfloat16), reward_model.to(torch.bfloat16)
+        for shared in (False, True):
+            logp_error = (response_logprobs(policy16, batch, device, shared).float() - want_logp).abs().max()
+            score_error = (reward_scores(reward16, batch, device, shared).float() - want_score).abs().max()
+            assert torch.isfinite(logp_error) and logp_error < masking_error / 5, (shared, logp_error, masking_error)
+            assert score_error < 0.02 * want_score.abs().max() + 0.02, (shared, score_error, want_score)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +68,18 @@ def test_logger_writes_metrics_in_every_wandb_mode(tmp_path, mode):
     assert rows == [{"step": 3, "loss": 1.5}]
     assert (tmp_path / "wandb").exists() == (mode == "offline")
     assert json.loads((tmp_path / "config.json").read_text()) == {"a": 1}  # what evaluation/compare.py groups by
+
+
+def test_wandb_auto_says_which_mode_and_an_offline_run_how_to_sync(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc: no login
+    log = Logger(tmp_path / "run", {}, "test", "run", "auto", enabled=True)
+    log.finish()
+    lines = capsys.readouterr().err.splitlines()
+    folder = Path(log.run.dir).parent
+    assert folder.is_dir() and folder.parent == tmp_path / "run" / "wandb"
+    sync = f"wandb: offline run in {folder}; upload it with: wandb sync {folder}"
+    assert lines == ["wandb: --wandb_mode auto -> offline (no login in WANDB_API_KEY or ~/.netrc)", sync, sync]
 
 
 def test_logger_gives_the_wandb_run_its_group_and_tags(tmp_path):
@@ -227,3 +240,37 @@ def test_every_script_help_documents_every_option(script, capsys):
     text = capsys.readouterr().out
     for field in dataclasses.fields(module.Config):
         assert f"--{field.name}" in text, field.name
+
+
+def _without_wandb(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+
+
+def test_wandb_auto_without_wandb_installed_logs_to_metrics_only(tmp_path, monkeypatch, capsys):
+    from utils.logging import Logger
+
+    _without_wandb(monkeypatch)
+    logger = Logger(tmp_path / "run", {"lr": 1.0}, "p", "n", "auto", enabled=True, resume_step=0)
+    logger.log({"train/loss": 1.5}, step=1)
+    logger.finish()
+    assert logger.run is None
+    assert capsys.readouterr().err.strip() == "wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only"
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text()) == {"step": 1, "train/loss": 1.5}
+
+
+@pytest.mark.parametrize("mode", ["online", "offline"])
+def test_wandb_online_or_offline_without_wandb_installed_stops_at_start(tmp_path, monkeypatch, capsys, mode):
+    import sft
+    from tests.helpers import run_cli
+
+    _without_wandb(monkeypatch)
+    out = tmp_path / "run"
+    code, message = run_cli(sft, ["--model", "tiny", "--random_init", "true", "--train_data", "x.jsonl",
+                                  "--wandb_mode", mode, "--out_dir", str(out)], capsys)
+    assert code == 2
+    assert message.startswith(f"error: --wandb_mode {mode} needs the wandb package, which is not installed: pip install "
+                              f"wandb, or --wandb_mode disabled (or auto: no wandb, metrics.jsonl only)")
+    assert not out.exists()  # nothing written

@@ -5,18 +5,29 @@ help text, so `--help` documents every option from the same place the code does.
 true/false/1/0/yes/no. A misspelled option, a value of the wrong type or a failed `validate()` ends the process
 with exit code 2 and one line, `error: ...`, naming the option and what was expected (printed by rank 0 only, so a
 torchrun launch does not repeat it once per process).
+
+`--help` lists the options by section (SECTIONS; a comment line `# --- SECTION` among a config's fields starts
+one), each section with the script's own options first, then the shared ones. The option tables in docs/ are the
+same listing in markdown, generated from it and checked against it by tests/test_docs.py:
+
+    python -m utils.config --markdown grpo     # print grpo.py's option tables
+    python -m utils.config --update_docs       # rewrite every generated table in docs/*.md
 """
 
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import difflib
+import importlib
 import inspect
 import os
+import re
 import sys
 import textwrap
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
@@ -36,22 +47,58 @@ def print_error(message: str) -> None:
         print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
 
 
-def field_docs(cls) -> dict[str, str]:
-    """Field name -> the string literal under its annotation, for a dataclass and its bases."""
-    docs: dict[str, str] = {}
+# Sections of --help and of the option tables in docs/, in this order. A comment line `# --- SECTION` among a config
+# class's fields starts a section; a field belongs to the nearest such line above it where it is first declared (a
+# script that redeclares a shared option to change its default leaves it in its section). A field under none is
+# listed last, under OTHER.
+SECTIONS = (
+    "models", "data", "sampling", "rewards and selection", "objective", "batch sizes and optimisation",
+    "evaluation and logging", "run", "LoRA",
+)
+OTHER = "other"
+_SECTION_LINE = re.compile(r"^\s*# --- ([^(:]+?)\s*(?:[(:].*)?$")  # a note may follow in parentheses or after ":"
+
+
+def _class_fields(cls):
+    """(field name, its AnnAssign node, the next statement, the class's source lines) for each field written in the
+    body of `cls` and of its dataclass bases, base classes first."""
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
         try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+            source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):
             continue
-        body = tree.body[0].body
+        lines, body = source.splitlines(), ast.parse(source).body[0].body
         for node, nxt in zip(body, body[1:] + [None]):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-                    docs[node.target.id] = " ".join(nxt.value.value.split())
+                yield node.target.id, node, nxt, lines
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Field name -> the string literal under its annotation, for a dataclass and its bases."""
+    docs: dict[str, str] = {}
+    for name, _, nxt, _ in _class_fields(cls):
+        if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[name] = " ".join(nxt.value.value.split())
     return docs
+
+
+def field_sections(cls) -> dict[str, str]:
+    """Field name -> its section (SECTIONS), from the `# --- SECTION` lines of a dataclass and its bases."""
+    sections: dict[str, str] = {}
+    for name, node, _, lines in _class_fields(cls):
+        for line in reversed(lines[: node.lineno - 1]):
+            if match := _SECTION_LINE.match(line):
+                sections.setdefault(name, match.group(1))
+                break
+    return sections
+
+
+def own_fields(cls) -> set[str]:
+    """Fields that `cls` declares and none of its dataclass bases does: the script's own options."""
+    inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
+    return set(inspect.get_annotations(cls)) - inherited
 
 
 def _parse_bool(s: str) -> bool:
@@ -101,22 +148,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2)
 
 
-def parse_config(cls: type[T], argv: list[str] | None = None, description: str | None = None) -> T:
-    """Build `cls` from its defaults overridden by `--field value` arguments."""
+def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `cls`'s fields: one argument group per section (SECTIONS order, then any other), in each the
+    fields `cls` declares itself first, then the inherited ones, each in declaration order."""
     hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
+    docs, sections, own = field_docs(cls), field_sections(cls), own_fields(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     parser = _Parser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         valid=[f.name for f in fields],
     )
-    for f in fields:
+    order = list(SECTIONS) + sorted({sections.get(f.name, OTHER) for f in fields} - set(SECTIONS) - {OTHER}) + [OTHER]
+    groups = {}
+    for f in sorted(fields, key=lambda f: (order.index(sections.get(f.name, OTHER)), f.name not in own)):
+        section = sections.get(f.name, OTHER)
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section if section != OTHER else "other options")
         conv, choices = _converter(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        parser.add_argument(
+        groups[section].add_argument(
             f"--{f.name}", type=conv, choices=choices, default=default,
             help=(docs.get(f.name, "") or " ").replace("%", "%%"), metavar=hints[f.name].__name__.upper() if isinstance(hints[f.name], type) else None,
         )
+    return parser
+
+
+def parse_config(cls: type[T], argv: list[str] | None = None, description: str | None = None) -> T:
+    """Build `cls` from its defaults overridden by `--field value` arguments."""
+    parser = build_parser(cls, description)
     args = parser.parse_args(argv)
     cfg = cls(**vars(args))
     if hasattr(cfg, "validate"):
@@ -166,6 +225,7 @@ def check_context(model_cfg, max_prompt_len: int, max_response_len: int, what: s
 
 @dataclasses.dataclass
 class DataConfig:
+    # --- data
     train_data: str = "trl-lib/tldr"
     """Training rows: a hub dataset name, a .jsonl/.parquet file, or a folder of them; columns prompt, completion
     (sft.py), prompt, chosen, rejected (reward_model.py, dpo.py), prompt (grpo.py)."""
@@ -191,6 +251,7 @@ class DataConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
+    # --- batch sizes and optimisation
     steps: int = 0
     """Optimizer steps (GRPO: steps of rollouts and updates); 0 means one epoch over the training rows."""
     lr: float = 3e-5
@@ -216,6 +277,7 @@ class OptimConfig:
 
 @dataclasses.dataclass
 class DecodeConfig:
+    # --- sampling
     compile: bool = False
     """Compile the sampler's decode step with torch.compile (model/sampler.py: CUDA graphs on a GPU, inductor on a
     CPU), once per run; the same tokens and log-probs as eager up to float rounding. The first calls pay the
@@ -229,8 +291,10 @@ PER_RANK_METRICS = ("perf/",)
 
 @dataclasses.dataclass
 class RunConfig:
+    # --- evaluation and logging
     eval_every: int = 100
     """Evaluate every N steps and after the last; 0: only after the last; -1: never."""
+    # --- run
     save_every: int = 500
     """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
     keep_last: int = 2
@@ -267,8 +331,10 @@ class RunConfig:
     """Process-group timeout: a collective that waits longer than this for another rank fails the run (NCCL and gloo
     alike) instead of hanging. Raise it when one rank alone does something slow while the others wait (the
     rank-0 Hugging Face export of a large model on a slow disk)."""
+    # --- evaluation and logging
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
-    """online, offline, disabled, or auto (online with a wandb login, offline otherwise)."""
+    """online, offline, disabled, or auto (online with a wandb login, offline otherwise, disabled when wandb is not
+    installed). metrics.jsonl is written in every mode."""
     wandb_project: str = "tldr-rlhf"
     """wandb project."""
     run_name: str = "run"
@@ -280,6 +346,9 @@ class RunConfig:
 
     def validate_run(self) -> None:
         require_nonempty(self, "out_dir")
+        if self.wandb_mode in ("online", "offline") and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"--wandb_mode {self.wandb_mode} needs the wandb package, which is not installed: "
+                              f"pip install wandb, or --wandb_mode disabled (or auto: no wandb, metrics.jsonl only)")
         if self.keep_last <= 0:
             raise ConfigError(f"--keep_last must be positive, got {self.keep_last}")
         if self.save_every < 0:
@@ -303,3 +372,86 @@ class RunConfig:
     def eval_due(self, step: int, total_steps: int) -> bool:
         """--eval_every: after step `step` (1-based) of `total_steps`, every N steps and after the last."""
         return self.eval_every >= 0 and (step == total_steps or (self.eval_every > 0 and step % self.eval_every == 0))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Option tables in docs/, generated from the same parser as --help
+
+# A generated block in a docs/*.md file: `<!-- options: SCRIPT -->` (every section, each under a ### heading) or
+# `<!-- options: SCRIPT | SECTION -->` (that section's table alone), up to `<!-- end options -->`
+DOCS_BLOCK = re.compile(r"(<!-- options: (\w+)(?: \| ([^>]+?))? -->\n)(.*?)(<!-- end options -->)", re.S)
+REGENERATE = "python -m utils.config --update_docs"
+
+
+def _markdown_default(value) -> str:
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    return '`""`' if value == "" else f"`{value}`"
+
+
+def options_markdown(cls, section: str | None = None) -> str:
+    """`cls`'s options as `--help` lists them, in markdown: per section a ### heading and a table (option, default,
+    help); with `section`, that section's table alone."""
+    out = []
+    for group in build_parser(cls)._action_groups:
+        actions = [a for a in group._group_actions if a.dest != "help"]
+        if not actions or section not in (None, group.title):
+            continue
+        if section is None:
+            out += [f"### {group.title[0].upper()}{group.title[1:]}", ""]
+        out += ["| option | default | |", "|---|---|---|"]
+        for a in actions:
+            text = " ".join(a.help.replace("%%", "%").split())
+            if a.choices:
+                text += " One of: " + ", ".join(map(str, a.choices)) + "."
+            out.append(f"| `{a.option_strings[0]}` | {_markdown_default(a.default)} | {text.replace('|', chr(92) + '|')} |")
+        out.append("")
+    if not out:
+        raise ValueError(f"{cls.__module__}.{cls.__name__} has no section {section!r}; sections: {', '.join(SECTIONS)}")
+    return "\n".join(out)
+
+
+def script_config(script: str):
+    """The Config class of a script in the repository root (sft, reward_model, dpo, grpo, eval_preferences)."""
+    return importlib.import_module(script.removesuffix(".py")).Config
+
+
+def render_docs(text: str) -> str:
+    """`text` with every generated option block rewritten from the scripts' configs."""
+    def block(m: re.Match) -> str:
+        return m.group(1) + "\n" + options_markdown(script_config(m.group(2)), m.group(3)) + "\n" + m.group(5)
+
+    return DOCS_BLOCK.sub(block, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m utils.config", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="The option tables of the training scripts, in markdown, as their --help lists them.",
+    )
+    p.add_argument("--markdown", metavar="SCRIPT", default="",
+                   help="print the option tables of SCRIPT (sft, reward_model, dpo, grpo, eval_preferences)")
+    p.add_argument("--update_docs", action="store_true",
+                   help="rewrite every generated block (<!-- options: SCRIPT -->) in the *.md files of --docs")
+    p.add_argument("--docs", default=str(Path(__file__).resolve().parents[1] / "docs"),
+                   help="folder of the markdown files --update_docs rewrites")
+    args = p.parse_args(argv)
+    if not (args.markdown or args.update_docs):
+        p.error("give --markdown SCRIPT or --update_docs")
+    if args.markdown:
+        try:
+            cls = script_config(args.markdown)
+        except (ImportError, AttributeError) as e:
+            p.error(f"--markdown {args.markdown}: no script with a Config class by that name ({e})")
+        print(options_markdown(cls), end="")
+    if args.update_docs:
+        for path in sorted(Path(args.docs).glob("*.md")):
+            text = path.read_text()
+            if (new := render_docs(text)) != text:
+                path.write_text(new)
+                print(f"rewrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,8 +6,13 @@ sharding is applied to a built model.
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# Each unit's reshard-after-forward setting, as shard_model gave it (FSDP2 has a setter and no public getter).
+RESHARD_ATTR = "fsdp_reshard_after_forward"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
@@ -22,13 +27,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
     raise ValueError(f"dtype must be one of auto, bf16, fp32; got '{name}'")
 
 
+def run_mesh() -> DeviceMesh:
+    """A 1-D device mesh over the default process group, of the run's device type: cuda for an NCCL group, cpu for a
+    gloo one. fully_shard's own default takes the machine's accelerator instead, so a CPU (gloo) run on a machine with
+    a GPU would shard its parameters onto the GPU."""
+    if not dist.is_initialized():
+        raise RuntimeError("shard_model needs a process group: call utils.dist.setup_distributed first")
+    device_type = "cuda" if "nccl" in dist.get_backend() else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
 def shard_model(
     model: nn.Module,
     param_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
     activation_checkpointing: bool = False,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """Shard `model` in place over the default process group and return it.
+    """Shard `model` in place over `mesh` (default: run_mesh(), every rank of the default process group on the run's
+    device type) and return it.
 
     param_dtype: compute dtype (e.g. bf16); gradients are always reduced in fp32 and the optimizer keeps fp32
     master weights. cpu_offload: keep sharded parameters on the CPU (for frozen reference and reward models;
@@ -44,7 +61,7 @@ def shard_model(
     gathered, or on the GPU under cpu_offload, between uses.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
-    kwargs = dict(mp_policy=mp)
+    kwargs = dict(mp_policy=mp, mesh=mesh or run_mesh())
     if cpu_offload:
         if not torch.cuda.is_available():
             raise ValueError("cpu_offload needs a GPU: FSDP offloads parameters from the GPU to the CPU")
@@ -53,11 +70,27 @@ def shard_model(
         if getattr(type(m), "fsdp_unit", False):
             m.activation_checkpointing = activation_checkpointing
             fully_shard(m, reshard_after_forward=True, **kwargs)
+            setattr(m, RESHARD_ATTR, True)
     trains = any(p.requires_grad for p in model.parameters())
     fully_shard(model, reshard_after_forward=not trains, **kwargs)
+    setattr(model, RESHARD_ATTR, not trains)
     if not trains:  # frozen: it never runs a backward
         model.register_forward_hook(lambda module, args, output: forget_forward_order(module))
     return model
+
+
+def _forward_order_lists(unit: FSDPModule) -> tuple[list, list]:
+    """The two lists FSDP2 appends to at every forward of `unit` for the next backward's prefetching: the root's
+    forward-order list (shared by every unit of a model) and the unit's own indices into it. Private FSDP2 state, the
+    same on torch 2.11 to 2.14 (tests/test_collectives.py checks they are emptied); the one place this module reads
+    FSDP2's internals."""
+    try:
+        state = unit._get_fsdp_state()
+        group = state._fsdp_param_group
+        return state._comm_ctx.post_forward_order, (group._post_forward_indices if group is not None else [])
+    except AttributeError as e:
+        raise RuntimeError(f"utils/fsdp.py reads FSDP2's forward-order records, which torch {torch.__version__} keeps "
+                           f"elsewhere ({e}); the supported torch range is in pyproject.toml") from None
 
 
 def forward_order_records(model: nn.Module) -> int:
@@ -66,25 +99,20 @@ def forward_order_records(model: nn.Module) -> int:
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         return 0
-    states = [m._get_fsdp_state() for m in units]
-    groups = [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
-    return len(states[0]._comm_ctx.post_forward_order) + sum(len(g._post_forward_indices) for g in groups)
+    lists = [_forward_order_lists(m) for m in units]
+    return len(lists[0][0]) + sum(len(indices) for _, indices in lists)
 
 
 def forget_forward_order(model: nn.Module) -> None:
     """Drop the records FSDP2 keeps of each forward for the next backward's prefetching: every unit appends itself to
     a list on the root at every forward (and its index to a list of its own), and only the end of a backward clears
     them. A frozen model (a reference, a reward model) never runs a backward, so its lists would grow by two entries
-    per unit per forward for the whole run. shard_model calls this after every forward of a frozen model.
-
-    These are FSDP2's private attributes (torch 2.11 to 2.13); tests/test_collectives.py checks that the records
-    stay empty, so a torch that moves them fails there rather than leaking."""
+    per unit per forward for the whole run. shard_model calls this after every forward of a frozen model."""
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            state = m._get_fsdp_state()
-            state._comm_ctx.post_forward_order.clear()
-            if state._fsdp_param_group is not None:
-                state._fsdp_param_group._post_forward_indices.clear()
+            order, indices = _forward_order_lists(m)
+            order.clear()
+            indices.clear()
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -94,10 +122,11 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def reshards_after_forward(unit: FSDPModule) -> bool:
-    """Whether an FSDP unit frees its gathered parameters after forward. FSDP2 has a setter
-    (set_reshard_after_forward) but no getter: the setting is whether its parameter groups keep a post-forward mesh."""
-    groups = unit._get_fsdp_state()._fsdp_param_groups
-    return any(g.post_forward_mesh_info is not None for g in groups)
+    """Whether an FSDP unit frees its gathered parameters after forward: the setting shard_model gave it (FSDP2 has a
+    setter, set_reshard_after_forward, and no public getter)."""
+    if not hasattr(unit, RESHARD_ATTR):
+        raise RuntimeError(f"{type(unit).__name__} was sharded outside utils.fsdp.shard_model: its reshard setting is unknown")
+    return getattr(unit, RESHARD_ATTR)
 
 
 @contextmanager
@@ -112,6 +141,7 @@ def gathered_params(model: nn.Module):
     previous = [reshards_after_forward(m) for m in units]
     for m in units:
         m.set_reshard_after_forward(False, recurse=False)
+        setattr(m, RESHARD_ATTR, False)
         m.unshard()
     try:
         yield model
@@ -119,6 +149,7 @@ def gathered_params(model: nn.Module):
         for m, setting in zip(units, previous):
             m.reshard()
             m.set_reshard_after_forward(setting, recurse=False)
+            setattr(m, RESHARD_ATTR, setting)
 
 
 @torch.no_grad()

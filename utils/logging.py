@@ -1,6 +1,7 @@
 """Metrics on rank 0: wandb (online, offline or disabled), a metrics.jsonl file in the run directory that
 tests and plots read, and tqdm progress bars."""
 
+import importlib.util
 import json
 import time
 from collections import defaultdict
@@ -18,7 +19,8 @@ class Logger:
         self, run_dir: str | Path, config: dict, project: str, name: str, mode: str, enabled: bool,
         resume_step: int | None = None, group: str = "", tags: str = "",
     ):
-        """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline).
+        """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline; disabled,
+        with one line saying so, when wandb is not installed).
 
         resume_step: the step a training run starts from (0 for a fresh start). Lines that a killed run wrote
         after that checkpoint are removed from metrics.jsonl and the table files, so a resumed run's files read as
@@ -32,6 +34,7 @@ class Logger:
         self.file = None
         self.resume_step = resume_step
         self.tables_opened: set[str] = set()
+        self.offline = False
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -39,8 +42,13 @@ class Logger:
         self._truncate(self.run_dir / "metrics.jsonl")
         self.file = open(self.run_dir / "metrics.jsonl", "a")
         (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str) + "\n")
+        if mode == "auto" and importlib.util.find_spec("wandb") is None:
+            say("wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only")
+            mode = "disabled"
         if mode == "auto":
-            mode = "online" if (os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file()) else "offline"
+            login = bool(os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file())
+            mode = "online" if login else "offline"
+            say(f"wandb: --wandb_mode auto -> {mode} ({'a' if login else 'no'} login in WANDB_API_KEY or ~/.netrc)")
         if mode != "disabled":
             import wandb
 
@@ -49,6 +57,14 @@ class Logger:
                 tags=[t.strip() for t in tags.split(",") if t.strip()] or None,
                 settings=wandb.Settings(silent=True),
             )
+            self.offline = mode == "offline"
+            if self.offline:
+                say(self.offline_note())
+
+    def offline_note(self) -> str:
+        """Where an offline wandb run is and how to upload it (its folder holds files/, logs/ and the .wandb file)."""
+        folder = Path(self.run.dir).parent
+        return f"wandb: offline run in {folder}; upload it with: wandb sync {folder}"
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -95,6 +111,8 @@ class Logger:
             self.file.close()
         if self.run is not None:
             self.run.finish()
+            if self.offline:
+                say(self.offline_note())
 
 
 def _jsonable(v) -> bool:

@@ -13,8 +13,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas=(0.9
     """AdamW with weight decay on matrices only (not on biases, layer norms or the reward gain/bias).
 
     The fused implementation (one kernel over every parameter, on CPU and CUDA, DTensor shards included): the same
-    update as the per-tensor loop up to rounding, and on a CPU about 6x cheaper (the tiny demo model's 3.3M parameters:
-    2.5 ms a step against 15 ms, 2 threads), which is a tenth of a tiny model's SFT step."""
+    update as the per-tensor loop up to rounding, and cheaper on a CPU (docs/benchmarks.md)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]

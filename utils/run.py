@@ -3,13 +3,15 @@
     run = start_run(cfg, meta)                          # process group, run directory, checkpoint lookup, seeding
     ... data, models, optimizer, scheduler ...
     step = resume(run, cfg, model, optimizer, scheduler, loader, total_steps)   # then the logger and progress bar
+    metrics, stopping = {}, False
     with run.stop:                                      # SIGTERM / SIGINT: finish the step, save, leave
         while step < total_steps:
             ... one step ...
             step += 1
-            if end_of_step(run, cfg, step, total_steps, metrics, model, optimizer, scheduler, loader):
+            stopping = end_of_step(run, cfg, step, total_steps, metrics, model, optimizer, scheduler, loader)
+            if stopping:
                 break                                   # a signal came: the checkpoint is saved
-    finish(run, model, metrics, export=lambda sd: save_export(model, sd, model_cfg, run.dir / "hf"))
+    finish(run, model, step, metrics, stopping, lambda sd: save_export(model, sd, model_cfg, run.dir / "hf"))
 
 Random streams: every random draw of a run that is not the model's initialisation comes from a torch.Generator
 seeded by utils.dist.stream(seed, step, rank, stream name), so streams are independent of each other and of the

@@ -21,14 +21,16 @@ from utils.fsdp import gathered_params, shard_model  # noqa: E402
 from utils.optim import build_optimizer, clip_grad_norm  # noqa: E402
 
 calls = []
-_all_gather_single = dist.all_gather_single
+# FSDP2 gathers each unit's parameters with one collective, which its DefaultAllGather looks up on torch.distributed
+# at every call (so a replacement there sees every one): all_gather_single on torch 2.13 and
+# 2.14, all_gather_into_tensor on 2.11
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_all_gather = getattr(dist, GATHER)
 
 
-def counting_all_gather_single(*args, **kwargs):
-    """FSDP2 gathers each unit's parameters with one dist.all_gather_single (its DefaultAllGather looks the function
-    up on the module at every call, so this replacement sees every one)."""
+def counting_all_gather(*args, **kwargs):
     calls.append(1)
-    return _all_gather_single(*args, **kwargs)
+    return _all_gather(*args, **kwargs)
 
 
 def gathers(fn) -> int:
@@ -39,7 +41,7 @@ def gathers(fn) -> int:
 
 def main(out: str):
     info = setup_distributed("cpu")
-    dist.all_gather_single = counting_all_gather_single
+    setattr(dist, GATHER, counting_all_gather)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=512, n_layer=2, n_head=2, n_embd=32, n_positions=64)
     model = shard_model(GPT2LMHeadModel(cfg))

@@ -25,26 +25,28 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
+from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.pairs import PairConfig, load_pairs
 from evaluation.preference import evaluate_policy, policy_logps, response_logprobs
+from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import AdaptersOff, LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.losses import dpo_loss, ipo_loss
 from rlhf.stats import pair_outcomes
 from rollouts.models import sharded_module
 from utils.config import (
-    ConfigError, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config,
+    ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
 )
 from utils.dist import all_reduce_sum
 from utils.fsdp import gathered_params, resolve_dtype, set_gradient_sync, shard_model
 from utils.guard import exit_on_error
 from utils.optim import build_optimization, guarded_step, step_throughput
-from utils.run import Run, end_of_step, finish, resume, start_run
+from utils.run import Run, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisation, preference-pair and LoRA options
+class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig):  # shared options; --judge: win rate
     # --- models
     model: str = "runs/sft/hf"
     """Starting policy: an SFT export (Hugging Face-format folder), a hub name (gpt2, ...), or with
@@ -74,6 +76,9 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisati
     eval_every: int = 100
     """Validation preference accuracy of the implicit reward every N steps, before the first step and after the last;
     0: only after the last; -1: never."""
+    eval_samples: int = 4
+    """Validation prompts whose greedy summaries are logged at every evaluation (samples.jsonl, a wandb table, beside
+    each prompt's chosen response); 0: none."""
     best_metric: str = "val/accuracy"
     best_mode: Literal["min", "max"] = "max"
     out_dir: str = "runs/dpo"
@@ -90,6 +95,9 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig):  # run, optimisati
             raise ConfigError("--frozen_cpu_offload needs a GPU (FSDP offloads shards from GPU to CPU memory); "
                               "on CPU leave it false: the reference already lives in CPU memory")
         self.validate_shared()  # --model, data, run, optimisation (and LoRA) options
+        if self.eval_samples < 0:
+            raise ConfigError(f"--eval_samples must be >= 0, got {self.eval_samples}")
+        self.validate_judge()
 
 
 def preference_loss_fn(cfg: Config):
@@ -185,22 +193,27 @@ def build_models(cfg: Config, run: Run) -> tuple[nn.Module, nn.Module]:
 def main(cfg: Config) -> dict:
     # 1. distributed set-up and every check that needs no data and no weights: sizes, the models' configs, the run
     #    directory and the checkpoint to resume from (all before any model is built or put on a GPU)
-    model_cfg = model_config(cfg.model, cfg.random_init)
-    check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "policy")
+    model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
+    limits = [(model_cfg, "max_response_len", "policy")]
     if cfg.reference:
-        check_context(model_config(cfg.reference), cfg.max_prompt_len, cfg.max_response_len, "reference")
+        limits.append((model_config(cfg.reference, kind="policy", option="--reference"), "max_response_len", "reference"))
+    fit_context(cfg, *limits, *cfg.judge_limits(model_cfg))
     run = start_run(cfg, {"stage": "dpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     world, device = run.world, run.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
 
     # 2. data: tokenize, shard per rank, shuffle per epoch; validation pairs split disjointly over ranks
-    data = load_pairs(cfg, get_tokenizer(), run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
-    total_steps = cfg.steps or max(1, data.loader.batches_per_epoch // accum)
+    tok = get_tokenizer()
+    data = load_pairs(cfg, tok, run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
+    total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. policy and frozen reference (build_models), optimizer over the policy's trainable parameters
     policy, reference = build_models(cfg, run)
     optimizer, scheduler = build_optimization(policy, cfg, total_steps)
     loss_fn = preference_loss_fn(cfg)
+    judge = None  # --judge: its reward model and posts, for the win rate at every evaluation
+    if cfg.judge:
+        judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed)
 
     # 4. resume: the policy's weights, optimizer, schedule, every rank's RNG, data position, best validation so far
     #    (the reference is rebuilt from --model / --reference); validation of the reference once, it never changes
@@ -208,9 +221,15 @@ def main(cfg: Config) -> dict:
     run.say(f"dpo ({cfg.loss}, beta {cfg.beta}): {len(data.train)} pairs, world {world}, {accum} accumulation steps, "
             f"{total_steps} steps")
     ref_val = policy_logps(reference, data.val_set, device, cfg.prefix_sharing) if data.val_set is not None else None
+    samples = None
+    if ref_val is not None and cfg.eval_samples > 0:
+        rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)[: cfg.eval_samples]
+        samples = SampleLog(rows, "chosen", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed)
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
         val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, shared=cfg.prefix_sharing)
-        run.logger.log({f"val/{k}": v for k, v in val.items()}, 0)
+        run.logger.log({f"val/{k}": v for k, v in val.items()} | (judge.evaluate(policy, "val/") if judge else {}), 0)
+        if samples is not None:
+            samples.log(run.logger, policy, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)
     policy.train()
     metrics, stopping = {}, False
@@ -231,6 +250,10 @@ def main(cfg: Config) -> dict:
             if ref_val is not None and cfg.eval_due(step, total_steps):
                 val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, shared=cfg.prefix_sharing)
                 metrics.update({f"val/{k}": v for k, v in val.items()})
+                if judge is not None:
+                    metrics.update(judge.evaluate(policy, "val/"))
+                if samples is not None:
+                    samples.log(run.logger, policy, step)
             stopping = end_of_step(run, cfg, step, total_steps, metrics, policy, optimizer, scheduler, data.loader)
 
     # 7. export a Hugging Face-format folder (not after a signal: the run is not finished)

@@ -2,10 +2,13 @@
 
     python eval_preferences.py --reward_model runs/rm/hf --val_data trl-lib/tldr-preference --val_split validation
     python eval_preferences.py --policy runs/dpo/hf --reference runs/sft/hf --beta 0.1
+    python eval_preferences.py --policy runs/dpo/hf --reference runs/sft/hf --judge runs/rm/hf   # + the win rate
     torchrun --nproc_per_node=2 eval_preferences.py ...   # each rank scores a disjoint slice of the pairs
     python eval_preferences.py --help                     # every option
 
-What is measured and how: evaluation/preference.py (the library the training stages call).
+What is measured and how: evaluation/preference.py (the library the training stages call). With --policy and
+--judge, also the policy's win rate against the reference summaries of --summary_data: the share of its prompts where
+the judge (a reward model) scores the policy's greedy summary above the human one (evaluation/samples.py).
 """
 
 import json
@@ -13,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from data.tldr import PREF_COLUMNS, load_rows
+from data.tldr import PREF_COLUMNS, SFT_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.preference import build_eval_set, evaluate_policy, evaluate_reward_model, format_table, log_results
+from evaluation.samples import JudgeConfig, summary_win_rate
 from model.weights import build_policy, build_reward_model, model_config
-from utils.config import ConfigError, check_context, config_to_dict, parse_config
+from utils.config import ConfigError, config_to_dict, fit_context, parse_config
 from utils.dist import cleanup_distributed, setup_distributed
 from utils.fsdp import resolve_dtype, shard_model
 from utils.guard import exit_on_error
@@ -25,7 +29,7 @@ from utils.logging import Logger
 
 
 @dataclass
-class Config:
+class Config(JudgeConfig):  # --judge (with --policy): the win rate against reference summaries
     # --- models
     reward_model: str = ""
     """Reward model to evaluate: a Hugging Face-format folder (reward_model.py's hf/) or hub name."""
@@ -80,11 +84,14 @@ class Config:
             raise ConfigError("--policy needs --reference (the implicit reward is beta * log pi/pi_ref)")
         if self.reference and not self.policy:
             raise ConfigError("--reference is only used with --policy")
+        if self.judge and not self.policy:
+            raise ConfigError("--judge scores a policy's summaries: it needs --policy")
         for name in ("micro_batch_size", "max_prompt_len", "max_response_len", "bootstrap_samples"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
         if self.val_rows < 0:
             raise ConfigError(f"--val_rows must be >= 0, got {self.val_rows}")
+        self.validate_judge()
 
 
 def main(cfg: Config) -> dict:
@@ -92,15 +99,25 @@ def main(cfg: Config) -> dict:
     info = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     rank, world, device = info.rank, info.world_size, info.device
     dtype = resolve_dtype(cfg.dtype, device)
-    for what, name in (("reward model", cfg.reward_model), ("policy", cfg.policy), ("reference", cfg.reference)):
-        if name:
-            check_context(model_config(name), cfg.max_prompt_len, cfg.max_response_len, what)
+    limits = []
+    for what, name, kind in (("reward model", cfg.reward_model, "reward_model"), ("policy", cfg.policy, "policy"),
+                             ("reference", cfg.reference, "policy")):
+        if name:  # accuracy does not depend on the reward model's gain and bias: it may lack them
+            model_cfg = model_config(name, kind=kind, option="--" + what.replace(" ", "_"), normalized=False)
+            limits.append((model_cfg, "max_response_len", what))
+    fit_context(cfg, *limits, *cfg.judge_limits(model_config(cfg.policy) if cfg.policy else None))
 
     # 2. data: this rank's disjoint slice of the pairs
     rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)
     rows = rows[: cfg.val_rows] if cfg.val_rows else rows
     name = f"{cfg.val_data}[{cfg.val_split}]"
-    eval_set = build_eval_set(rows, get_tokenizer(), cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world, name)
+    tok = get_tokenizer()
+    eval_set = build_eval_set(rows, tok, cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world,
+                              name)
+    summary_rows = []
+    if cfg.judge:
+        summary_rows = load_rows(cfg.summary_data, cfg.summary_split, SFT_COLUMNS)
+        summary_rows = summary_rows[: cfg.summary_rows] if cfg.summary_rows else summary_rows
 
     # 3. models and scores
     if cfg.reward_model:
@@ -113,10 +130,20 @@ def main(cfg: Config) -> dict:
         policy, reference = shard_model(policy, dtype).to(device), shard_model(reference, dtype).to(device)
         results = evaluate_policy(policy, reference, eval_set, cfg.beta, device, cfg.bootstrap_samples, cfg.seed)
         title = f"policy {cfg.policy} vs reference {cfg.reference} (beta {cfg.beta}) on {name}"
+        if cfg.judge:
+            del reference
+            judge = shard_model(build_reward_model(cfg.judge), dtype).to(device)
+            results |= summary_win_rate(policy, judge, summary_rows, tok, cfg.max_prompt_len, cfg.max_new_tokens,
+                                        2 * cfg.micro_batch_size, cfg.bootstrap_samples, cfg.seed)
 
     # 4. report
     if rank == 0:
         print(format_table(results, title))
+        if cfg.judge:
+            print(f"win rate against the reference summaries of {cfg.summary_data}[{cfg.summary_split}], judged by "
+                  f"{cfg.judge}: {results['summary_win_rate']:.4f} [{results['summary_win_rate_ci_low']:.4f}, "
+                  f"{results['summary_win_rate_ci_high']:.4f}] over {results['summary_prompts']} prompts; mean reward "
+                  f"{results['summary_reward_mean']:.4f} (references {results['summary_reference_reward_mean']:.4f})")
     if cfg.out_dir:
         logger = Logger(cfg.out_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
         log_results(logger, results, step=0, prefix="eval/")

@@ -57,7 +57,7 @@ from rollouts.batches import build_training_batches, kept_advantages, pad_micro_
 from rollouts.metrics import StepResult, gold_metrics, step_metrics
 from rollouts.models import Models, build_models, check_models, check_step_fits, refresh_reference, sharded_module
 from rollouts.prompts import PromptSet, prompt_set, source_applies
-from rollouts.sampling import RewardSpec, Scores, rollout, source_values
+from rollouts.sampling import RewardSpec, Scores, rollout, source_values, warn_constant_sources
 from utils.config import ConfigError, DataConfig, DecodeConfig, OptimConfig, RunConfig, parse_config, require_nonempty
 from utils.dist import all_reduce_max, all_reduce_sum, rank_and_world, stream
 from utils.fsdp import gathered_params, set_gradient_sync
@@ -291,6 +291,7 @@ def score_rewards(spec: RewardSpec, reward_model, prompts: PromptSet, samples: S
         check_rewards(scores.raw, "grpo", step + 1, prompts.ids.device)
         penalized = penalize_missing_end(scores.raw, samples.has_end, cfg.missing_end_penalty)
         scores.values[:, spec.rm_column] = reward_model.normalize(penalized).double()
+    warn_constant_sources(spec, scores.values, scores.applies, step + 1)
     x = normalize_sources(scores.values, scores.applies, spec.normalize_S, all_reduce_sum)  # (N, S)
     scores.total = combine_sources(x, spec.weights_S).float()  # (N,)
     return scores

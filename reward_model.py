@@ -32,13 +32,14 @@ from model.weights import build_policy, build_reward_model, model_config, resolv
 from rlhf.losses import bradley_terry_loss
 from rlhf.stats import pair_outcomes, standardizing_gain_bias
 from utils.config import (
-    ConfigError, DecodeConfig, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config,
+    ConfigError, DecodeConfig, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
 )
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import gathered_params, set_gradient_sync, shard_model
 from utils.guard import check_rewards, exit_on_error
+from utils.logging import track
 from utils.optim import build_optimization, guarded_step, step_throughput
-from utils.run import end_of_step, finish, resume, start_run
+from utils.run import end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -141,7 +142,8 @@ def fit_normalization(
     reward_model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # count, sum, sum of squares, responses with an end
     counted = []  # this rank's rewards of real prompts, for the NaN / constant check
-    for start in range(0, per_rank, cfg.norm_batch_size):
+    for start in track(range(0, per_rank, cfg.norm_batch_size), "normalisation samples", len(prompts),
+                       lambda start: len(mine[start : start + cfg.norm_batch_size]), unit="prompts"):
         index = mine[start : start + cfg.norm_batch_size]
         valid = torch.tensor([i < len(prompts) for i in index], device=device).repeat_interleave(G)  # (N,)
         prompt_ids, prompt_mask = pad_prompts([prompts[i if i < len(prompts) else 0] for i in index])  # (B, P)
@@ -185,10 +187,13 @@ def main(cfg: Config) -> dict:
     #    the checkpoint to resume from (all before any model is built or put on a GPU)
     model_cfg = model_config(cfg.model, cfg.random_init)
     resolve_pooling(cfg.model, cfg.pooling, cfg.random_init)  # --pooling against a reward-model folder's own
-    check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "reward model")
+    limits = [(model_cfg, "max_response_len", "reward model")]
     policy_name, policy_random_init = cfg.sft_policy or cfg.model, cfg.random_init and not cfg.sft_policy
     if cfg.norm_prompts > 0:
-        check_context(model_config(policy_name, policy_random_init), cfg.max_prompt_len, cfg.max_response_len, "SFT policy")
+        option = "--sft_policy" if cfg.sft_policy else "--model (the normalisation's SFT policy without --sft_policy)"
+        policy_cfg = model_config(policy_name, policy_random_init, kind="policy", option=option)
+        limits.append((policy_cfg, "max_response_len", "SFT policy"))
+    fit_context(cfg, *limits)
     run = start_run(cfg, {"stage": "reward_model", "model_config": model_cfg.to_dict()})
     world, device = run.world, run.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
@@ -196,7 +201,7 @@ def main(cfg: Config) -> dict:
     # 2. data: tokenize, shard per rank, shuffle per epoch; validation pairs split disjointly over ranks
     tok = get_tokenizer()
     data = load_pairs(cfg, tok, run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
-    total_steps = cfg.steps or max(1, data.loader.batches_per_epoch // accum)
+    total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. model, FSDP, optimizer. Training changes the rewards, so a loaded normalisation no longer holds.
     model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling)

@@ -18,22 +18,24 @@ import torch
 
 from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, eval_slice, load_rows
 from data.tokenizer import get_tokenizer
+from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.losses import sft_loss_sum
 from utils.config import (
-    ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, check_context, parse_config,
+    ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
 )
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import set_gradient_sync, shard_model
 from utils.guard import exit_on_error
-from utils.run import end_of_step, finish, resume, start_run
+from utils.logging import track
+from utils.run import end_of_step, epoch_steps, finish, resume, start_run
 from utils.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisation, data and LoRA options shared by every stage
+class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, JudgeConfig):  # shared options; --judge: win rate
     # --- models
     model: str = "gpt2"
     """Starting weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local Hugging Face-format
@@ -59,11 +61,17 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisati
     # shared options, with this stage's defaults
     eval_every: int = 100
     """Validation loss every N steps and after the last; 0: only after the last; -1: never."""
+    eval_samples: int = 4
+    """Validation prompts whose greedy summaries are logged at every evaluation (samples.jsonl, a wandb table);
+    0: none."""
     out_dir: str = "runs/sft"
     run_name: str = "sft"
 
     def validate(self) -> None:
         self.validate_shared()  # --model, data, run, optimisation (and LoRA) options
+        if self.eval_samples < 0:
+            raise ConfigError(f"--eval_samples must be >= 0, got {self.eval_samples}")
+        self.validate_judge()
         for name in ("batch_size", "micro_batch_size", "max_response_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
@@ -160,13 +168,18 @@ def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size:
     return batches
 
 
+def real_rows(batch: dict) -> int:
+    """Rows of a validation batch that are not padding (validation_batches)."""
+    return int(batch["response_mask"].any(1).sum())
+
+
 @torch.no_grad()
-def evaluate(model, loader_batches: list[dict], device) -> float:
+def evaluate(model, loader_batches: list[dict], device, rows: int = 0) -> float:
     """Token-averaged validation NLL over all ranks (a collective: every rank holds as many batches, see
-    validation_batches)."""
+    validation_batches). `rows`: the validation rows over all ranks, for the progress shown."""
     model.eval()
     nll, count = torch.zeros((), device=device), torch.zeros((), device=device)
-    for batch in loader_batches:
+    for batch in track(loader_batches, "validation loss", rows or sum(map(real_rows, loader_batches)), real_rows):
         s, n = response_nll_sum(model, batch, device)
         nll += s.float()
         count += n
@@ -177,8 +190,8 @@ def evaluate(model, loader_batches: list[dict], device) -> float:
 def main(cfg: Config) -> dict:
     # 1. distributed set-up and every check that needs no data and no weights: sizes, the model's config, the
     #    run directory and the checkpoint to resume from (all before any model is built or put on a GPU)
-    model_cfg = model_config(cfg.model, cfg.random_init)
-    check_context(model_cfg, cfg.max_prompt_len, cfg.max_response_len, "model")
+    model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
+    fit_context(cfg, (model_cfg, "max_response_len", "model"), *cfg.judge_limits(model_cfg))
     run = start_run(cfg, {"stage": "sft", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     rank, world, device = run.rank, run.world, run.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
@@ -192,13 +205,15 @@ def main(cfg: Config) -> dict:
         return lambda idx: collate_sft([ds.prompts[i] for i in idx], [ds.responses[i] for i in idx])
 
     loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, collate(train))
-    val_batches = []
+    val_batches, samples = [], None
     if cfg.val_data and cfg.eval_every >= 0:
         val_rows = load_rows(cfg.val_data, cfg.val_split, SFT_COLUMNS)
         val_rows = val_rows[: cfg.val_rows] if cfg.val_rows else val_rows
         val = SFTDataset(val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.val_data}[{cfg.val_split}]")
         val_batches = validation_batches(val, rank, world, cfg.micro_batch_size)
-    total_steps = cfg.steps or max(1, loader.batches_per_epoch // accum)
+        samples = SampleLog(val_rows[: cfg.eval_samples], "completion", tok, cfg.max_prompt_len, cfg.max_response_len,
+                            cfg.seed)
+    total_steps = epoch_steps(cfg.steps, loader.n_examples, loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. model (with LoRA: frozen, plus trainable adapters), FSDP, optimizer over the trainable parameters
     model = build_policy(cfg.model, cfg.random_init)
@@ -206,6 +221,9 @@ def main(cfg: Config) -> dict:
         apply_lora(model, cfg)
     run.say(f"sft: {trainable_summary(model)}")
     shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing).to(device)
+    judge = None  # --judge: its reward model and posts, for the win rate at every evaluation
+    if cfg.judge:
+        judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
 
@@ -244,7 +262,10 @@ def main(cfg: Config) -> dict:
                 "perf/tokens_per_second_per_device": float(seen) / dt / world,
             }
             if val_batches and cfg.eval_due(step, total_steps):
-                metrics["val/loss"] = evaluate(model, val_batches, device)
+                metrics["val/loss"] = evaluate(model, val_batches, device, len(val))
+                samples.log(run.logger, model, step)
+            if judge is not None and cfg.eval_due(step, total_steps):
+                metrics.update(judge.evaluate(model, "val/"))
             stopping = end_of_step(run, cfg, step, total_steps, metrics, model, optimizer, scheduler, loader)
             if stopping:
                 break

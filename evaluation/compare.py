@@ -1,22 +1,28 @@
 """Compare runs: group the runs that differ only in seed, tabulate chosen metrics over seeds, draw their curves.
 
-    python -m evaluation.compare runs/ablation/ablation/*/seed* --metrics reward/gold_mean train/kl --out compare.png
-    python -m evaluation.compare runs/a runs/b --metrics eval/pref_accuracy --x train/kl
+    python -m evaluation.compare runs/ablation/ablation/*/seed* --metrics reward/gold_mean train/kl
+    python -m evaluation.compare runs/a runs/b --metrics eval/pref_accuracy --x train/kl --out cmp.png
 
 A run is a run directory holding metrics.jsonl and config.json (both written by utils/logging.Logger). Runs whose
 configs are equal apart from the options in IGNORED (the seed, the run's name and folder, logging) form one group;
-each group is named by the options that differ between groups. For every metric the table gives, over the seeds of
-a group, the mean and the spread (sample standard deviation; 0 with one seed) of its value at the end of the run
-(the mean of its last --last logged values) and at its best (max, or min for the metrics named in --minimize). The
-picture draws each metric against the step and, with --x, against another metric (train/kl: the reward-KL
-frontier), the mean over a group's seeds at each step, smoothed by a centred moving average so that the path of
-training reads in step order.
+each group is named by the options that differ between groups (those every group has; runs of different stages,
+which share few options, are named by their folders). For every metric the table gives, over the seeds of a group,
+the mean and the spread (sample standard deviation; 0 with one seed) of its value at the end of the run (the mean of
+its last --last logged values) and at its best (max, or min for the metrics named in --minimize). The picture
+draws each metric against the step and, with --x, against another metric (train/kl: the reward-KL frontier), the
+mean over a group's seeds at each step. Evaluation metrics (val/, eval/: logged every --eval_every steps) are drawn
+as their points, each at its value, never smoothed; per-step metrics are smoothed by a centred moving average of
+--smooth logged steps, which the panel's title says. The picture goes next to the runs (their common folder) or
+where --out says. A missing folder, or a metric no run logged, ends the command with one line (exit code 2) naming
+it, and for a metric, the metrics that exist.
 """
 
 import argparse
 import json
 import math
+import os
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +30,19 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+EVALUATION_PREFIXES = ("val/", "eval/")
+"""Metrics logged at evaluations only: drawn as points, never smoothed across evaluations."""
+DEFAULT_METRICS = ("eval/reward", "eval/win_rate", "eval/pref_accuracy", "val/accuracy", "val/loss", "reward/mean",
+                   "train/loss", "train/kl")
+"""Without --metrics: the first three of these that the runs logged."""
+
+
+class CompareError(ValueError):
+    """A bad input to the command: one line, exit code 2."""
+
+    exit_code = 2
+
 
 # Options that do not change what a run computes, or that every run has its own value of.
 IGNORED = frozenset({
@@ -46,24 +65,31 @@ class RunMetrics:
 
 def load_run(run_dir: str | Path) -> RunMetrics:
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CompareError(f"{run_dir}: no such folder; expected a run directory written by a training script")
     metrics, config = run_dir / "metrics.jsonl", run_dir / "config.json"
     for path in (metrics, config):
         if not path.is_file():
-            raise FileNotFoundError(f"{run_dir}: no {path.name}; expected a run directory written by a training script")
+            raise CompareError(f"{run_dir}: no {path.name}; expected a run directory written by a training script")
     rows = [json.loads(line) for line in open(metrics) if line.strip()]
     return RunMetrics(run_dir, json.loads(config.read_text()), rows)
 
 
 def group_runs(runs: list[RunMetrics], ignored: frozenset[str] = IGNORED) -> list[tuple[dict, list[RunMetrics]]]:
     """Runs grouped by their configs apart from `ignored`, in the order of their first run; each group's label holds
-    the options whose values differ between groups (empty when there is one group)."""
+    the options whose values differ between groups among those every group has (empty when there is one group). Groups
+    that no such option tells apart (runs of different stages) are labelled by their first run's folder."""
     keys = sorted({k for r in runs for k in r.config} - ignored)
     groups: dict[str, list[RunMetrics]] = {}
     for run in runs:
-        groups.setdefault(json.dumps([run.config.get(k) for k in keys]), []).append(run)
+        groups.setdefault(json.dumps([run.config.get(k, "<absent>") for k in keys]), []).append(run)
     firsts = [members[0].config for members in groups.values()]
-    differing = [k for k in keys if len({json.dumps(c.get(k)) for c in firsts}) > 1]
-    return [({k: members[0].config.get(k) for k in differing}, members) for members in groups.values()]
+    shared = [k for k in keys if all(k in c for c in firsts)]
+    differing = [k for k in shared if len({json.dumps(c[k]) for c in firsts}) > 1]
+    labels = [{k: members[0].config[k] for k in differing} for members in groups.values()]
+    if len(groups) > 1 and len({json.dumps(x) for x in labels}) < len(labels):
+        labels = [{"run": str(members[0].dir)} for members in groups.values()]
+    return list(zip(labels, groups.values()))
 
 
 def mean_spread(values: list[float]) -> tuple[float, float]:
@@ -117,42 +143,82 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return [statistics.fmean(values[max(0, i - half) : i + half + 1]) for i in range(len(values))]
 
 
-def plot(
-    groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], out: Path, x: str = "", smooth: int = 1
-) -> None:
-    """One row per metric: against the step, and with `x` against that metric (joined in step order, smoothed, the
-    first step marked with a circle and the last with a square)."""
+def is_evaluation(metric: str) -> bool:
+    return metric.startswith(EVALUATION_PREFIXES)
+
+
+def figure(groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], x: str = "", smooth: int = 1):
+    """The picture: one row per metric, against the step and, with `x`, against that metric (joined in step order, the
+    first step marked with a circle and the last with a square; `x` itself gets no such panel). An evaluation metric
+    is drawn as its points (markers joined by thin lines), each at its mean over seeds, unsmoothed; a per-step
+    metric is smoothed over `smooth` logged steps when `smooth` > 1, and its panel's title says so."""
     cols = 2 if x else 1
     fig, axes = plt.subplots(len(metrics), cols, figsize=(5.5 * cols, 3.4 * len(metrics)), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for row, metric in enumerate(metrics):
+        points = is_evaluation(metric)
+        window = 1 if points else smooth
+        style = {"marker": "o", "ms": 4, "lw": 0.8} if points else {}
         for g, (options, members) in enumerate(groups):
             color, name = colors[g % len(colors)], f"{label(options)} ({len(members)})"
             curve = mean_curve(members, metric)
             if not curve:
                 continue
             steps, values = zip(*curve)
-            axes[row][0].plot(steps, moving_average(list(values), smooth), color=color, label=name)
-            if x:
+            axes[row][0].plot(steps, moving_average(list(values), window), color=color, label=name, **style)
+            if x and metric != x:
                 along = dict(mean_curve(members, x))
                 pts = [(along[s], v) for s, v in curve if s in along]
                 if not pts:
                     continue
-                xs, ys = moving_average([p[0] for p in pts], smooth), moving_average([p[1] for p in pts], smooth)
-                axes[row][1].plot(xs, ys, "-", color=color, lw=1.2)
+                xs = moving_average([p[0] for p in pts], window)
+                ys = moving_average([p[1] for p in pts], window)
+                axes[row][1].plot(xs, ys, "-", color=color, lw=1.2, **({"marker": "."} if points else {}))
                 axes[row][1].plot(xs[0], ys[0], "o", color=color, ms=5)
                 axes[row][1].plot(xs[-1], ys[-1], "s", color=color, ms=5)
         axes[row][0].set_xlabel("step")
         axes[row][0].set_ylabel(metric)
+        how = "each evaluation, unsmoothed" if points else (
+            f"moving average of {smooth} logged steps" if smooth > 1 else "every logged step, unsmoothed")
+        axes[row][0].set_title(f"{metric}: mean over seeds, {how}", fontsize=8)
         if x:
-            axes[row][1].set_xlabel(f"{x} (o first step, ■ last)")
-            axes[row][1].set_ylabel(metric)
+            if metric == x:
+                axes[row][1].axis("off")
+            else:
+                axes[row][1].set_xlabel(f"{x} (o first step, ■ last)")
+                axes[row][1].set_ylabel(metric)
     axes[0][0].legend(fontsize=7)
-    if smooth > 1:
-        fig.suptitle(f"mean over seeds, moving average of {smooth} steps", fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def plot(
+    groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], out: Path, x: str = "", smooth: int = 1
+) -> None:
+    """figure(), written to the PNG `out`."""
+    fig = figure(groups, metrics, x, smooth)
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def logged_metrics(runs: list[RunMetrics]) -> list[str]:
+    """Every metric some run logged, sorted."""
+    return sorted({k for r in runs for row in r.rows for k in row} - {"step"})
+
+
+def check_metrics(runs: list[RunMetrics], names: list[str], option: str) -> None:
+    """CompareError for the first name that no run logged, listing those that exist."""
+    known = logged_metrics(runs)
+    for name in names:
+        if name not in known:
+            raise CompareError(f"{option} {name}: no run logged it; the runs logged {', '.join(known)}")
+
+
+def default_out(run_dirs: list[str]) -> Path:
+    """compare.png in the runs' common folder (the folder above a single run)."""
+    paths = [str(Path(d).resolve()) for d in run_dirs]
+    common = Path(os.path.commonpath(paths))
+    return (common.parent if len(paths) == 1 else common) / "compare.png"
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -160,26 +226,45 @@ def main(argv: list[str] | None = None) -> str:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl and config.json)")
-    p.add_argument("--metrics", nargs="+", default=["reward/gold_mean", "reward/mean", "train/kl"],
-                   help="metrics to tabulate and draw")
+    p.add_argument("--metrics", nargs="+", default=None,
+                   help="metrics to tabulate and draw; default: the first three of " + ", ".join(DEFAULT_METRICS)
+                   + " that the runs logged")
     p.add_argument("--minimize", nargs="*", default=["train/kl"], help="metrics whose best value is the lowest")
     p.add_argument("--last", type=int, default=1,
                    help="the final value of a metric: the mean of its last N logged values")
-    p.add_argument("--x", default="train/kl", help="also draw every metric against this one; empty: only against step")
+    p.add_argument("--x", default=None,
+                   help="also draw every other metric against this one; default: train/kl when the runs logged it; "
+                   "empty: only against the step")
     p.add_argument("--smooth", type=int, default=5,
-                   help="moving average of the curves over this many logged steps (window // 2 either side)")
-    p.add_argument("--out", default="compare.png", help="PNG of the curves; empty: no picture")
+                   help="moving average of per-step metrics over this many logged steps (window // 2 either side); "
+                   "evaluation metrics (val/, eval/) are never smoothed")
+    p.add_argument("--out", default=None,
+                   help="PNG of the curves; default: compare.png in the runs' common folder; empty: no picture")
     args = p.parse_args(argv)
     if args.smooth < 1 or args.last < 1:
         p.error(f"--smooth and --last must be >= 1, got {args.smooth} and {args.last}")
-    groups = group_runs([load_run(d) for d in args.runs])
-    text = table(groups, args.metrics, set(args.minimize), args.last)
+    runs = [load_run(d) for d in args.runs]
+    known = logged_metrics(runs)
+    metrics = args.metrics or [m for m in DEFAULT_METRICS if m in known][:3]
+    if not metrics:
+        raise CompareError(f"none of the default metrics was logged; name some with --metrics: {', '.join(known)}")
+    check_metrics(runs, metrics, "--metrics")
+    x = ("train/kl" if "train/kl" in known else "") if args.x is None else args.x
+    if x:
+        check_metrics(runs, [x], "--x")
+    groups = group_runs(runs)
+    text = table(groups, metrics, set(args.minimize), args.last)
     print(text)
-    if args.out:
-        plot(groups, args.metrics, Path(args.out), args.x, args.smooth)
-        print(f"\nwrote {args.out}")
+    out = default_out(args.runs) if args.out is None else Path(args.out) if args.out else None
+    if out is not None:
+        plot(groups, metrics, out, x, args.smooth)
+        print(f"\nwrote {out}")
     return text
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

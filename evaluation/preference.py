@@ -22,6 +22,7 @@ from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_sl
 from model.gpt2 import SharedPrefix
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.stats import preference_summary
+from utils.logging import track
 
 # (label, key prefix of the accuracy fields, field holding the number of pairs) of each reported subset
 SUBSETS = (
@@ -121,11 +122,19 @@ def build_eval_set(
     return EvalSet(batches, chosen_len > rejected_len, n, name)
 
 
+def real_pairs(batch: dict) -> int:
+    """Pairs of a batch that are not padding."""
+    return int((batch["pair_index"] >= 0).sum())
+
+
 @torch.no_grad()
-def score_local(score_fn, eval_set: EvalSet, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Score this rank's pairs with score_fn(batch) -> (2B,): (pair_index (n,), chosen (n,), rejected (n,))."""
+def score_local(
+    score_fn, eval_set: EvalSet, device, desc: str = "preference pairs"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Score this rank's pairs with score_fn(batch) -> (2B,): (pair_index (n,), chosen (n,), rejected (n,)); rank 0
+    shows the progress over all ranks' pairs as `desc`."""
     index, chosen, rejected = [], [], []
-    for batch in eval_set.batches:
+    for batch in track(eval_set.batches, desc, eval_set.n_pairs, real_pairs, unit="pairs"):
         B = batch["n_pairs"]
         s = score_fn(batch).double()  # (2B,)
         index.append(batch["pair_index"].to(s.device))
@@ -165,19 +174,21 @@ def evaluate_reward_model(
     """Preference accuracy of a reward model's raw scalar (call on every rank; every rank gets the results).
     `shared`: packed rows (packed_pairs)."""
     was = _in_eval_mode([model])
-    index, c, r = score_local(lambda b: reward_scores(model, b, device, shared), eval_set, device)
+    index, c, r = score_local(lambda b: reward_scores(model, b, device, shared), eval_set, device,
+                              "preference accuracy (reward model)")
     model.train(was[0])
     c, r = gather_pair_scores(index, c, r, eval_set.n_pairs)
     return preference_summary(c, r, eval_set.chosen_longer, n_resamples, seed=seed)
 
 
 def policy_logps(
-    model: nn.Module, eval_set: EvalSet, device, shared: bool = True
+    model: nn.Module, eval_set: EvalSet, device, shared: bool = True, desc: str = "preference log-probs (reference)"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's summed response log-probs: (pair_index, chosen, rejected), each (n,). A frozen reference's
-    can be computed once and passed to evaluate_policy at every evaluation. `shared`: packed rows (packed_pairs)."""
+    can be computed once and passed to evaluate_policy at every evaluation. `shared`: packed rows (packed_pairs);
+    `desc`: the progress shown."""
     was = _in_eval_mode([model])
-    out = score_local(lambda b: response_logprobs(model, b, device, shared), eval_set, device)
+    out = score_local(lambda b: response_logprobs(model, b, device, shared), eval_set, device, desc)
     model.train(was[0])
     return out
 
@@ -194,7 +205,7 @@ def evaluate_policy(
 ) -> dict:
     """Preference accuracy of the implicit reward beta * (log pi(y|x) - log pi_ref(y|x)). `reference` is the
     reference model or its policy_logps on this eval set. `shared`: packed rows (packed_pairs)."""
-    index, pc, pr = policy_logps(policy, eval_set, device, shared)
+    index, pc, pr = policy_logps(policy, eval_set, device, shared, "preference accuracy (policy)")
     ref = reference if isinstance(reference, tuple) else policy_logps(reference, eval_set, device, shared)
     if not torch.equal(ref[0], index):
         raise ValueError("reference log-probs were computed on another evaluation set")

@@ -3,13 +3,17 @@ source; GRPO's evaluation next to the implicit-reward preference accuracy (evalu
 
 import torch
 
-from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, PromptDataset, load_rows
-from evaluation.preference import build_eval_set
+from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, PromptDataset, encode_response, load_optional_column, load_rows
+from data.tokenizer import PAD_ID
+from evaluation.preference import build_eval_set, gather_pair_scores
+from model.sampler import SampleOutput
 from rlhf.grpo import penalize_missing_end
 from rlhf.rewards import combine_sources, source_stats
+from rlhf.stats import win_rate
 from rollouts.prompts import PromptSet, prompt_set, source_applies
-from rollouts.sampling import RewardSpec, rollout, source_values
+from rollouts.sampling import RewardSpec, rollout, score, source_values
 from utils.dist import all_reduce_sum, rank_and_world, stream
+from utils.logging import EvalProgress
 
 @torch.no_grad()
 def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, cfg, step: int) -> dict:
@@ -17,13 +21,17 @@ def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, c
 
     eval/reward: the weighted sum of the sources' values before any batch whitening (reward model: gain/bias
     normalized, no penalty; functions: raw); eval/reward_penalized: the reward model's with the missing-end penalty;
-    eval/reward_<name>: each function's mean over the prompts it applies to."""
+    eval/reward_<name>: each function's mean over the prompts it applies to; with a reward model and reference
+    summaries (the validation rows' `completion`), eval/win_rate (reference_win_rate)."""
     device = val.ids.device
+    counted = val.counted if val.counted is not None else torch.ones(val.ids.shape[0], dtype=torch.bool, device=device)
+    n_prompts = int(all_reduce_sum(counted.sum().double()))
     generator = stream(cfg.seed, step, rank_and_world()[0], "eval", device=device)
-    samples = rollout(policy, val.ids, val.mask, cfg, 1, generator, greedy=cfg.eval_greedy)
+    progress = EvalProgress("summaries", n_prompts, unit="prompts")
+    samples = rollout(policy, val.ids, val.mask, cfg, 1, generator, greedy=cfg.eval_greedy, on_chunk=progress.advance)
+    progress.close()
     scores = source_values(spec, reward_model, val, samples, 1, cfg)
     values, rm = scores.values, spec.rm_column
-    counted = torch.ones(values.shape[0], dtype=torch.bool, device=device) if val.counted is None else val.counted  # (n,)
     applies = scores.applies & counted[:, None]  # (n, S): padding prompts count for no source
     penalized = torch.zeros(values.shape[0], device=device)
     if rm is not None:
@@ -42,7 +50,34 @@ def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, c
     for i, source in enumerate(spec.sources):
         if source.fn is not None and count_S[i] > 0:
             out[f"eval/reward_{source.name}"] = float(mean_S[i])
+    if rm is not None and val.references is not None:
+        out |= reference_win_rate(reward_model, val, scores.raw, counted, n_prompts, cfg)
     return out
+
+
+def reference_win_rate(reward_model, val: PromptSet, policy_raw: torch.Tensor, counted: torch.Tensor, n_prompts: int,
+                       cfg) -> dict:
+    """eval/win_rate: the share of validation prompts whose policy summary the reward model scores above the
+    prompt's reference summary (raw scores, no missing-end penalty; ties count half), with its bootstrap interval
+    (rlhf.stats.win_rate). The references are cut to --max_new_tokens like the policy's summaries. Collective: every
+    rank scores its slice."""
+    reference_raw = score(reward_model, val.ids, val.mask, val.references, 1, cfg.score_micro_batch_size,
+                          cfg.prefix_sharing)  # (n,)
+    index = torch.where(counted, torch.tensor(val.rows, device=counted.device), -1)  # (n,) -1: padding prompts
+    policy_scores, reference_scores = gather_pair_scores(index, policy_raw, reference_raw, n_prompts)
+    return {f"eval/{k}": v for k, v in win_rate(policy_scores, reference_scores).items()}
+
+
+def reference_summaries(texts: list, tok, max_new_tokens: int, device) -> SampleOutput:
+    """The reference summaries as the sampler returns summaries: (n, max_new_tokens) ids ending in the end token,
+    right-padded, each cut to max_new_tokens tokens (data.tldr.encode_response)."""
+    encoded = [encode_response(tok, t, max_new_tokens) for t in texts]
+    ids = torch.full((len(encoded), max_new_tokens), PAD_ID, dtype=torch.long)
+    for i, e in enumerate(encoded):
+        ids[i, : len(e)] = torch.tensor(e)
+    mask = torch.arange(max_new_tokens)[None, :] < torch.tensor([len(e) for e in encoded])[:, None]  # (n, R)
+    return SampleOutput(ids.to(device), mask.to(device), torch.zeros(ids.shape, device=device),
+                        torch.ones(len(encoded), dtype=torch.bool, device=device))
 
 def sample_table(spec: RewardSpec, prompts: PromptSet, samples, scores, rows_BK: torch.Tensor, advantages: torch.Tensor,
                  n_prompts: int) -> tuple[list[str], list[list]]:
@@ -78,6 +113,9 @@ def load_eval_sets(cfg, tok, sources, rank: int, world: int, device) -> tuple[Pr
         val = prompt_set(dataset, list(range(per_rank)), applies[mine], device, where)
         val.rows = mine
         val.counted = torch.tensor([i >= 0 for i in index], device=device)
+        references = load_optional_column(cfg.val_data, cfg.val_split, "completion")
+        if references is not None and all(isinstance(references[i], str) and references[i].strip() for i in range(n)):
+            val.references = reference_summaries([references[i] for i in mine], tok, cfg.max_new_tokens, device)
     if cfg.pref_data and cfg.eval_every >= 0:
         rows = load_rows(cfg.pref_data, cfg.pref_split, PREF_COLUMNS)
         rows = rows[: cfg.pref_rows] if cfg.pref_rows else rows

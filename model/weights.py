@@ -3,9 +3,17 @@
 Hugging Face GPT-2 stores attention and MLP weights as Conv1D, shape (in, out); ours are nn.Linear, shape
 (out, in), so those four matrices are transposed both ways. The released `gpt2` checkpoints name the body's
 keys without the `transformer.` prefix; folders written by `save_pretrained` have it. Both are accepted.
+
+Model kinds: a folder written here names its kind in config.json ("model_kind": "policy" or "reward_model"; a reward
+model also its "reward_pooling", and its gain and bias in reward_normalization.json). A folder without that key is
+a reward model when transformers' architecture is GPT2ForSequenceClassification and a policy otherwise (the hub's
+gpt2 and any save_pretrained GPT2LMHeadModel). Scripts check every model's kind with model_config(..., kind=) before
+anything is built: a policy given as a reward model would get a random head, a reward model given as a policy
+would lose its head silently.
 """
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -20,6 +28,8 @@ from data.hub import hub_unreachable
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+KINDS = ("policy", "reward_model")
+NORMALIZATION = "reward_normalization.json"
 
 
 class ModelLoadError(RuntimeError):
@@ -135,9 +145,53 @@ def load_config(name_or_path: str) -> GPTConfig:
         raise ModelLoadError(f"{cfg_file} is not a GPT-2 config.json ({type(e).__name__}: {e})") from None
 
 
-def model_config(name_or_path: str, random_init: bool = False) -> GPTConfig:
+def model_kind(name_or_path: str, cfg_file: Path | None = None) -> str:
+    """"policy" or "reward_model": the model's config.json "model_kind", else its architecture (see the module
+    docstring). `cfg_file`: its config.json where _resolve_files found it (a hub model's, in the Hugging Face cache);
+    by default the folder's own, and a name without one is a policy. Reads no weights."""
+    cfg_file = cfg_file or Path(name_or_path) / "config.json"
+    if not cfg_file.is_file():
+        return "policy"
+    hf = _config_json(cfg_file)
+    kind = hf.get("model_kind") or ("reward_model" if "GPT2ForSequenceClassification" in (hf.get("architectures") or [])
+                                    else "policy")
+    if kind not in KINDS:
+        raise ModelLoadError(f"{cfg_file}: model_kind {kind!r}, expected one of {', '.join(KINDS)}")
+    return kind
+
+
+def check_kind(name_or_path: str, kind: str, option: str, normalized: bool = True,
+               cfg_file: Path | None = None) -> None:
+    """ModelLoadError, naming `option`, unless the model is of `kind` (model_kind); a reward model must also hold its
+    normalisation (reward_normalization.json with a finite gain and bias) when `normalized`."""
+    got = model_kind(name_or_path, cfg_file)
+    what = {"policy": "a policy (a GPT-2 language model)",
+            "reward_model": "a reward model (a GPT-2 with a scalar head)"}
+    if got != kind:
+        hint = ("give reward_model.py's export (its hf/ folder)" if kind == "reward_model" else
+                "give a policy: an sft.py, dpo.py or grpo.py export (hf/), a hub name or a Hugging Face GPT-2 folder")
+        raise ModelLoadError(f"{option} {name_or_path} is {what[got]}, not {what[kind]}; {hint}")
+    if kind == "reward_model" and normalized:
+        norm = Path(name_or_path) / NORMALIZATION
+        try:
+            d = json.loads(norm.read_text())
+            if not all(isinstance(d.get(k), (int, float)) and math.isfinite(d[k]) for k in ("gain", "bias")):
+                raise ValueError("expected finite numbers 'gain' and 'bias'")
+        except (OSError, ValueError) as e:
+            why = "is missing" if isinstance(e, FileNotFoundError) else f"cannot be read ({type(e).__name__}: {e})"
+            raise ModelLoadError(
+                f"{option} {name_or_path} is a reward model whose {NORMALIZATION} {why}: without its gain and bias "
+                f"its rewards are on no known scale; give the folder reward_model.py exported (it writes the file "
+                f"after fitting them)"
+            ) from None
+
+
+def model_config(name_or_path: str, random_init: bool = False, kind: str = "", option: str = "--model",
+                 normalized: bool = True) -> GPTConfig:
     """The GPTConfig that build_policy / build_reward_model would build, without reading any weights: scripts call
-    it first, so a wrong model name or folder fails before data is tokenized or anything is put on a GPU."""
+    it first, so a wrong model name or folder fails before data is tokenized or anything is put on a GPU. With
+    `kind` ("policy" or "reward_model") a loaded model must be of that kind (check_kind; `option` names it in the
+    error); a random preset is whatever is built from it."""
     if random_init:
         if name_or_path not in PRESETS:
             raise ModelLoadError(f"--random_init needs a preset name ({', '.join(PRESETS)}), got '{name_or_path}'")
@@ -145,6 +199,8 @@ def model_config(name_or_path: str, random_init: bool = False) -> GPTConfig:
     cfg_file, weights = _resolve_files(name_or_path)
     if weights is None:
         raise ModelLoadError(f"model folder {name_or_path} has no model.safetensors or pytorch_model.bin")
+    if kind:
+        check_kind(name_or_path, kind, option, normalized, cfg_file)
     return load_config(name_or_path)
 
 
@@ -189,7 +245,7 @@ def build_reward_model(name_or_path: str, random_init: bool = False, pooling: st
         return RewardModel(PRESETS[name_or_path], pooling)
     model = RewardModel(load_config(name_or_path), pooling)
     _load_into(model, name_or_path, strict_head=False)
-    norm = Path(name_or_path) / "reward_normalization.json"
+    norm = Path(name_or_path) / NORMALIZATION
     if norm.is_file():
         d = json.loads(norm.read_text())
         model.gain.fill_(d["gain"])
@@ -235,6 +291,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | P
             v = v.t()
         out[k] = v.contiguous()
     hf_cfg = config_to_hf(cfg, "GPT2ForSequenceClassification" if is_reward else "GPT2LMHeadModel")
+    hf_cfg["model_kind"] = "reward_model" if is_reward else "policy"
     if is_reward:
         hf_cfg["num_labels"] = 1
         hf_cfg["id2label"] = {"0": "LABEL_0"}
@@ -248,7 +305,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | P
     if is_reward:
         gain = float(state_dict.get("gain", torch.ones(())))
         bias = float(state_dict.get("bias", torch.zeros(())))
-        (tmp / "reward_normalization.json").write_text(json.dumps({"gain": gain, "bias": bias}))
+        (tmp / NORMALIZATION).write_text(json.dumps({"gain": gain, "bias": bias}))
     for name, content in (extra_files or {}).items():
         (tmp / name).write_text(content)
     if folder.exists():

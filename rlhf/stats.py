@@ -66,6 +66,19 @@ def preference_summary(
     return out
 
 
+def win_rate(
+    policy_scores: torch.Tensor, reference_scores: torch.Tensor, n_resamples: int = 2000, confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Share of prompts (N,) whose policy summary a judge (the reward model) scores above the reference summary
+    written for the same prompt (the human TL;DR), an exact tie counting half (pair_outcomes), with a percentile
+    bootstrap interval over the prompts (bootstrap_ci). NaNs for no prompts."""
+    outcomes = pair_outcomes(policy_scores, reference_scores)  # (N,)
+    lo, hi = bootstrap_ci(outcomes, n_resamples, confidence, seed)
+    rate = float(outcomes.mean()) if outcomes.numel() else math.nan
+    return {"win_rate": rate, "win_rate_ci_low": lo, "win_rate_ci_high": hi}
+
+
 def standardizing_gain_bias(count: float, total: float, total_sq: float) -> tuple[float, float]:
     """(gain, bias) with gain * r + bias of mean 0 and (population) std 1 over rewards given by their count,
     sum and sum of squares (sums that can be all-reduced over ranks)."""

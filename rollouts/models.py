@@ -10,7 +10,7 @@ from model.lora import AdaptersOff, apply_lora, merge_adapters_
 from model.weights import build_policy, build_reward_model, freeze, model_config
 from rlhf.rewards import RewardSource
 from rollouts.memory import check_memory, free_device_bytes
-from utils.config import check_context
+from utils.config import fit_context
 from utils.dist import all_reduce_max
 from utils.fsdp import copy_params_, shard_model
 
@@ -64,14 +64,16 @@ def refresh_reference(models: Models) -> None:
 
 
 def check_models(cfg, sources: list[RewardSource]):
-    """The policy's config, after checking that the policy and reward model hold the prompt and response lengths
-    (before any weights are read)."""
-    model_cfg = model_config(cfg.model, cfg.random_init)
-    check_context(model_cfg, cfg.max_prompt_len, cfg.max_new_tokens, "policy")
+    """The policy's config, after checking each model's kind and fitting the prompt and response lengths to the
+    policy's and reward model's positions (utils.config.fit_context; before any weights are read)."""
+    model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
+    limits = [(model_cfg, "max_new_tokens", "policy")]
     if cfg.pref_data and cfg.eval_every >= 0:
-        check_context(model_cfg, cfg.max_prompt_len, cfg.pref_max_response_len, "policy")
+        limits.append((model_cfg, "pref_max_response_len", "policy"))
     if any(s.fn is None for s in sources):
-        check_context(model_config(cfg.reward_model, cfg.reward_random_init), cfg.max_prompt_len, cfg.max_new_tokens, "reward model")
+        rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init, kind="reward_model", option="--reward_model")
+        limits.append((rm_cfg, "max_new_tokens", "reward model"))
+    fit_context(cfg, *limits)  # lowers a default --max_prompt_len to what fits
     return model_cfg
 
 

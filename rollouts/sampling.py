@@ -6,9 +6,10 @@ samples of its group: the sampler keeps one copy of the prompt's keys and values
 model and the training forwards run packed rows (`shared_prompt_rows`) in which each prompt appears once. Off, every
 sample carries its own copy of the prompt (the reference implementation the tests compare against)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from data.tldr import decode_responses, prompt_response_rows
 from model.gpt2 import SharedPrefix
@@ -16,7 +17,9 @@ from model.sampler import SampleOutput, generate
 from rlhf.rewards import REWARD_MODEL, RewardSource, score_functions
 from rollouts.prompts import PromptSet
 from utils.fsdp import gathered_params
+from utils.dist import all_reduce_sum
 from utils.guard import all_ranks_agree
+from utils.rundir import warn
 
 
 @dataclass
@@ -27,6 +30,8 @@ class RewardSpec:
     sources: list[RewardSource]
     normalize_fns: bool
     tok: object
+    constant: set[str] = field(default_factory=set)
+    """Functions already reported as constant over a step (warn_constant_sources: one warning per run)."""
 
     @property
     def rm_column(self) -> int | None:
@@ -43,9 +48,11 @@ class RewardSpec:
 
 
 @torch.no_grad()
-def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, greedy: bool = False) -> SampleOutput:
+def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, greedy: bool = False,
+            on_chunk=None) -> SampleOutput:
     """Generate num_samples responses per prompt in calls of cfg.gen_prompts prompts, parameters gathered once.
-    Returns (B * num_samples, max_new_tokens) tensors grouped by prompt."""
+    Returns (B * num_samples, max_new_tokens) tensors grouped by prompt. `on_chunk(prompts)` after each call (the
+    evaluation's progress)."""
     was_training = policy.training
     policy.eval()
     parts = []
@@ -58,6 +65,8 @@ def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, g
                 temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
                 share_prompt=cfg.prefix_sharing, compile=cfg.compile,
             ))
+            if on_chunk is not None:
+                on_chunk(ids.shape[0])
     policy.train(was_training)
     fields = ("response_ids", "response_mask", "logprobs", "has_end")
     return SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
@@ -116,6 +125,28 @@ class Scores:
     raw: torch.Tensor | None
     applies: torch.Tensor
     total: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def warn_constant_sources(spec: RewardSpec, values_NS: torch.Tensor, applies_NS: torch.Tensor, step: int) -> None:
+    """One warning line per run for each reward function that gave one value to every response it applies to in a
+    step, over all ranks (a collective): whitened it is 0 everywhere, raw it shifts every advantage alike, so it
+    trains nothing (a function that ignores its input, or a task it never or always meets). The reward model is
+    checked by utils.guard.check_rewards, which stops the run."""
+    v = values_NS.double()
+    top = torch.finfo(torch.float64).max
+    hi_lo = torch.cat([torch.where(applies_NS, v, -top).amax(0), torch.where(applies_NS, -v, -top).amax(0)])  # (2S,)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(hi_lo, op=dist.ReduceOp.MAX)
+    count = all_reduce_sum(applies_NS.sum(0).double())  # (S,)
+    S = v.shape[1]
+    for s, source in enumerate(spec.sources):
+        if source.fn is None or source.name in spec.constant or count[s] < 2 or hi_lo[s] != -hi_lo[S + s]:
+            continue
+        spec.constant.add(source.name)
+        warn(f"reward source {source.spec} gave every one of its {int(count[s])} responses the same value "
+             f"({float(hi_lo[s]):.6g}) at step {step}: it adds nothing to the advantages, so it trains nothing "
+             f"(said once per run)")
 
 
 @torch.no_grad()

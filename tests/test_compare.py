@@ -78,5 +78,82 @@ def test_moving_average_shrinks_at_the_ends():
 
 
 def test_a_folder_without_metrics_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+    with pytest.raises(compare.CompareError, match="no metrics.jsonl"):
         compare.load_run(tmp_path)
+
+
+@pytest.fixture
+def evaluated(tmp_path):
+    """Two seeds of one configuration, 9 steps of reward/mean and train/kl, eval/reward at three evaluations (steps
+    3, 6, 9) that a 5-step smoothing would flatten."""
+    dirs = []
+    for seed in (0, 1):
+        rows = [{"step": s, "reward/mean": float(s % 2), "train/kl": 0.01 * s} for s in range(1, 10)]
+        for s, value in ((3, 1.0), (6, 2.0), (9, 4.0)):
+            rows[s - 1]["eval/reward"] = value + seed
+        dirs.append(write_run(tmp_path / "grpo" / f"seed{seed}", {"seed": seed, "lr": 0.1}, rows))
+    return dirs
+
+
+def test_every_evaluation_point_is_drawn_at_its_value(evaluated):
+    groups = compare.group_runs([compare.load_run(d) for d in evaluated])
+    fig = compare.figure(groups, ["eval/reward", "reward/mean"], x="train/kl", smooth=5)
+    eval_ax, step_ax = fig.axes[0], fig.axes[2]
+    (line,) = eval_ax.lines
+    assert list(line.get_xdata()) == [3, 6, 9] and list(line.get_ydata()) == [1.5, 2.5, 4.5]  # means over seeds
+    assert line.get_marker() == "o"
+    assert "each evaluation, unsmoothed" in eval_ax.get_title()
+    # the per-step metric is smoothed, and its panel says so
+    (smoothed,) = step_ax.lines
+    assert list(smoothed.get_ydata()) == compare.moving_average([float(s % 2) for s in range(1, 10)], 5)
+    assert "moving average of 5 logged steps" in step_ax.get_title()
+    # against KL: the evaluation points at the KL of their steps, unsmoothed
+    against_kl = fig.axes[1].lines[0]
+    assert list(against_kl.get_xdata()) == pytest.approx([0.03, 0.06, 0.09]) and list(against_kl.get_ydata()) == [1.5, 2.5, 4.5]
+
+
+def test_x_never_draws_itself(evaluated):
+    groups = compare.group_runs([compare.load_run(d) for d in evaluated])
+    fig = compare.figure(groups, ["eval/reward", "train/kl"], x="train/kl", smooth=1)
+    assert len(fig.axes[3].lines) == 0 and not fig.axes[3].axison  # the train/kl row's panel against train/kl
+    assert len(fig.axes[1].lines) == 3  # eval/reward against train/kl: the path, its first and last points
+
+
+def test_defaults_exist_on_the_runs_and_the_picture_goes_next_to_them(evaluated, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    text = compare.main([str(d) for d in evaluated])
+    assert text.splitlines()[0].startswith("| group | seeds | eval/reward (final) | eval/reward (best) | reward/mean (final)")
+    assert "train/loss" not in text  # not logged: not a default
+    assert (tmp_path / "grpo" / "compare.png").is_file() and not (tmp_path / "compare.png").exists()
+    assert f"wrote {tmp_path / 'grpo' / 'compare.png'}" in capsys.readouterr().out
+
+
+def test_bad_inputs_are_one_line_each(evaluated, tmp_path):
+    with pytest.raises(compare.CompareError, match="nowhere: no such folder"):
+        compare.main([str(tmp_path / "nowhere")])
+    with pytest.raises(compare.CompareError) as info:
+        compare.main([str(evaluated[0]), "--metrics", "reward/gold_mean", "--out", ""])
+    assert str(info.value) == ("--metrics reward/gold_mean: no run logged it; the runs logged eval/reward, "
+                               "reward/mean, train/kl")
+    with pytest.raises(compare.CompareError, match="--x train/klx: no run logged it"):
+        compare.main([str(evaluated[0]), "--x", "train/klx", "--out", ""])
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "evaluation.compare", str(tmp_path / "nowhere")], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: ")
+
+
+def test_runs_of_different_stages_are_labelled_by_their_folders(tmp_path):
+    sft = write_run(tmp_path / "sft", {"seed": 1, "max_response_len": 64, "prompt_loss_weight": 0.0}, [{"step": 1, "m": 1.0}])
+    dpo = write_run(tmp_path / "dpo", {"seed": 1, "max_response_len": 64, "beta": 0.1, "loss": "sigmoid"},
+                    [{"step": 1, "m": 2.0}])
+    groups = compare.group_runs([compare.load_run(d) for d in (sft, dpo)])
+    assert [options for options, _ in groups] == [{"run": str(sft)}, {"run": str(dpo)}]
+    # runs of one stage: the options that differ, not the ones some lack
+    a = write_run(tmp_path / "a", {"seed": 1, "lr": 0.1, "beta": 0.1}, [{"step": 1, "m": 1.0}])
+    b = write_run(tmp_path / "b", {"seed": 1, "lr": 0.2, "beta": 0.1}, [{"step": 1, "m": 1.0}])
+    assert [o for o, _ in compare.group_runs([compare.load_run(d) for d in (a, b)])] == [{"lr": 0.1}, {"lr": 0.2}]

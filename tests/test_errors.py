@@ -33,7 +33,7 @@ from model.weights import save_hf
 from tests import helpers
 from tests.conftest import ROOT, checkpoint_step, free_port, run_script
 from utils.checkpoint import latest_checkpoint, read_tensors, save_checkpoint
-from utils.config import parse_config
+from utils.config import config_to_dict, parse_config
 from utils.optim import build_optimizer, build_scheduler
 
 SCRIPTS = {"sft": sft, "reward_model": reward_model, "dpo": dpo, "grpo": grpo, "eval_preferences": eval_preferences}
@@ -114,6 +114,18 @@ def inputs(tmp_path_factory):
     shutil.copytree(f["ckpt"], d / "garbage_ckpt")
     (d / "garbage_ckpt" / "state.pt").write_bytes(b"truncated")
     f["garbage_ckpt"] = d / "garbage_ckpt"
+    # the run's record of options, as its first start wrote it
+    recorded = config_to_dict(parse_config(sft.Config, base_args("sft", f, d / "sft_run")))
+    (d / "sft_run" / "config.json").write_text(json.dumps(recorded))
+    shutil.copytree(d / "sft_run", d / "damaged_run")  # its only checkpoint altered: one byte of state.pt flipped
+    state_pt = d / "damaged_run" / "checkpoints" / f["ckpt"].name / "state.pt"
+    data = bytearray(state_pt.read_bytes())
+    data[len(data) // 2] ^= 1
+    state_pt.write_bytes(bytes(data))
+    f["damaged_run"] = d / "damaged_run"
+    shutil.copytree(d / "constant_rm", d / "rm_no_norm")
+    (d / "rm_no_norm" / "reward_normalization.json").unlink()
+    f["rm_no_norm"] = d / "rm_no_norm"
     return f
 
 
@@ -181,7 +193,8 @@ CASES = [
     ("top_bottom_odd_kept", "grpo", lambda f, out: ["--selection", "top_bottom", "--num_kept", "3"],
      ["--selection top_bottom needs an even --num_kept, got 3"]),
     ("context_longer_than_model", "sft", lambda f, out: ["--max_prompt_len", "500"],
-     ["--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions"]),
+     ["--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions; the largest --max_prompt_len "
+      "that fits is 496"]),
     ("fewer_rows_than_one_batch", "sft", lambda f, out: ["--train_data", str(f["few_rows"]), "--micro_batch_size", "4"],
      ["3 examples cannot fill one global batch of world_size 1 x batch_size 4 = 4"]),
     # run directory and checkpoints
@@ -195,9 +208,18 @@ CASES = [
     ("checkpoint_of_another_model_size", "sft", lambda f, out: ["--model", "small", "--resume_from", str(f["ckpt"])],
      ["holds another model: n_embd=64, n_head=2, n_layer=2 but this run's model has n_embd=128, n_head=4, n_layer=4"]),
     ("unreadable_checkpoint", "sft", lambda f, out: ["--resume_from", str(f["garbage_ckpt"])],
-     ["cannot read checkpoint", "state.pt", "delete that folder to resume from an older one"]),
+     ["--resume_from", "garbage_ckpt: checkpoint is damaged:", "state.pt has 9 bytes", "were written"]),
     ("checkpoint_from_other_data", "sft", lambda f, out: ["--resume_from", str(f["ckpt"])],
      ["its data position does not fit this run's training data", "for 999 examples, but this data has 16"]),
+    ("no_intact_checkpoint", "sft", lambda f, out: ["--out_dir", str(f["damaged_run"])],
+     ["no intact checkpoint in", "damaged_run/checkpoints (step_00000001:", "state.pt was altered",
+      "restore the files, or move"]),
+    ("options_changed_on_resume", "sft",
+     lambda f, out: ["--out_dir", str(f["ckpt"].parent.parent), "--lr", "0.01", "--seed", "5"],
+     ["holds a run started with other options (--lr 3e-05 -> 0.01, --seed 1 -> 5)", "use another --out_dir",
+      "--resume_changes allow to continue from step 1"]),
+    ("wandb_online_without_login", "sft", lambda f, out: ["--wandb_mode", "online"],
+     ["--wandb_mode online needs a wandb login", "WANDB_API_KEY is unset", "--wandb_mode offline"]),
     # models
     ("missing_model_folder", "dpo", lambda f, out: ["--model", str(out / "sft" / "hf"), "--random_init", "false"],
      ["model folder", "sft/hf does not exist (expected a Hugging Face-format folder)"]),
@@ -216,6 +238,18 @@ CASES = [
     ("reward_pooling_mismatch", "reward_model",
      lambda f, out: ["--model", str(f["nan_rm"]), "--random_init", "false", "--pooling", "sum"],
      ["nan_rm is a reward model with pooling 'last', not 'sum'"]),
+    ("reward_model_as_policy", "sft", lambda f, out: ["--model", str(f["constant_rm"]), "--random_init", "false"],
+     ["--model", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"]),
+    ("reward_model_as_reference", "dpo", lambda f, out: ["--reference", str(f["constant_rm"])],
+     ["--reference", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"]),
+    ("policy_as_reward_model", "grpo",
+     lambda f, out: ["--reward_model", str(f["policy"]), "--reward_random_init", "false"],
+     ["--reward_model", "policy is a policy (a GPT-2 language model), not a reward model"]),
+    ("policy_as_reward_model_to_evaluate", "eval_preferences", lambda f, out: ["--reward_model", str(f["policy"])],
+     ["--reward_model", "policy is a policy (a GPT-2 language model), not a reward model"]),
+    ("reward_model_without_normalisation", "grpo",
+     lambda f, out: ["--reward_model", str(f["rm_no_norm"]), "--reward_random_init", "false"],
+     ["--reward_model", "rm_no_norm is a reward model whose reward_normalization.json is missing"]),
     ("hub_model_without_network", "sft", lambda f, out: ["--model", "gpt2-medium", "--random_init", "false"],
      ["could not load model 'gpt2-medium' from the Hugging Face hub (no network: cannot connect to 127.0.0.1:9",
       "Pass a local Hugging Face-format folder instead"]),
@@ -248,6 +282,8 @@ def no_network(monkeypatch, tmp_path):
     for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)  # and no wandb login
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
 
 
 @pytest.mark.parametrize("case, script, extra, fragments", CASES, ids=[c[0] for c in CASES])

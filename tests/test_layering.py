@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"sft", "reward_model", "dpo", "grpo", "eval_preferences", "demo"}
+SCRIPTS = {"sft", "reward_model", "dpo", "grpo", "eval_preferences", "demo", "sample"}
 PACKAGES = {"model", "data", "rlhf", "rollouts", "evaluation", "utils", "bench", "tests"}
 
 

@@ -209,13 +209,31 @@ def accumulation_steps(batch_size: int, micro_batch_size: int, world_size: int) 
     return batch_size // (micro_batch_size * world_size)
 
 
-def check_context(model_cfg, max_prompt_len: int, max_response_len: int, what: str = "model") -> None:
-    """Refuse lengths the model's position table cannot hold (GPT-2's positions are a learned table)."""
-    if max_prompt_len + max_response_len > model_cfg.n_positions:
-        raise ConfigError(
-            f"--max_prompt_len {max_prompt_len} + --max_response_len {max_response_len} exceeds the {what}'s "
-            f"{model_cfg.n_positions} positions"
-        )
+def fit_context(cfg, *limits: tuple) -> None:
+    """Make --max_prompt_len plus each response length fit each model's positions (GPT-2's positions are a learned
+    table). `limits`: (model config, response option, what) triples, e.g. (policy_cfg, "max_new_tokens", "policy").
+    A --max_prompt_len left at its default is lowered to the largest that fits, with one line saying so (a preset
+    with fewer positions than GPT-2's runs at the default lengths); one given that does not fit is an error naming
+    the largest value that does."""
+    room, (model_cfg, response, what) = min(((m.n_positions - getattr(cfg, r), (m, r, w)) for m, r, w in limits),
+                                            key=lambda x: x[0])
+    prompt = cfg.max_prompt_len
+    if prompt <= room:
+        return
+    exceeds = (f"--max_prompt_len {prompt} + --{response} {getattr(cfg, response)} exceeds the {what}'s "
+               f"{model_cfg.n_positions} positions")
+    if room <= 0:
+        fits = model_cfg.n_positions - prompt
+        hint = (f"beside --max_prompt_len {prompt} the largest --{response} that fits is {fits}" if fits > 0 else
+                f"--{response} must be below {model_cfg.n_positions}")
+        raise ConfigError(f"--{response} {getattr(cfg, response)} leaves no room for a prompt in the {what}'s "
+                          f"{model_cfg.n_positions} positions; {hint}")
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "max_prompt_len")
+    if prompt != default:
+        raise ConfigError(f"{exceeds}; the largest --max_prompt_len that fits is {room}")
+    cfg.max_prompt_len = room
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{exceeds}: using --max_prompt_len {room}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -310,6 +328,10 @@ class RunConfig:
     """Resume from the newest checkpoint in --out_dir when there is one (false refuses to start over on top of one)."""
     resume_from: str = ""
     """Start from this checkpoint (a checkpoint folder, or another run directory) when --out_dir has none yet."""
+    resume_changes: Literal["refuse", "allow"] = "refuse"
+    """A resume whose options differ from the run's record (--out_dir/config.json) in one that changes the result:
+    refuse (stop, listing each change) or allow (continue, the change and its step appended to the record).
+    docs/errors.md lists the options that may change freely."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm: stop (nothing is stepped or saved; the newest checkpoint is the last good
     state) or skip the step (no optimizer or scheduler step; its batch is dropped)."""

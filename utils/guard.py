@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from utils.config import ConfigError, print_error
 from utils.logging import close_progress_bars, say
+from utils.rundir import release_all
 
 EXIT_BAD_INPUT = 2
 EXIT_NUMERICAL = 3
@@ -130,6 +131,7 @@ def _exit(message: str, code: int, agreed: bool = False) -> None:
     has exited, and its report then names SIGTERM for a rank that was only slower to get out."""
     close_progress_bars()
     print_error(message)
+    release_all()  # the run directory's lock, when this rank took it
     if dist.is_initialized():
         if agreed:
             dist.barrier()

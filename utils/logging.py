@@ -35,6 +35,8 @@ class Logger:
         self.resume_step = resume_step
         self.tables_opened: set[str] = set()
         self.offline = False
+        self.started = time.perf_counter()
+        self.logged = 0  # rows this process logged (0: a rerun of a finished run)
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -70,6 +72,7 @@ class Logger:
         if not self.enabled:
             return
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+        self.logged += 1
         self.file.write(json.dumps({"step": step, **{k: v for k, v in clean.items() if _jsonable(v)}}) + "\n")
         self.file.flush()
         if self.run is not None:
@@ -93,15 +96,23 @@ class Logger:
         """Drop the lines logged after step resume_step's checkpoint (see __init__); atomic rewrite."""
         if self.resume_step is None or not path.is_file():
             return
-        kept, seen_resume_step = [], False
-        for line in path.read_text().splitlines(keepends=True):
+        kept, seen_resume_step, dropped = [], False, 0
+        for number, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(keepends=True), 1):
             try:
                 step = json.loads(line)["step"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line cut short by the kill
+            except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill or a full disk
+                if self.enabled:
+                    print(f"warning: {path}: line {number} is not a whole JSON row ({line.strip()[:60]!r}); "
+                          f"dropped", file=sys.stderr, flush=True)
+                continue
             if step < self.resume_step or (step == self.resume_step > 0 and not seen_resume_step):
                 kept.append(line if line.endswith("\n") else line + "\n")
                 seen_resume_step |= step == self.resume_step
+            else:
+                dropped += 1
+        if dropped and self.enabled:
+            print(f"warning: {path}: {dropped} line(s) logged after the checkpoint of step {self.resume_step} "
+                  f"dropped (their steps run again)", file=sys.stderr, flush=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
@@ -120,18 +131,138 @@ def _jsonable(v) -> bool:
 
 
 def say(message: str) -> None:
-    """A line to stderr that does not collide with a live progress bar (tqdm clears and redraws it)."""
+    """A line to stderr that does not collide with a live progress bar (tqdm clears and redraws it; line progress
+    writes whole lines, so a message is always a line of its own)."""
     tqdm.write(message, file=sys.stderr)
+
+
+def tell(message: str) -> None:
+    """A status line to stdout, flushed at once (so it keeps its place among the progress lines of a log that holds
+    both streams); a live terminal bar is cleared first and redrawn under it, so the two never share a line."""
+    tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
 
 
 def close_progress_bars() -> None:
     """Close every live bar so that what is printed next starts on a line of its own."""
-    for bar in list(getattr(tqdm, "_instances", [])):
+    for bar in list(getattr(tqdm, "_instances", [])) + list(LineProgress.live):
         bar.close()
 
 
-def progress(total: int, initial: int, enabled: bool, desc: str):
-    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True)
+LINE_EVERY_SECONDS = 30.0
+"""Where stderr is not a terminal (a log file, a pipe), progress is one line every this many seconds."""
+
+
+class LineProgress:
+    """Progress for output that is not a terminal: a whole line at most every `every` seconds and one at the end,
+    "desc: 40/512 rows (8%), 12.3 rows/s, 3s, loss=2.31", instead of tqdm's carriage-return frames that a log file
+    keeps as one endless line. The part of tqdm's interface the scripts use (update, set_postfix, close)."""
+
+    live: set = set()
+
+    def __init__(self, total: int, initial: int, desc: str, unit: str, every: float = LINE_EVERY_SECONDS,
+                 file=None):
+        self.total, self.n, self.start_n, self.desc, self.unit, self.every = total, initial, initial, desc, unit, every
+        self.file = file or sys.stderr
+        self.postfix: dict = {}
+        self.started = self.last = time.perf_counter()
+        self.written_at = None  # n when the last line was written
+        LineProgress.live.add(self)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        finished = self.total and self.n >= self.total and self.written_at != self.n
+        if finished or (n and now - self.last >= self.every):
+            self._write(now)
+
+    def set_postfix(self, values: dict, refresh: bool = True) -> None:
+        self.postfix = dict(values)
+
+    def close(self) -> None:
+        if self in LineProgress.live:
+            LineProgress.live.discard(self)
+            if self.written_at != self.n and self.n > self.start_n:
+                self._write(time.perf_counter())
+
+    def _write(self, now: float) -> None:
+        self.last, self.written_at = now, self.n
+        print(format_progress(self.desc, self.n, self.total, self.unit, self.n - self.start_n, now - self.started,
+                              self.postfix), file=self.file, flush=True)
+
+
+def format_progress(desc: str, n: int, total: int, unit: str, done: int, seconds: float, postfix: dict) -> str:
+    """One progress line: rows done of total, share, rate over this process's share of the work, elapsed time."""
+    share = f" ({100 * n / total:.0f}%)" if total else ""
+    rate = f", {done / seconds:.3g} {unit}/s" if seconds > 0 and done else ""
+    extra = "".join(f", {k}={v}" for k, v in postfix.items())
+    return f"{desc}: {n}/{total or '?'} {unit}{share}{rate}, {seconds:.0f}s{extra}"
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, values: dict, refresh: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, initial: int, enabled: bool, desc: str, unit: str = "step", leave: bool = True):
+    """A progress bar: tqdm's on a terminal, LineProgress elsewhere (stderr redirected to a file or a pipe), nothing
+    when not `enabled` (ranks other than 0). `leave` False: a terminal bar is erased when it closes (an evaluation's
+    bar under the training bar)."""
+    if not enabled:
+        return _NoProgress()
+    if not sys.stderr.isatty():
+        return LineProgress(total, initial, desc, unit)
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, leave=leave, file=sys.stderr)
+
+
+class EvalProgress:
+    """An evaluation's own progress, shown by rank 0: every rank advances by its own rows, and every rank holds about
+    as many, so rank 0's count times the world size is the global progress (capped at `total`, the global rows).
+    `split` False: every rank does all the rows (rank 0's count is the progress)."""
+
+    def __init__(self, desc: str, total: int, unit: str = "rows", split: bool = True):
+        from utils.dist import rank_and_world
+
+        rank, world = rank_and_world()
+        self.world = world if split else 1
+        self.total, self.done = total, 0
+        self.bar = progress(total, 0, rank == 0, desc, unit=unit, leave=False)
+
+    def advance(self, local_rows: int) -> None:
+        now = min(self.total, self.done + local_rows * self.world)
+        self.bar.update(now - self.done)
+        self.done = now
+
+    def close(self) -> None:
+        self.advance(self.total)  # the last rank's batches may hold fewer rows than rank 0's
+        self.bar.close()
+
+
+def track(items, desc: str, total: int, count, unit: str = "rows"):
+    """Yield `items` (this rank's batches of an evaluation) while showing EvalProgress over `total` rows, advanced by
+    `count(item)` rows after each."""
+    bar = EvalProgress(desc, total, unit)
+    try:
+        for item in items:
+            yield item
+            bar.advance(count(item))
+    finally:
+        bar.close()
+
+
+def step_postfix(metrics: dict) -> dict:
+    """What the training bar shows beside its step count: the loss (or the reward and KL) and tokens per second."""
+    names = {"train/loss": "loss", "reward/mean": "reward", "train/kl": "kl"}
+    shown = {name: f"{metrics[k]:.4g}" for k, name in names.items() if k in metrics}
+    if "perf/tokens_per_second" in metrics:
+        shown["tok/s"] = f"{metrics['perf/tokens_per_second']:.3g}"
+    return shown
 
 
 class StageTimer:
@@ -162,3 +293,119 @@ def perf_metrics(seconds: dict[str, float], step_seconds: float, generated_token
     for name, s in seconds.items():
         out[f"perf/{name}_seconds"], out[f"perf/{name}_share"] = s, s / step_seconds
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The summary at the end of a run: summary.json in the run directory and a short table on the terminal
+
+EVALUATION_PREFIXES = ("val/", "eval/")
+"""Metrics logged at evaluations (the rest is logged every step)."""
+HEADLINES = {
+    "sft": ("train/loss", "val/loss", "val/win_rate", "val/win_rate_ci_low", "val/win_rate_ci_high"),
+    "reward_model": ("train/loss", "train/accuracy", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high"),
+    "dpo": ("train/loss", "train/reward_margin", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high",
+            "val/win_rate", "val/win_rate_ci_low", "val/win_rate_ci_high"),
+    "grpo": ("reward/mean", "train/kl", "eval/reward", "eval/win_rate", "eval/win_rate_ci_low", "eval/win_rate_ci_high",
+             "eval/pref_accuracy", "eval/end_fraction", "eval/response_length"),
+}
+"""The metrics each stage's terminal table shows (those it logged); summary.json holds every evaluation metric."""
+LOWER_IS_BETTER = ("loss", "kl")
+"""Evaluation metrics whose name ends in one of these are best at their minimum, every other one at its maximum."""
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl file (a line cut short by a kill is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def metric_summary(rows: list[dict], key: str) -> dict | None:
+    """Final and best value of `key` with their steps over metrics rows (the last row at a step wins); best is the
+    minimum for names ending in LOWER_IS_BETTER, else the maximum; counts and interval bounds have no best."""
+    by_step = {int(r["step"]): r[key] for r in rows if isinstance(r.get(key), (int, float))}
+    if not by_step:
+        return None
+    steps = sorted(by_step)
+    out = {"final": by_step[steps[-1]], "final_step": steps[-1]}
+    name = key.split("/")[-1]
+    if not (name.startswith("n_") or "_ci_" in name):
+        lower = name.endswith(LOWER_IS_BETTER)
+        best = (min if lower else max)(steps, key=lambda s: (by_step[s], -s) if not lower else (by_step[s], s))
+        out.update(best=by_step[best], best_step=best, mode="min" if lower else "max")
+    return out
+
+
+def run_summary(run_dir: str | Path, stage: str, wall_seconds: float) -> dict:
+    """What summary.json holds: per evaluation metric its final and best value with their steps; the training
+    seconds (summed over steps, every resumed part of the run included) and tokens per second over them; this
+    process's wall time; the paths of the export, checkpoints, metrics and sample tables."""
+    run_dir = Path(run_dir)
+    rows = read_rows(run_dir / "metrics.jsonl")
+    keys = sorted({k for r in rows for k in r if k.startswith(EVALUATION_PREFIXES)})
+    evaluation = {k: s for k in keys if (s := metric_summary(rows, k)) is not None}
+    training = {k: s for k in HEADLINES.get(stage, ()) if not k.startswith(EVALUATION_PREFIXES)
+                if (s := metric_summary(rows, k)) is not None}
+    timed = [r for r in rows if isinstance(r.get("perf/step_seconds"), (int, float))]
+    seconds = sum(r["perf/step_seconds"] for r in timed)
+    tokens = sum(r["perf/step_seconds"] * r.get("perf/tokens_per_second", 0.0) for r in timed)
+    checkpoints = run_dir / "checkpoints"
+    best = checkpoints / "best.json"
+    return {
+        "stage": stage,
+        "steps": max((int(r["step"]) for r in rows), default=0),
+        "evaluation": evaluation,
+        "training": training,
+        "wall_seconds": wall_seconds,
+        "train_seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds > 0 else None,
+        "paths": {
+            "export": str(run_dir / "hf") if (run_dir / "hf").is_dir() else None,
+            "checkpoints": sorted(str(p) for p in checkpoints.glob("step_*")) if checkpoints.is_dir() else [],
+            "best_checkpoint": json.loads(best.read_text()) if best.is_file() else None,
+            "metrics": str(run_dir / "metrics.jsonl"),
+            "config": str(run_dir / "config.json"),
+            "samples": str(run_dir / "samples.jsonl") if (run_dir / "samples.jsonl").is_file() else None,
+        },
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """The stage's headline metrics as an aligned table (final and best with their steps), then time, throughput
+    and where the run's files are."""
+    stage = summary["stage"]
+    every = {**summary["training"], **summary["evaluation"]}
+    keys = [k for k in HEADLINES.get(stage, ()) if k in every] or list(summary["evaluation"])[:8]
+    width = max([len(k) for k in keys] + [6])
+    steps = summary['steps']
+    lines = [f"{stage} summary after {steps} step{'' if steps == 1 else 's'}",
+             f"  {'metric':<{width}}  {'final':>11} {'(step)':>7}  {'best':>11} {'(step)':>7}"]
+    for k in keys:
+        s = every[k]
+        best = f"{s['best']:>11.4g} {'(' + str(s['best_step']) + ')':>7}" if "best" in s else ""
+        lines.append(f"  {k:<{width}}  {s['final']:>11.4g} {'(' + str(s['final_step']) + ')':>7}  {best}".rstrip())
+    tps = summary["tokens_per_second"]
+    lines.append(f"  training {summary['train_seconds']:.1f}s" + (f", {tps:.4g} tokens/s" if tps else "")
+                 + f"; wall {summary['wall_seconds']:.1f}s")
+    paths = summary["paths"]
+    for name in ("export", "metrics", "samples"):
+        if paths[name]:
+            lines.append(f"  {name}: {paths[name]}")
+    return "\n".join(lines)
+
+
+def report_summary(run_dir: str | Path, stage: str, wall_seconds: float, new_steps: bool) -> dict:
+    """Write summary.json in the run directory and print its table; a rerun of a finished run (`new_steps` False: it
+    trained no step) prints the summary already written instead of replacing it."""
+    path = Path(run_dir) / "summary.json"
+    if not new_steps and path.is_file():
+        summary = json.loads(path.read_text())
+    else:
+        summary = run_summary(run_dir, stage, wall_seconds)
+        path.write_text(json.dumps(summary, indent=1) + "\n")
+    tell(format_summary(summary) + f"\n  summary: {path}")
+    return summary

@@ -1,6 +1,6 @@
 """Run plumbing every training script calls from its own visible loop: plain functions, no trainer, no hooks.
 
-    run = start_run(cfg, meta)                          # process group, run directory, checkpoint lookup, seeding
+    run = start_run(cfg, meta)                          # process group, run directory (lock, options), checkpoint, seed
     ... data, models, optimizer, scheduler ...
     step = resume(run, cfg, model, optimizer, scheduler, loader, total_steps)   # then the logger and progress bar
     metrics, stopping = {}, False
@@ -22,18 +22,22 @@ no two ranks draw the same masks (a resumed run restores each rank's own RNG sta
 """
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from utils.checkpoint import export_model, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best
+from utils.checkpoint import (
+    check_run_dir, export_model, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best,
+)
 from utils.config import RunConfig, config_to_dict
 from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
 from utils.fsdp import resolve_dtype
-from utils.guard import NonFiniteGuard, StopSignal
-from utils.logging import Logger, progress
+from utils.guard import NonFiniteGuard, StopSignal, all_ranks_agree
+from utils.logging import Logger, progress, report_summary, step_postfix, tell
+from utils.rundir import check_wandb_login, lock_run_dir, options_record, release_run_dir, warn
 
 
 @dataclass
@@ -57,6 +61,9 @@ class Run:
     """The global CPU RNG state every rank shared when resume() was called (after the models were built from the
     common seed), before it was made per-rank: a model built later from random weights (reward_model.py's
     normalisation policy with --random_init) is drawn from it, so it is the same on every rank."""
+    record: dict = field(default_factory=dict)
+    """The run's options as config.json records them: the ones it started with and every change since, with its step
+    (utils/rundir.py)."""
 
     @property
     def rank(self) -> int:
@@ -76,7 +83,7 @@ class Run:
 
     def say(self, message: str) -> None:
         if self.is_main:
-            print(message)
+            tell(message)  # never glued to a live bar's line
 
 
 def make_deterministic(device: str) -> None:
@@ -105,17 +112,39 @@ def make_deterministic(device: str) -> None:
 
 
 def start_run(cfg: RunConfig, meta: dict) -> Run:
-    """Distributed set-up, the run directory and the checkpoint to resume from (checked against `meta`: stage, model
-    config, LoRA), the global seed (the same on every rank: models are initialised identically before sharding) and
-    the compute dtype. Everything here runs before any data is read or any model is built."""
+    """Distributed set-up, the run directory (a wandb login when --wandb_mode online; the directory's lock, taken by
+    rank 0: one run writes it at a time), the checkpoint to resume from (checked for damage and against `meta`:
+    stage, model config, LoRA), the options against the run's record when it resumes its own checkpoint, the global
+    seed (the same on every rank: models are initialised identically before sharding) and the compute dtype.
+    Everything here runs before any data is read or any model is built."""
     if cfg.deterministic:
         make_deterministic(cfg.device)
     info = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     run_dir = Path(cfg.out_dir)
+    with all_ranks_agree("the run directory's checks", info.device):
+        if info.rank == 0:
+            check_wandb_login(cfg.wandb_mode)
+            check_run_dir(run_dir)
+            lock_run_dir(run_dir)
     checkpoint = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
+    record = config_to_dict(cfg)
+    if checkpoint is not None and checkpoint.parent.parent.resolve() == run_dir.resolve():  # its own: a resume
+        record = options_record(run_dir, record, int(checkpoint.name.split("_")[-1]), cfg.resume_changes == "allow")
     torch.manual_seed(cfg.seed)
     guard = NonFiniteGuard(meta["stage"], cfg.on_nonfinite, info.device)
-    return Run(info, run_dir, meta, checkpoint, resolve_dtype(cfg.dtype, info.device), guard)
+    return Run(info, run_dir, meta, checkpoint, resolve_dtype(cfg.dtype, info.device), guard, record=record)
+
+
+def epoch_steps(steps: int, rows: int, batches_per_epoch: int, accum: int, batch_size: int) -> int:
+    """--steps, or when it is 0 one epoch: the optimizer steps that `batches_per_epoch` micro-batch rounds fill
+    (`accum` per step), at least one. A warning when that one step repeats rows (fewer rows than --batch_size)."""
+    if steps:
+        return steps
+    if batches_per_epoch < accum:
+        warn(f"--steps 0 runs one epoch, but {rows} rows fill less than one global batch of --batch_size "
+             f"{batch_size}: the one step repeats rows about {batch_size / rows:.1f} times; give more rows, a smaller "
+             f"--batch_size, or --steps")
+    return max(1, batches_per_epoch // accum)
 
 
 def resume(run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_steps: int,
@@ -133,8 +162,8 @@ def resume(run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_
         run.best = run.extra.get("best")
         restore_loader(loader, run.checkpoint, run.extra)
         run.say(f"resumed from {run.checkpoint} at step {step}")
-    run.logger = Logger(run.dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, run.is_main,
-                        resume_step=step, group=cfg.wandb_group, tags=cfg.wandb_tags)
+    run.logger = Logger(run.dir, run.record or config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode,
+                        run.is_main, resume_step=step, group=cfg.wandb_group, tags=cfg.wandb_tags)
     run.bar = progress(total_steps, step, run.is_main, run.meta["stage"])
     return step
 
@@ -149,8 +178,8 @@ def end_of_step(
     changes (GRPO's refreshed reference), saved sharded with the model. Returns True when the run must stop (a signal
     came)."""
     run.logger.log(metrics, step)
+    run.bar.set_postfix(step_postfix(metrics), refresh=False)
     run.bar.update(1)
-    run.bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.4g}" for k in ("train/loss", "reward/mean", "train/kl") if k in metrics})
     metric = cfg.best_metric if best_metric is None else best_metric
     run.best, improved = update_best(run.best, metrics, metric, cfg.best_mode, step)
     stopping = run.stop.requested(run.device)
@@ -163,13 +192,18 @@ def end_of_step(
 
 def finish(run: Run, model, step: int, metrics: dict, stopped: bool, export: Callable[[dict], None]) -> None:
     """After the loop: a stopped run says where its checkpoint is; a finished one gathers the full weights and hands
-    them to `export` on rank 0 (model.weights.save_export: the Hugging Face-format folder). Then the logger closes
-    and the process group is torn down."""
+    them to `export` on rank 0 (model.weights.save_export: the Hugging Face-format folder) and writes summary.json with
+    its table on the terminal (utils/logging.report_summary; a rerun of a finished run prints the one written). Then
+    the logger closes and the process group is torn down."""
     run.bar.close()
     if stopped:
         run.stop.report(step, run.dir / "checkpoints", run.rank)
     else:
         export_model(model, export, run.rank)
-        run.say(f"exported {run.dir / 'hf'}; final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        run.say(f"exported {run.dir / 'hf'}")
+        if run.is_main:
+            report_summary(run.dir, run.meta["stage"], time.perf_counter() - run.logger.started, run.logger.logged > 0)
     run.logger.finish()
+    if run.is_main:
+        release_run_dir(run.dir)
     cleanup_distributed()

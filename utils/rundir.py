@@ -1,0 +1,177 @@
+"""The run directory's record: one writer at a time, and the options it was started with.
+
+    lock_run_dir(run_dir)                     # rank 0, at start: a second run on the folder stops with one line
+    record = options_record(run_dir, options, step, allow)   # on a resume: changed options stop the run, or are
+                                                             # appended to config.json with their step
+
+The lock is `run_dir/.lock`, held with flock(2) for the life of the process (the kernel drops it when the process
+dies, whatever kills it), and holding the holder's pid, host and start time for the message a second run prints.
+A lock file that names a holder but is not locked was left by a run that was killed: it is taken over with one
+warning line. flock works across machines on NFS (Linux 2.6.12 and later) and Lustre mounted with -o flock.
+
+config.json (what evaluation/compare.py groups runs by) holds the options the run was started with, written once;
+every later change is appended to its "option_changes" list as {"step", "options": {name: [old, new]}}: free options
+(FREE_OPTIONS: the length of the run, evaluation, logging and checkpoint cadence, memory savers) without asking,
+the others only with --resume_changes allow; where the run is and how it was started (NOT_RECORDED: --out_dir,
+--resume, --resume_from, --resume_changes) are neither compared nor recorded.
+"""
+
+import atexit
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from utils.config import ConfigError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock
+    fcntl = None
+
+LOCK = ".lock"
+RECORD = "config.json"
+RESUME_CHANGES = "option_changes"
+
+# Options that may differ on a resume without --resume_changes allow (each change is still recorded): how long the
+# run goes on, when it evaluates, logs and saves, the wandb names, and memory savers that compute the same numbers.
+# --steps also moves the end of the cosine schedule, so the steps after the resume follow the new one. Every other
+# option changes what a step computes.
+FREE_OPTIONS = frozenset({
+    "steps", "eval_every", "save_every", "keep_last", "best_metric", "best_mode", "table_every", "table_prompts",
+    "dist_timeout_minutes", "activation_checkpointing", "frozen_cpu_offload",
+    "wandb_mode", "wandb_project", "run_name", "wandb_group", "wandb_tags",
+})
+
+# How a run is started or where it is, not what it is: never compared, never recorded as a change
+NOT_RECORDED = frozenset({"out_dir", "resume", "resume_from", "resume_changes"})
+
+_held: dict[str, int] = {}  # lock file -> open descriptor, for this process's runs
+
+
+def warn(message: str) -> None:
+    """`warning: message` on one line, to stderr, from rank 0 only."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _holder(text: str) -> str:
+    try:
+        d = json.loads(text)
+        return f"pid {d['pid']} on {d['host']}, started {d['started']}"
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "a process that left no name"
+
+
+def lock_run_dir(run_dir: str | Path) -> None:
+    """Take the run directory's lock for this process (rank 0 only), or ConfigError naming the folder and the live
+    process that holds it; a lock left by a killed run is taken over with a warning. Released at exit (and by
+    release_run_dir). A process that holds it already (an earlier run in the same Python process) keeps it."""
+    if fcntl is None:
+        return
+    file = Path(run_dir) / LOCK
+    key = str(file.resolve())
+    if key in _held:
+        return
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another process holds it
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        os.close(fd)
+        raise ConfigError(
+            f"--out_dir {run_dir} is in use by another run ({_holder(text)}; it holds {file}); wait for it to end, "
+            f"or use another --out_dir"
+        ) from None
+    except OSError as e:  # a filesystem without locks (an NFS mount without lockd): run, but say what is not guarded
+        os.close(fd)
+        warn(f"cannot lock {file} ({e.strerror or e}): a second run started on --out_dir {run_dir} would not be stopped")
+        return
+    left = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+    if left:
+        warn(f"took over the lock {file} left by a run that is no longer running ({_holder(left)})")
+    mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S %z")})
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, mine.encode(), 0)
+    os.fsync(fd)
+    _held[key] = fd
+    atexit.register(release_run_dir, run_dir)
+
+
+def release_run_dir(run_dir: str | Path) -> None:
+    """Empty and release the lock this process holds on `run_dir` (nothing when it holds none)."""
+    fd = _held.pop(str((Path(run_dir) / LOCK).resolve()), None)
+    if fd is not None:
+        os.ftruncate(fd, 0)  # an empty lock file is one nobody holds: the next run takes it without a warning
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def release_all() -> None:
+    """Release every run-directory lock this process holds (a run leaving on an error: in a test process that goes
+    on, the folder is free again)."""
+    for file in list(_held):
+        release_run_dir(Path(file).parent)
+
+
+def _same(a, b) -> bool:
+    return json.dumps(a, default=str, sort_keys=True) == json.dumps(b, default=str, sort_keys=True)
+
+
+def options_record(run_dir: str | Path, options: dict, step: int, allow: bool) -> dict:
+    """The record (config.json's content) of a run resumed from its own checkpoint at `step`: the options it was
+    started with, and its list of changes. Options that differ from the recorded ones (started with, after the
+    changes so far) are appended with the step; a change outside FREE_OPTIONS is a ConfigError listing each
+    (old -> new) unless `allow`. With nothing recorded (a run from before config.json), `options`."""
+    file = Path(run_dir) / RECORD
+    try:
+        record = json.loads(file.read_text())
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        return options
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        warn(f"{file} cannot be read ({type(e).__name__}: {e}); it is rewritten with this run's options")
+        return options
+    current = {k: v for k, v in record.items() if k != RESUME_CHANGES}
+    for change in record.get(RESUME_CHANGES, []):
+        current |= {k: new for k, (_, new) in change["options"].items()}
+    changed = {k: [current[k], v] for k, v in options.items()
+               if k in current and k not in NOT_RECORDED and not _same(current[k], v)}
+    refused = {k: v for k, v in changed.items() if k not in FREE_OPTIONS}
+    if refused and not allow:
+        listed = ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in refused.items())
+        raise ConfigError(
+            f"--out_dir {run_dir} holds a run started with other options ({listed}): resuming would train one run "
+            f"under two configurations while {file} names one; rerun with the recorded options, use another --out_dir "
+            f"for a new run, or pass --resume_changes allow to continue from step {step} with these (the change and "
+            f"its step are appended to {file})"
+        )
+    if changed:
+        record = {**record, RESUME_CHANGES: record.get(RESUME_CHANGES, []) + [{"step": step, "options": changed}]}
+        if refused:
+            warn(f"continuing from step {step} with changed options ("
+                 + ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in refused.items()) + f"), recorded in {file}")
+    return json.loads(json.dumps(record, default=str))
+
+
+def check_wandb_login(mode: str) -> None:
+    """ConfigError for --wandb_mode online without a wandb login (WANDB_API_KEY, or the API host in ~/.netrc), found
+    at start instead of in a traceback from wandb.init."""
+    if mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0].split(":")[0]
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        logged_in = f"machine {host}" in " ".join(netrc.read_text().split())
+    except OSError:
+        logged_in = False
+    if not logged_in:
+        raise ConfigError(
+            f"--wandb_mode online needs a wandb login, and none was found (WANDB_API_KEY is unset and {netrc} has no "
+            f"entry for {host}); run `wandb login` or set WANDB_API_KEY, or use --wandb_mode offline (upload later "
+            f"with `wandb sync`) or disabled"
+        )

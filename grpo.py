@@ -59,7 +59,7 @@ from rollouts.metrics import StepResult, gold_metrics, step_metrics
 from rollouts.models import Models, build_models, check_models, check_step_fits, refresh_reference, sharded_module
 from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, Scores, rollout, source_values, warn_constant_sources
-from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, parse_config, require_nonempty
+from utils.config import ConfigError, DataConfig, DecodeConfig, OptimConfig, RunConfig, parse_config, require_nonempty
 from utils.dist import all_reduce_max, all_reduce_named, all_reduce_sum, rank_and_world, stream
 from utils.fsdp import gathered_params
 from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
@@ -71,7 +71,7 @@ TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: 
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig):  # run, optimisation, data, LoRA options of every stage
+class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig):  # the option groups of utils/config.py
     # --- models
     model: str = "runs/sft/hf"
     """Starting policy, also the frozen reference (with LoRA: the policy's own base weights, adapters off): a

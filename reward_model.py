@@ -32,7 +32,7 @@ from model.weights import build_policy, build_reward_model, model_config, resolv
 from rlhf.losses import bradley_terry_loss
 from rlhf.stats import pair_outcomes, standardizing_gain_bias
 from utils.config import (
-    ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
+    ConfigError, DecodeConfig, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
 )
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import gathered_params, shard_model
@@ -43,7 +43,7 @@ from utils.run import end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, PairConfig):  # run, optimisation and preference-pair options (evaluation/pairs.py)
+class Config(RunConfig, OptimConfig, PairConfig, DecodeConfig):  # run, optimisation, preference-pair, decode options
     # --- models
     model: str = "runs/sft/hf"
     """Starting weights: an SFT export (Hugging Face-format folder; a new scalar head is added), a reward-model
@@ -152,7 +152,8 @@ def fit_normalization(
         # 1. sample: rows b*G .. b*G+G-1 belong to prompt b
         with gathered_params(policy):
             out = generate(
-                policy, prompt_ids, prompt_mask, G, cfg.max_response_len, temperature=cfg.norm_temperature, generator=generator
+                policy, prompt_ids, prompt_mask, G, cfg.max_response_len, temperature=cfg.norm_temperature,
+                generator=generator, compile=cfg.compile,
             )
         # 2. score prompt + response (read at the last real token, the end token when there is one, or summed over
         #    the response: the model's pooling); the responses start at column P

@@ -20,6 +20,8 @@
 #               estimate against torch.cuda.max_memory_allocated on the step it estimates), and the CUDA checks in
 #               tests/test_collectives.py, test_logprobs.py and test_bench.py                 -> OUT_DIR/pytest_gpu.log
 #   bench       python -m bench.run_all --device cuda --quick                      -> OUT_DIR/results.json, bench.log
+#   compile     python -m bench.run_all --device cuda --quick --only compile: --compile against eager (gpt2 decode
+#               at 1,024 rows, a GRPO step)                                        -> OUT_DIR/compile.json, compile.log
 # Every GPU-marked test is listed in the summary with its outcome; every benchmark figure with its value. Exit status:
 # non-zero if any check failed or timed out.
 set -u -o pipefail
@@ -84,6 +86,14 @@ check gpu_tests 330 "$OUT_DIR/pytest_gpu.log" "$PY" -m pytest -m gpu -p no:cache
 
 check bench 170 "$OUT_DIR/bench.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --out "$OUT_DIR/results.json"
 
+# ---- --compile (the compiled decode step) against eager ----
+# decode tokens/s of gpt2 (bf16) at 1,024 rows (16 prompts x 64 samples, 352-384-token prompts, 56 new tokens) and the
+# GRPO step (--quick: 32 prompts; FULL=1: the reference 256), each with and without --compile, compilation timed apart
+# (bench/compiled.py)                                                    -> OUT_DIR/compile.json, compile.log
+check compile 240 "$OUT_DIR/compile.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --only compile \
+  --out "$OUT_DIR/compile.json"
+# ---- end of the --compile block ----
+
 # the summary: each check, each GPU test's outcome, each benchmark figure
 "$PY" - "$OUT_DIR" <<'PY' | tee "$OUT_DIR/summary.txt"
 import json, re, sys
@@ -101,13 +111,13 @@ if tests:
     print(f"\n{'GPU test':<100} outcome")
     for outcome, name, rest in tests:
         print(f"{name[:99]:<100} {outcome}{rest[:80] if outcome == 'SKIPPED' else ''}")
-results = out / "results.json"
-if results.exists():
-    rows = json.loads(results.read_text()).get("results", [])
-    print(f"\n{'benchmark figure':<80} {'value':>14} unit")
-    for r in rows:
-        value = r.get("value")
-        shown = f"{value:,.4g}" if isinstance(value, (int, float)) else 'not measured'
-        print(f"{(r.get('bench', '') + ' ' + r.get('name', ''))[:79]:<80} {shown:>14} {r.get('unit', '')}")
+for results in (out / "results.json", out / "compile.json"):
+    if results.exists():
+        rows = json.loads(results.read_text()).get("results", [])
+        print(f"\n{'benchmark figure (' + results.name + ')':<80} {'value':>14} unit")
+        for r in rows:
+            value = r.get("value")
+            shown = f"{value:,.4g}" if isinstance(value, (int, float)) else 'not measured'
+            print(f"{(r.get('bench', '') + ' ' + r.get('name', ''))[:79]:<80} {shown:>14} {r.get('unit', '')}")
 PY
 ! grep -qv $'\tpass\t' "$SUMMARY"

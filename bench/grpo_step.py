@@ -78,6 +78,8 @@ class GRPOBenchConfig:
     lora_rank: int = 0
     """grpo --lora_rank: 0 trains every weight against a frozen reference copy; r > 0 trains LoRA adapters and the
     reference is the policy with its adapters off."""
+    compile: bool = False
+    """grpo --compile: the sampler's decode step under torch.compile (the warm-up step pays the compilation)."""
 
     def grpo_config(self) -> grpo.Config:
         """grpo.Config of this benchmark (everything else at grpo.py's defaults: temperature 1, beta 0.04, ...)."""
@@ -87,6 +89,7 @@ class GRPOBenchConfig:
             gen_prompts=self.gen_prompts, selection=self.selection, num_kept=self.num_kept,
             prompts_per_step=self.prompts, micro_batch_size=self.micro_batch_size,
             score_micro_batch_size=self.score_micro_batch_size, warmup_steps=0, lora_rank=self.lora_rank,
+            compile=self.compile,
         )
         cfg.validate()
         return cfg
@@ -184,8 +187,7 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
             others = max(0.0, (common.machine_busy_seconds() - busy0 - (time.process_time() - cpu0)) / seconds)
         return seconds, r.seconds, token_counts(r, s.prompts, s.cfg.num_samples), others
 
-    for i in range(bcfg.warmup):
-        one_step(i + 1)
+    warmup_seconds = [one_step(i + 1)[0] for i in range(bcfg.warmup)]
     was_reset = reset_peak_memory(device)
     steps = [one_step(bcfg.warmup + i + 1) for i in range(bcfg.repeats)]
     peak, peak_what = peak_memory(device, was_reset)
@@ -199,6 +201,7 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
         torch.cuda.empty_cache()
     return {
         "world_size": world,
+        "warmup_step_seconds": warmup_seconds,
         "step_seconds": [t[0] for t in steps],
         "stage_seconds": {k: [t[1][k] for t in steps] for k in STAGES},  # KeyError if train_step renames a stage
         "counts": steps[-1][2],

@@ -12,6 +12,7 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     grpo     bench/grpo_step.py  one GRPO step: time and share per stage, tokens/s, peak memory
     trl      bench/trl_grpo.py   TRL's GRPOTrainer vs our step on the same configuration (or why it was not run)
     prefix_sharing  bench/prefix_sharing.py  GRPO step on TL;DR prompts, prefix sharing on vs off, interleaved, per stage
+    compile  bench/compiled.py   --compile vs eager: sampler tokens/s, a GRPO step, compile time (named only)
 
 Every timed figure is the median of repeats after untimed warm-up runs. A figure that could not be measured is
 listed with the reason; a benchmark that fails is listed with its error and the others still run (exit status 1).
@@ -31,6 +32,7 @@ import torch
 from bench import common
 
 BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl", "prefix_sharing")
+NAMED_ONLY = ("compile",)  # run only when --only names them: compilation takes minutes (bench/gpu_all.sh runs it)
 
 
 def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
@@ -54,6 +56,10 @@ def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
         from bench import trl_grpo
 
         return trl_grpo.run(device, quick)
+    if name == "compile":
+        from bench import compiled
+
+        return compiled.run(device, quick)
     if name == "prefix_sharing":
         from bench import prefix_sharing
 
@@ -80,7 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="smaller configurations (a smoke test): under ~2 minutes on a 2-core CPU")
     parser.add_argument("--out", default=None, help="JSON file; None: runs/bench/results-{device}[-quick].json")
-    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS), help="run only these")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS + NAMED_ONLY, default=list(BENCHMARKS),
+                        help=f"run only these ({', '.join(NAMED_ONLY)}: only when named)")
     parser.add_argument("--threads", default="auto",
                         help="torch CPU threads: a number, 0 for torch's default (every core), or auto: "
                              "the cores other processes leave idle, measured over 2 s at start -- on a shared machine "

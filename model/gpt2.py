@@ -59,6 +59,11 @@ class KVCache:
     computes in (bf16 under mixed precision). `valid` (B, max_len) marks which cached positions hold real
     tokens (False for left padding and for positions not yet written) and is the key mask of every step.
     `length` is the number of positions written so far; all rows advance together.
+
+    `write_at` (set by the caller, for a compiled decode step): a (T,) long tensor of the positions the next T
+    tokens are written to. Every position is then a key, the ones not written yet masked by `valid`: no shape
+    and no Python number in the step changes from one token to the next. None: positions `length` .. `length`+T-1
+    and keys up to there (the eager path).
     """
 
     def __init__(self, cfg: GPTConfig, batch_size: int, max_len: int, device):
@@ -68,18 +73,41 @@ class KVCache:
         self.valid = torch.zeros(batch_size, max_len, device=device, dtype=torch.bool)
         self.length = 0
         self.max_len = max_len
+        self.write_at: torch.Tensor | None = None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values (B, nh, T, hs) after the cached ones; return all of them (B, nh, L, hs)."""
         if self.k is None:
             self.k = torch.zeros(self.shape, device=k.device, dtype=k.dtype)
             self.v = torch.zeros(self.shape, device=v.device, dtype=v.dtype)
+        if self.write_at is not None:
+            self.k[layer].index_copy_(2, self.write_at, k)
+            self.v[layer].index_copy_(2, self.write_at, v)
+            return self.k[layer], self.v[layer]
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def attention_mask(self, attention_mask: torch.Tensor | None, T: int) -> torch.Tensor:
+        """Mark the T new positions valid (attention_mask (B, T), or all of them) and return the attention mask of
+        their queries over every cached key: (B, 1, 1, L) for one new token (it is the last key, so causality
+        asks nothing more; a view, no op), else build_attention_mask's (B, 1, T, L)."""
+        if self.write_at is not None:
+            self.valid.index_fill_(1, self.write_at, True)
+            return self.valid[:, None, None, :]
+        end = self.length + T
+        self.valid[:, self.length : end] = attention_mask if attention_mask is not None else True
+        if T == 1 and attention_mask is None:
+            return self.valid[:, None, None, :end]
+        return build_attention_mask(self.valid[:, :end], T)
+
+    def advance(self, T: int) -> None:
+        """T positions written (the eager path's count; a compiled step moves `write_at` instead)."""
+        if self.write_at is None:
+            self.length += T
 
     def repeat_interleave(self, n: int) -> "KVCache":
         """Copy every row n times (row i -> rows i*n .. i*n+n-1): one prefill serves a group of n samples."""
@@ -88,7 +116,7 @@ class KVCache:
         out.k = None if self.k is None else self.k.repeat_interleave(n, dim=1)
         out.v = None if self.v is None else self.v.repeat_interleave(n, dim=1)
         out.valid = self.valid.repeat_interleave(n, dim=0)
-        out.length, out.max_len = self.length, self.max_len
+        out.length, out.max_len, out.write_at = self.length, self.max_len, self.write_at
         return out
 
 
@@ -155,9 +183,12 @@ class SharedKVCache:
     """Decoding cache with each prompt's keys and values stored once for its G samples.
 
     prompt_k, prompt_v: (n_layer, B, n_head, P, head_dim) from a prefill of the B prompts; prompt_valid (B, P).
-    k, v: (n_layer, B*G, n_head, max_new, head_dim), the samples' own tokens, written one step at a time (all rows
-    advance together, finished rows included, so every written response position is a key). Memory: B*P prompt
-    positions plus B*G*max_new response positions, against B*G*(P + max_new) for KVCache.repeat_interleave.
+    kv: (n_layer, 2, B, n_head, G, max_new, head_dim), the samples' own keys (kv[:, 0]) and values (kv[:, 1]),
+    written one step at a time (all rows advance together, finished rows included, so every written response
+    position is a key). Rows are grouped by prompt (B, G) behind the head axis, the layout both parts of the
+    attention read (shared_prefix_decode_attention), and keys and values sit side by side so one copy writes both.
+    Memory: B*P prompt positions plus B*G*max_new response positions, against B*G*(P + max_new) for
+    KVCache.repeat_interleave. `write_at`: as KVCache's (a compiled decode step).
     """
 
     def __init__(self, prompt: "KVCache", group: int, max_new: int):
@@ -165,56 +196,125 @@ class SharedKVCache:
         P = prompt.length
         self.prompt_k, self.prompt_v = prompt.k[:, :, :, :P], prompt.v[:, :, :, :P]
         self.prompt_valid = prompt.valid[:, :P]
+        self.prompt_hidden = ~self.prompt_valid[:, None, None, :]  # (B, 1, 1, P) once per call, not per layer
         self.group = group
-        self.k = torch.zeros((n_layer, B * group, nh, max_new, hs), device=prompt.k.device, dtype=prompt.k.dtype)
-        self.v = torch.zeros_like(self.k)
+        self.kv = torch.zeros((n_layer, 2, B, nh, group, max_new, hs), device=prompt.k.device, dtype=prompt.k.dtype)
         self.length = 0  # response positions written
         self.max_len = max_new
+        self.write_at: torch.Tensor | None = None
+        self.work: dict[str, torch.Tensor] = {}  # the attention's output buffers, reused by every layer and step
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.prompt_k, self.prompt_v, self.k, self.v))
+        return sum(t.numel() * t.element_size() for t in (self.prompt_k, self.prompt_v, self.kv))
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write this step's keys/values (N, nh, T, hs) and return the attention output (N, nh, T, hs) of the
-        queries q over their prompt's real tokens and their own response so far (causal within the T new)."""
-        end = self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"shared KV cache holds {self.max_len} response positions, asked to write up to {end}")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return shared_prefix_decode_attention(
-            q, self.prompt_k[layer], self.prompt_v[layer], self.prompt_valid, self.k[layer, :, :, :end],
-            self.v[layer, :, :, :end], self.group,
-        )
+    def advance(self, T: int) -> None:
+        if self.write_at is None:
+            self.length += T
+
+    def buffer(self, name: str, shape: tuple, dtype=torch.float32) -> torch.Tensor:
+        """A work tensor of this shape, kept across layers and steps in eager decoding (no allocation per layer);
+        a fresh one in a compiled step, where it costs nothing and a graph should not write into its inputs."""
+        if self.write_at is not None:
+            return torch.empty(shape, device=self.kv.device, dtype=dtype)
+        buf = self.work.get(name)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self.work[name] = torch.empty(shape, device=self.kv.device, dtype=dtype)
+        return buf
+
+    def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        """Write this step's keys/values and return the attention output (N, T, C) of its queries over their
+        prompt's real tokens and their own response so far (causal within the T new). qkv: (N, T, 3C), the
+        c_attn output of N = B*G rows grouped by prompt."""
+        N, T, _ = qkv.shape
+        _, _, B, nh, G, max_new, hs = self.kv.shape
+        qkv = qkv.view(B, G, T, 3, nh, hs)
+        q = qkv[:, :, :, 0].permute(0, 3, 1, 2, 4)  # (B, nh, G, T, hs), a view
+        new_kv = qkv[:, :, :, 1:].permute(3, 0, 4, 1, 2, 5)  # (2, B, nh, G, T, hs), a view
+        if self.write_at is not None:
+            self.kv[layer].index_copy_(4, self.write_at, new_kv)
+            own_kv = self.kv[layer]  # every position a key; those not written yet are masked below
+            own_hidden = torch.arange(max_new, device=q.device) > self.write_at[:, None]  # (T, max_new)
+        else:
+            end = self.length + T
+            if end > self.max_len:
+                raise ValueError(f"shared KV cache holds {self.max_len} response positions, asked to write up to {end}")
+            self.kv[layer, :, :, :, :, self.length : end] = new_kv
+            own_kv = self.kv[layer, :, :, :, :, :end]  # (2, B, nh, G, L, hs)
+            own_hidden = None
+            if T > 1:
+                key_pos, query_pos = torch.arange(end, device=q.device), torch.arange(self.length, end, device=q.device)
+                own_hidden = key_pos[None, :] > query_pos[:, None]  # (T, L) later tokens
+        args = (q, self.prompt_k[layer], self.prompt_v[layer], self.prompt_hidden, own_kv[0], own_kv[1], own_hidden)
+        if self.write_at is not None:  # compiled: no out= into a strided view (a graph break), the copy is fused
+            y = shared_prefix_decode_attention(*args).permute(0, 2, 3, 1, 4)  # (B, G, T, nh, hs)
+            return _cast(y.reshape(N, T, nh * hs), qkv.dtype)
+        y = self.buffer("y", (B, G, T, nh, hs), dtype=torch.float32)  # (N, T, C) once viewed
+        shared_prefix_decode_attention(*args, out=y.permute(0, 3, 1, 2, 4), buffer=self.buffer)
+        return _cast(y.view(N, T, nh * hs), qkv.dtype)
 
 
-def shared_prefix_decode_attention(q, prompt_k, prompt_v, prompt_valid, own_k, own_v, group: int) -> torch.Tensor:
-    """softmax(q K^T / sqrt(hs)) V over the keys [prompt part, own part] without copying the prompt part per row.
+def _cast(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """t in dtype, without dispatching an op when it already is (a decode step runs this thousands of times)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
-    q: (N, nh, T, hs), N = B*G rows grouped by prompt; prompt_k/v: (B, nh, P, hs) with prompt_valid (B, P);
-    own_k/v: (N, nh, L, hs) whose last T positions are the queries' own (causal among them).
+
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a @ b, rounded to a's dtype first (the cache dtype) when out is fp32 and a is not."""
+    if a.dtype == out.dtype:
+        torch.matmul(a, b, out=out)
+    else:
+        out.copy_(a @ b)
+
+
+def shared_prefix_decode_attention(
+    q, prompt_k, prompt_v, prompt_hidden, own_k, own_v, own_hidden, out=None, buffer=None,
+) -> torch.Tensor:
+    """out = softmax(q K^T / sqrt(hs)) V over the keys [prompt part, own part], without copying the prompt part per
+    row.
+
+    q: (B, nh, G, T, hs), the queries of B*G rows grouped by prompt; prompt_k/v: (B, nh, P, hs) with prompt_hidden
+    (B, 1, 1, P) True on padding; own_k/v: (B, nh, G, L, hs), each row's own keys, with own_hidden (T, L) True on the
+    keys a query may not see (None: it sees all). Returns the output (B, nh, G, T, hs) in fp32, written into `out`
+    when given. buffer(name, shape): where the work tensors come from (SharedKVCache.buffer; None allocates).
     The two parts are computed apart and merged by their log-sum-exps: out = (e^{lse_p} o_p + e^{lse_o} o_o) /
     (e^{lse_p} + e^{lse_o}). The prompt part reads each prompt's keys once for its G*T queries (one matmul per
     prompt): the decode step is memory-bound and this is the read that sharing saves. Matmuls run in the cache's
     dtype (no fp32 copy of the cache), softmax and merge in fp32. SDPA does not return its log-sum-exp, hence the
-    explicit form (see docs/benchmarks.md)."""
-    N, nh, T, hs = q.shape
-    B, L = prompt_k.shape[0], own_k.shape[2]
+    explicit form (see docs/benchmarks.md). Few ops by construction (a decode step of a small model is bound by
+    the host dispatching them, docs/benchmarks.md): both parts write their log-sum-exps and outputs into one
+    stacked tensor each, so one subtraction, exponential, product and sum merge them; the masks come built; the
+    query is copied once into the grouped layout, scaled on the way when 1/sqrt(hs) is a power of two (hs = 64 in
+    every GPT-2), which scales every score exactly as scaling the scores would."""
+    B, nh, G, T, hs = q.shape
+    buffer = buffer or (lambda name, shape, dtype=torch.float32: torch.empty(shape, device=q.device, dtype=dtype))
     scale = 1.0 / math.sqrt(hs)
-    q_grouped = q.reshape(B, group, nh, T, hs).transpose(1, 2).reshape(B, nh, group * T, hs)  # (B, nh, G*T, hs)
-    s_p = (q_grouped @ prompt_k.transpose(-1, -2)).float() * scale  # (B, nh, G*T, P)
-    s_p = s_p.masked_fill(~prompt_valid[:, None, None, :], float("-inf"))
-    lse_p = s_p.logsumexp(-1, keepdim=True)  # (B, nh, G*T, 1); every prompt has a real token
-    o_p = ((s_p - lse_p).exp().to(prompt_v.dtype) @ prompt_v).float()  # (B, nh, G*T, hs)
-    o_p = o_p.view(B, nh, group, T, hs).transpose(1, 2).reshape(N, nh, T, hs)
-    lse_p = lse_p.view(B, nh, group, T, 1).transpose(1, 2).reshape(N, nh, T, 1)
-    s_o = (q @ own_k.transpose(-1, -2)).float() * scale  # (N, nh, T, L)
-    causal = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - T, L, device=q.device)[:, None]  # (T, L)
-    s_o = s_o.masked_fill(~causal, float("-inf"))
-    lse_o = s_o.logsumexp(-1, keepdim=True)  # (N, nh, T, 1); a query always sees itself
-    o_o = ((s_o - lse_o).exp().to(own_v.dtype) @ own_v).float()  # (N, nh, T, hs)
-    lse = torch.logaddexp(lse_p, lse_o)
-    return ((lse_p - lse).exp() * o_p + (lse_o - lse).exp() * o_o).to(q.dtype)
+    exact_prescale = math.frexp(scale)[0] == 0.5  # a power of two
+    q_g = buffer("q", (B, nh, G, T, hs), q.dtype)
+    if exact_prescale:
+        torch.mul(q, scale, out=q_g)
+    else:
+        q_g.copy_(q)
+    lse = buffer("lse", (2, B, nh, G, T, 1))  # [prompt part, own part]
+    o = buffer("o", (2, B, nh, G, T, hs))
+    # prompt part: one (G*T, hs) x (hs, P) product per prompt and head
+    s_p = _cast(q_g.view(B, nh, G * T, hs) @ prompt_k.transpose(-1, -2))  # (B, nh, G*T, P)
+    if not exact_prescale:
+        s_p = s_p * scale
+    s_p = s_p.masked_fill_(prompt_hidden, float("-inf"))
+    lse_p = lse[0].view(B, nh, G * T, 1)
+    torch.logsumexp(s_p, -1, keepdim=True, out=lse_p)  # every prompt has a real token
+    _matmul_into(o[0].view(B, nh, G * T, hs), _cast(s_p.sub_(lse_p).exp_(), prompt_v.dtype), prompt_v)
+    # own part: one (T, hs) x (hs, L) product per row and head
+    s_o = _cast(q_g @ own_k.transpose(-1, -2))  # (B, nh, G, T, L)
+    if not exact_prescale:
+        s_o = s_o * scale
+    if own_hidden is not None:
+        s_o = s_o.masked_fill_(own_hidden, float("-inf"))
+    torch.logsumexp(s_o, -1, keepdim=True, out=lse[1])  # a query always sees itself
+    _matmul_into(o[1], _cast(s_o.sub_(lse[1]).exp_(), own_v.dtype), own_v)
+    # merge
+    weight = (lse - torch.logaddexp(lse[0], lse[1])).exp_()  # (2, B, nh, G, T, 1)
+    return torch.sum(weight * o, 0, out=out)
 
 
 def build_attention_mask(key_valid_BL: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -245,20 +345,19 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, attn_mask, kv_cache: KVCache | SharedKVCache | None = None):
         if isinstance(attn_mask, SharedPrefix):
             return self.c_proj(self._shared_prefix(x[0], attn_mask))[None]  # (1, T, C)
+        if isinstance(kv_cache, SharedKVCache):  # decoding over prompts stored once per group
+            return self.c_proj(kv_cache.attend(self.layer_idx, self.c_attn(x)))  # (N, T, C)
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if isinstance(kv_cache, SharedKVCache):  # decoding over prompts stored once per group
-            y = kv_cache.attend(self.layer_idx, q, k, v)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, L, hs)
+        if attn_mask is None:  # no padding anywhere: the fused causal kernel
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            if kv_cache is not None:
-                k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, L, hs)
-            if attn_mask is None:  # no padding anywhere: the fused causal kernel
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
@@ -334,18 +433,14 @@ class GPT2(nn.Module):
         if isinstance(attention_mask, SharedPrefix) or isinstance(kv_cache, SharedKVCache):
             mask = attention_mask  # the layout, or None: the shared cache knows which keys each row sees
         elif kv_cache is not None:
-            end = kv_cache.length + T
-            kv_cache.valid[:, kv_cache.length : end] = (
-                attention_mask if attention_mask is not None else True
-            )
-            mask = build_attention_mask(kv_cache.valid[:, :end], T)
+            mask = kv_cache.attention_mask(attention_mask, T)
         else:
             mask = None if attention_mask is None else build_attention_mask(attention_mask, T)
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, C)
         for block in self.h:
             x = block(x, mask, kv_cache)
         if kv_cache is not None:
-            kv_cache.length += T
+            kv_cache.advance(T)
         return self.ln_f(x)
 
 

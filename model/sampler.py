@@ -14,8 +14,15 @@ describe the distribution the tokens were drawn from.
 
 Decoding stops per row at the first end token ("\\n", id 198) or EOS (50256); later positions are padding.
 Under FSDP, wrap the call in `utils.fsdp.gathered_params(model)` so parameters are gathered once per call.
+
+Host work per token. On a GPU a small model's decode step is bound by the host dispatching its ops, not by the GPU,
+so the loop dispatches few: positions, masks and constants are built once per call, the stop test and the masks
+once after the loop, and the only host sync is the done check (every DONE_CHECK_EVERY_GPU tokens on a GPU);
+`python -m bench.decode_ops` counts the ops per token (docs/benchmarks.md). With `compile=True` (--compile) the
+decode step runs under torch.compile with static shapes inside (compiled_decode_step).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +33,7 @@ from rlhf.logprobs import process_logits  # the one definition of the processing
 
 END_ID, EOS_ID, PAD_ID = 198, 50256, 50256  # GPT-2's "\n", <|endoftext|>, and the id used for padding
 DONE_CHECK_EVERY_GPU = 8  # decoded tokens between host checks that every row has finished, on a GPU (generate)
+COMPILE_BUCKETS = 4  # head sizes a compiled decode step uses as rows finish: N, N/2, N/4, N/8 (head_bucket)
 
 
 @dataclass
@@ -55,25 +63,55 @@ def sample_tokens(
     The same distribution as torch.multinomial at a fraction of its cost on CPU (multinomial draws V
     exponentials per row). Two levels keep it exact without a float64 copy of the whole (N, V) array: pick a
     block of `block` tokens from the float64 CDF of the block sums, then a token from the CDF inside that
-    block. Tokens of probability 0 (outside top-k / top-p) are never drawn."""
+    block. Tokens of probability 0 (outside top-k / top-p) are never drawn. Written with few ops (it runs once per
+    decoded token): the block CDF starts with a 0 column, so the mass below the chosen block is one gather, and the
+    probabilities are padded with zeros to whole blocks, so the chosen block is one gather too."""
     N, V = logp.shape
-    probs = logp.exp()
+    nb = -(-V // block)  # blocks, the last one short when block does not divide V
     full = V // block * block
-    sums = probs[:, :full].view(N, -1, block).sum(-1)  # (N, V // block)
+    probs = logp.exp()
+    parts = [probs.new_zeros(N, 1), probs[:, :full].view(N, -1, block).sum(-1)]
     if full < V:
-        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], dim=1)  # the short last block
-    block_cdf = sums.double().cumsum(-1)  # (N, nb)
+        parts.append(probs[:, full:].sum(-1, keepdim=True))  # the short last block, summed over its own tokens
+    cdf = torch.cat(parts, dim=1).cumsum(-1, dtype=torch.float64)  # (N, nb + 1): cdf[:, b] = mass before block b
     if uniforms is None:
         uniforms = torch.rand(N, 1, generator=generator, device=logp.device, dtype=torch.float64)
-    u = uniforms * block_cdf[:, -1:]
-    b = torch.searchsorted(block_cdf, u, right=True).clamp(max=block_cdf.shape[1] - 1)  # (N, 1) first CDF > u
-    below = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), 0.0)
-    idx = b * block + torch.arange(block, device=logp.device)  # (N, block) the chosen block's token ids
-    inside = probs.gather(-1, idx.clamp(max=V - 1)).masked_fill(idx >= V, 0.0)
-    inner_cdf = inside.double().cumsum(-1)  # (N, block)
+    u = uniforms * cdf[:, -1:]
+    b = (torch.searchsorted(cdf, u, right=True) - 1).clamp_(max=nb - 1)  # (N, 1) the block whose CDF first exceeds u
+    below = cdf.gather(-1, b)  # (N, 1)
+    padded = probs if nb * block == V else F.pad(probs, (0, nb * block - V))  # (N, nb * block), zeros past V
+    inside = padded.view(N, nb, block).gather(1, b[:, :, None].expand(N, 1, block)).squeeze(1)  # (N, block)
+    inner_cdf = inside.cumsum(-1, dtype=torch.float64)  # (N, block)
     rest = torch.minimum(u - below, inner_cdf[:, -1:] * (1 - 1e-12))  # rounding must not step past the block
     j = torch.searchsorted(inner_cdf, rest, right=True)
     return (b * block + j).squeeze(-1)
+
+
+def decode_step(model, cache, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None, temperature: float,
+                top_k: int, top_p: float) -> torch.Tensor:
+    """Feed one token per row (tok (N,), positions pos (N, 1)) through the model with its KV cache and return the
+    processed log-probs (n, V) of the next token of `rows` (n,) (None: every row): the head, the softmax and the
+    draw, most of a decode step's cost with a 50,257-word vocabulary, run on those rows only. The unit that
+    generate(compile=True) compiles."""
+    head = None if rows is None else (lambda h, w: F.linear(h[rows], w))  # h (N, 1, C) -> logits (n, 1, V)
+    logits = model(tok[:, None], pos, None, kv_cache=cache, head=head)[:, -1]  # (n, V)
+    return process_logits(logits, temperature, top_k, top_p).log_softmax(-1)
+
+
+@functools.cache
+def compiled_decode_step(device_type: str):
+    """decode_step under torch.compile, built once per process and device type, so every generate call of a run
+    reuses its graphs: CUDA graphs (mode "reduce-overhead") on a GPU, where launching a step's few hundred kernels
+    one by one costs more than running them; inductor's default on a CPU. Shapes are static inside a step (the
+    caches are preallocated, write positions are tensors, finished rows leave the head in COMPILE_BUCKETS) and
+    change only from one generate call to the next (prompt width, rows)."""
+    return torch.compile(decode_step, mode="reduce-overhead" if device_type == "cuda" else None)
+
+
+def head_bucket(n: int, N: int) -> int:
+    """Rows the compiled head runs for n unfinished rows of N: the smallest of N, N/2, N/4, N/8 (rounded up) that
+    holds them, so finishing rows change the head's shape at most COMPILE_BUCKETS times per call, not at every check."""
+    return min(size for size in (-(-N // 2**k) for k in range(COMPILE_BUCKETS)) if size >= n)
 
 
 @torch.no_grad()
@@ -90,6 +128,7 @@ def generate(
     stop_ids: tuple[int, ...] = (END_ID, EOS_ID),
     done_check_every: int | None = None,
     prefix_sharing: bool = True,
+    compile: bool = False,
 ) -> SampleOutput:
     """Sample `num_samples` responses for each of B left-padded prompts (B, P); `prefix_sharing`: one copy of each
     prompt's keys and values for its samples (see the module docstring).
@@ -101,7 +140,10 @@ def generate(
     None: every token on CPU (free there), every DONE_CHECK_EVERY_GPU tokens on a GPU. Each check also drops the
     finished rows from the head; rows that finished since keep going through it until the next one. Either way it
     changes the work done, never a row's tokens, mask or log-probs (the generator draws for every row at every
-    step)."""
+    step). It is the loop's only host sync: the stop test and the masks are computed once, after the loop.
+
+    compile: run each decode step through compiled_decode_step (the prefill and the draw stay eager). The same
+    tokens and log-probs up to rounding (tests/test_sampler.py); the head runs on padded buckets of rows."""
     if done_check_every is None:
         done_check_every = DONE_CHECK_EVERY_GPU if prompt_ids.device.type == "cuda" else 1
     B, P = prompt_ids.shape
@@ -117,23 +159,32 @@ def generate(
         cache = SharedKVCache(cache, G, max_new_tokens)
     elif G > 1:
         cache = cache.repeat_interleave(G)
-    logits = logits.repeat_interleave(G, dim=0)  # (N, V)
+    logp = process_logits(logits.repeat_interleave(G, dim=0), temperature, top_k, top_p).log_softmax(-1)  # (N, V)
     N = B * G
-    next_pos = prompt_mask.sum(-1).repeat_interleave(G)  # (N,) position of the first response token
-    stop = torch.tensor(stop_ids, device=device)
+    # positions of the response tokens, built once: token t of a row sits at its prompt's real length + t (N, R)
+    positions = prompt_mask.sum(-1).repeat_interleave(G)[:, None] + torch.arange(max_new_tokens, device=device)
+    step = decode_step
+    if compile:
+        step = compiled_decode_step(device.type)
+        first = 0 if prefix_sharing else P  # the cache position of response token 0
+        cache.write_at = torch.full((1,), first, dtype=torch.long, device=device)
+        pos_now = torch.empty(N, 1, dtype=torch.long, device=device)
+        if device.type == "cuda":  # CUDA graphs read these in place: their addresses must not change between steps
+            for t in (cache.write_at, pos_now, *cache_tensors(cache)):
+                torch._dynamo.mark_static_address(t)
 
     # 2. decode one token per step for every row. Finished rows keep stepping through the body on their last token
-    #    (every row advances together in the cache), but the head, the softmax and the draw, most of a decode step's
-    #    cost with a 50,257-word vocabulary, run only on `rows`: the rows unfinished at the last check (all rows
-    #    until one finishes). Every row's uniform is drawn at every step, so a row's tokens do not depend on which
-    #    other rows are still running.
-    tokens = torch.full((N, max_new_tokens), PAD_ID, dtype=torch.long, device=device)
-    logprobs = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
-    mask = torch.zeros(N, max_new_tokens, dtype=torch.bool, device=device)
-    done = torch.zeros(N, dtype=torch.bool, device=device)
-    rows = None  # None: every row (always so at t = 0, which sets `tok`); else the (n,) indices whose logits are computed
+    #    (every row advances together in the cache), but the head, the softmax and the draw run only on `rows`: the
+    #    rows unfinished at the last check (all rows until one finishes). Every row's uniform is drawn at every step,
+    #    so a row's tokens do not depend on which other rows are still running. Tokens and log-probs are recorded
+    #    raw; what follows a row's first stop token is masked after the loop.
+    raw_tokens = torch.full((N, max_new_tokens), PAD_ID, dtype=torch.long, device=device)
+    raw_logprobs = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
+    stop = torch.tensor(stop_ids, device=device, dtype=torch.long)
+    rows = None  # None: every row (always so at t = 0, which sets `tok`); else the (n,) rows the head runs
+    # compiled: the head always takes a row index, padded to a bucket, its length dynamic: one graph for every bucket
+    head_rows = None if not compile else torch.arange(N, device=device)
     for t in range(max_new_tokens):
-        logp = process_logits(logits, temperature, top_k, top_p).log_softmax(-1)  # (n, V)
         if temperature == 0:
             drawn = logp.argmax(-1)
         else:
@@ -141,23 +192,42 @@ def generate(
             drawn = sample_tokens(logp, uniforms=u if rows is None else u[rows])  # (n,)
         drawn_logp = logp.gather(-1, drawn[:, None]).squeeze(-1)
         if rows is None:
-            tok, tok_logp = drawn, drawn_logp
+            tok = drawn
+            raw_logprobs[:, t] = drawn_logp
         else:
-            tok = tok.index_copy(0, rows, drawn)  # rows outside `rows` finished: their token is never read
-            tok_logp = torch.zeros(N, dtype=torch.float32, device=device).index_copy(0, rows, drawn_logp)
-        live = ~done
-        tokens[:, t] = torch.where(live, tok, PAD_ID)
-        logprobs[:, t] = torch.where(live, tok_logp, 0.0)
-        mask[:, t] = live
-        done = done | (live & torch.isin(tok, stop))
+            tok.index_copy_(0, rows, drawn)  # rows outside `rows` finished: their token is never read
+            raw_logprobs[:, t].index_copy_(0, rows, drawn_logp)
+        raw_tokens[:, t] = tok
         if t == max_new_tokens - 1:
             break
         if (t + 1) % done_check_every == 0:  # a host sync on a GPU, hence only every done_check_every tokens
-            unfinished = (~done).nonzero().squeeze(1)
+            unfinished = (~torch.isin(raw_tokens[:, : t + 1], stop).any(1)).nonzero().squeeze(1)
             if len(unfinished) == 0:
                 break
             rows = None if len(unfinished) == N else unfinished
+            if rows is not None:  # compiled: padded to a bucket (repeating the last row), so few head shapes
+                head_rows = rows if not compile else torch.cat([rows, rows[-1:].expand(head_bucket(len(rows), N) - len(rows))])
         # finished rows are fed a token they drew (ignored), not PAD_ID, which may lie outside a small vocabulary
-        head = None if rows is None else (lambda h, w, rows=rows: F.linear(h[rows], w))  # h (N, 1, C) -> logits (n, 1, V)
-        logits = model(tok[:, None], (next_pos + t)[:, None], None, kv_cache=cache, head=head)[:, -1]  # (n, V)
-    return SampleOutput(tokens, mask, logprobs, done)
+        pos = positions[:, t : t + 1]
+        if compile:
+            cache.write_at.fill_(first + t)
+            pos = pos_now.copy_(pos)
+            torch._dynamo.maybe_mark_dynamic(head_rows, 0)
+            if device.type == "cuda":  # the last step's outputs have been read: CUDA graphs may reuse their memory
+                torch.compiler.cudagraph_mark_step_begin()
+        logp = step(model, cache, tok, pos, head_rows, temperature, top_k, top_p)  # (n or its bucket, V)
+        if rows is not None and len(head_rows) > len(rows):
+            logp = logp[: len(rows)]
+
+    # 3. a row ends at its first stop token: it is kept, everything after it is padding
+    stopped = torch.isin(raw_tokens, stop)  # (N, R)
+    mask = (stopped.cumsum(-1) - stopped.long()) == 0  # no stop token before this position
+    tokens = raw_tokens.masked_fill(~mask, PAD_ID)
+    return SampleOutput(tokens, mask, raw_logprobs.masked_fill(~mask, 0.0), (stopped & mask).any(-1))
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """The tensors a decode step writes in place (for CUDA graphs' static addresses)."""
+    if isinstance(cache, SharedKVCache):
+        return [cache.kv]
+    return [cache.k, cache.v, cache.valid]

@@ -63,7 +63,7 @@ def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, g
             parts.append(generate(
                 policy, ids[:, first:], mask[:, first:], num_samples, cfg.max_new_tokens,
                 temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
-                prefix_sharing=cfg.prefix_sharing,
+                prefix_sharing=cfg.prefix_sharing, compile=cfg.compile,
             ))
             if on_chunk is not None:
                 on_chunk(ids.shape[0])

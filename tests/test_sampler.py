@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
@@ -168,3 +169,53 @@ def test_sample_tokens_is_deterministic_given_the_generator():
     a = sample_tokens(logp, torch.Generator().manual_seed(3))
     b = sample_tokens(logp, torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
+
+
+def compiled_equals_eager(model, ids, mask, prefix_sharing: bool):
+    """generate(compile=True) against eager on the same draws: tokens and mask identical, log-probs within 1e-5;
+    rows finish at different steps, so the head's row buckets change. A second call compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    kw = dict(num_samples=4, max_new_tokens=10, temperature=0.9, prefix_sharing=prefix_sharing)
+    device = ids.device
+    eager = generate(model, ids, mask, generator=torch.Generator(device).manual_seed(3), **kw)
+    ended = (eager.response_ids == END_ID).any(1)
+    assert ended.any() and (~ended).any() and len(set(eager.response_mask.sum(1).tolist())) > 2
+    compiled = generate(model, ids, mask, generator=torch.Generator(device).manual_seed(3), compile=True, **kw)
+    graphs = counters["stats"]["unique_graphs"]
+    again = generate(model, ids, mask, generator=torch.Generator(device).manual_seed(3), compile=True, **kw)
+    assert counters["stats"]["unique_graphs"] == graphs  # compiled once per run, not once per call
+    for out in (compiled, again):
+        assert torch.equal(out.response_ids, eager.response_ids) and torch.equal(out.response_mask, eager.response_mask)
+        assert torch.equal(out.has_end, eager.has_end)
+        assert (out.logprobs - eager.logprobs).abs().max() <= 1e-5
+
+
+def test_compiled_decode_step_with_a_shared_prefix_and_lora_equals_eager():
+    """--compile (inductor on CPU) on the default path: the prompt's cache stored once per group, a LoRA policy
+    (adapters with non-zero B, so they change the logits)."""
+    from model.lora import LoRAConfig, apply_lora
+
+    model, prompts, ids, mask = model_and_prompts()
+    apply_lora(model, LoRAConfig(lora_rank=2, lora_alpha=4.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    compiled_equals_eager(model.eval(), ids, mask, prefix_sharing=True)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_without_prefix_sharing_equals_eager():
+    model, prompts, ids, mask = model_and_prompts()
+    compiled_equals_eager(model, ids, mask, prefix_sharing=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_decode_step_with_cuda_graphs_equals_eager():
+    """--compile on CUDA (mode reduce-overhead: CUDA graphs over a cache written in place), fp32, both layouts."""
+    model, prompts, ids, mask = model_and_prompts()
+    model, ids, mask = model.cuda(), ids.cuda(), mask.cuda()
+    for share in (True, False):
+        compiled_equals_eager(model, ids, mask, prefix_sharing=share)

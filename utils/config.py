@@ -293,6 +293,15 @@ class OptimConfig:
             raise ConfigError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
+@dataclasses.dataclass
+class DecodeConfig:
+    # --- sampling
+    compile: bool = False
+    """Compile the sampler's decode step with torch.compile (model/sampler.py: CUDA graphs on a GPU, inductor on a
+    CPU), once per run; the same tokens and log-probs as eager up to float rounding. The first calls pay the
+    compilation (tens of seconds); docs/benchmarks.md has the figures with and without."""
+
+
 # Metric groups whose values each rank measures for itself (wall-clock seconds and rates): every other logged metric
 # is reduced over ranks, so each rank sees the same number
 PER_RANK_METRICS = ("perf/",)

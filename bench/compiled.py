@@ -1,0 +1,137 @@
+"""--compile against eager: the sampler's decode tokens/s and one GRPO step, with the compilation timed apart.
+
+    python -m bench.run_all --only compile                    # the device present (named only: not in the default set)
+    python -m bench.run_all --only compile --device cpu --quick
+
+Sampler: model/sampler.generate on a randomly initialised model, S prompts x G samples (the default prefix sharing),
+a fixed number of new tokens (stop_ids=(): nothing stops a row), eager against compile=True. One eager warm-up call;
+the first compiled call is timed alone (compilation + one call); then `repeats` rounds in which each mode runs once in
+turn. tokens/s = rows x new tokens / median seconds of a call (prefill included); compile seconds = the first
+compiled call - the median compiled call.
+
+GRPO: bench/grpo_step.py's step (grpo.train_step) at its configuration, --compile false and true, each with one
+warm-up step (the compiled run's pays the compilation: reported as such) and `repeats` timed steps.
+
+Compiled once per process: the compiled decode step is built once per device type (model/sampler.compiled_decode_step)
+and the GRPO run compiles again only for shapes it has not seen (a new prompt width gives a dynamic-shape graph).
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench import common
+from bench.common import measure_interleaved, random_prompts, result, synchronize
+from bench.grpo_step import GRPOBenchConfig, measure_steps
+from model.gpt2 import PRESETS, GPT2LMHeadModel
+from model.sampler import generate
+
+BENCH = "compile"
+
+
+@dataclass
+class DecodeCompileConfig:
+    name: str
+    """Named configuration, printed with every figure."""
+    preset: str
+    """model.gpt2.PRESETS key; randomly initialised."""
+    dtype: str
+    """fp32 or bf16."""
+    prompts: int
+    """S: prompts per generate call."""
+    group: int
+    """G: samples per prompt (rows = S x G)."""
+    prompt_len: int
+    """Width of the left-padded prompt batch."""
+    min_prompt_len: int
+    """Shortest prompt; lengths are uniform in [min_prompt_len, prompt_len]."""
+    new_tokens: int
+    """Decode steps, forced."""
+    repeats: int = 3
+    """Timed rounds; the median is reported."""
+
+
+def configs(device: torch.device, quick: bool) -> tuple[DecodeCompileConfig, GRPOBenchConfig]:
+    if device.type == "cuda":
+        # gpt2 at the reference decode shape, 1,024 rows (16 prompts x 64 samples), and REFERENCE.md's GRPO step
+        sampler = DecodeCompileConfig("gpu-gpt2-1024-rows", "gpt2", "bf16", prompts=16, group=64, prompt_len=384,
+                                      min_prompt_len=352, new_tokens=56, repeats=2 if quick else 3)
+        step = GRPOBenchConfig("gpu-reference", "gpt2", prompts=32 if quick else 256, num_samples=64, num_kept=8,
+                               selection="rso", max_new_tokens=56, prompt_len=384, min_prompt_len=352, gen_prompts=16,
+                               micro_batch_size=32, score_micro_batch_size=128, repeats=2 if quick else 3)
+        return sampler, step
+    sampler = DecodeCompileConfig("cpu-tiny", "tiny", "fp32", prompts=2 if quick else 4, group=8 if quick else 16,
+                                  prompt_len=64, min_prompt_len=48, new_tokens=16 if quick else 32)
+    step = GRPOBenchConfig("cpu-tiny", "tiny", prompts=4, num_samples=8, num_kept=4, selection="rso", max_new_tokens=8,
+                           prompt_len=48, min_prompt_len=32, gen_prompts=4, micro_batch_size=16,
+                           score_micro_batch_size=32, repeats=3)
+    return sampler, step
+
+
+def bench_sampler(cfg: DecodeCompileConfig, device: torch.device) -> list[dict]:
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(PRESETS[cfg.preset]).to(device, dtype).eval()
+    ids, mask = (t.to(device) for t in random_prompts(cfg.prompts, cfg.prompt_len, cfg.min_prompt_len,
+                                                      model.cfg.vocab_size, seed=0))
+    rows = cfg.prompts * cfg.group
+    print(f"[{BENCH}] {cfg.name}: {cfg.preset} {cfg.dtype}, {cfg.prompts} prompts x {cfg.group} samples = {rows} rows, "
+          f"{cfg.new_tokens} new tokens forced", flush=True)
+
+    def call(compiled: bool):
+        g = torch.Generator(device=device).manual_seed(1)
+        return generate(model, ids, mask, cfg.group, cfg.new_tokens, generator=g, stop_ids=(), compile=compiled)
+
+    call(False)
+    synchronize(device)
+    t0 = time.perf_counter()
+    call(True)
+    synchronize(device)
+    first = time.perf_counter() - t0
+    t = measure_interleaved({"eager": lambda: call(False), "compile": lambda: call(True)}, device, cfg.repeats)
+    out = []
+    for mode, timing in t.items():
+        rate = rows * cfg.new_tokens / timing.median
+        out.append(result(BENCH, f"{cfg.name}: sampler, {mode}", rate, "tok/s",
+                          note=f"{timing.median:.3f} s/call, prefill included{timing.interference}", config=cfg,
+                          timing=timing.to_dict()))
+        print(f"  sampler {mode:7s} {rate:12,.0f} tok/s ({timing.median:.3f} s/call)", flush=True)
+    out.append(result(BENCH, f"{cfg.name}: sampler, compile / eager speed-up",
+                      common.median_ratio(t["compile"], t["eager"]), "x", note="median of per-repeat time ratios",
+                      config=cfg))
+    compile_s = first - t["compile"].median
+    out.append(result(BENCH, f"{cfg.name}: sampler, compilation", compile_s, "s",
+                      note=f"first compiled call {first:.1f} s - median compiled call", config=cfg))
+    print(f"  sampler compilation {compile_s:.1f} s", flush=True)
+    return out
+
+
+def bench_step(bcfg: GRPOBenchConfig, device: torch.device) -> list[dict]:
+    out = []
+    medians = {}
+    for compiled in (False, True):
+        b = GRPOBenchConfig(**{**bcfg.__dict__, "compile": compiled})
+        mode = "compile" if compiled else "eager"
+        print(f"[{BENCH}] {b.name} GRPO step, {mode}: {b.describe()}", flush=True)
+        m = measure_steps(b, device)
+        step = medians[mode] = statistics.median(m["step_seconds"])
+        generate_s = statistics.median(m["stage_seconds"]["generate"])
+        out.append(result(BENCH, f"{b.name}: GRPO step, {mode}", step, "s",
+                          note=f"median of {len(m['step_seconds'])} steps; generate {generate_s:.3f} s", config=b,
+                          measurements=m))
+        if compiled:
+            first = m["warmup_step_seconds"][0]
+            out.append(result(BENCH, f"{b.name}: GRPO step, compilation", first - step, "s",
+                              note=f"warm-up step {first:.1f} s - median step", config=b))
+        print(f"  step {step:.3f} s (generate {generate_s:.3f} s), warm-up step {m['warmup_step_seconds'][0]:.1f} s",
+              flush=True)
+    out.append(result(BENCH, f"{bcfg.name}: GRPO step, eager / compile", medians["eager"] / medians["compile"], "x",
+                      note="ratio of median step times", config=bcfg))
+    return out
+
+
+def run(device: torch.device, quick: bool) -> list[dict]:
+    sampler, step = configs(device, quick)
+    return bench_sampler(sampler, device) + bench_step(step, device)

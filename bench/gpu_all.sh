@@ -11,10 +11,11 @@
 #                                              # collected and skip, the benchmark runs --device cpu --quick)
 # PYTHON: the interpreter (default python3, the one that holds PyTorch on the GPU image).
 #
-# Checks (name: what, timeout):
+# Checks (name: what; timeouts setup 60 s, machine 30, gpu_tests 270, bench 120, compile 150, each cut to what is
+# left of BUDGET):
 #   setup       .gpu/wheels installed into a private site folder, .gpu/bpe as GPT2_BPE_DIR
 #   machine     nvidia-smi, python, torch, CUDA and package versions                       -> OUT_DIR/machine.txt
-#   gpu_tests   pytest -m gpu (each test 150 s at most): tests/test_gpu.py (bit-exact --deterministic reruns and
+#   gpu_tests   pytest -m gpu (each test 120 s at most): tests/test_gpu.py (bit-exact --deterministic reruns and
 #               resume; bf16 with the default attention kernel on left-padded and packed rows against fp32; CPU
 #               offload of the frozen models and activation checkpointing against the plain run; the memory
 #               estimate against torch.cuda.max_memory_allocated on the step it estimates), and the CUDA checks in
@@ -23,7 +24,7 @@
 #   compile     python -m bench.run_all --device cuda --quick --only compile: --compile against eager (gpt2 decode
 #               at 1,024 rows, a GRPO step)                                        -> OUT_DIR/compile.json, compile.log
 # Every GPU-marked test is listed in the summary with its outcome; every benchmark figure with its value. Exit status:
-# non-zero if any check failed or timed out.
+# non-zero if any check failed, timed out or was skipped.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -38,8 +39,18 @@ export PYTHONUNBUFFERED=1 GOLDEN_RUN_TIMEOUT="${GOLDEN_RUN_TIMEOUT:-120}"
 SUMMARY="$OUT_DIR/checks.tsv"
 : > "$SUMMARY"
 
-check() {  # check NAME TIMEOUT_S LOG COMMAND...: run, record pass/fail/timeout and seconds
+# One call may run 10 minutes: every check's timeout is cut to what is left of BUDGET (default 540 s, leaving a
+# minute for the summary and the transfers); a check with under 20 s left is skipped and says so.
+BUDGET="${BUDGET:-540}"
+check() {  # check NAME TIMEOUT_S LOG COMMAND...: run, record pass/fail/timeout/skipped and seconds
   local name=$1 limit=$2 log=$3; shift 3
+  local left=$((BUDGET - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    echo "== $name: skipped, ${left}s left of the ${BUDGET}s budget" | tee "$log"
+    printf '%s\t%s\t%ss\n' "$name" "skipped (time budget)" 0 >> "$SUMMARY"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS rc
   echo "== $name (timeout ${limit}s): $*"
   timeout -k 15 "$limit" "$@" 2>&1 | tee "$log"
@@ -62,7 +73,7 @@ setup() {
 }
 export -f setup
 export PY
-check setup 120 "$OUT_DIR/setup.log" bash -c setup
+check setup 60 "$OUT_DIR/setup.log" bash -c setup
 [ -d /tmp/gpu_site ] && export PYTHONPATH="/tmp/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
 [ -f .gpu/bpe/encoder.json ] && export GPT2_BPE_DIR="$PWD/.gpu/bpe"
 
@@ -76,21 +87,21 @@ machine() {
   git rev-parse HEAD 2>/dev/null && git status --short 2>/dev/null | head -20
 }
 export -f machine
-check machine 60 "$OUT_DIR/machine.txt" bash -c machine
+check machine 30 "$OUT_DIR/machine.txt" bash -c machine
 
 # pytest-timeout (in the GPU image) stops a hung test; without it the golden runs' own timeout still applies
 TEST_TIMEOUT=""
-"$PY" -c "import pytest_timeout" 2>/dev/null && TEST_TIMEOUT="--timeout 150"
-check gpu_tests 330 "$OUT_DIR/pytest_gpu.log" "$PY" -m pytest -m gpu -p no:cacheprovider -rA -q $TEST_TIMEOUT
+"$PY" -c "import pytest_timeout" 2>/dev/null && TEST_TIMEOUT="--timeout 120"
+check gpu_tests 270 "$OUT_DIR/pytest_gpu.log" "$PY" -m pytest -m gpu -p no:cacheprovider -rA -q $TEST_TIMEOUT
 # "no tests collected" (exit 5) fails: there are GPU tests, so collecting none means something is wrong
 
-check bench 170 "$OUT_DIR/bench.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --out "$OUT_DIR/results.json"
+check bench 120 "$OUT_DIR/bench.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --out "$OUT_DIR/results.json"
 
 # ---- --compile (the compiled decode step) against eager ----
 # decode tokens/s of gpt2 (bf16) at 1,024 rows (16 prompts x 64 samples, 352-384-token prompts, 56 new tokens) and the
 # GRPO step (--quick: 32 prompts; FULL=1: the reference 256), each with and without --compile, compilation timed apart
 # (bench/compiled.py)                                                    -> OUT_DIR/compile.json, compile.log
-check compile 240 "$OUT_DIR/compile.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --only compile \
+check compile 150 "$OUT_DIR/compile.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --only compile \
   --out "$OUT_DIR/compile.json"
 # ---- end of the --compile block ----
 

@@ -1,6 +1,6 @@
-"""What one GRPO step produced on a rank (StepResult) and the step's global metrics (collectives): the update's,
-rewards, selection, samples and every reward source (step_metrics), and a monitored gold reward and its parts
-(gold_metrics)."""
+"""What one GRPO step produced on a rank (StepResult) and the step's global metrics (collectives): the update's
+(update_metrics), rewards, selection, samples and every reward source (step_metrics), and a monitored gold reward and
+its parts (gold_metrics)."""
 
 from dataclasses import dataclass
 
@@ -92,4 +92,37 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) ->
         metrics[f"reward/{source.name}_mean"], metrics[f"reward/{source.name}_std"] = float(mean_S[i]), float(std_S[i])
         if per_row_sources:
             metrics[f"reward/{source.name}_fraction"] = float(count_S[i]) / n_samples
+    return metrics
+
+
+def update_metrics(epochs: list[dict[str, float]], gap_max: float, normaliser: float, steps: list[dict],
+                   cfg, log_entropy: bool) -> dict:
+    """The update's global metrics from each epoch's global sums (micro-batches and ranks), the largest |log gap| to
+    the sampler, the loss normaliser and each optimizer step's own metrics (grad norm, lr, skipped); `cfg`: grpo.Config."""
+    mu = len(epochs)
+    total = {k: sum(e[k] for e in epochs) for k in epochs[0]}
+    tokens, mismatch_tokens = total["tokens"], max(total["mismatch_tokens"], 1.0)
+    metrics = {
+        "train/loss": total["loss"] / normaliser / mu,
+        "train/kl": total["kl"] / tokens,
+        "train/clip_fraction": total["clipped"] / tokens,
+        "train/ratio_deviation": total["ratio_deviation"] / tokens,
+        "train/logprob_gap_to_sampler": total["sampler_gap"] / tokens,
+        "train/outside_top_k_p_fraction": total["outside_support"] / tokens,
+        "train/grad_norm": sum(s["train/grad_norm"] for s in steps) / mu,
+        "train/lr": steps[-1]["train/lr"],
+        "train/skipped": sum(s["train/skipped"] for s in steps) / mu,
+        # sampler / trainer mismatch at the sampling weights (token ratio exp(train - sampler) outside [0.9, 1.1])
+        "train/mismatch/outside_band_fraction": total["mismatch_outside"] / mismatch_tokens,
+        "train/mismatch/mean_abs_log_gap": total["mismatch_gap"] / mismatch_tokens,
+        "train/mismatch/max_abs_log_gap": gap_max,
+    }
+    if cfg.rollout_correction != "none":  # response tokens whose weight was truncated (tis) or masked (mis)
+        metrics["train/rollout_correction_fraction"] = total["corrected"] / tokens
+    if log_entropy:
+        metrics["train/entropy"] = total["entropy"] / tokens
+    if mu > 1:  # how far each update moved from the sampling policy: epoch 1 is exactly 0
+        for epoch, e in enumerate(epochs, start=1):
+            for name, key in (("clip_fraction", "clipped"), ("ratio_deviation", "ratio_deviation"), ("kl", "kl")):
+                metrics[f"train/epoch_{epoch}/{name}"] = e[key] / e["tokens"]
     return metrics

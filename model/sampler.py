@@ -55,7 +55,8 @@ def processed_logprobs(
 
 
 def sample_tokens(
-    logp: torch.Tensor, generator: torch.Generator | None = None, block: int = 256, uniforms: torch.Tensor | None = None
+    logp: torch.Tensor, generator: torch.Generator | None = None, block: int = 256, uniforms: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of log-probs (N, V), by inverting the CDF with one float64 uniform per row (drawn from
     `generator`, or `uniforms` (N, 1) float64 in [0, 1) when given).
@@ -65,11 +66,19 @@ def sample_tokens(
     block of `block` tokens from the float64 CDF of the block sums, then a token from the CDF inside that
     block. Tokens of probability 0 (outside top-k / top-p) are never drawn. Written with few ops (it runs once per
     decoded token): the block CDF starts with a 0 column, so the mass below the chosen block is one gather, and the
-    probabilities are padded with zeros to whole blocks, so the chosen block is one gather too."""
+    probabilities are padded with zeros to whole blocks, so the chosen block is one gather too.
+
+    work: a tensor of logp's dtype of at least (N, whole blocks) with zeros past column V (probs_work), which the
+    probabilities are written into instead of a fresh padded copy: generate keeps one per call, so a decode step
+    allocates, zeroes and copies no (N, V) tensor for the padding (with a 50,257-word vocabulary each is a pass
+    over N * 200 KB)."""
     N, V = logp.shape
     nb = -(-V // block)  # blocks, the last one short when block does not divide V
     full = V // block * block
-    probs = logp.exp()
+    if work is None:
+        work = probs_work(N, V, block, logp.device, logp.dtype)
+    padded = work[:N, : nb * block]  # (N, nb * block), zeros past V
+    probs = torch.exp(logp, out=padded[:, :V])
     parts = [probs.new_zeros(N, 1), probs[:, :full].view(N, -1, block).sum(-1)]
     if full < V:
         parts.append(probs[:, full:].sum(-1, keepdim=True))  # the short last block, summed over its own tokens
@@ -79,12 +88,17 @@ def sample_tokens(
     u = uniforms * cdf[:, -1:]
     b = (torch.searchsorted(cdf, u, right=True) - 1).clamp_(max=nb - 1)  # (N, 1) the block whose CDF first exceeds u
     below = cdf.gather(-1, b)  # (N, 1)
-    padded = probs if nb * block == V else F.pad(probs, (0, nb * block - V))  # (N, nb * block), zeros past V
     inside = padded.view(N, nb, block).gather(1, b[:, :, None].expand(N, 1, block)).squeeze(1)  # (N, block)
     inner_cdf = inside.cumsum(-1, dtype=torch.float64)  # (N, block)
     rest = torch.minimum(u - below, inner_cdf[:, -1:] * (1 - 1e-12))  # rounding must not step past the block
     j = torch.searchsorted(inner_cdf, rest, right=True)
     return (b * block + j).squeeze(-1)
+
+
+def probs_work(N: int, V: int, block: int = 256, device=None, dtype=torch.float32) -> torch.Tensor:
+    """sample_tokens' work tensor for up to N rows of a V-word vocabulary: (N, V rounded up to whole blocks), zeros
+    past column V (sample_tokens writes columns 0 .. V-1 only, so they stay zero)."""
+    return torch.zeros(N, -(-V // block) * block, device=device, dtype=dtype)
 
 
 def decode_step(model, cache, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None, temperature: float,
@@ -181,6 +195,7 @@ def generate(
     raw_tokens = torch.full((N, max_new_tokens), PAD_ID, dtype=torch.long, device=device)
     raw_logprobs = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
     stop = torch.tensor(stop_ids, device=device, dtype=torch.long)
+    work = probs_work(N, logp.shape[-1], device=device, dtype=logp.dtype) if temperature != 0 else None  # reused
     rows = None  # None: every row (always so at t = 0, which sets `tok`); else the (n,) rows the head runs
     # compiled: the head always takes a row index, padded to a bucket, its length dynamic: one graph for every bucket
     head_rows = None if not compile else torch.arange(N, device=device)
@@ -189,7 +204,7 @@ def generate(
             drawn = logp.argmax(-1)
         else:
             u = torch.rand(N, 1, generator=generator, device=device, dtype=torch.float64)
-            drawn = sample_tokens(logp, uniforms=u if rows is None else u[rows])  # (n,)
+            drawn = sample_tokens(logp, uniforms=u if rows is None else u[rows], work=work)  # (n,)
         drawn_logp = logp.gather(-1, drawn[:, None]).squeeze(-1)
         if rows is None:
             tok = drawn

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
-from model.sampler import END_ID, PAD_ID, generate, process_logits, processed_logprobs, sample_tokens
+from model.sampler import (
+    END_ID, PAD_ID, generate, probs_work, process_logits, processed_logprobs, sample_tokens,
+)
 
 CFG = GPTConfig(vocab_size=512, n_layer=2, n_head=2, n_embd=32, n_positions=128)
 
@@ -169,6 +171,21 @@ def test_sample_tokens_is_deterministic_given_the_generator():
     a = sample_tokens(logp, torch.Generator().manual_seed(3))
     b = sample_tokens(logp, torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
+
+
+def test_sample_tokens_with_a_reused_work_tensor_draws_as_without_one():
+    """generate keeps one work tensor per call (probs_work) while rows finish: fewer rows read its first rows, the
+    columns past V stay zero, and every draw equals a draw with a fresh padded copy. V = 300 leaves 212 padding
+    columns in the last 256-token block; the third distribution puts its mass on the vocabulary's last token."""
+    V = 300
+    work = probs_work(6, V)
+    logps = [torch.randn(n, V, generator=torch.Generator().manual_seed(n)).log_softmax(-1) for n in (6, 4, 1)]
+    logps[2][:, :-1], logps[2][:, -1] = float("-inf"), 0.0
+    for logp in logps:
+        u = torch.rand(len(logp), 1, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        assert torch.equal(sample_tokens(logp, uniforms=u, work=work), sample_tokens(logp, uniforms=u))
+        assert not work[:, V:].any()
+    assert sample_tokens(logps[2], uniforms=torch.tensor([[0.999999]], dtype=torch.float64), work=work).item() == V - 1
 
 
 def compiled_equals_eager(model, ids, mask, prefix_sharing: bool):

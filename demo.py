@@ -343,7 +343,9 @@ def main() -> None:
                    "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
                    "one that is redone is redone too)")
     args = p.parse_args()
+    from utils.host import keep_freed_memory
 
+    keep_freed_memory()  # the demo's own sampling and scoring run here, on the CPU (utils/host.py)
     t0 = time.time()
     out = Path(args.out)
     common = {"wandb_mode": args.wandb_mode, "seed": args.seed, "resume": "false"}

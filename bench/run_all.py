@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench import common
+from utils.host import keep_freed_memory
 
 BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl", "prefix_sharing")
 NAMED_ONLY = ("compile",)  # run only when --only names them: compilation takes minutes (bench/gpu_all.sh runs it)
@@ -104,11 +105,14 @@ def main(argv=None) -> int:
         threads, threads_why = common.choose_threads(args.threads)
         torch.set_num_threads(threads)
         print(f"torch threads: {threads} ({threads_why})", flush=True)
+        env_malloc = keep_freed_memory()  # as every stage's CPU run does (utils/host.py)
     common.QUIET_WAIT_S = args.wait_quiet
     out = Path(args.out or f"runs/bench/results-{args.device}{'-quick' if args.quick else ''}.json")
     device = torch.device(args.device)
     env = common.environment(device)
     env["torch_threads_choice"] = threads_why
+    if args.device == "cpu":
+        env["keep_freed_memory"] = env_malloc
     env["command"] = " ".join([Path(sys.executable).name, "-m", "bench.run_all", *(argv if argv is not None else sys.argv[1:])])
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
 

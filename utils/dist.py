@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from utils.config import ConfigError
+from utils.host import keep_freed_memory
 
 
 @dataclass
@@ -65,6 +66,7 @@ def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Di
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
+        keep_freed_memory()  # freed CPU tensors' memory reused, not page-faulted in again (utils/host.py)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(minutes=timeout_minutes),

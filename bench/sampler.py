@@ -33,7 +33,7 @@ import torch
 from bench import common
 from bench.common import Timing, measure_interleaved, median_ratio, random_prompts, result, skipped, synchronize
 from model.gpt2 import PRESETS, GPT2LMHeadModel, KVCache
-from model.sampler import END_ID, EOS_ID, PAD_ID, generate, process_logits, sample_tokens
+from model.sampler import END_ID, EOS_ID, PAD_ID, generate, probs_work, process_logits, sample_tokens
 
 BENCH = "sampler"
 
@@ -180,11 +180,12 @@ def decode_stages(model, N: int, P: int, steps: int, device: torch.device, seed:
     tok = torch.randint(0, 50000, (N,), device=device, generator=g)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     stop = torch.tensor((END_ID, EOS_ID), device=device)
+    work = probs_work(N, model.cfg.vocab_size, device=device)  # generate's, kept for the whole call
     for t in range(steps):
         h = stage("body", lambda: model.transformer(tok[:, None], (next_pos + t)[:, None], None, kv_cache=cache))
         logits = stage("LM head", lambda: model.lm_head(h[:, -1]))
         logp = stage("process_logits + log_softmax", lambda: process_logits(logits).log_softmax(-1))
-        tok = stage("sample_tokens", lambda: sample_tokens(logp, g))
+        tok = stage("sample_tokens", lambda: sample_tokens(logp, g, work=work))
         stage("bookkeeping", lambda: (
             torch.where(~done, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0), done | torch.isin(tok, stop),
             bool(done.all())))

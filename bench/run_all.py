@@ -105,14 +105,13 @@ def main(argv=None) -> int:
         threads, threads_why = common.choose_threads(args.threads)
         torch.set_num_threads(threads)
         print(f"torch threads: {threads} ({threads_why})", flush=True)
-        env_malloc = keep_freed_memory()  # as every stage's CPU run does (utils/host.py)
     common.QUIET_WAIT_S = args.wait_quiet
     out = Path(args.out or f"runs/bench/results-{args.device}{'-quick' if args.quick else ''}.json")
     device = torch.device(args.device)
     env = common.environment(device)
     env["torch_threads_choice"] = threads_why
-    if args.device == "cpu":
-        env["keep_freed_memory"] = env_malloc
+    if args.device == "cpu":  # as every stage's CPU run does (utils/host.py), before any benchmark
+        env["keep_freed_memory"] = keep_freed_memory()
     env["command"] = " ".join([Path(sys.executable).name, "-m", "bench.run_all", *(argv if argv is not None else sys.argv[1:])])
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
 

@@ -41,11 +41,18 @@ def run_stage(script: str, args: dict, nproc: int) -> None:
     # Every demo stage starts from scratch: its folder under --out is the demo's own, and the scripts refuse
     # --resume false on top of existing checkpoints (they would be overwritten).
     shutil.rmtree(args["out_dir"], ignore_errors=True)
-    cmd = [sys.executable, script] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", script]
+    cmd = (
+        [sys.executable, script]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", script]
+    )
     for k, v in args.items():
         cmd += [f"--{k}", str(v)]
     print("\n$ " + " ".join(cmd[1:] if nproc == 1 else ["torchrun", *cmd[3:]]), flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc))),
+    }
     subprocess.run(cmd, cwd=ROOT, check=True, env=env)
 
 
@@ -79,7 +86,9 @@ def sample_summaries(
     return result
 
 
-def gold_of_samples(policy_dir: Path, prompts_file: Path, n_prompts: int, samples: int, max_new_tokens: int, seed: int) -> dict:
+def gold_of_samples(
+    policy_dir: Path, prompts_file: Path, n_prompts: int, samples: int, max_new_tokens: int, seed: int
+) -> dict:
     """Means over summaries sampled (temperature 1) from a policy on held-out prompts: the gold reward and each of
     its parts (items_correct, items_invented, words, ended; data.synthetic.gold_parts)."""
     from data.synthetic import gold_parts, gold_reward
@@ -124,8 +133,13 @@ def swap_accuracy(score, pairs_file: Path, seed: int) -> float:
         for text in (row["chosen"], row["rejected"]):
             swapped = swap_key_item(row["prompt"], text, rng)
             if swapped is not None:
-                triples.append((encode_prompt(tok, row["prompt"], 192), encode_response(tok, text, 32),
-                                encode_response(tok, swapped, 32)))
+                triples.append(
+                    (
+                        encode_prompt(tok, row["prompt"], 192),
+                        encode_response(tok, text, 32),
+                        encode_response(tok, swapped, 32),
+                    )
+                )
     return int((score_margins(score, triples) > 0).sum()) / len(triples)
 
 
@@ -166,16 +180,24 @@ def appended_item_gains(score, prompts_file: Path, n_prompts: int, seed: int) ->
 
     tok, rng = get_tokenizer(), random.Random(f"demo-append/{seed}")
     prompts = [row["prompt"] for row in load_rows(str(prompts_file), "train", PROMPT_COLUMNS)[:n_prompts]]
-    quads = [(encode_prompt(tok, p, 192), *(encode_response(tok, s, 32) for s in appended_item_summaries(p, rng)))
-             for p in prompts]  # (prompt, base, right, invented)
+    quads = [
+        (encode_prompt(tok, p, 192), *(encode_response(tok, s, 32) for s in appended_item_summaries(p, rng)))
+        for p in prompts
+    ]  # (prompt, base, right, invented)
     right = score_margins(score, [(p, r, b) for p, b, r, _ in quads])
     invented = score_margins(score, [(p, i, b) for p, b, _, i in quads])
     return {"append_correct": float(right.double().mean()), "append_invented": float(invented.double().mean())}
 
 
 def label_policy_pairs(
-    policy_dir: Path, prompts_file: Path, n_prompts: int, out_file: Path, label_noise: float, seed: int,
-    swap_pairs: bool = False, samples: int = 8,
+    policy_dir: Path,
+    prompts_file: Path,
+    n_prompts: int,
+    out_file: Path,
+    label_noise: float,
+    seed: int,
+    swap_pairs: bool = False,
+    samples: int = 8,
 ) -> tuple[int, int]:
     """Preference pairs of the policy's own summaries (`samples` per prompt), labelled by the gold reward (the
     stand-in for human labellers; data.synthetic.label_pairs), as in summarize-from-feedback where labellers compare
@@ -209,12 +231,23 @@ def train_sft_and_reward_model(out: Path, paths: dict, pairs: dict, args, common
     # 3. preference pairs of the SFT policy's own summaries, labelled by the gold reward with 10% label noise
     reuse = reuse and found("the labelled pairs", pairs["validation"])  # written after the training pairs
     if not reuse:
-        n_train, n_swaps = label_policy_pairs(out / "sft" / "hf", paths["prompts_train"], args.pair_prompts, pairs["train"],
-                                              0.1, args.seed, swap_pairs=args.swap_pairs)
-        n_val, _ = label_policy_pairs(out / "sft" / "hf", paths["preference_validation"], 200, pairs["validation"], 0.1,
-                                      args.seed + 1)  # validation: the sampled pairs only
-        print(f"labelled {n_train} training pairs ({n_swaps} of them swap pairs) and {n_val} validation pairs of SFT "
-              "samples by the gold reward", flush=True)
+        n_train, n_swaps = label_policy_pairs(
+            out / "sft" / "hf",
+            paths["prompts_train"],
+            args.pair_prompts,
+            pairs["train"],
+            0.1,
+            args.seed,
+            swap_pairs=args.swap_pairs,
+        )
+        n_val, _ = label_policy_pairs(
+            out / "sft" / "hf", paths["preference_validation"], 200, pairs["validation"], 0.1, args.seed + 1
+        )  # validation: the sampled pairs only
+        print(
+            f"labelled {n_train} training pairs ({n_swaps} of them swap pairs) and {n_val} validation pairs of SFT "
+            "samples by the gold reward",
+            flush=True,
+        )
 
     # 4. reward model on those pairs, normalised on samples of the SFT policy
     if not (reuse and found("the reward model", out / "rm" / "hf")):
@@ -229,36 +262,91 @@ def found(what: str, path: Path) -> bool:
 
 
 def run_sft(out: Path, paths: dict, args, common: dict) -> None:
-    run_stage("sft.py", {
-        "model": args.model, "random_init": "true", "train_data": paths["sft_train"], "val_data": paths["sft_validation"],
-        "val_rows": 128, "steps": args.sft_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc,
-        "lr": args.sft_lr, "warmup_steps": 10, "eval_every": 200, "save_every": 0, "max_prompt_len": 192,
-        "max_response_len": 32, "prompt_loss_weight": args.prompt_loss_weight, "out_dir": out / "sft",
-        "run_name": "demo-sft", **common,
-    }, args.nproc)
+    run_stage(
+        "sft.py",
+        {
+            "model": args.model,
+            "random_init": "true",
+            "train_data": paths["sft_train"],
+            "val_data": paths["sft_validation"],
+            "val_rows": 128,
+            "steps": args.sft_steps,
+            "batch_size": 32,
+            "micro_batch_size": 32 // args.nproc,
+            "lr": args.sft_lr,
+            "warmup_steps": 10,
+            "eval_every": 200,
+            "save_every": 0,
+            "max_prompt_len": 192,
+            "max_response_len": 32,
+            "prompt_loss_weight": args.prompt_loss_weight,
+            "out_dir": out / "sft",
+            "run_name": "demo-sft",
+            **common,
+        },
+        args.nproc,
+    )
 
 
 def run_reward_model(out: Path, pairs: dict, args, common: dict) -> None:
-    run_stage("reward_model.py", {
-        "model": out / "sft" / "hf", "train_data": pairs["train"], "val_data": pairs["validation"],
-        "val_rows": 256, "steps": args.rm_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 2e-3,
-        "min_lr_ratio": 1.0, "pooling": args.rm_pooling, "warmup_steps": 5, "eval_every": 50, "save_every": 0,
-        "max_prompt_len": 192, "max_response_len": 32,
-        "norm_prompts": 64, "norm_samples_per_prompt": 4, "out_dir": out / "rm", "run_name": "demo-rm", **common,
-    }, args.nproc)
+    run_stage(
+        "reward_model.py",
+        {
+            "model": out / "sft" / "hf",
+            "train_data": pairs["train"],
+            "val_data": pairs["validation"],
+            "val_rows": 256,
+            "steps": args.rm_steps,
+            "batch_size": 32,
+            "micro_batch_size": 32 // args.nproc,
+            "lr": 2e-3,
+            "min_lr_ratio": 1.0,
+            "pooling": args.rm_pooling,
+            "warmup_steps": 5,
+            "eval_every": 50,
+            "save_every": 0,
+            "max_prompt_len": 192,
+            "max_response_len": 32,
+            "norm_prompts": 64,
+            "norm_samples_per_prompt": 4,
+            "out_dir": out / "rm",
+            "run_name": "demo-rm",
+            **common,
+        },
+        args.nproc,
+    )
 
 
 def grpo_options(out: Path, paths: dict, pairs: dict, args) -> dict:
     """grpo.py's options in the demo: GRPO from the SFT policy against the reward model, with the gold reward and its
     parts watched (logged), never trained on."""
     return {
-        "model": out / "sft" / "hf", "reward_model": out / "rm" / "hf", "train_data": paths["prompts_train"],
-        "val_data": paths["sft_validation"], "pref_data": pairs["validation"], "pref_rows": 256,
-        "val_rows": 64, "num_samples": 16, "num_kept": 8, "max_new_tokens": 24, "max_prompt_len": 192,
-        "prompts_per_step": 16, "micro_batch_size": 64, "steps": args.grpo_steps, "lr": 3e-4, "warmup_steps": 3,
-        "beta": 0.4, "missing_end_penalty": 2.0, "eval_every": 10, "save_every": 0, "table_every": 10,
-        "gold_reward_fn": "data.synthetic:gold_reward", "gold_parts_fn": "data.synthetic:gold_parts",
-        "wandb_mode": args.wandb_mode, "seed": args.seed, "resume": "false",
+        "model": out / "sft" / "hf",
+        "reward_model": out / "rm" / "hf",
+        "train_data": paths["prompts_train"],
+        "val_data": paths["sft_validation"],
+        "pref_data": pairs["validation"],
+        "pref_rows": 256,
+        "val_rows": 64,
+        "num_samples": 16,
+        "num_kept": 8,
+        "max_new_tokens": 24,
+        "max_prompt_len": 192,
+        "prompts_per_step": 16,
+        "micro_batch_size": 64,
+        "steps": args.grpo_steps,
+        "lr": 3e-4,
+        "warmup_steps": 3,
+        "beta": 0.4,
+        "missing_end_penalty": 2.0,
+        "eval_every": 10,
+        "save_every": 0,
+        "table_every": 10,
+        "gold_reward_fn": "data.synthetic:gold_reward",
+        "gold_parts_fn": "data.synthetic:gold_parts",
+        "wandb_mode": args.wandb_mode,
+        "seed": args.seed,
+        "resume": "false",
     }
 
 
@@ -276,8 +364,14 @@ ABLATION = {
     "rso_centred": {"selection": "rso", "global_norm": "true", "scale_by_std": "false"},
     "rso_centred_no_global_norm": {"selection": "rso", "global_norm": "false", "scale_by_std": "false"},
 }
-ABLATION_METRICS = ["reward/gold_mean", "gold/items_correct", "gold/items_invented", "reward/mean", "train/kl",
-                    "eval/pref_accuracy"]
+ABLATION_METRICS = [
+    "reward/gold_mean",
+    "gold/items_correct",
+    "gold/items_invented",
+    "reward/mean",
+    "train/kl",
+    "eval/pref_accuracy",
+]
 
 
 def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
@@ -295,15 +389,30 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
         for seed in range(args.ablation_seeds):
             run_dir = out / "ablation" / name / f"seed{seed}"
             tags = ",".join(f"{k}={v}" for k, v in options.items())
-            run_stage("grpo.py", grpo_options(out, paths, pairs, args) | options | {
-                "seed": seed, "out_dir": run_dir, "run_name": f"ablation-{name}-{seed}", "wandb_group": f"ablation-{name}",
-                "wandb_tags": tags,
-            }, args.nproc)
+            run_stage(
+                "grpo.py",
+                grpo_options(out, paths, pairs, args)
+                | options
+                | {
+                    "seed": seed,
+                    "out_dir": run_dir,
+                    "run_name": f"ablation-{name}-{seed}",
+                    "wandb_group": f"ablation-{name}",
+                    "wandb_tags": tags,
+                },
+                args.nproc,
+            )
             dirs.append(run_dir)
     groups = group_runs([load_run(d) for d in dirs])
     text = table(groups, ABLATION_METRICS, {"train/kl", "gold/items_invented"}, last=5)
     Path(args.assets).mkdir(parents=True, exist_ok=True)
-    plot(groups, ["reward/gold_mean", "gold/items_correct", "reward/mean"], Path(args.assets) / "ablation.png", "train/kl", 5)
+    plot(
+        groups,
+        ["reward/gold_mean", "gold/items_correct", "reward/mean"],
+        Path(args.assets) / "ablation.png",
+        "train/kl",
+        5,
+    )
     (out / "ablation.md").write_text(text + "\n")
     return text
 
@@ -316,32 +425,74 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes per stage (torchrun when > 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic task and of every stage")
     p.add_argument("--model", default="tiny", help="GPT-2 preset trained from random initialisation")
-    p.add_argument("--sft_steps", type=int, default=2400, help="SFT optimizer steps (the tiny policy starts copying the "
-                   "post's items after a plateau of ~600-800 steps at --sft_lr 6e-3: docs/results.md)")
+    p.add_argument(
+        "--sft_steps",
+        type=int,
+        default=2400,
+        help="SFT optimizer steps (the tiny policy starts copying the "
+        "post's items after a plateau of ~600-800 steps at --sft_lr 6e-3: docs/results.md)",
+    )
     p.add_argument("--sft_lr", type=float, default=6e-3, help="SFT peak learning rate")
-    p.add_argument("--prompt_loss_weight", type=float, default=0.0, help="SFT's weight of the next-token loss on the "
-                   "post relative to the summary (sft.py --prompt_loss_weight)")
-    p.add_argument("--rm_steps", type=int, default=900, help="reward-model optimizer steps at a constant lr 2e-3 (a "
-                   "summed head learns to check items slowly: swap accuracy 0.72 to 0.85 after 900 steps on three "
-                   "seeds: docs/results.md)")
-    p.add_argument("--rm_pooling", default="sum", choices=["last", "sum"], help="reward_model.py --pooling: the head "
-                   "summed over the response tokens (sum) or read at the end token (last, which does not learn to "
-                   "check the items: docs/results.md)")
-    p.add_argument("--swap_pairs", action=argparse.BooleanOptionalAction, default=True, help="add to the training "
-                   "pairs each labelled summary against itself with a key item swapped for an invented one")
-    p.add_argument("--pair_prompts", type=int, default=2000, help="training prompts whose SFT samples (8 each) are labelled "
-                   "into pairs (up to 4 per prompt)")
+    p.add_argument(
+        "--prompt_loss_weight",
+        type=float,
+        default=0.0,
+        help="SFT's weight of the next-token loss on the post relative to the summary (sft.py --prompt_loss_weight)",
+    )
+    p.add_argument(
+        "--rm_steps",
+        type=int,
+        default=900,
+        help="reward-model optimizer steps at a constant lr 2e-3 (a "
+        "summed head learns to check items slowly: swap accuracy 0.72 to 0.85 after 900 steps on three "
+        "seeds: docs/results.md)",
+    )
+    p.add_argument(
+        "--rm_pooling",
+        default="sum",
+        choices=["last", "sum"],
+        help="reward_model.py --pooling: the head "
+        "summed over the response tokens (sum) or read at the end token (last, which does not learn to "
+        "check the items: docs/results.md)",
+    )
+    p.add_argument(
+        "--swap_pairs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add to the training "
+        "pairs each labelled summary against itself with a key item swapped for an invented one",
+    )
+    p.add_argument(
+        "--pair_prompts",
+        type=int,
+        default=2000,
+        help="training prompts whose SFT samples (8 each) are labelled into pairs (up to 4 per prompt)",
+    )
     p.add_argument("--dpo_steps", type=int, default=150, help="DPO optimizer steps")
     p.add_argument("--grpo_steps", type=int, default=30, help="GRPO steps")
     p.add_argument("--assets", default="assets", help="folder for the pipeline diagram and the demo's curves")
     p.add_argument("--wandb_mode", default="auto", help="online, offline, disabled, or auto")
-    p.add_argument("--ablation_seeds", type=int, default=0, help="with N > 0: instead of DPO and GRPO, the ablation of "
-                   "GRPO's selection and global normalization (ABLATION), N seeds each, from one SFT policy and reward model")
-    p.add_argument("--ablation_variants", nargs="+", default=list(ABLATION), metavar="NAME",
-                   help="which variants of ABLATION to run")
-    p.add_argument("--reuse", action="store_true", help="reuse --out's SFT policy, labelled pairs and reward model "
-                   "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
-                   "one that is redone is redone too)")
+    p.add_argument(
+        "--ablation_seeds",
+        type=int,
+        default=0,
+        help="with N > 0: instead of DPO and GRPO, the ablation of "
+        "GRPO's selection and global normalization (ABLATION), N seeds each, from one SFT policy and reward model",
+    )
+    p.add_argument(
+        "--ablation_variants",
+        nargs="+",
+        default=list(ABLATION),
+        metavar="NAME",
+        help="which variants of ABLATION to run",
+    )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse --out's SFT policy, labelled pairs and reward model "
+        "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
+        "one that is redone is redone too)",
+    )
     args = p.parse_args()
     from utils.host import keep_freed_memory
 
@@ -356,23 +507,49 @@ def main() -> None:
     paths = write_task(out / "data", seed=args.seed)
 
     # 2.-4. SFT, pairs of SFT samples labelled by the gold reward, reward model (or, with --reuse, the ones in --out)
-    pairs = {"train": out / "data" / "policy_pairs" / "train.jsonl", "validation": out / "data" / "policy_pairs" / "validation.jsonl"}
+    pairs = {
+        "train": out / "data" / "policy_pairs" / "train.jsonl",
+        "validation": out / "data" / "policy_pairs" / "validation.jsonl",
+    }
     train_sft_and_reward_model(out, paths, pairs, args, common)
     if args.ablation_seeds > 0:
         text = ablation(out, paths, pairs, args)
-        print(f"\n{text}\n\nwrote {out / 'ablation.md'} and {Path(args.assets) / 'ablation.png'} ({time.time() - t0:.0f} s)")
+        print(
+            f"\n{text}\n\nwrote {out / 'ablation.md'} and {Path(args.assets) / 'ablation.png'} ({time.time() - t0:.0f} s)"
+        )
         return
 
     # 5. DPO from the SFT policy against a frozen copy of it, on the same pairs
-    run_stage("dpo.py", {
-        "model": out / "sft" / "hf", "train_data": pairs["train"], "val_data": pairs["validation"],
-        "val_rows": 256, "steps": args.dpo_steps, "batch_size": 32, "micro_batch_size": 32 // args.nproc, "lr": 5e-4,
-        "beta": 0.1, "warmup_steps": 5, "eval_every": 50, "save_every": 0, "max_prompt_len": 192,
-        "max_response_len": 32, "out_dir": out / "dpo", "run_name": "demo-dpo", **common,
-    }, args.nproc)
+    run_stage(
+        "dpo.py",
+        {
+            "model": out / "sft" / "hf",
+            "train_data": pairs["train"],
+            "val_data": pairs["validation"],
+            "val_rows": 256,
+            "steps": args.dpo_steps,
+            "batch_size": 32,
+            "micro_batch_size": 32 // args.nproc,
+            "lr": 5e-4,
+            "beta": 0.1,
+            "warmup_steps": 5,
+            "eval_every": 50,
+            "save_every": 0,
+            "max_prompt_len": 192,
+            "max_response_len": 32,
+            "out_dir": out / "dpo",
+            "run_name": "demo-dpo",
+            **common,
+        },
+        args.nproc,
+    )
 
     # 6. GRPO from the SFT policy against the reward model; the gold reward is only watched, never trained on
-    run_stage("grpo.py", grpo_options(out, paths, pairs, args) | {"out_dir": out / "grpo", "run_name": "demo-grpo"}, args.nproc)
+    run_stage(
+        "grpo.py",
+        grpo_options(out, paths, pairs, args) | {"out_dir": out / "grpo", "run_name": "demo-grpo"},
+        args.nproc,
+    )
 
     # 7. what each stage learned: gold reward of sampled summaries on held-out prompts (all 200 SFT validation posts x
     #    8 samples: the standard error of a stage's mean items invented is ~0.01), preference accuracy

@@ -36,7 +36,12 @@ from rlhf.losses import dpo_loss, ipo_loss
 from rlhf.stats import pair_outcomes
 from rollouts.models import sharded_module
 from utils.config import (
-    ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
+    ConfigError,
+    OptimConfig,
+    RunConfig,
+    accumulation_steps,
+    fit_context,
+    parse_config,
 )
 from utils.dist import all_reduce_sum
 from utils.fsdp import gathered_params, resolve_dtype, shard_model
@@ -92,8 +97,10 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig):  # sh
         if self.label_smoothing and self.loss != "sigmoid":
             raise ConfigError("--label_smoothing applies to --loss sigmoid only")
         if self.frozen_cpu_offload and (self.device == "cpu" or not torch.cuda.is_available()):
-            raise ConfigError("--frozen_cpu_offload needs a GPU (FSDP offloads shards from GPU to CPU memory); "
-                              "on CPU leave it false: the reference already lives in CPU memory")
+            raise ConfigError(
+                "--frozen_cpu_offload needs a GPU (FSDP offloads shards from GPU to CPU memory); "
+                "on CPU leave it false: the reference already lives in CPU memory"
+            )
         self.validate_shared()  # --model, data, run, optimisation (and LoRA) options
         if self.eval_samples < 0:
             raise ConfigError(f"--eval_samples must be >= 0, got {self.eval_samples}")
@@ -118,7 +125,13 @@ def reference_logps(reference, micro_batches: list[dict], device, prefix_sharing
 
 
 def pair_losses(
-    policy, reference, batch: dict, loss_fn, beta: float, device, prefix_sharing: bool = True,
+    policy,
+    reference,
+    batch: dict,
+    loss_fn,
+    beta: float,
+    device,
+    prefix_sharing: bool = True,
     ref_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-pair losses (B,) of one collate_pairs batch, differentiable in the policy only, and per-pair
@@ -135,15 +148,30 @@ def pair_losses(
     with torch.no_grad():
         reward_chosen = beta * (policy_chosen - ref_chosen).double()  # (B,)
         reward_rejected = beta * (policy_rejected - ref_rejected).double()
-        stats = torch.stack([
-            losses.double().sum(), pair_outcomes(reward_chosen, reward_rejected).sum(), reward_chosen.sum(),
-            reward_rejected.sum(), policy_chosen.double().sum(), policy_rejected.double().sum(),
-        ])
+        stats = torch.stack(
+            [
+                losses.double().sum(),
+                pair_outcomes(reward_chosen, reward_rejected).sum(),
+                reward_chosen.sum(),
+                reward_rejected.sum(),
+                policy_chosen.double().sum(),
+                policy_rejected.double().sum(),
+            ]
+        )
     return losses, stats
 
 
-def accumulate_gradients(policy, reference, micro_batches: list[dict], world: int, n_pairs: int, loss_fn, beta: float, device,
-                         prefix_sharing: bool = True) -> dict:
+def accumulate_gradients(
+    policy,
+    reference,
+    micro_batches: list[dict],
+    world: int,
+    n_pairs: int,
+    loss_fn,
+    beta: float,
+    device,
+    prefix_sharing: bool = True,
+) -> dict:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns global metrics.
 
     Each rank's summed loss is divided by the global number of pairs (utils/optim.py accumulate_micro_batches), so
@@ -160,8 +188,13 @@ def accumulate_gradients(policy, reference, micro_batches: list[dict], world: in
     sums = sum(stats, torch.zeros(6, dtype=torch.float64, device=device))
     loss, accuracy, chosen, rejected, logp_chosen, logp_rejected = (all_reduce_sum(sums) / n_pairs).tolist()
     return {
-        "train/loss": loss, "train/accuracy": accuracy, "train/reward_chosen": chosen, "train/reward_rejected": rejected,
-        "train/reward_margin": chosen - rejected, "train/logp_chosen": logp_chosen, "train/logp_rejected": logp_rejected,
+        "train/loss": loss,
+        "train/accuracy": accuracy,
+        "train/reward_chosen": chosen,
+        "train/reward_rejected": rejected,
+        "train/reward_margin": chosen - rejected,
+        "train/logp_chosen": logp_chosen,
+        "train/logp_rejected": logp_rejected,
     }
 
 
@@ -199,7 +232,9 @@ def main(cfg: Config) -> dict:
     model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
     limits = [(model_cfg, "max_response_len", "policy")]
     if cfg.reference:
-        limits.append((model_config(cfg.reference, kind="policy", option="--reference"), "max_response_len", "reference"))
+        limits.append(
+            (model_config(cfg.reference, kind="policy", option="--reference"), "max_response_len", "reference")
+        )
     fit_context(cfg, *limits, *cfg.judge_limits(model_cfg))
     run = start_run(cfg, {"stage": "dpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     world, device = run.world, run.device
@@ -221,8 +256,10 @@ def main(cfg: Config) -> dict:
     # 4. resume: the policy's weights, optimizer, schedule, every rank's RNG, data position, best validation so far
     #    (the reference is rebuilt from --model / --reference); validation of the reference once, it never changes
     step = resume(run, cfg, policy, optimizer, scheduler, data.loader, total_steps)
-    run.say(f"dpo ({cfg.loss}, beta {cfg.beta}): {len(data.train)} pairs, world {world}, {accum} accumulation steps, "
-            f"{total_steps} steps")
+    run.say(
+        f"dpo ({cfg.loss}, beta {cfg.beta}): {len(data.train)} pairs, world {world}, {accum} accumulation steps, "
+        f"{total_steps} steps"
+    )
     ref_val = policy_logps(reference, data.val_set, device, cfg.prefix_sharing) if data.val_set is not None else None
     samples = None
     if ref_val is not None and cfg.eval_samples > 0:
@@ -242,8 +279,9 @@ def main(cfg: Config) -> dict:
             # 5. one optimizer step: per-pair loss summed / global number of pairs; a non-finite loss or gradient
             #    norm stops the run, or skips the step (--on_nonfinite)
             micro = next(batches)
-            metrics = accumulate_gradients(policy, reference, micro, world, cfg.batch_size, loss_fn, cfg.beta, device,
-                                           cfg.prefix_sharing)
+            metrics = accumulate_gradients(
+                policy, reference, micro, world, cfg.batch_size, loss_fn, cfg.beta, device, cfg.prefix_sharing
+            )
             guarded_step(policy, optimizer, scheduler, run.guard, step + 1, metrics, cfg.grad_clip)
             step += 1
 
@@ -251,8 +289,9 @@ def main(cfg: Config) -> dict:
             #    (on schedule, at the end, at a new best, or when a signal came)
             metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
             if ref_val is not None and cfg.eval_due(step, total_steps):
-                val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device,
-                                      prefix_sharing=cfg.prefix_sharing)
+                val = evaluate_policy(
+                    policy, ref_val, data.val_set, cfg.beta, device, prefix_sharing=cfg.prefix_sharing
+                )
                 metrics.update({f"val/{k}": v for k, v in val.items()})
                 if judge is not None:
                     metrics.update(judge.evaluate(policy, "val/"))

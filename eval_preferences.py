@@ -100,8 +100,11 @@ def main(cfg: Config) -> dict:
     rank, world, device = info.rank, info.world_size, info.device
     dtype = resolve_dtype(cfg.dtype, device)
     limits = []
-    for what, name, kind in (("reward model", cfg.reward_model, "reward_model"), ("policy", cfg.policy, "policy"),
-                             ("reference", cfg.reference, "policy")):
+    for what, name, kind in (
+        ("reward model", cfg.reward_model, "reward_model"),
+        ("policy", cfg.policy, "policy"),
+        ("reference", cfg.reference, "policy"),
+    ):
         if name:  # accuracy does not depend on the reward model's gain and bias: it may lack them
             model_cfg = model_config(name, kind=kind, option="--" + what.replace(" ", "_"), normalized=False)
             limits.append((model_cfg, "max_response_len", what))
@@ -112,8 +115,9 @@ def main(cfg: Config) -> dict:
     rows = rows[: cfg.val_rows] if cfg.val_rows else rows
     name = f"{cfg.val_data}[{cfg.val_split}]"
     tok = get_tokenizer()
-    eval_set = build_eval_set(rows, tok, cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world,
-                              name)
+    eval_set = build_eval_set(
+        rows, tok, cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size, rank, world, name
+    )
     summary_rows = []
     if cfg.judge:
         summary_rows = load_rows(cfg.summary_data, cfg.summary_split, SFT_COLUMNS)
@@ -133,17 +137,28 @@ def main(cfg: Config) -> dict:
         if cfg.judge:
             del reference
             judge = shard_model(build_reward_model(cfg.judge), dtype).to(device)
-            results |= summary_win_rate(policy, judge, summary_rows, tok, cfg.max_prompt_len, cfg.max_new_tokens,
-                                        2 * cfg.micro_batch_size, cfg.bootstrap_samples, cfg.seed)
+            results |= summary_win_rate(
+                policy,
+                judge,
+                summary_rows,
+                tok,
+                cfg.max_prompt_len,
+                cfg.max_new_tokens,
+                2 * cfg.micro_batch_size,
+                cfg.bootstrap_samples,
+                cfg.seed,
+            )
 
     # 4. report
     if rank == 0:
         print(format_table(results, title))
         if cfg.judge:
-            print(f"win rate against the reference summaries of {cfg.summary_data}[{cfg.summary_split}], judged by "
-                  f"{cfg.judge}: {results['summary_win_rate']:.4f} [{results['summary_win_rate_ci_low']:.4f}, "
-                  f"{results['summary_win_rate_ci_high']:.4f}] over {results['summary_prompts']} prompts; mean reward "
-                  f"{results['summary_reward_mean']:.4f} (references {results['summary_reference_reward_mean']:.4f})")
+            print(
+                f"win rate against the reference summaries of {cfg.summary_data}[{cfg.summary_split}], judged by "
+                f"{cfg.judge}: {results['summary_win_rate']:.4f} [{results['summary_win_rate_ci_low']:.4f}, "
+                f"{results['summary_win_rate_ci_high']:.4f}] over {results['summary_prompts']} prompts; mean reward "
+                f"{results['summary_reward_mean']:.4f} (references {results['summary_reference_reward_mean']:.4f})"
+            )
     if cfg.out_dir:
         logger = Logger(cfg.out_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
         log_results(logger, results, step=0, prefix="eval/")

@@ -48,12 +48,23 @@ from model.lora import LoRAConfig, trainable_summary
 from model.sampler import SampleOutput
 from model.weights import save_export
 from rlhf.grpo import (
-    AGGREGATIONS, Objective, informative_groups, mismatch_stats, penalize_missing_end, select, sequence_kl,
+    AGGREGATIONS,
+    Objective,
+    informative_groups,
+    mismatch_stats,
+    penalize_missing_end,
+    select,
+    sequence_kl,
 )
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards
 from rollouts.batches import (
-    MicroBatch, build_training_batches, kept_advantages, pad_micro_batches, per_rank_sizes, with_advantages,
+    MicroBatch,
+    build_training_batches,
+    kept_advantages,
+    pad_micro_batches,
+    per_rank_sizes,
+    with_advantages,
 )
 from rollouts.metrics import StepResult, gold_metrics, step_metrics, update_metrics
 from rollouts.models import Models, build_models, check_models, check_step_fits, refresh_reference, sharded_module
@@ -243,9 +254,14 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig):  # t
     def objective(self) -> Objective:
         """The loss's options bound once (rlhf/grpo.py Objective): its terms then take tensors only."""
         return Objective(
-            eps_low=self.eps_low, eps_high=self.eps_high, importance_level=self.importance_level,
-            rollout_correction=self.rollout_correction, rollout_correction_cap=self.rollout_correction_cap,
-            beta=self.beta if self.kl_in == "loss" else 0.0, kl_estimator=self.kl_estimator, kl_ratio=self.kl_ratio,
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            importance_level=self.importance_level,
+            rollout_correction=self.rollout_correction,
+            rollout_correction_cap=self.rollout_correction_cap,
+            beta=self.beta if self.kl_in == "loss" else 0.0,
+            kl_estimator=self.kl_estimator,
+            kl_ratio=self.kl_ratio,
             entropy_coef=self.entropy_coef,
         )
 
@@ -254,20 +270,29 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig):  # t
         if any(s.fn is None for s in self.sources()):
             require_nonempty(self, "reward_model")
         self.validate_shared()  # --model, data, run, optimisation and LoRA options
-        for name in ("ref_refresh_every", "entropy_every", "eps_low", "eps_high", "beta", "pref_rows",
-                     "min_group_std"):
+        for name in ("ref_refresh_every", "entropy_every", "eps_low", "eps_high", "beta", "pref_rows", "min_group_std"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
         for name in (
-            "num_samples", "num_kept", "max_new_tokens", "gen_prompts", "prompts_per_step",
-            "micro_batch_size", "score_micro_batch_size", "policy_epochs", "pref_max_response_len", "table_prompts",
+            "num_samples",
+            "num_kept",
+            "max_new_tokens",
+            "gen_prompts",
+            "prompts_per_step",
+            "micro_batch_size",
+            "score_micro_batch_size",
+            "policy_epochs",
+            "pref_max_response_len",
+            "table_prompts",
             "reward_length_target",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
         if self.kept > self.num_samples:
-            raise ConfigError(f"--num_kept {self.num_kept} exceeds --num_samples {self.num_samples}: the group of "
-                              f"samples per prompt must be at least as large as the number kept from it")
+            raise ConfigError(
+                f"--num_kept {self.num_kept} exceeds --num_samples {self.num_samples}: the group of "
+                f"samples per prompt must be at least as large as the number kept from it"
+            )
         if self.selection == "top_bottom" and self.kept % 2:
             raise ConfigError(f"--selection top_bottom needs an even --num_kept, got {self.num_kept}")
         if self.selection == "rso" and not self.beta_rs > 0:
@@ -277,8 +302,10 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig):  # t
         if not self.rollout_correction_cap > 0:
             raise ConfigError(f"--rollout_correction_cap must be > 0, got {self.rollout_correction_cap}")
         if self.min_group_std > 0 and self.kept < 2:
-            raise ConfigError(f"--min_group_std measures the spread of each group's kept rewards: it needs at least 2 "
-                              f"kept samples per prompt, got {self.kept}")
+            raise ConfigError(
+                f"--min_group_std measures the spread of each group's kept rewards: it needs at least 2 "
+                f"kept samples per prompt, got {self.kept}"
+            )
         if self.kl_ratio and self.kl_in != "loss":
             raise ConfigError("--kl_ratio weights the loss's KL term: it needs --kl_in loss, got --kl_in reward")
         if not self.temperature > 0:
@@ -291,7 +318,9 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig):  # t
 # Stages 2-7
 
 
-def score_rewards(spec: RewardSpec, reward_model, prompts: PromptSet, samples: SampleOutput, cfg: Config, step: int) -> Scores:
+def score_rewards(
+    spec: RewardSpec, reward_model, prompts: PromptSet, samples: SampleOutput, cfg: Config, step: int
+) -> Scores:
     """Stage 3 of step `step` (1-based). Reward model: raw score -> minus the penalty (raw units) without an end
     token -> RM gain/bias; a reward model returning NaN, or one score for every sample of every rank, stops the run
     here. Functions: their
@@ -323,8 +352,15 @@ def response_logprobs(model, batch: MicroBatch, cfg: Config, with_entropy: bool 
     else:
         P = batch.prompt_len
         mask, where = batch.attention_mask, slice(P - 1, P + R - 1)
-    head = partial(linear_processed_logprobs, targets_NR=targets, temperature=cfg.temperature, top_k=cfg.top_k,
-                   top_p=cfg.top_p, with_entropy=with_entropy, positions_K=batch.head_positions)
+    head = partial(
+        linear_processed_logprobs,
+        targets_NR=targets,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        with_entropy=with_entropy,
+        positions_K=batch.head_positions,
+    )
     logp, entropy = model(batch.input_ids, batch.position_ids, mask, logits_slice=where, head=head)
     return logp.view(n, R), entropy.view(n, R) if entropy is not None else None
 
@@ -349,8 +385,10 @@ def diagnostics(logp: torch.Tensor, old: torch.Tensor, batch: MicroBatch) -> tup
         in_support = mask & torch.isfinite(logp)  # outside: a token the training forward's top-k/top-p set excludes
         gap = torch.where(in_support, (logp.detach() - batch.sampler_logprobs).abs(), 0.0)
         sums = {
-            "sampler_gap": gap.sum().double(), "outside_support": (mask & ~in_support).sum().double(),
-            "mismatch_tokens": mismatch["tokens"], "mismatch_outside": mismatch["outside_band"],
+            "sampler_gap": gap.sum().double(),
+            "outside_support": (mask & ~in_support).sum().double(),
+            "mismatch_tokens": mismatch["tokens"],
+            "mismatch_outside": mismatch["outside_band"],
             "mismatch_gap": mismatch["abs_log_gap"],
         }
     return sums, {"mismatch_gap_max": mismatch["max_abs_log_gap"]}
@@ -373,8 +411,9 @@ def micro_batch_loss(
     old = logp.detach() if cfg.policy_epochs == 1 else batch.old_logprobs
     # --rollout_correction reweights the policy term by the training forward's / the sampler's probability ratio
     correction, corrected = objective.correction(old, batch.sampler_logprobs, mask)
-    loss_NT, stats = objective.token_loss(logp, old, batch.ref_logprobs, batch.advantages, mask, weights_NT=w,
-                                          correction=correction, entropy_NT=entropy)
+    loss_NT, stats = objective.token_loss(
+        logp, old, batch.ref_logprobs, batch.advantages, mask, weights_NT=w, correction=correction, entropy_NT=entropy
+    )
     loss = (w * loss_NT).sum()
     sums, maxima = diagnostics(logp, old, batch)
     with torch.no_grad():
@@ -386,8 +425,16 @@ def micro_batch_loss(
 
 
 def policy_update(
-    policy, optimizer, scheduler, batches: list[MicroBatch], cfg: Config, world: int, device, *,
-    guard: NonFiniteGuard | None = None, step: int = 1,
+    policy,
+    optimizer,
+    scheduler,
+    batches: list[MicroBatch],
+    cfg: Config,
+    world: int,
+    device,
+    *,
+    guard: NonFiniteGuard | None = None,
+    step: int = 1,
 ) -> dict:
     """cfg.policy_epochs optimizer steps over this rank's micro-batches (optimizer step `step`, 1-based, of the run);
     returns global metrics. `guard` checks each epoch's loss and gradient norm before its optimizer step (stop, or
@@ -417,8 +464,9 @@ def policy_update(
         sums = {k: sum((s[k] for s, _ in outputs), zero) for k in outputs[0][0]}  # this epoch's, over micro-batches
         for _, maxima in outputs:
             gap_max = torch.maximum(gap_max, maxima["mismatch_gap_max"])
-        steps.append(guarded_step(policy, optimizer, scheduler, guard, step, {"train/loss": float(sums["loss"])},
-                                  cfg.grad_clip))
+        steps.append(
+            guarded_step(policy, optimizer, scheduler, guard, step, {"train/loss": float(sums["loss"])}, cfg.grad_clip)
+        )
         epoch_sums.append(sums)
     epochs = all_reduce_named(epoch_sums)  # mu x {name: global sum}: one collective
     return update_metrics(epochs, all_reduce_max(float(gap_max), device), float(normaliser), steps, cfg, log_entropy)
@@ -429,15 +477,26 @@ def kl_in_reward(batches: list[MicroBatch], rewards_BK: torch.Tensor, keep_B: to
     micro-batches' sampling-policy and reference log-probs) leaves its reward, and the advantages are recomputed.
     Returns the new advantages (B*K,) and the penalty (B, K) (0 for dropped groups)."""
     real = [b for b in batches if not b.filler]
-    kl_N = torch.cat([sequence_kl(b.old_logprobs, b.ref_logprobs, b.response_mask, cfg.kl_estimator)
-                      for b in real]) if real else rewards_BK.new_zeros(0)  # (kept rows,)
+    kl_N = (
+        torch.cat([sequence_kl(b.old_logprobs, b.ref_logprobs, b.response_mask, cfg.kl_estimator) for b in real])
+        if real
+        else rewards_BK.new_zeros(0)
+    )  # (kept rows,)
     kl_penalty_BK = torch.zeros_like(rewards_BK)
     kl_penalty_BK[keep_B] = cfg.beta * kl_N.float().view(-1, cfg.kept)
     return kept_advantages(rewards_BK - kl_penalty_BK, keep_B, cfg), kl_penalty_BK
 
 
-def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: RewardSpec, cfg: Config, step: int,
-               guard: NonFiniteGuard | None = None) -> StepResult:
+def train_step(
+    models: Models,
+    optimizer,
+    scheduler,
+    prompts: PromptSet,
+    spec: RewardSpec,
+    cfg: Config,
+    step: int,
+    guard: NonFiniteGuard | None = None,
+) -> StepResult:
     """Stages 2-7 of GRPO step `step` (1-based) on this rank's prompts; collective over ranks."""
     rank, world = rank_and_world()
     device, G, timer = prompts.ids.device, cfg.num_samples, StageTimer(prompts.ids.device)
@@ -459,11 +518,20 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
         rewards_BK = scores.total[rows_BK]  # (B, K)
         advantages = kept_advantages(rewards_BK, keep_B, cfg)  # (B*K,)
         kept_N = keep_B.repeat_interleave(cfg.kept)  # (B*K,)
-        batches = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten()[kept_N],
-                                         advantages[kept_N], G, cfg.micro_batch_size, cfg.prefix_sharing)
+        batches = build_training_batches(
+            prompts.ids,
+            prompts.mask,
+            samples,
+            rows_BK.flatten()[kept_N],
+            advantages[kept_N],
+            G,
+            cfg.micro_batch_size,
+            cfg.prefix_sharing,
+        )
         if cfg.min_group_std > 0:  # as many micro-batches on every rank, whatever each kept
-            filler = build_training_batches(prompts.ids, prompts.mask, samples, rows_BK.flatten()[:1], advantages[:1],
-                                            G, 1, cfg.prefix_sharing)[0]
+            filler = build_training_batches(
+                prompts.ids, prompts.mask, samples, rows_BK.flatten()[:1], advantages[:1], G, 1, cfg.prefix_sharing
+            )[0]
             batches = pad_micro_batches(batches, filler, device)
     # 6. reference log-probs (frozen, parameters gathered once; with LoRA the policy with adapters off); with mu > 1
     #    or the KL in the reward also the sampling policy's (the weights that generated), from the training forward so
@@ -483,9 +551,20 @@ def train_step(models: Models, optimizer, scheduler, prompts: PromptSet, spec: R
     # 7. update the policy; a non-finite loss or gradient norm stops the run, or skips the optimizer step
     with timer("update"):
         update = policy_update(models.policy, optimizer, scheduler, batches, cfg, world, device, guard=guard, step=step)
-    return StepResult(samples=samples, scores=scores, idx_BK=idx_BK, rows_BK=rows_BK, selection_stats=selection_stats,
-                      rewards_BK=rewards_BK, advantages=advantages, batches=batches, update=update,
-                      seconds=dict(timer.seconds), keep_B=keep_B, kl_penalty_BK=kl_penalty_BK)
+    return StepResult(
+        samples=samples,
+        scores=scores,
+        idx_BK=idx_BK,
+        rows_BK=rows_BK,
+        selection_stats=selection_stats,
+        rewards_BK=rewards_BK,
+        advantages=advantages,
+        batches=batches,
+        update=update,
+        seconds=dict(timer.seconds),
+        keep_B=keep_B,
+        kl_penalty_BK=kl_penalty_BK,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -508,27 +587,36 @@ def main(cfg: Config) -> dict:
     # sets split over ranks), models, optimizer, resume
     tok = get_tokenizer()
     train_name = f"{cfg.train_data}[{cfg.train_split}]"
-    train = PromptDataset(load_rows(cfg.train_data, cfg.train_split, PROMPT_COLUMNS), tok, cfg.max_prompt_len, name=train_name)
+    train = PromptDataset(
+        load_rows(cfg.train_data, cfg.train_split, PROMPT_COLUMNS), tok, cfg.max_prompt_len, name=train_name
+    )
     train_applies = source_applies(cfg.reward_column, cfg.train_data, cfg.train_split, len(train), sources)  # (rows, S)
     loader = ShardedLoader(len(train), prompts_per_rank, rank, world, cfg.seed, collate=lambda idx: idx)
     total_steps = cfg.steps or loader.batches_per_epoch
     val, pref = load_eval_sets(cfg, tok, sources, rank, world, device)
     models = build_models(cfg, sources, run.dtype, device)
-    run.say(f"grpo: {trainable_summary(models.policy)}; rewards: " + " + ".join(f"{s.weight:g}*{s.name}" for s in sources))
+    run.say(
+        f"grpo: {trainable_summary(models.policy)}; rewards: " + " + ".join(f"{s.weight:g}*{s.name}" for s in sources)
+    )
     spec = RewardSpec(sources, cfg.normalize_reward_fns, tok)
     save_reference = cfg.ref_refresh_every > 0 and not cfg.lora_enabled  # with LoRA the model state holds it
     optimizer = build_optimizer(models.policy, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, total_steps * cfg.policy_epochs, cfg.min_lr_ratio)
     frozen = {"reference": models.reference} if save_reference else None  # a refreshed reference (full fine-tuning)
     step = resume(run, cfg, models.policy, optimizer, scheduler, loader, total_steps, frozen=frozen)
-    run.say(f"grpo: {len(train)} prompts, world {world}, {prompts_per_rank} prompts x {cfg.num_samples} samples -> "
-            f"{cfg.kept} kept per rank, {n_micro} micro-batches, {total_steps} steps")
+    run.say(
+        f"grpo: {len(train)} prompts, world {world}, {prompts_per_rank} prompts x {cfg.num_samples} samples -> "
+        f"{cfg.kept} kept per rank, {n_micro} micro-batches, {total_steps} steps"
+    )
     ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
 
     def evaluate(step: int) -> dict:
         out = evaluate_summaries(models.policy, models.reward_model, spec, val, cfg, step) if val is not None else {}
-        acc = evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device,
-                              prefix_sharing=cfg.prefix_sharing) if pref else {}
+        acc = (
+            evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device, prefix_sharing=cfg.prefix_sharing)
+            if pref
+            else {}
+        )
         return out | {f"eval/pref_{k}": v for k, v in acc.items()}
 
     if step == 0 and cfg.eval_every > 0:
@@ -560,17 +648,46 @@ def main(cfg: Config) -> dict:
             if cfg.eval_due(step, total_steps):
                 metrics.update(evaluate(step))
             if cfg.table_every > 0 and step % cfg.table_every == 0:
-                run.logger.table("samples", *sample_table(spec, prompts, result.samples, result.scores, result.rows_BK,
-                                                           result.advantages, cfg.table_prompts), step)
+                run.logger.table(
+                    "samples",
+                    *sample_table(
+                        spec,
+                        prompts,
+                        result.samples,
+                        result.scores,
+                        result.rows_BK,
+                        result.advantages,
+                        cfg.table_prompts,
+                    ),
+                    step,
+                )
 
             # 9. checkpoint: on schedule, at the end, at a new best evaluation metric, or when a signal came
-            stopping = end_of_step(run, cfg, step, total_steps, metrics, models.policy, optimizer, scheduler, loader,
-                                   best_metric=cfg.keep_best_by(val is not None, pref is not None), frozen=frozen)
+            stopping = end_of_step(
+                run,
+                cfg,
+                step,
+                total_steps,
+                metrics,
+                models.policy,
+                optimizer,
+                scheduler,
+                loader,
+                best_metric=cfg.keep_best_by(val is not None, pref is not None),
+                frozen=frozen,
+            )
             if stopping:
                 break
 
     # 10. export a Hugging Face-format folder (not after a signal: the run is not finished)
-    finish(run, models.policy, step, metrics, stopping, lambda sd: save_export(models.policy, sd, model_cfg, run.dir / "hf"))
+    finish(
+        run,
+        models.policy,
+        step,
+        metrics,
+        stopping,
+        lambda sd: save_export(models.policy, sd, model_cfg, run.dir / "hf"),
+    )
     return metrics
 
 

@@ -32,7 +32,13 @@ from model.weights import build_policy, build_reward_model, model_config, resolv
 from rlhf.losses import bradley_terry_loss
 from rlhf.stats import pair_outcomes, standardizing_gain_bias
 from utils.config import (
-    ConfigError, DecodeConfig, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
+    ConfigError,
+    DecodeConfig,
+    OptimConfig,
+    RunConfig,
+    accumulation_steps,
+    fit_context,
+    parse_config,
 )
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import gathered_params, shard_model
@@ -106,16 +112,24 @@ def accumulate_gradients(
         losses = bradley_terry_loss(r_chosen, r_rejected)  # (B,)
         r_chosen, r_rejected = r_chosen.detach().double(), r_rejected.detach().double()
         # sums over pairs: loss, correct (ties 1/2), chosen reward, rejected reward
-        return losses.sum(), torch.stack([
-            losses.detach().double().sum(), pair_outcomes(r_chosen, r_rejected).sum(), r_chosen.sum(), r_rejected.sum(),
-        ])
+        return losses.sum(), torch.stack(
+            [
+                losses.detach().double().sum(),
+                pair_outcomes(r_chosen, r_rejected).sum(),
+                r_chosen.sum(),
+                r_rejected.sum(),
+            ]
+        )
 
     stats = accumulate_micro_batches(model, micro_batches, loss_of, world, n_pairs)
     sums = sum(stats, torch.zeros(4, dtype=torch.float64, device=device))
     loss, accuracy, chosen, rejected = (all_reduce_sum(sums) / n_pairs).tolist()
     return {
-        "train/loss": loss, "train/accuracy": accuracy, "train/reward_chosen": chosen,
-        "train/reward_rejected": rejected, "train/reward_margin": chosen - rejected,
+        "train/loss": loss,
+        "train/accuracy": accuracy,
+        "train/reward_chosen": chosen,
+        "train/reward_rejected": rejected,
+        "train/reward_margin": chosen - rejected,
     }
 
 
@@ -143,8 +157,13 @@ def fit_normalization(
     reward_model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # count, sum, sum of squares, responses with an end
     counted = []  # this rank's rewards of real prompts, for the NaN / constant check
-    for start in track(range(0, per_rank, cfg.norm_batch_size), "normalisation samples", len(prompts),
-                       lambda start: len(mine[start : start + cfg.norm_batch_size]), unit="prompts"):
+    for start in track(
+        range(0, per_rank, cfg.norm_batch_size),
+        "normalisation samples",
+        len(prompts),
+        lambda start: len(mine[start : start + cfg.norm_batch_size]),
+        unit="prompts",
+    ):
         index = mine[start : start + cfg.norm_batch_size]
         valid = torch.tensor([i < len(prompts) for i in index], device=device).repeat_interleave(G)  # (N,)
         prompt_ids, prompt_mask = pad_prompts([prompts[i if i < len(prompts) else 0] for i in index])  # (B, P)
@@ -152,8 +171,14 @@ def fit_normalization(
         # 1. sample: rows b*G .. b*G+G-1 belong to prompt b
         with gathered_params(policy):
             out = generate(
-                policy, prompt_ids, prompt_mask, G, cfg.max_response_len, temperature=cfg.norm_temperature,
-                generator=generator, compile=cfg.compile,
+                policy,
+                prompt_ids,
+                prompt_mask,
+                G,
+                cfg.max_response_len,
+                temperature=cfg.norm_temperature,
+                generator=generator,
+                compile=cfg.compile,
             )
         # 2. score prompt + response (read at the last real token, the end token when there is one, or summed over
         #    the response: the model's pooling); the responses start at column P
@@ -161,14 +186,22 @@ def fit_normalization(
         attention_mask = torch.cat([prompt_mask.repeat_interleave(G, 0), out.response_mask], dim=1)  # (N, P+R)
         position_ids = (attention_mask.long().cumsum(1) - 1) * attention_mask  # (N, P+R)
         rows = 2 * cfg.micro_batch_size
-        rewards = torch.cat([
-            reward_model(input_ids[i : i + rows], position_ids[i : i + rows], attention_mask[i : i + rows],
-                         prompt_len=prompt_ids.shape[1])
-            for i in range(0, input_ids.shape[0], rows)
-        ]).double()  # (N,)
+        rewards = torch.cat(
+            [
+                reward_model(
+                    input_ids[i : i + rows],
+                    position_ids[i : i + rows],
+                    attention_mask[i : i + rows],
+                    prompt_len=prompt_ids.shape[1],
+                )
+                for i in range(0, input_ids.shape[0], rows)
+            ]
+        ).double()  # (N,)
         v = valid.double()
         counted.append(rewards[valid])
-        sums += torch.stack([v.sum(), (rewards * v).sum(), (rewards * rewards * v).sum(), (out.has_end.double() * v).sum()])
+        sums += torch.stack(
+            [v.sum(), (rewards * v).sum(), (rewards * rewards * v).sum(), (out.has_end.double() * v).sum()]
+        )
     check_rewards(torch.cat(counted), "reward_model (normalisation samples)", step, device)
     count, total, total_sq, n_end = all_reduce_sum(sums).tolist()
     gain, bias = standardizing_gain_bias(count, total, total_sq)
@@ -177,8 +210,12 @@ def fit_normalization(
     reward_model.train()
     mean = total / count
     return {
-        "norm/raw_mean": mean, "norm/raw_std": math.sqrt(max(total_sq / count - mean * mean, 0.0)),
-        "norm/samples": count, "norm/end_rate": n_end / count, "norm/gain": gain, "norm/bias": bias,
+        "norm/raw_mean": mean,
+        "norm/raw_std": math.sqrt(max(total_sq / count - mean * mean, 0.0)),
+        "norm/samples": count,
+        "norm/end_rate": n_end / count,
+        "norm/gain": gain,
+        "norm/bias": bias,
     }
 
 
@@ -252,9 +289,11 @@ def main(cfg: Config) -> dict:
         del policy
         run.logger.log(norm, step)
         metrics.update(norm)
-        run.say(f"reward normalisation over {int(norm['norm/samples'])} samples of {policy_name}: raw mean "
-                f"{norm['norm/raw_mean']:.4f}, std {norm['norm/raw_std']:.4f} -> gain {norm['norm/gain']:.4f}, "
-                f"bias {norm['norm/bias']:.4f}")
+        run.say(
+            f"reward normalisation over {int(norm['norm/samples'])} samples of {policy_name}: raw mean "
+            f"{norm['norm/raw_mean']:.4f}, std {norm['norm/raw_std']:.4f} -> gain {norm['norm/gain']:.4f}, "
+            f"bias {norm['norm/bias']:.4f}"
+        )
 
     # 8. export a Hugging Face-format folder (gain and bias go to reward_normalization.json; not after a signal)
     finish(run, model, step, metrics, stopping, lambda sd: save_export(model, sd, model_cfg, run.dir / "hf"))

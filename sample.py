@@ -74,8 +74,9 @@ class Config:
         if self.data and self.post:
             raise ConfigError("give --data or --post, not both")
         if not self.temperature > 0:
-            raise ConfigError(f"--temperature must be > 0 (the most likely token: --greedy true), got "
-                              f"{self.temperature}")
+            raise ConfigError(
+                f"--temperature must be > 0 (the most likely token: --greedy true), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
         for name in ("num_samples", "max_new_tokens", "max_prompt_len"):
@@ -121,8 +122,9 @@ def main(cfg: Config, stdin=None, out=None) -> list[dict]:
     if dtype is not None:
         policy.to(dtype)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    prompt_ids, prompt_mask, samples = sample_summaries(policy, prompts.prompts, cfg.num_samples, cfg.max_new_tokens,
-                                                        cfg.temperature, cfg.top_p, cfg.greedy, generator)
+    prompt_ids, prompt_mask, samples = sample_summaries(
+        policy, prompts.prompts, cfg.num_samples, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.greedy, generator
+    )
     del policy
     rewards = None
     if cfg.reward_model:
@@ -134,8 +136,12 @@ def main(cfg: Config, stdin=None, out=None) -> list[dict]:
 
     records = []
     for n, text in enumerate(texts):
-        record = {"prompt": prompts.texts[n // cfg.num_samples], "sample": n % cfg.num_samples, "summary": text.strip(),
-                  "ended": bool(samples.has_end[n])}
+        record = {
+            "prompt": prompts.texts[n // cfg.num_samples],
+            "sample": n % cfg.num_samples,
+            "summary": text.strip(),
+            "ended": bool(samples.has_end[n]),
+        }
         if rewards is not None:
             record["reward"] = rewards[n]
         records.append(record)

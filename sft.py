@@ -24,7 +24,13 @@ from model.weights import build_policy, model_config, save_export
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.losses import sft_loss_sum
 from utils.config import (
-    ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config,
+    ConfigError,
+    DataConfig,
+    OptimConfig,
+    RunConfig,
+    accumulation_steps,
+    fit_context,
+    parse_config,
 )
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import shard_model
@@ -88,7 +94,10 @@ def response_nll_sum(model, batch: dict, device) -> tuple[torch.Tensor, torch.Te
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
     mask = batch["response_mask"].to(device)
     logp_BR, _ = model(
-        input_ids, batch["position_ids"].to(device), batch["attention_mask"].to(device), logits_slice=slice(P - 1, P + R - 1),
+        input_ids,
+        batch["position_ids"].to(device),
+        batch["attention_mask"].to(device),
+        logits_slice=slice(P - 1, P + R - 1),
         head=partial(linear_processed_logprobs, targets_NR=batch["response_ids"].to(device), mask_NR=mask),
     )  # (B, R), 0 at padding
     return sft_loss_sum(logp_BR, mask), mask.sum()
@@ -126,14 +135,22 @@ def weighted_nll_sum(
     weight = torch.cat([prompt_weight * scale * drawn, batch["response_mask"].float()], dim=1)  # (B, K+R)
     weight = weight.to(device)
     logp, _ = model(
-        input_ids.to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device), logits_slice=columns.to(device),
+        input_ids.to(device),
+        batch["position_ids"].to(device),
+        batch["attention_mask"].to(device),
+        logits_slice=columns.to(device),
         head=partial(linear_processed_logprobs, targets_NR=targets.to(device), mask_NR=weight > 0),
     )  # (B, K+R), 0 where the weight is
     return sft_loss_sum(logp, weight)
 
 
 def accumulate_gradients(
-    model, micro_batches: list[dict], world: int, device, prompt_weight: float = 0.0, prompt_positions: int = 0,
+    model,
+    micro_batches: list[dict],
+    world: int,
+    device,
+    prompt_weight: float = 0.0,
+    prompt_positions: int = 0,
     generator: torch.Generator | None = None,
 ) -> float:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns the global loss.
@@ -145,6 +162,7 @@ def accumulate_gradients(
     if prompt_weight:
         n_tokens = n_tokens + prompt_weight * sum(prompt_targets(b).sum().float() for b in micro_batches)
     n_tokens = all_reduce_sum(n_tokens.to(device))
+
     def loss_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         s = weighted_nll_sum(model, batch, prompt_weight, prompt_positions, generator, device)
         return s, s.detach().float()
@@ -198,7 +216,9 @@ def main(cfg: Config) -> dict:
     # 2. data: tokenize, shard per rank, shuffle per epoch
     tok = get_tokenizer()
     train_rows = load_rows(cfg.train_data, cfg.train_split, SFT_COLUMNS)
-    train = SFTDataset(train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]")
+    train = SFTDataset(
+        train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]"
+    )
 
     def collate(ds):
         return lambda idx: collate_sft([ds.prompts[i] for i in idx], [ds.responses[i] for i in idx])
@@ -208,10 +228,13 @@ def main(cfg: Config) -> dict:
     if cfg.val_data and cfg.eval_every >= 0:
         val_rows = load_rows(cfg.val_data, cfg.val_split, SFT_COLUMNS)
         val_rows = val_rows[: cfg.val_rows] if cfg.val_rows else val_rows
-        val = SFTDataset(val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.val_data}[{cfg.val_split}]")
+        val = SFTDataset(
+            val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.val_data}[{cfg.val_split}]"
+        )
         val_batches = validation_batches(val, rank, world, cfg.micro_batch_size)
-        samples = SampleLog(val_rows[: cfg.eval_samples], "completion", tok, cfg.max_prompt_len, cfg.max_response_len,
-                            cfg.seed)
+        samples = SampleLog(
+            val_rows[: cfg.eval_samples], "completion", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed
+        )
     total_steps = epoch_steps(cfg.steps, loader.n_examples, loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. model (with LoRA: frozen, plus trainable adapters), FSDP, optimizer over the trainable parameters
@@ -238,7 +261,9 @@ def main(cfg: Config) -> dict:
             #    loss or gradient norm stops the run, or skips the step (--on_nonfinite)
             micro = [next(batches) for _ in range(accum)]
             prompt_gen = stream(cfg.seed, step, rank, "prompt_positions")  # rebuilt from the step: resumes exactly
-            loss = accumulate_gradients(model, micro, world, device, cfg.prompt_loss_weight, cfg.prompt_loss_positions, prompt_gen)
+            loss = accumulate_gradients(
+                model, micro, world, device, cfg.prompt_loss_weight, cfg.prompt_loss_positions, prompt_gen
+            )
             metrics = {"train/loss": loss}
             guarded_step(model, optimizer, scheduler, run.guard, step + 1, metrics, cfg.grad_clip)
             step += 1

@@ -52,8 +52,13 @@ class Timing:
         return min(self.times)
 
     def to_dict(self) -> dict:
-        return {"median_s": self.median, "min_s": self.min, "times_s": self.times, "cpu_times_s": self.cpu_times,
-                "others_cores": self.others_cores}
+        return {
+            "median_s": self.median,
+            "min_s": self.min,
+            "times_s": self.times,
+            "cpu_times_s": self.cpu_times,
+            "others_cores": self.others_cores,
+        }
 
     @property
     def interference(self) -> str:
@@ -148,7 +153,9 @@ def measure(fn: Callable[[], object], device: torch.device, warmup: int = 1, rep
     return timing
 
 
-def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 3) -> dict[str, Timing]:
+def measure_interleaved(
+    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 3
+) -> dict[str, Timing]:
     """Time several alternatives in turn, repeat after repeat (A B C A B C ...), so that a change in the load of
     a shared machine hits all of them alike; ratios are then taken per repeat. Warm up before calling."""
     timings = {name: Timing([]) for name in fns}

@@ -56,17 +56,58 @@ class DecodeCompileConfig:
 def configs(device: torch.device, quick: bool) -> tuple[DecodeCompileConfig, GRPOBenchConfig]:
     if device.type == "cuda":
         # gpt2 at the reference decode shape, 1,024 rows (16 prompts x 64 samples), and REFERENCE.md's GRPO step
-        sampler = DecodeCompileConfig("gpu-gpt2-1024-rows", "gpt2", "bf16", prompts=16, group=64, prompt_len=384,
-                                      min_prompt_len=352, new_tokens=56, repeats=2 if quick else 3)
-        step = GRPOBenchConfig("gpu-reference", "gpt2", prompts=32 if quick else 256, num_samples=64, num_kept=8,
-                               selection="rso", max_new_tokens=56, prompt_len=384, min_prompt_len=352, gen_prompts=16,
-                               micro_batch_size=32, score_micro_batch_size=128, repeats=2 if quick else 3)
+        sampler = DecodeCompileConfig(
+            "gpu-gpt2-1024-rows",
+            "gpt2",
+            "bf16",
+            prompts=16,
+            group=64,
+            prompt_len=384,
+            min_prompt_len=352,
+            new_tokens=56,
+            repeats=2 if quick else 3,
+        )
+        step = GRPOBenchConfig(
+            "gpu-reference",
+            "gpt2",
+            prompts=32 if quick else 256,
+            num_samples=64,
+            num_kept=8,
+            selection="rso",
+            max_new_tokens=56,
+            prompt_len=384,
+            min_prompt_len=352,
+            gen_prompts=16,
+            micro_batch_size=32,
+            score_micro_batch_size=128,
+            repeats=2 if quick else 3,
+        )
         return sampler, step
-    sampler = DecodeCompileConfig("cpu-tiny", "tiny", "fp32", prompts=2 if quick else 4, group=8 if quick else 16,
-                                  prompt_len=64, min_prompt_len=48, new_tokens=16 if quick else 32)
-    step = GRPOBenchConfig("cpu-tiny", "tiny", prompts=4, num_samples=8, num_kept=4, selection="rso", max_new_tokens=8,
-                           prompt_len=48, min_prompt_len=32, gen_prompts=4, micro_batch_size=16,
-                           score_micro_batch_size=32, repeats=3)
+    sampler = DecodeCompileConfig(
+        "cpu-tiny",
+        "tiny",
+        "fp32",
+        prompts=2 if quick else 4,
+        group=8 if quick else 16,
+        prompt_len=64,
+        min_prompt_len=48,
+        new_tokens=16 if quick else 32,
+    )
+    step = GRPOBenchConfig(
+        "cpu-tiny",
+        "tiny",
+        prompts=4,
+        num_samples=8,
+        num_kept=4,
+        selection="rso",
+        max_new_tokens=8,
+        prompt_len=48,
+        min_prompt_len=32,
+        gen_prompts=4,
+        micro_batch_size=16,
+        score_micro_batch_size=32,
+        repeats=3,
+    )
     return sampler, step
 
 
@@ -74,11 +115,16 @@ def bench_sampler(cfg: DecodeCompileConfig, device: torch.device) -> list[dict]:
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     model = GPT2LMHeadModel(PRESETS[cfg.preset]).to(device, dtype).eval()
-    ids, mask = (t.to(device) for t in random_prompts(cfg.prompts, cfg.prompt_len, cfg.min_prompt_len,
-                                                      model.cfg.vocab_size, seed=0))
+    ids, mask = (
+        t.to(device)
+        for t in random_prompts(cfg.prompts, cfg.prompt_len, cfg.min_prompt_len, model.cfg.vocab_size, seed=0)
+    )
     rows = cfg.prompts * cfg.group
-    print(f"[{BENCH}] {cfg.name}: {cfg.preset} {cfg.dtype}, {cfg.prompts} prompts x {cfg.group} samples = {rows} rows, "
-          f"{cfg.new_tokens} new tokens forced", flush=True)
+    print(
+        f"[{BENCH}] {cfg.name}: {cfg.preset} {cfg.dtype}, {cfg.prompts} prompts x {cfg.group} samples = {rows} rows, "
+        f"{cfg.new_tokens} new tokens forced",
+        flush=True,
+    )
 
     def call(compiled: bool):
         g = torch.Generator(device=device).manual_seed(1)
@@ -94,16 +140,39 @@ def bench_sampler(cfg: DecodeCompileConfig, device: torch.device) -> list[dict]:
     out = []
     for mode, timing in t.items():
         rate = rows * cfg.new_tokens / timing.median
-        out.append(result(BENCH, f"{cfg.name}: sampler, {mode}", rate, "tok/s",
-                          note=f"{timing.median:.3f} s/call, prefill included{timing.interference}", config=cfg,
-                          timing=timing.to_dict()))
+        out.append(
+            result(
+                BENCH,
+                f"{cfg.name}: sampler, {mode}",
+                rate,
+                "tok/s",
+                note=f"{timing.median:.3f} s/call, prefill included{timing.interference}",
+                config=cfg,
+                timing=timing.to_dict(),
+            )
+        )
         print(f"  sampler {mode:7s} {rate:12,.0f} tok/s ({timing.median:.3f} s/call)", flush=True)
-    out.append(result(BENCH, f"{cfg.name}: sampler, compile / eager speed-up",
-                      common.median_ratio(t["compile"], t["eager"]), "x", note="median of per-repeat time ratios",
-                      config=cfg))
+    out.append(
+        result(
+            BENCH,
+            f"{cfg.name}: sampler, compile / eager speed-up",
+            common.median_ratio(t["compile"], t["eager"]),
+            "x",
+            note="median of per-repeat time ratios",
+            config=cfg,
+        )
+    )
     compile_s = first - t["compile"].median
-    out.append(result(BENCH, f"{cfg.name}: sampler, compilation", compile_s, "s",
-                      note=f"first compiled call {first:.1f} s - median compiled call", config=cfg))
+    out.append(
+        result(
+            BENCH,
+            f"{cfg.name}: sampler, compilation",
+            compile_s,
+            "s",
+            note=f"first compiled call {first:.1f} s - median compiled call",
+            config=cfg,
+        )
+    )
     print(f"  sampler compilation {compile_s:.1f} s", flush=True)
     return out
 
@@ -118,17 +187,43 @@ def bench_step(bcfg: GRPOBenchConfig, device: torch.device) -> list[dict]:
         m = measure_steps(b, device)
         step = medians[mode] = statistics.median(m["step_seconds"])
         generate_s = statistics.median(m["stage_seconds"]["generate"])
-        out.append(result(BENCH, f"{b.name}: GRPO step, {mode}", step, "s",
-                          note=f"median of {len(m['step_seconds'])} steps; generate {generate_s:.3f} s", config=b,
-                          measurements=m))
+        out.append(
+            result(
+                BENCH,
+                f"{b.name}: GRPO step, {mode}",
+                step,
+                "s",
+                note=f"median of {len(m['step_seconds'])} steps; generate {generate_s:.3f} s",
+                config=b,
+                measurements=m,
+            )
+        )
         if compiled:
             first = m["warmup_step_seconds"][0]
-            out.append(result(BENCH, f"{b.name}: GRPO step, compilation", first - step, "s",
-                              note=f"warm-up step {first:.1f} s - median step", config=b))
-        print(f"  step {step:.3f} s (generate {generate_s:.3f} s), warm-up step {m['warmup_step_seconds'][0]:.1f} s",
-              flush=True)
-    out.append(result(BENCH, f"{bcfg.name}: GRPO step, eager / compile", medians["eager"] / medians["compile"], "x",
-                      note="ratio of median step times", config=bcfg))
+            out.append(
+                result(
+                    BENCH,
+                    f"{b.name}: GRPO step, compilation",
+                    first - step,
+                    "s",
+                    note=f"warm-up step {first:.1f} s - median step",
+                    config=b,
+                )
+            )
+        print(
+            f"  step {step:.3f} s (generate {generate_s:.3f} s), warm-up step {m['warmup_step_seconds'][0]:.1f} s",
+            flush=True,
+        )
+    out.append(
+        result(
+            BENCH,
+            f"{bcfg.name}: GRPO step, eager / compile",
+            medians["eager"] / medians["compile"],
+            "x",
+            note="ratio of median step times",
+            config=bcfg,
+        )
+    )
     return out
 
 

@@ -30,11 +30,35 @@ from model.sampler import generate
 
 # ATen ops that return a view of their input (no kernel runs) or only rename a tensor
 VIEW_OPS = {
-    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::transpose", "aten::t", "aten::permute", "aten::slice",
-    "aten::select", "aten::expand", "aten::expand_as", "aten::unsqueeze", "aten::squeeze", "aten::as_strided",
-    "aten::split", "aten::split_with_sizes", "aten::unbind", "aten::chunk", "aten::narrow", "aten::alias",
-    "aten::detach", "aten::lift_fresh", "aten::view_as", "aten::unflatten", "aten::flatten", "aten::_reshape_alias",
-    "aten::resolve_conj", "aten::resolve_neg", "aten::numpy_T", "aten::contiguous",
+    "aten::view",
+    "aten::_unsafe_view",
+    "aten::reshape",
+    "aten::transpose",
+    "aten::t",
+    "aten::permute",
+    "aten::slice",
+    "aten::select",
+    "aten::expand",
+    "aten::expand_as",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::as_strided",
+    "aten::split",
+    "aten::split_with_sizes",
+    "aten::unbind",
+    "aten::chunk",
+    "aten::narrow",
+    "aten::alias",
+    "aten::detach",
+    "aten::lift_fresh",
+    "aten::view_as",
+    "aten::unflatten",
+    "aten::flatten",
+    "aten::_reshape_alias",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::numpy_T",
+    "aten::contiguous",
 }
 # reshape, flatten and contiguous are views when the layout allows; when they copy, the copy appears as a nested
 # aten::clone / aten::copy_, counted below
@@ -66,13 +90,24 @@ def compiled_replays(prof) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("Torch-Compiled Region"))
 
 
-def count_call(model, ids, mask, G: int, new_tokens: int, share: bool, check_every: int, compile_step: bool,
-               gathered) -> Counter:
+def count_call(
+    model, ids, mask, G: int, new_tokens: int, share: bool, check_every: int, compile_step: bool, gathered
+) -> Counter:
     def call():
         with gathered(model):
             # compile named only when asked, so that this script also counts a sampler without the option
-            generate(model, ids, mask, G, new_tokens, generator=torch.Generator().manual_seed(0), stop_ids=(),
-                     prefix_sharing=share, done_check_every=check_every, **({"compile": True} if compile_step else {}))
+            generate(
+                model,
+                ids,
+                mask,
+                G,
+                new_tokens,
+                generator=torch.Generator().manual_seed(0),
+                stop_ids=(),
+                prefix_sharing=share,
+                done_check_every=check_every,
+                **({"compile": True} if compile_step else {}),
+            )
 
     call()  # warm-up: first-call set-up (and compilation) is not per-token work
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -83,8 +118,18 @@ def count_call(model, ids, mask, G: int, new_tokens: int, share: bool, check_eve
     return counts
 
 
-def ops_per_token(model, ids, mask, G: int, share: bool, check_every: int = 1, short: int = 4, long: int = 12,
-                  compile_step: bool = False, gathered=lambda m: nullcontext()) -> dict[str, float]:
+def ops_per_token(
+    model,
+    ids,
+    mask,
+    G: int,
+    share: bool,
+    check_every: int = 1,
+    short: int = 4,
+    long: int = 12,
+    compile_step: bool = False,
+    gathered=lambda m: nullcontext(),
+) -> dict[str, float]:
     """Op name -> non-view ATen ops per decode token: (ops of a `long`-token call - ops of a `short`-token call) /
     (long - short)."""
     a, b = (count_call(model, ids, mask, G, n, share, check_every, compile_step, gathered) for n in (short, long))
@@ -101,8 +146,12 @@ def main(argv=None):
     p.add_argument("--long", type=int, default=12, help="new tokens of the long call")
     p.add_argument("--fsdp", choices=["true", "false"], default="false", help="FSDP2-wrap the model (world size 1)")
     p.add_argument("--compile", choices=["true", "false"], default="false", help="generate(compile=True)")
-    p.add_argument("--check_every", type=int, default=1,
-                   help="generate's done_check_every: 1 as on a CPU, 8 as on a GPU (its default there)")
+    p.add_argument(
+        "--check_every",
+        type=int,
+        default=1,
+        help="generate's done_check_every: 1 as on a CPU, 8 as on a GPU (its default there)",
+    )
     p.add_argument("--top", type=int, default=0, help="also print the N most frequent ops per token")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -124,15 +173,18 @@ def main(argv=None):
         mask = torch.ones_like(ids, dtype=torch.bool)
         mask[0, : args.prompt_len // 4] = False  # one left-padded prompt
         for share in (True, False):
-            per_token = ops_per_token(model, ids, mask, args.group, share, args.check_every, args.short, args.long,
-                                      compile_step, gathered)
+            per_token = ops_per_token(
+                model, ids, mask, args.group, share, args.check_every, args.short, args.long, compile_step, gathered
+            )
             total = sum(per_token.values())
             c = model.cfg
-            print(f"decode_ops {preset} ({c.n_layer} layers, {c.n_embd} wide) prefix "
-                  f"{'shared' if share else 'unshared'} fsdp={args.fsdp} compile={args.compile} "
-                  f"check_every={args.check_every}: {total:.1f} non-view ATen ops per decode token "
-                  f"({args.prompts} prompts x {args.group} samples, {args.short} vs {args.long} new tokens)",
-                  flush=True)
+            print(
+                f"decode_ops {preset} ({c.n_layer} layers, {c.n_embd} wide) prefix "
+                f"{'shared' if share else 'unshared'} fsdp={args.fsdp} compile={args.compile} "
+                f"check_every={args.check_every}: {total:.1f} non-view ATen ops per decode token "
+                f"({args.prompts} prompts x {args.group} samples, {args.short} vs {args.long} new tokens)",
+                flush=True,
+            )
             for name, n in sorted(per_token.items(), key=lambda kv: -kv[1])[: args.top]:
                 print(f"    {n:7.2f} {name}")
 

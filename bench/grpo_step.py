@@ -84,11 +84,22 @@ class GRPOBenchConfig:
     def grpo_config(self) -> grpo.Config:
         """grpo.Config of this benchmark (everything else at grpo.py's defaults: temperature 1, beta 0.04, ...)."""
         cfg = grpo.Config(
-            model=self.preset, random_init=True, reward_model=self.preset, reward_random_init=True,
-            rewards=self.rewards, max_prompt_len=self.prompt_len, num_samples=self.num_samples, max_new_tokens=self.max_new_tokens,
-            gen_prompts=self.gen_prompts, selection=self.selection, num_kept=self.num_kept,
-            prompts_per_step=self.prompts, micro_batch_size=self.micro_batch_size,
-            score_micro_batch_size=self.score_micro_batch_size, warmup_steps=0, lora_rank=self.lora_rank,
+            model=self.preset,
+            random_init=True,
+            reward_model=self.preset,
+            reward_random_init=True,
+            rewards=self.rewards,
+            max_prompt_len=self.prompt_len,
+            num_samples=self.num_samples,
+            max_new_tokens=self.max_new_tokens,
+            gen_prompts=self.gen_prompts,
+            selection=self.selection,
+            num_kept=self.num_kept,
+            prompts_per_step=self.prompts,
+            micro_batch_size=self.micro_batch_size,
+            score_micro_batch_size=self.score_micro_batch_size,
+            warmup_steps=0,
+            lora_rank=self.lora_rank,
             compile=self.compile,
         )
         cfg.validate()
@@ -97,29 +108,85 @@ class GRPOBenchConfig:
     def describe(self) -> str:
         kept = f"{self.selection} keeps {self.num_samples if self.selection == 'all' else self.num_kept}"
         rewards = "" if self.rewards == "reward_model" else f", rewards {self.rewards}"
-        return (f"{self.preset}, {self.prompts} prompts ({self.min_prompt_len}-{self.prompt_len} tokens) x "
-                f"{self.num_samples} samples x {self.max_new_tokens} new tokens, {kept}, micro-batch "
-                f"{self.micro_batch_size}, RM micro-batch {self.score_micro_batch_size}{rewards}")
+        return (
+            f"{self.preset}, {self.prompts} prompts ({self.min_prompt_len}-{self.prompt_len} tokens) x "
+            f"{self.num_samples} samples x {self.max_new_tokens} new tokens, {kept}, micro-batch "
+            f"{self.micro_batch_size}, RM micro-batch {self.score_micro_batch_size}{rewards}"
+        )
 
 
 def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
     if device.type == "cuda":
         if quick:
-            return [GRPOBenchConfig("gpu-gpt2-124M-quick", "gpt2", prompts=32, num_samples=64, num_kept=8,
-                                    selection="rso", max_new_tokens=56, prompt_len=384, min_prompt_len=352,
-                                    gen_prompts=16, micro_batch_size=32, score_micro_batch_size=128, repeats=2)]
+            return [
+                GRPOBenchConfig(
+                    "gpu-gpt2-124M-quick",
+                    "gpt2",
+                    prompts=32,
+                    num_samples=64,
+                    num_kept=8,
+                    selection="rso",
+                    max_new_tokens=56,
+                    prompt_len=384,
+                    min_prompt_len=352,
+                    gen_prompts=16,
+                    micro_batch_size=32,
+                    score_micro_batch_size=128,
+                    repeats=2,
+                )
+            ]
         # REFERENCE.md's GRPO step: 256 prompts x 64 samples x 56 new tokens, prompts ~384 tokens, the reward
         # model on all 16,384 samples, RSO keeps 8 per prompt, 2,048 sequences trained
-        return [GRPOBenchConfig("gpu-reference", "gpt2", prompts=256, num_samples=64, num_kept=8, selection="rso",
-                                max_new_tokens=56, prompt_len=384, min_prompt_len=352, gen_prompts=16,
-                                micro_batch_size=32, score_micro_batch_size=128)]
+        return [
+            GRPOBenchConfig(
+                "gpu-reference",
+                "gpt2",
+                prompts=256,
+                num_samples=64,
+                num_kept=8,
+                selection="rso",
+                max_new_tokens=56,
+                prompt_len=384,
+                min_prompt_len=352,
+                gen_prompts=16,
+                micro_batch_size=32,
+                score_micro_batch_size=128,
+            )
+        ]
     if quick:
-        return [GRPOBenchConfig("cpu-tiny-quick", "tiny", prompts=4, num_samples=8, num_kept=4, selection="rso",
-                                max_new_tokens=8, prompt_len=48, min_prompt_len=32, gen_prompts=4,
-                                micro_batch_size=16, score_micro_batch_size=32, repeats=3)]
-    return [GRPOBenchConfig("cpu-tiny", "tiny", prompts=8, num_samples=16, num_kept=4, selection="rso",
-                            max_new_tokens=16, prompt_len=64, min_prompt_len=48, gen_prompts=8, micro_batch_size=16,
-                            score_micro_batch_size=64)]
+        return [
+            GRPOBenchConfig(
+                "cpu-tiny-quick",
+                "tiny",
+                prompts=4,
+                num_samples=8,
+                num_kept=4,
+                selection="rso",
+                max_new_tokens=8,
+                prompt_len=48,
+                min_prompt_len=32,
+                gen_prompts=4,
+                micro_batch_size=16,
+                score_micro_batch_size=32,
+                repeats=3,
+            )
+        ]
+    return [
+        GRPOBenchConfig(
+            "cpu-tiny",
+            "tiny",
+            prompts=8,
+            num_samples=16,
+            num_kept=4,
+            selection="rso",
+            max_new_tokens=16,
+            prompt_len=64,
+            min_prompt_len=48,
+            gen_prompts=8,
+            micro_batch_size=16,
+            score_micro_batch_size=64,
+        )
+    ]
 
 
 @dataclass
@@ -151,8 +218,14 @@ def build(bcfg: GRPOBenchConfig, device: torch.device) -> StepInputs:
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, 1000, cfg.min_lr_ratio)
     ids, mask = random_prompts(bcfg.prompts, bcfg.prompt_len, bcfg.min_prompt_len, models.policy.cfg.vocab_size, seed=0)
     texts = [tok.decode(i[m].tolist()) if tok else "" for i, m in zip(ids, mask)]
-    prompts = PromptSet(ids.to(device), mask.to(device), texts, list(range(bcfg.prompts)),
-                        torch.ones(bcfg.prompts, len(sources), dtype=torch.bool), f"bench {bcfg.name} random prompts")
+    prompts = PromptSet(
+        ids.to(device),
+        mask.to(device),
+        texts,
+        list(range(bcfg.prompts)),
+        torch.ones(bcfg.prompts, len(sources), dtype=torch.bool),
+        f"bench {bcfg.name} random prompts",
+    )
     models.policy.train()
     return StepInputs(cfg, models, optimizer, scheduler, prompts, spec, world)
 
@@ -194,8 +267,13 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
     world = s.world
     dtype = resolve_dtype(s.cfg.dtype, device)
     gpt = model_config(bcfg.preset, True)
-    estimate = step_memory(s.cfg, gpt, gpt if any(src.fn is None for src in s.spec.sources) else None, world,
-                           torch.finfo(dtype or torch.float32).bits // 8)
+    estimate = step_memory(
+        s.cfg,
+        gpt,
+        gpt if any(src.fn is None for src in s.spec.sources) else None,
+        world,
+        torch.finfo(dtype or torch.float32).bits // 8,
+    )
     del s
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -217,30 +295,72 @@ def step_rows(bcfg: GRPOBenchConfig, m: dict, bench: str = BENCH, label: str = "
     """The table rows of one measured configuration."""
     step = statistics.median(m["step_seconds"])
     c, world = m["counts"], m["world_size"]
-    busy = f"; other processes used up to {max(m['others_cores']):.1f} cores" if max(m["others_cores"], default=0) >= 0.1 else ""
+    busy = (
+        f"; other processes used up to {max(m['others_cores']):.1f} cores"
+        if max(m["others_cores"], default=0) >= 0.1
+        else ""
+    )
     name = f"{bcfg.name} {label}"
     details = {"measurements": m}
-    rows = [result(bench, f"{name}: step", step, "s",
-                   note=f"median of {len(m['step_seconds'])} steps after {bcfg.warmup} warm-up{busy}",
-                   config=bcfg, **details)]
+    rows = [
+        result(
+            bench,
+            f"{name}: step",
+            step,
+            "s",
+            note=f"median of {len(m['step_seconds'])} steps after {bcfg.warmup} warm-up{busy}",
+            config=bcfg,
+            **details,
+        )
+    ]
     medians = {k: statistics.median(v) for k, v in m["stage_seconds"].items()}
-    other = statistics.median(s - sum(m["stage_seconds"][k][i] for k in STAGES) for i, s in enumerate(m["step_seconds"]))
+    other = statistics.median(
+        s - sum(m["stage_seconds"][k][i] for k in STAGES) for i, s in enumerate(m["step_seconds"])
+    )
     for k in (*STAGES, "other"):
         seconds = medians.get(k, other)
         rows.append(result(bench, f"{name}: {k}", seconds, "s", note=f"{seconds / step:.1%} of the step", config=bcfg))
     rows += [
-        result(bench, f"{name}: generated tokens/s per device", c["generated_tokens"] / step / world, "tok/s",
-               note=f"{c['generated_tokens']:,} generated tokens ({c['sequences']:,} sequences) per step", config=bcfg),
-        result(bench, f"{name}: total tokens/s per device", c["total_tokens"] / step / world, "tok/s",
-               note=f"{c['total_tokens']:,} prompt + generated tokens of all sampled sequences per step", config=bcfg),
-        result(bench, f"{name}: update tokens/s", c["trained_tokens"] / medians["update"], "tok/s",
-               note=f"{c['trained_tokens']:,} tokens of {c['trained_sequences']:,} trained sequences", config=bcfg),
-        result(bench, f"{name}: peak memory", mib(m["peak_memory_bytes"]), "MiB", note=m["peak_memory_what"],
-               config=bcfg),
-        result(bench, f"{name}: estimated peak memory", mib(m["estimated_peak_bytes"]), "MiB",
-               note=("rollouts/memory.py's step estimate (" + ", ".join(f"{k} {mib(v):.0f}" for k, v in
-                     m["estimated_bytes"].items()) + f" MiB); measured / estimated "
-                     f"{m['peak_memory_bytes'] / m['estimated_peak_bytes']:.2f}"), config=bcfg),
+        result(
+            bench,
+            f"{name}: generated tokens/s per device",
+            c["generated_tokens"] / step / world,
+            "tok/s",
+            note=f"{c['generated_tokens']:,} generated tokens ({c['sequences']:,} sequences) per step",
+            config=bcfg,
+        ),
+        result(
+            bench,
+            f"{name}: total tokens/s per device",
+            c["total_tokens"] / step / world,
+            "tok/s",
+            note=f"{c['total_tokens']:,} prompt + generated tokens of all sampled sequences per step",
+            config=bcfg,
+        ),
+        result(
+            bench,
+            f"{name}: update tokens/s",
+            c["trained_tokens"] / medians["update"],
+            "tok/s",
+            note=f"{c['trained_tokens']:,} tokens of {c['trained_sequences']:,} trained sequences",
+            config=bcfg,
+        ),
+        result(
+            bench, f"{name}: peak memory", mib(m["peak_memory_bytes"]), "MiB", note=m["peak_memory_what"], config=bcfg
+        ),
+        result(
+            bench,
+            f"{name}: estimated peak memory",
+            mib(m["estimated_peak_bytes"]),
+            "MiB",
+            note=(
+                "rollouts/memory.py's step estimate ("
+                + ", ".join(f"{k} {mib(v):.0f}" for k, v in m["estimated_bytes"].items())
+                + f" MiB); measured / estimated "
+                f"{m['peak_memory_bytes'] / m['estimated_peak_bytes']:.2f}"
+            ),
+            config=bcfg,
+        ),
     ]
     return rows
 
@@ -249,8 +369,11 @@ def bench_config(bcfg: GRPOBenchConfig, device: torch.device, bench: str = BENCH
     print(f"[{bench}] {bcfg.name}: {bcfg.describe()}; {bcfg.warmup} warm-up + {bcfg.repeats} timed steps", flush=True)
     m = measure_steps(bcfg, device)
     step = statistics.median(m["step_seconds"])
-    print(f"  step {step:.3f} s: " + ", ".join(
-        f"{k} {statistics.median(v):.3f} s" for k, v in m["stage_seconds"].items()), flush=True)
+    print(
+        f"  step {step:.3f} s: "
+        + ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in m["stage_seconds"].items()),
+        flush=True,
+    )
     return step_rows(bcfg, m, bench, label)
 
 

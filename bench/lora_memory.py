@@ -37,9 +37,23 @@ def _bytes(tensors) -> int:
 def step_config(cfg: LoRAMemoryConfig) -> GRPOBenchConfig:
     """One small GRPO step: 2 prompts of up to 128 tokens x 8 samples x 16 new tokens, every sample kept, the
     `length` reward function (no reward model, so only the policy and its reference are held)."""
-    return GRPOBenchConfig(f"{cfg.name}-step", cfg.preset, prompts=2, num_samples=8, num_kept=8, selection="all",
-                           max_new_tokens=16, prompt_len=128, min_prompt_len=96, gen_prompts=2, micro_batch_size=8,
-                           score_micro_batch_size=16, warmup=0, repeats=1, rewards="length")
+    return GRPOBenchConfig(
+        f"{cfg.name}-step",
+        cfg.preset,
+        prompts=2,
+        num_samples=8,
+        num_kept=8,
+        selection="all",
+        max_new_tokens=16,
+        prompt_len=128,
+        min_prompt_len=96,
+        gen_prompts=2,
+        micro_batch_size=8,
+        score_micro_batch_size=16,
+        warmup=0,
+        repeats=1,
+        rewards="length",
+    )
 
 
 def held_after_step(bcfg: GRPOBenchConfig, device: torch.device) -> tuple[int, int, int | None]:
@@ -73,14 +87,40 @@ def run(device: torch.device, quick: bool) -> list[dict]:
         mib = 2**20
         what = f"{dtype} parameters, AdamW, after one grpo.train_step"
         rows += [
-            common.result(BENCH, "full fine-tune + reference copy: held", full / mib, "MiB", config=cfg,
-                          note=f"{what}; trainable {full_trainable:,}"),
-            common.result(BENCH, f"LoRA r={cfg.rank}, reference = adapters off: held", lora / mib, "MiB", config=cfg,
-                          note=f"{what}; trainable {lora_trainable:,}"),
-            common.result(BENCH, "LoRA saves", (full - lora) / mib, "MiB", config=cfg,
-                          note=f"{full / lora:.1f}x less held (activations excluded)"),
+            common.result(
+                BENCH,
+                "full fine-tune + reference copy: held",
+                full / mib,
+                "MiB",
+                config=cfg,
+                note=f"{what}; trainable {full_trainable:,}",
+            ),
+            common.result(
+                BENCH,
+                f"LoRA r={cfg.rank}, reference = adapters off: held",
+                lora / mib,
+                "MiB",
+                config=cfg,
+                note=f"{what}; trainable {lora_trainable:,}",
+            ),
+            common.result(
+                BENCH,
+                "LoRA saves",
+                (full - lora) / mib,
+                "MiB",
+                config=cfg,
+                note=f"{full / lora:.1f}x less held (activations excluded)",
+            ),
         ]
         if full_alloc is not None:
-            rows.append(common.result(BENCH, "CUDA allocated after the step: full / LoRA", full_alloc / max(lora_alloc, 1),
-                                      "x", config=cfg, note=f"{full_alloc / mib:.0f} / {lora_alloc / mib:.0f} MiB"))
+            rows.append(
+                common.result(
+                    BENCH,
+                    "CUDA allocated after the step: full / LoRA",
+                    full_alloc / max(lora_alloc, 1),
+                    "x",
+                    config=cfg,
+                    note=f"{full_alloc / mib:.0f} / {lora_alloc / mib:.0f} MiB",
+                )
+            )
     return rows

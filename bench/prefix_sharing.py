@@ -77,11 +77,21 @@ class PrefixBenchConfig:
 
     def grpo_config(self, shared: bool) -> grpo.Config:
         cfg = grpo.Config(
-            model=self.preset, random_init=True, reward_model=self.preset, reward_random_init=True,
-            max_prompt_len=self.max_prompt_len, num_samples=self.num_samples, num_kept=self.num_kept,
-            max_new_tokens=self.max_new_tokens, gen_prompts=self.gen_prompts, prompts_per_step=self.prompts,
-            micro_batch_size=self.micro_batch_size, score_micro_batch_size=self.score_micro_batch_size,
-            lr=1e-12, warmup_steps=0, prefix_sharing=shared,
+            model=self.preset,
+            random_init=True,
+            reward_model=self.preset,
+            reward_random_init=True,
+            max_prompt_len=self.max_prompt_len,
+            num_samples=self.num_samples,
+            num_kept=self.num_kept,
+            max_new_tokens=self.max_new_tokens,
+            gen_prompts=self.gen_prompts,
+            prompts_per_step=self.prompts,
+            micro_batch_size=self.micro_batch_size,
+            score_micro_batch_size=self.score_micro_batch_size,
+            lr=1e-12,
+            warmup_steps=0,
+            prefix_sharing=shared,
         )
         cfg.validate()
         return cfg
@@ -94,8 +104,14 @@ def tldr_prompt_set(bcfg: PrefixBenchConfig, n_sources: int, device) -> PromptSe
         raise ValueError(f"{bcfg.data} holds {len(rows)} prompts, the benchmark asks for {bcfg.prompts}")
     data = PromptDataset(rows, get_tokenizer(), bcfg.max_prompt_len, name=bcfg.data)
     ids, mask = pad_prompts(data.prompts)
-    return PromptSet(ids.to(device), mask.to(device), data.texts, list(range(len(rows))),
-                     torch.ones(len(rows), n_sources, dtype=torch.bool), bcfg.data)
+    return PromptSet(
+        ids.to(device),
+        mask.to(device),
+        data.texts,
+        list(range(len(rows))),
+        torch.ones(len(rows), n_sources, dtype=torch.bool),
+        bcfg.data,
+    )
 
 
 def stage_tokens(r: grpo.StepResult, prompts: PromptSet, cfg: grpo.Config, model_cfg) -> dict[str, int]:
@@ -111,12 +127,23 @@ def stage_tokens(r: grpo.StepResult, prompts: PromptSet, cfg: grpo.Config, model
     N, score_tokens = r.samples.response_ids.shape[0], 0
     for s in range(0, N, cfg.score_micro_batch_size):
         rows = torch.arange(s, min(s + cfg.score_micro_batch_size, N), device=prompts.ids.device)
-        batch = model_rows(prompts.ids, prompts.mask, r.samples.response_ids[rows], r.samples.response_mask[rows],
-                           rows // G, cfg.prefix_sharing)
+        batch = model_rows(
+            prompts.ids,
+            prompts.mask,
+            r.samples.response_ids[rows],
+            r.samples.response_mask[rows],
+            rows // G,
+            cfg.prefix_sharing,
+        )
         score_tokens += int(batch["attention_mask"].sum())
     trained = sum(int(b.attention_mask.sum()) for b in r.batches)
-    return {"generate": kv_positions, "score": score_tokens, "reference": trained, "update": trained * cfg.policy_epochs,
-            "kv_cache_bytes": first_call}
+    return {
+        "generate": kv_positions,
+        "score": score_tokens,
+        "reference": trained,
+        "update": trained * cfg.policy_epochs,
+        "kv_cache_bytes": first_call,
+    }
 
 
 def measure(bcfg: PrefixBenchConfig, device: torch.device) -> dict:
@@ -148,7 +175,10 @@ def measure(bcfg: PrefixBenchConfig, device: torch.device) -> dict:
             m["peak"].append(common.peak_memory(device, was_reset)[0])
             m["tokens"] = stage_tokens(r, prompts, cfg, models.policy.cfg)
             m["peak_what"] = common.peak_memory(device, was_reset)[1]
-            print(f"  {mode} step {m['step'][-1]:.2f} s: " + ", ".join(f"{k} {r.seconds[k]:.2f}" for k in STAGES), flush=True)
+            print(
+                f"  {mode} step {m['step'][-1]:.2f} s: " + ", ".join(f"{k} {r.seconds[k]:.2f}" for k in STAGES),
+                flush=True,
+            )
     out["prompt_lengths"] = prompts.mask.sum(-1).tolist()
     print(f"  prompt lengths {out['prompt_lengths']}", flush=True)
     return out
@@ -157,35 +187,94 @@ def measure(bcfg: PrefixBenchConfig, device: torch.device) -> dict:
 def rows_of(bcfg: PrefixBenchConfig, m: dict) -> list[dict]:
     """Table rows: per mode the step, each stage with its tokens, the KV cache and the peak; the ratios."""
     rows = []
-    med = {mode: {"step": statistics.median(m[mode]["step"]),
-                  **{k: statistics.median(v) for k, v in m[mode]["stages"].items()}} for mode in ("shared", "unshared")}
+    med = {
+        mode: {
+            "step": statistics.median(m[mode]["step"]),
+            **{k: statistics.median(v) for k, v in m[mode]["stages"].items()},
+        }
+        for mode in ("shared", "unshared")
+    }
     for mode in ("shared", "unshared"):
         t = m[mode]["tokens"]
-        rows.append(common.result(BENCH, f"{bcfg.name} {mode}: step", med[mode]["step"], "s",
-                                  note=f"median of {bcfg.repeats}, interleaved", config=bcfg, measurements=m[mode]))
+        rows.append(
+            common.result(
+                BENCH,
+                f"{bcfg.name} {mode}: step",
+                med[mode]["step"],
+                "s",
+                note=f"median of {bcfg.repeats}, interleaved",
+                config=bcfg,
+                measurements=m[mode],
+            )
+        )
         for k in STAGES:
             note = f"{t[k]:,} tokens" if k in t else ""
             rows.append(common.result(BENCH, f"{bcfg.name} {mode}: {k}", med[mode][k], "s", note=note, config=bcfg))
-        rows.append(common.result(BENCH, f"{bcfg.name} {mode}: KV cache of a generate call", common.mib(t["kv_cache_bytes"]),
-                                  "MiB", note="from the shapes", config=bcfg))
-        rows.append(common.result(BENCH, f"{bcfg.name} {mode}: step peak memory", common.mib(max(m[mode]["peak"])), "MiB",
-                                  note=m[mode]["peak_what"], config=bcfg))
+        rows.append(
+            common.result(
+                BENCH,
+                f"{bcfg.name} {mode}: KV cache of a generate call",
+                common.mib(t["kv_cache_bytes"]),
+                "MiB",
+                note="from the shapes",
+                config=bcfg,
+            )
+        )
+        rows.append(
+            common.result(
+                BENCH,
+                f"{bcfg.name} {mode}: step peak memory",
+                common.mib(max(m[mode]["peak"])),
+                "MiB",
+                note=m[mode]["peak_what"],
+                config=bcfg,
+            )
+        )
     for k in ("step", "score", "reference", "update", "generate"):
-        rows.append(common.result(BENCH, f"{bcfg.name}: unshared / shared, {k}", med["unshared"][k] / med["shared"][k], "x",
-                                  config=bcfg))
-    rows.append(common.result(BENCH, f"{bcfg.name}: shared / unshared, KV cache", m["shared"]["tokens"]["kv_cache_bytes"]
-                              / m["unshared"]["tokens"]["kv_cache_bytes"], "x", config=bcfg))
+        rows.append(
+            common.result(
+                BENCH, f"{bcfg.name}: unshared / shared, {k}", med["unshared"][k] / med["shared"][k], "x", config=bcfg
+            )
+        )
+    rows.append(
+        common.result(
+            BENCH,
+            f"{bcfg.name}: shared / unshared, KV cache",
+            m["shared"]["tokens"]["kv_cache_bytes"] / m["unshared"]["tokens"]["kv_cache_bytes"],
+            "x",
+            config=bcfg,
+        )
+    )
     return rows
 
 
 def configs(device: torch.device, quick: bool) -> list[PrefixBenchConfig]:
     if device.type == "cuda":
         # the reference configuration: 256 prompts x 64 samples -> 8 kept, 53 new tokens, gpt2
-        return [PrefixBenchConfig("gpu-reference-tldr", "gpt2", prompts=32 if quick else 256, num_samples=64,
-                                  num_kept=8, score_micro_batch_size=128, repeats=2)]
+        return [
+            PrefixBenchConfig(
+                "gpu-reference-tldr",
+                "gpt2",
+                prompts=32 if quick else 256,
+                num_samples=64,
+                num_kept=8,
+                score_micro_batch_size=128,
+                repeats=2,
+            )
+        ]
     if quick:  # tiny holds 512 positions: prompts cut at 448 leave room for the 53 new tokens
-        return [PrefixBenchConfig("cpu-tiny-tldr-quick", "tiny", prompts=2, num_samples=8, num_kept=4, max_new_tokens=16,
-                                  max_prompt_len=448, repeats=1)]
+        return [
+            PrefixBenchConfig(
+                "cpu-tiny-tldr-quick",
+                "tiny",
+                prompts=2,
+                num_samples=8,
+                num_kept=4,
+                max_new_tokens=16,
+                max_prompt_len=448,
+                repeats=1,
+            )
+        ]
     # gpt2 (124M) shape on 2 shared CPU cores: 4 prompts (230, 311, 371 and 375 tokens; the file's mean is 345), so
     # one interleaved pair takes minutes, not hours
     return [PrefixBenchConfig("cpu-gpt2-tldr", "gpt2", prompts=4, repeats=2)]
@@ -194,8 +283,11 @@ def configs(device: torch.device, quick: bool) -> list[PrefixBenchConfig]:
 def run(device: torch.device, quick: bool, cfgs: list[PrefixBenchConfig] | None = None) -> list[dict]:
     rows = []
     for bcfg in cfgs or configs(device, quick):
-        print(f"[{BENCH}] {bcfg.name}: {bcfg.prompts} TL;DR prompts x {bcfg.num_samples} samples -> {bcfg.num_kept} "
-              f"kept, {bcfg.max_new_tokens} new tokens, {bcfg.repeats} interleaved pairs on {device}", flush=True)
+        print(
+            f"[{BENCH}] {bcfg.name}: {bcfg.prompts} TL;DR prompts x {bcfg.num_samples} samples -> {bcfg.num_kept} "
+            f"kept, {bcfg.max_new_tokens} new tokens, {bcfg.repeats} interleaved pairs on {device}",
+            flush=True,
+        )
         rows += rows_of(bcfg, measure(bcfg, device))
     return rows
 
@@ -214,7 +306,9 @@ def main() -> None:
     print(common.format_table(rows))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"environment": common.environment(device), "rows": rows}, indent=1, default=str))
+        Path(out).write_text(
+            json.dumps({"environment": common.environment(device), "rows": rows}, indent=1, default=str)
+        )
 
 
 if __name__ == "__main__":

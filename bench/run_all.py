@@ -80,22 +80,40 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter, epilog=__doc__)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where to measure (cuda when available)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smaller configurations (a smoke test): under ~2 minutes on a 2-core CPU")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter, epilog=__doc__
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to measure (cuda when available)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smaller configurations (a smoke test): under ~2 minutes on a 2-core CPU"
+    )
     parser.add_argument("--out", default=None, help="JSON file; None: runs/bench/results-{device}[-quick].json")
-    parser.add_argument("--only", nargs="+", choices=BENCHMARKS + NAMED_ONLY, default=list(BENCHMARKS),
-                        help=f"run only these ({', '.join(NAMED_ONLY)}: only when named)")
-    parser.add_argument("--threads", default="auto",
-                        help="torch CPU threads: a number, 0 for torch's default (every core), or auto: "
-                             "the cores other processes leave idle, measured over 2 s at start -- on a shared machine "
-                             "more threads than idle cores makes every figure several times slower and noisy")
-    parser.add_argument("--wait_quiet", type=float, default=0.0,
-                        help="CPU: before every timed call wait up to this many seconds for other processes to go "
-                             "idle (a shared machine); the cores they used during each call are recorded either way")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=BENCHMARKS + NAMED_ONLY,
+        default=list(BENCHMARKS),
+        help=f"run only these ({', '.join(NAMED_ONLY)}: only when named)",
+    )
+    parser.add_argument(
+        "--threads",
+        default="auto",
+        help="torch CPU threads: a number, 0 for torch's default (every core), or auto: "
+        "the cores other processes leave idle, measured over 2 s at start -- on a shared machine "
+        "more threads than idle cores makes every figure several times slower and noisy",
+    )
+    parser.add_argument(
+        "--wait_quiet",
+        type=float,
+        default=0.0,
+        help="CPU: before every timed call wait up to this many seconds for other processes to go "
+        "idle (a shared machine); the cores they used during each call are recorded either way",
+    )
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -112,7 +130,9 @@ def main(argv=None) -> int:
     env["torch_threads_choice"] = threads_why
     if args.device == "cpu":  # as every stage's CPU run does (utils/host.py), before any benchmark
         env["keep_freed_memory"] = keep_freed_memory()
-    env["command"] = " ".join([Path(sys.executable).name, "-m", "bench.run_all", *(argv if argv is not None else sys.argv[1:])])
+    env["command"] = " ".join(
+        [Path(sys.executable).name, "-m", "bench.run_all", *(argv if argv is not None else sys.argv[1:])]
+    )
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
 
     rows, errors = [], []
@@ -134,10 +154,12 @@ def main(argv=None) -> int:
     cleanup_distributed()
     write_results(out, env, vars(args), rows, errors)
     print()
-    print(f"{env['device_name']} ({env['device']}, {env['torch_threads']} threads), torch {env['torch']}, "
-          f"transformers {env['transformers']}, {env['date']}, commit {env['git_commit']}"
-          f"{' (dirty)' if env['git_dirty'] else ''}, load average {env['load_average_at_start']} -> "
-          f"{env['load_average_at_end']}")
+    print(
+        f"{env['device_name']} ({env['device']}, {env['torch_threads']} threads), torch {env['torch']}, "
+        f"transformers {env['transformers']}, {env['date']}, commit {env['git_commit']}"
+        f"{' (dirty)' if env['git_dirty'] else ''}, load average {env['load_average_at_start']} -> "
+        f"{env['load_average_at_end']}"
+    )
     print(common.format_table(rows))
     if errors:
         print("\nfailed: " + "; ".join(errors))

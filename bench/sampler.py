@@ -78,20 +78,53 @@ def configs(device: torch.device, quick: bool) -> list[SamplerConfig]:
     if device.type == "cuda":
         # GPT-2 124M at the reference GRPO shape: prompts up to 384 tokens, 56 new tokens, 64 samples per prompt;
         # N = 64 / 256 / 1024 are the batch sizes of REFERENCE.md's decode bounds.
-        return [SamplerConfig(
-            name="gpu-gpt2-124M" + ("-quick" if quick else ""), preset="gpt2", dtype="bf16", prompt_len=384,
-            min_prompt_len=352, new_tokens=56, group=64, rows=(64, 256) if quick else (64, 256, 1024),
-            share_prompts=4, repeats=2 if quick else 3, stage_steps=8, roofline=True,
-        )]
+        return [
+            SamplerConfig(
+                name="gpu-gpt2-124M" + ("-quick" if quick else ""),
+                preset="gpt2",
+                dtype="bf16",
+                prompt_len=384,
+                min_prompt_len=352,
+                new_tokens=56,
+                group=64,
+                rows=(64, 256) if quick else (64, 256, 1024),
+                share_prompts=4,
+                repeats=2 if quick else 3,
+                stage_steps=8,
+                roofline=True,
+            )
+        ]
     if quick:
-        return [SamplerConfig(
-            name="cpu-tiny-quick", preset="tiny", dtype="fp32", prompt_len=64, min_prompt_len=48, new_tokens=16,
-            group=8, rows=(16, 64), share_prompts=2, repeats=3, stage_steps=4,
-        )]
-    return [SamplerConfig(
-        name="cpu-tiny", preset="tiny", dtype="fp32", prompt_len=128, min_prompt_len=96, new_tokens=32, group=16,
-        rows=(16, 64, 256), share_prompts=4, repeats=3, stage_steps=8,
-    )]
+        return [
+            SamplerConfig(
+                name="cpu-tiny-quick",
+                preset="tiny",
+                dtype="fp32",
+                prompt_len=64,
+                min_prompt_len=48,
+                new_tokens=16,
+                group=8,
+                rows=(16, 64),
+                share_prompts=2,
+                repeats=3,
+                stage_steps=4,
+            )
+        ]
+    return [
+        SamplerConfig(
+            name="cpu-tiny",
+            preset="tiny",
+            dtype="fp32",
+            prompt_len=128,
+            min_prompt_len=96,
+            new_tokens=32,
+            group=16,
+            rows=(16, 64, 256),
+            share_prompts=4,
+            repeats=3,
+            stage_steps=8,
+        )
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -135,8 +168,15 @@ def run_hf(hf, ids, mask, G: int, new_tokens: int, seed: int):
     torch.manual_seed(seed)
     with torch.no_grad():
         return hf.generate(
-            input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=new_tokens, num_return_sequences=G, pad_token_id=PAD_ID,
+            input_ids=ids,
+            attention_mask=mask.long(),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            num_return_sequences=G,
+            pad_token_id=PAD_ID,
         )
 
 
@@ -186,9 +226,14 @@ def decode_stages(model, N: int, P: int, steps: int, device: torch.device, seed:
         logits = stage("LM head", lambda: model.lm_head(h[:, -1]))
         logp = stage("process_logits + log_softmax", lambda: process_logits(logits).log_softmax(-1))
         tok = stage("sample_tokens", lambda: sample_tokens(logp, g, work=work))
-        stage("bookkeeping", lambda: (
-            torch.where(~done, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0), done | torch.isin(tok, stop),
-            bool(done.all())))
+        stage(
+            "bookkeeping",
+            lambda: (
+                torch.where(~done, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0),
+                done | torch.isin(tok, stop),
+                bool(done.all()),
+            ),
+        )
     return {k: 1e3 * v / (1 if k == "prefill" else steps) for k, v in secs.items()}
 
 
@@ -205,12 +250,20 @@ STAGE_NOTES = {
 # Memory-bandwidth bound of decoding (CUDA)
 
 
-def decode_bound_tokens_per_s(n_params: int, bytes_per_param: int, kv_bytes_per_token: int, rows: int,
-                              prompt_len: int, steps: int, bandwidth: float) -> float:
+def decode_bound_tokens_per_s(
+    n_params: int,
+    bytes_per_param: int,
+    kv_bytes_per_token: int,
+    rows: int,
+    prompt_len: int,
+    steps: int,
+    bandwidth: float,
+) -> float:
     """Upper bound on decoded tokens/s when each decode step reads every weight once plus the cached keys and
     values of every row (REFERENCE.md: 247 MB of bf16 weights + 36,864 B per cached token for GPT-2 124M)."""
-    seconds = sum((n_params * bytes_per_param + rows * (prompt_len + t) * kv_bytes_per_token) / bandwidth
-                  for t in range(steps))
+    seconds = sum(
+        (n_params * bytes_per_param + rows * (prompt_len + t) * kv_bytes_per_token) / bandwidth for t in range(steps)
+    )
     return rows * steps / seconds
 
 
@@ -228,13 +281,24 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
     P, R, G = cfg.prompt_len, cfg.new_tokens, cfg.group
     ours, hf, logit_diff, why_no_hf = build_models(cfg, device, workdir)
     label = cfg.name
-    print(f"[sampler] {label}: {cfg.preset} {cfg.dtype}, prompts {cfg.min_prompt_len}-{P} tokens, {R} new tokens forced, "
-          f"G={G}, {cfg.warmup} warm-up + {cfg.repeats} interleaved repeats", flush=True)
+    print(
+        f"[sampler] {label}: {cfg.preset} {cfg.dtype}, prompts {cfg.min_prompt_len}-{P} tokens, {R} new tokens forced, "
+        f"G={G}, {cfg.warmup} warm-up + {cfg.repeats} interleaved repeats",
+        flush=True,
+    )
     if hf is None:
         rows.append(skipped(BENCH, f"{label}: transformers generate", why_no_hf, config=cfg))
     else:
-        rows.append(result(BENCH, f"{label}: same weights, max |logit diff| ours vs transformers", logit_diff, "abs",
-                           note=f"{cfg.dtype}, one 64-token prompt", config=cfg))
+        rows.append(
+            result(
+                BENCH,
+                f"{label}: same weights, max |logit diff| ours vs transformers",
+                logit_diff,
+                "abs",
+                note=f"{cfg.dtype}, one 64-token prompt",
+                config=cfg,
+            )
+        )
 
     # 1. ours vs transformers generate, G samples per prompt, several batch sizes
     for N in cfg.rows:
@@ -252,13 +316,31 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
         for name, t in timings.items():
             d = rate_details(t, P)
             what = "model/sampler.generate" if name == "ours" else "GPT2LMHeadModel.generate(num_return_sequences=G)"
-            rows.append(result(BENCH, f"{label} N={N} ({B} prompts x G={G}): {name}", d["tokens_per_s"], "tok/s",
-                               note=f"{what}; {t.median:.3f} s/call{t.interference}", config=cfg, rows=N, **d))
+            rows.append(
+                result(
+                    BENCH,
+                    f"{label} N={N} ({B} prompts x G={G}): {name}",
+                    d["tokens_per_s"],
+                    "tok/s",
+                    note=f"{what}; {t.median:.3f} s/call{t.interference}",
+                    config=cfg,
+                    rows=N,
+                    **d,
+                )
+            )
             print(f"  N={N:5d} {name:13s} {d['tokens_per_s']:12,.0f} generated tok/s ({t.median:.3f} s)", flush=True)
         if hf is not None:
-            rows.append(result(BENCH, f"{label} N={N}: ours / transformers speed-up",
-                               median_ratio(timings["ours"], timings["transformers"]), "x",
-                               note="median of per-repeat time ratios", config=cfg, rows=N))
+            rows.append(
+                result(
+                    BENCH,
+                    f"{label} N={N}: ours / transformers speed-up",
+                    median_ratio(timings["ours"], timings["transformers"]),
+                    "x",
+                    note="median of per-repeat time ratios",
+                    config=cfg,
+                    rows=N,
+                )
+            )
 
     # 2. prefix sharing: S prompts x G samples with one prefill per prompt, against the same prompts repeated G
     #    times as separate rows (num_samples=1); the prefill share from calls that generate one token
@@ -278,17 +360,34 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
         for mode in calls:
             d = rate_details(full[mode], P)
             share = prefill[mode].median / full[mode].median
-            rows.append(result(
-                BENCH, f"{label} {S} prompts x {G}: ours, prefix {mode}", d["tokens_per_s"], "tok/s",
-                note=f"{full[mode].median:.3f} s/call; prefill + 1 token {prefill[mode].median:.3f} s ({share:.0%})"
-                     f"{full[mode].interference}",
-                config=cfg, prefill=prefill[mode].to_dict(), **d,
-            ))
-            print(f"  {S} prompts x {G} prefix {mode:9s} {d['tokens_per_s']:12,.0f} generated tok/s "
-                  f"({full[mode].median:.3f} s, prefill + 1 token {prefill[mode].median:.3f} s)", flush=True)
-        rows.append(result(BENCH, f"{label} {S} prompts x {G}: prefix shared / unshared speed-up",
-                           median_ratio(full["shared"], full["unshared"]), "x",
-                           note="median of per-repeat time ratios", config=cfg))
+            rows.append(
+                result(
+                    BENCH,
+                    f"{label} {S} prompts x {G}: ours, prefix {mode}",
+                    d["tokens_per_s"],
+                    "tok/s",
+                    note=f"{full[mode].median:.3f} s/call; prefill + 1 token {prefill[mode].median:.3f} s ({share:.0%})"
+                    f"{full[mode].interference}",
+                    config=cfg,
+                    prefill=prefill[mode].to_dict(),
+                    **d,
+                )
+            )
+            print(
+                f"  {S} prompts x {G} prefix {mode:9s} {d['tokens_per_s']:12,.0f} generated tok/s "
+                f"({full[mode].median:.3f} s, prefill + 1 token {prefill[mode].median:.3f} s)",
+                flush=True,
+            )
+        rows.append(
+            result(
+                BENCH,
+                f"{label} {S} prompts x {G}: prefix shared / unshared speed-up",
+                median_ratio(full["shared"], full["unshared"]),
+                "x",
+                note="median of per-repeat time ratios",
+                config=cfg,
+            )
+        )
 
     # 3. where a decode step of ours spends its time
     if cfg.stage_steps > 0:
@@ -302,16 +401,30 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
             else:
                 note = f"{ms / step_ms:.0%} of a decode step; {STAGE_NOTES[name]}"
             rows.append(result(BENCH, f"{label} N={N} decode step: {name}", ms, "ms", note=note, config=cfg))
-        rows.append(result(BENCH, f"{label} N={N} decode step: total", step_ms, "ms",
-                           note="replay with a synchronize between stages", config=cfg))
+        rows.append(
+            result(
+                BENCH,
+                f"{label} N={N} decode step: total",
+                step_ms,
+                "ms",
+                note="replay with a synchronize between stages",
+                config=cfg,
+            )
+        )
         print("  decode step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()), flush=True)
 
     # 4. memory-bandwidth bound of decoding (CUDA): weights once per step + every row's cached keys/values
     if cfg.roofline and device.type == "cuda":
         bw = bandwidth_for(device)
         if bw is None:
-            rows.append(skipped(BENCH, f"{label}: decode bandwidth bound",
-                                f"no bandwidth figure for {torch.cuda.get_device_name(device)}", config=cfg))
+            rows.append(
+                skipped(
+                    BENCH,
+                    f"{label}: decode bandwidth bound",
+                    f"no bandwidth figure for {torch.cuda.get_device_name(device)}",
+                    config=cfg,
+                )
+            )
         else:
             bandwidth, source = bw
             c = ours.cfg
@@ -320,20 +433,30 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
             kv_bytes = 2 * c.n_layer * c.n_embd * bytes_per  # k and v, every layer: 36,864 B for GPT-2 124M in bf16
             for N in cfg.rows:
                 ids, mask = (t.to(device) for t in random_prompts(N, P, cfg.min_prompt_len, c.vocab_size, seed=7 + N))
-                calls = {"full": lambda: run_ours(ours, ids, mask, 1, R, seed=3),
-                         "prefill": lambda: run_ours(ours, ids, mask, 1, 1, seed=3)}
+                calls = {
+                    "full": lambda: run_ours(ours, ids, mask, 1, R, seed=3),
+                    "prefill": lambda: run_ours(ours, ids, mask, 1, 1, seed=3),
+                }
                 calls["full"]()
                 t = measure_interleaved(calls, device, cfg.repeats)
                 decode_rate = N * (R - 1) / max(t["full"].median - t["prefill"].median, 1e-9)
                 bound = decode_bound_tokens_per_s(n_params, bytes_per, kv_bytes, N, P + 1, R - 1, bandwidth)
-                rows.append(result(
-                    BENCH, f"{label} N={N} G=1: decode tok/s, prefill excluded", decode_rate, "tok/s",
-                    note=f"bound {bound:,.0f} tok/s = {100 * decode_rate / bound:.0f}% (weights "
-                         f"{n_params * bytes_per / 1e6:.0f} MB + {kv_bytes:,} B per cached token per step at "
-                         f"{bandwidth / 1e12:.1f} TB/s, {source})",
-                    config=cfg, bound=bound, bandwidth=bandwidth, timing=t["full"].to_dict(),
-                    prefill=t["prefill"].to_dict(),
-                ))
+                rows.append(
+                    result(
+                        BENCH,
+                        f"{label} N={N} G=1: decode tok/s, prefill excluded",
+                        decode_rate,
+                        "tok/s",
+                        note=f"bound {bound:,.0f} tok/s = {100 * decode_rate / bound:.0f}% (weights "
+                        f"{n_params * bytes_per / 1e6:.0f} MB + {kv_bytes:,} B per cached token per step at "
+                        f"{bandwidth / 1e12:.1f} TB/s, {source})",
+                        config=cfg,
+                        bound=bound,
+                        bandwidth=bandwidth,
+                        timing=t["full"].to_dict(),
+                        prefill=t["prefill"].to_dict(),
+                    )
+                )
                 print(f"  decode bound N={N}: {decode_rate:,.0f} tok/s of {bound:,.0f}", flush=True)
     del ours, hf
     if device.type == "cuda":

@@ -70,14 +70,45 @@ class TrainConfig:
 
 def configs(device: torch.device, quick: bool) -> list[TrainConfig]:
     if device.type == "cuda":
-        return [TrainConfig("gpu-gpt2-124M" + ("-quick" if quick else ""), "gpt2", batch_rows=64, micro_rows=16,
-                            prompt_len=384, min_prompt_len=352, response_len=56, min_response_len=40,
-                            repeats=2 if quick else 3)]
+        return [
+            TrainConfig(
+                "gpu-gpt2-124M" + ("-quick" if quick else ""),
+                "gpt2",
+                batch_rows=64,
+                micro_rows=16,
+                prompt_len=384,
+                min_prompt_len=352,
+                response_len=56,
+                min_response_len=40,
+                repeats=2 if quick else 3,
+            )
+        ]
     if quick:
-        return [TrainConfig("cpu-tiny-quick", "tiny", batch_rows=16, micro_rows=8, prompt_len=64, min_prompt_len=48,
-                            response_len=16, min_response_len=8, repeats=3)]
-    return [TrainConfig("cpu-tiny", "tiny", batch_rows=32, micro_rows=16, prompt_len=128, min_prompt_len=96,
-                        response_len=32, min_response_len=16)]
+        return [
+            TrainConfig(
+                "cpu-tiny-quick",
+                "tiny",
+                batch_rows=16,
+                micro_rows=8,
+                prompt_len=64,
+                min_prompt_len=48,
+                response_len=16,
+                min_response_len=8,
+                repeats=3,
+            )
+        ]
+    return [
+        TrainConfig(
+            "cpu-tiny",
+            "tiny",
+            batch_rows=32,
+            micro_rows=16,
+            prompt_len=128,
+            min_prompt_len=96,
+            response_len=32,
+            min_response_len=16,
+        )
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -92,7 +123,11 @@ def random_rows(n: int, cfg: TrainConfig, vocab_size: int, seed: int) -> tuple[l
     prompts, responses = [], []
     for i in range(n):
         p = cfg.prompt_len if i == 0 else int(torch.randint(cfg.min_prompt_len, cfg.prompt_len + 1, (), generator=g))
-        r = cfg.response_len if i == 0 else int(torch.randint(cfg.min_response_len, cfg.response_len + 1, (), generator=g))
+        r = (
+            cfg.response_len
+            if i == 0
+            else int(torch.randint(cfg.min_response_len, cfg.response_len + 1, (), generator=g))
+        )
         prompts.append(torch.randint(0, top, (p,), generator=g).tolist())
         responses.append(torch.randint(0, top, (r - 1,), generator=g).tolist() + [END_ID])
     return prompts, responses
@@ -108,7 +143,9 @@ def pair_micro_batches(cfg: TrainConfig, vocab_size: int, seed: int = 0) -> list
     prompts, chosen = random_rows(cfg.batch_rows, cfg, vocab_size, seed)
     _, rejected = random_rows(cfg.batch_rows, cfg, vocab_size, seed + 1)
     m = cfg.micro_rows
-    return [collate_pairs(prompts[i : i + m], chosen[i : i + m], rejected[i : i + m]) for i in range(0, cfg.batch_rows, m)]
+    return [
+        collate_pairs(prompts[i : i + m], chosen[i : i + m], rejected[i : i + m]) for i in range(0, cfg.batch_rows, m)
+    ]
 
 
 def batch_tokens(micro: list[dict]) -> tuple[int, int]:
@@ -124,8 +161,9 @@ def matmul_params(c: GPTConfig, n_unique_params: int, lm_head: bool) -> tuple[in
     return n, head if lm_head else 0
 
 
-def flops_per_step(c: GPTConfig, n: int, head: int, micro: list[dict], forward_passes: float = 3.0,
-                   packed_pairs: bool = False) -> tuple[float, float]:
+def flops_per_step(
+    c: GPTConfig, n: int, head: int, micro: list[dict], forward_passes: float = 3.0, packed_pairs: bool = False
+) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs) of one optimizer step. forward_passes: 3 for forward + backward (backward
     costs two forwards), 4 when a frozen reference adds one forward (DPO).
 
@@ -151,32 +189,71 @@ def peak_for(device: torch.device) -> tuple[float, str] | None:
     return next(((v, k) for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
-def throughput_rows(name: str, cfg: TrainConfig, device, timing, micro: list[dict], flops: tuple[float, float],
-                    n: int, unit_name: str, formula: str = "6N + 12LdT") -> list[dict]:
+def throughput_rows(
+    name: str,
+    cfg: TrainConfig,
+    device,
+    timing,
+    micro: list[dict],
+    flops: tuple[float, float],
+    n: int,
+    unit_name: str,
+    formula: str = "6N + 12LdT",
+) -> list[dict]:
     """Tokens/s, pairs or rows/s, model and executed TFLOP/s and (on a GPU with a known peak) MFU of one step."""
     seconds = timing.median
     real, response = batch_tokens(micro)
     model_flops, executed = flops
-    d = {"seconds": seconds, "real_tokens": real, "response_tokens": response, "model_flops": model_flops,
-         "executed_flops": executed, "n_matmul_params": n, "timing": timing.to_dict()}
+    d = {
+        "seconds": seconds,
+        "real_tokens": real,
+        "response_tokens": response,
+        "model_flops": model_flops,
+        "executed_flops": executed,
+        "n_matmul_params": n,
+        "timing": timing.to_dict(),
+    }
     rows = [
-        result(BENCH, f"{name}: tokens/s", real / seconds, "tok/s",
-               note=f"{seconds:.3f} s/step, {real:,} real tokens ({response:,} response) per step{timing.interference}",
-               config=cfg, **d),
+        result(
+            BENCH,
+            f"{name}: tokens/s",
+            real / seconds,
+            "tok/s",
+            note=f"{seconds:.3f} s/step, {real:,} real tokens ({response:,} response) per step{timing.interference}",
+            config=cfg,
+            **d,
+        ),
         result(BENCH, f"{name}: {unit_name}/s", cfg.batch_rows / seconds, f"{unit_name}/s", config=cfg),
-        result(BENCH, f"{name}: model TFLOP/s", model_flops / seconds / 1e12, "TFLOP/s",
-               note=f"{formula} per real token, N={n / 1e6:.2f}M; executed {executed / seconds / 1e12:.3g} TFLOP/s "
-                    f"(head at response positions, padding included)", config=cfg),
+        result(
+            BENCH,
+            f"{name}: model TFLOP/s",
+            model_flops / seconds / 1e12,
+            "TFLOP/s",
+            note=f"{formula} per real token, N={n / 1e6:.2f}M; executed {executed / seconds / 1e12:.3g} TFLOP/s "
+            f"(head at response positions, padding included)",
+            config=cfg,
+        ),
     ]
     peak = peak_for(device)
     if peak is not None:
         value, gpu = peak
-        rows.append(result(BENCH, f"{name}: MFU", 100 * model_flops / seconds / value, "%",
-                           note=f"model FLOPs / {value / 1e12:.0f} TFLOP/s ({gpu} dense bf16 datasheet); "
-                                f"{100 * model_flops / seconds / MEASURED_PEAK_H100:.1f}% of ~800 measured; "
-                                f"executed FLOPs: {100 * executed / seconds / value:.1f}%", config=cfg))
-    print(f"  {name}: {real / seconds:,.0f} tok/s, {model_flops / seconds / 1e12:.3g} model TFLOP/s "
-          f"({seconds:.3f} s/step)", flush=True)
+        rows.append(
+            result(
+                BENCH,
+                f"{name}: MFU",
+                100 * model_flops / seconds / value,
+                "%",
+                note=f"model FLOPs / {value / 1e12:.0f} TFLOP/s ({gpu} dense bf16 datasheet); "
+                f"{100 * model_flops / seconds / MEASURED_PEAK_H100:.1f}% of ~800 measured; "
+                f"executed FLOPs: {100 * executed / seconds / value:.1f}%",
+                config=cfg,
+            )
+        )
+    print(
+        f"  {name}: {real / seconds:,.0f} tok/s, {model_flops / seconds / 1e12:.3g} model TFLOP/s "
+        f"({seconds:.3f} s/step)",
+        flush=True,
+    )
     return rows
 
 
@@ -237,8 +314,9 @@ def bench_reward_model(cfg: TrainConfig, device: torch.device, world: int) -> li
 
     t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
     flops = flops_per_step(model.cfg, n, head, micro, packed_pairs=True)
-    return throughput_rows(f"{name} (reward_model.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n,
-                           "pairs")
+    return throughput_rows(
+        f"{name} (reward_model.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n, "pairs"
+    )
 
 
 def bench_dpo(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
@@ -260,30 +338,52 @@ def bench_dpo(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
     policy.train()
 
     def step():
-        metrics = dpo.accumulate_gradients(policy, reference, micro, world, cfg.batch_rows, loss_fn, dpo_cfg.beta, device)
+        metrics = dpo.accumulate_gradients(
+            policy, reference, micro, world, cfg.batch_rows, loss_fn, dpo_cfg.beta, device
+        )
         optimizer_step(policy, optimizer)
         return metrics
 
     t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
-    flops = flops_per_step(policy.cfg, n, head, micro, forward_passes=4.0, packed_pairs=True)  # + the reference's forward
-    return throughput_rows(f"{name} (dpo.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n, "pairs",
-                           formula="8N + 16LdT (with the reference's forward)")
+    flops = flops_per_step(
+        policy.cfg, n, head, micro, forward_passes=4.0, packed_pairs=True
+    )  # + the reference's forward
+    return throughput_rows(
+        f"{name} (dpo.accumulate_gradients + AdamW)",
+        cfg,
+        device,
+        t,
+        micro,
+        flops,
+        n,
+        "pairs",
+        formula="8N + 16LdT (with the reference's forward)",
+    )
 
 
 def run(device: torch.device, quick: bool, cfgs: list[TrainConfig] | None = None) -> list[dict]:
     world = setup_distributed(device.type).world_size  # a one-process group: FSDP runs the same code as on 8 GPUs
     rows = []
     for cfg in cfgs or configs(device, quick):
-        print(f"[train] {cfg.name}: {cfg.preset}, {cfg.batch_rows} rows/pairs per step in micro-batches of "
-              f"{cfg.micro_rows}, prompts {cfg.min_prompt_len}-{cfg.prompt_len}, responses "
-              f"{cfg.min_response_len}-{cfg.response_len} tokens; {cfg.warmup} warm-up + {cfg.repeats} timed steps",
-              flush=True)
+        print(
+            f"[train] {cfg.name}: {cfg.preset}, {cfg.batch_rows} rows/pairs per step in micro-batches of "
+            f"{cfg.micro_rows}, prompts {cfg.min_prompt_len}-{cfg.prompt_len}, responses "
+            f"{cfg.min_response_len}-{cfg.response_len} tokens; {cfg.warmup} warm-up + {cfg.repeats} timed steps",
+            flush=True,
+        )
         for fn in (bench_sft, bench_reward_model, bench_dpo):
             rows += fn(cfg, device, world)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if device.type != "cuda":
-            rows.append(result(BENCH, f"{cfg.name}: MFU", None, "",
-                               note="not reported on CPU: no meaningful peak for a shared CPU; model TFLOP/s is shown",
-                               config=cfg))
+            rows.append(
+                result(
+                    BENCH,
+                    f"{cfg.name}: MFU",
+                    None,
+                    "",
+                    note="not reported on CPU: no meaningful peak for a shared CPU; model TFLOP/s is shown",
+                    config=cfg,
+                )
+            )
     return rows

@@ -47,18 +47,58 @@ def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
     """The comparison configuration: TRL generates a whole step's prompts x G in one generate call, so on the GPU
     it is 16 prompts x 64 samples (a 1,024-row KV cache), not the 256 prompts of the reference step."""
     if device.type == "cuda":
-        return [GRPOBenchConfig("gpu-trl-comparison" + ("-quick" if quick else ""), "gpt2",
-                                prompts=4 if quick else 16, num_samples=64, num_kept=64, selection="all",
-                                max_new_tokens=56, prompt_len=384, min_prompt_len=352, gen_prompts=16,
-                                micro_batch_size=32, score_micro_batch_size=128, repeats=2 if quick else 3)]
+        return [
+            GRPOBenchConfig(
+                "gpu-trl-comparison" + ("-quick" if quick else ""),
+                "gpt2",
+                prompts=4 if quick else 16,
+                num_samples=64,
+                num_kept=64,
+                selection="all",
+                max_new_tokens=56,
+                prompt_len=384,
+                min_prompt_len=352,
+                gen_prompts=16,
+                micro_batch_size=32,
+                score_micro_batch_size=128,
+                repeats=2 if quick else 3,
+            )
+        ]
     if quick:
-        return [GRPOBenchConfig("cpu-trl-comparison-quick", "tiny", prompts=4, num_samples=8, num_kept=8, selection="all",
-                                max_new_tokens=8, prompt_len=48, min_prompt_len=32, gen_prompts=4, micro_batch_size=16,
-                                score_micro_batch_size=32, repeats=3)]
+        return [
+            GRPOBenchConfig(
+                "cpu-trl-comparison-quick",
+                "tiny",
+                prompts=4,
+                num_samples=8,
+                num_kept=8,
+                selection="all",
+                max_new_tokens=8,
+                prompt_len=48,
+                min_prompt_len=32,
+                gen_prompts=4,
+                micro_batch_size=16,
+                score_micro_batch_size=32,
+                repeats=3,
+            )
+        ]
     # REFERENCE.md's CPU figure for TRL: 128 samples of 16 tokens on a 2-layer, 64-wide GPT-2
-    return [GRPOBenchConfig("cpu-trl-comparison", "tiny", prompts=8, num_samples=16, num_kept=16, selection="all",
-                            max_new_tokens=16, prompt_len=64, min_prompt_len=48, gen_prompts=8, micro_batch_size=16,
-                            score_micro_batch_size=128)]
+    return [
+        GRPOBenchConfig(
+            "cpu-trl-comparison",
+            "tiny",
+            prompts=8,
+            num_samples=16,
+            num_kept=16,
+            selection="all",
+            max_new_tokens=16,
+            prompt_len=64,
+            min_prompt_len=48,
+            gen_prompts=8,
+            micro_batch_size=16,
+            score_micro_batch_size=128,
+        )
+    ]
 
 
 def trl_available() -> tuple[bool, str]:
@@ -85,8 +125,9 @@ def char_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(["<|endoftext|>"])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left"
+    )
 
 
 def ids_to_text(ids: list[int]) -> str:
@@ -116,21 +157,44 @@ def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
     for model, folder in ((policy, work / "policy"), (reward_model, work / "reward_model")):
         save_hf(model.state_dict(), model.cfg, folder)
         tok.save_pretrained(folder)
-    prompt_ids, prompt_mask = random_prompts(bcfg.prompts, bcfg.prompt_len, bcfg.min_prompt_len,
-                                             policy.cfg.vocab_size, seed=0)
+    prompt_ids, prompt_mask = random_prompts(
+        bcfg.prompts, bcfg.prompt_len, bcfg.min_prompt_len, policy.cfg.vocab_size, seed=0
+    )
     texts = [ids_to_text(ids[mask].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
     assert [len(tok(t)["input_ids"]) for t in texts] == prompt_mask.sum(1).tolist(), "stand-in tokenizer lost ids"
     steps = bcfg.warmup + bcfg.repeats
     dataset = datasets.Dataset.from_dict({"prompt": texts * steps})  # the same prompts every step, as ours
 
     args = GRPOConfig(
-        output_dir=str(work / "out"), max_steps=steps, per_device_train_batch_size=bcfg.micro_batch_size,
-        gradient_accumulation_steps=N // bcfg.micro_batch_size, num_generations=bcfg.num_samples,
-        max_completion_length=bcfg.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=0.04, epsilon=0.2,
-        num_iterations=1, loss_type="grpo", scale_rewards="group", learning_rate=3e-6, weight_decay=0.0,
-        max_grad_norm=1.0, warmup_steps=0, gradient_checkpointing=False, bf16=device.type == "cuda",
-        use_cpu=device.type == "cpu", shuffle_dataset=False, logging_steps=1, report_to="none",
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=1, log_completions=False,
+        output_dir=str(work / "out"),
+        max_steps=steps,
+        per_device_train_batch_size=bcfg.micro_batch_size,
+        gradient_accumulation_steps=N // bcfg.micro_batch_size,
+        num_generations=bcfg.num_samples,
+        max_completion_length=bcfg.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.04,
+        epsilon=0.2,
+        num_iterations=1,
+        loss_type="grpo",
+        scale_rewards="group",
+        learning_rate=3e-6,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        warmup_steps=0,
+        gradient_checkpointing=False,
+        bf16=device.type == "cuda",
+        use_cpu=device.type == "cpu",
+        shuffle_dataset=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=1,
+        log_completions=False,
     )
     ends, logged = [], []
     was_reset = [True]
@@ -146,21 +210,34 @@ def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
             if logs:
                 logged.append(dict(logs))
 
-    trainer = GRPOTrainer(model=str(work / "policy"), reward_funcs=str(work / "reward_model"), args=args,
-                          train_dataset=dataset, processing_class=tok, reward_processing_classes=tok,
-                          callbacks=[Timer()])
+    trainer = GRPOTrainer(
+        model=str(work / "policy"),
+        reward_funcs=str(work / "reward_model"),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        reward_processing_classes=tok,
+        callbacks=[Timer()],
+    )
     common.synchronize(device)
     ends.append(time.perf_counter())  # before the first step (the warm-up step includes the set-up of train())
     trainer.train()
     peak, peak_what = common.peak_memory(device, was_reset[0])
     step_seconds = [b - a for a, b in zip(ends, ends[1:])][bcfg.warmup :]
     lengths = [log["completions/mean_length"] for log in logged if "completions/mean_length" in log]
-    out_file.write_text(json.dumps({
-        "step_seconds": step_seconds, "completion_mean_length": lengths, "sequences": N,
-        "peak_memory_bytes": peak, "peak_memory_what": peak_what,
-        "trl": _version("trl"),
-        "transformers": transformers.__version__,
-    }))
+    out_file.write_text(
+        json.dumps(
+            {
+                "step_seconds": step_seconds,
+                "completion_mean_length": lengths,
+                "sequences": N,
+                "peak_memory_bytes": peak,
+                "peak_memory_what": peak_what,
+                "trl": _version("trl"),
+                "transformers": transformers.__version__,
+            }
+        )
+    )
 
 
 def _version(module: str) -> str:
@@ -180,10 +257,26 @@ def run_trl(bcfg: GRPOBenchConfig, device: torch.device, timeout_s: int = 1800) 
     name = f"{bcfg.name} TRL GRPOTrainer"
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         out_file = Path(tmp) / "trl.json"
-        cmd = [sys.executable, "-m", "bench.trl_grpo", "--device", str(device), "--config",
-               json.dumps(dataclasses.asdict(bcfg)), "--out", str(out_file), "--threads", str(torch.get_num_threads())]
-        env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.trl_grpo",
+            "--device",
+            str(device),
+            "--config",
+            json.dumps(dataclasses.asdict(bcfg)),
+            "--out",
+            str(out_file),
+            "--threads",
+            str(torch.get_num_threads()),
+        ]
+        env = {
+            **os.environ,
+            "TRL_EXPERIMENTAL_SILENCE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "WANDB_MODE": "disabled",
+        }
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         print(f"[{BENCH}] {name}: {bcfg.warmup} warm-up + {bcfg.repeats} timed steps in a subprocess", flush=True)
         t0 = time.perf_counter()
@@ -202,13 +295,27 @@ def run_trl(bcfg: GRPOBenchConfig, device: torch.device, timeout_s: int = 1800) 
     generated = mean_len * m["sequences"]
     print(f"  TRL step {step:.3f} s ({time.perf_counter() - t0:.0f} s with start-up), trl {m['trl']}", flush=True)
     return [
-        result(BENCH, f"{name}: step", step, "s",
-               note=f"median of {len(m['step_seconds'])} steps after {bcfg.warmup} warm-up; trl {m['trl']}, "
-                    f"transformers {m['transformers']}", config=bcfg, measurements=m),
-        result(BENCH, f"{name}: generated tokens/s per device", generated / step, "tok/s",
-               note=f"{m['sequences']:,} sequences x {mean_len:.1f} mean completion tokens per step", config=bcfg),
-        result(BENCH, f"{name}: peak memory", mib(m["peak_memory_bytes"]), "MiB", note=m["peak_memory_what"],
-               config=bcfg),
+        result(
+            BENCH,
+            f"{name}: step",
+            step,
+            "s",
+            note=f"median of {len(m['step_seconds'])} steps after {bcfg.warmup} warm-up; trl {m['trl']}, "
+            f"transformers {m['transformers']}",
+            config=bcfg,
+            measurements=m,
+        ),
+        result(
+            BENCH,
+            f"{name}: generated tokens/s per device",
+            generated / step,
+            "tok/s",
+            note=f"{m['sequences']:,} sequences x {mean_len:.1f} mean completion tokens per step",
+            config=bcfg,
+        ),
+        result(
+            BENCH, f"{name}: peak memory", mib(m["peak_memory_bytes"]), "MiB", note=m["peak_memory_what"], config=bcfg
+        ),
     ]
 
 
@@ -224,8 +331,16 @@ def run(device: torch.device, quick: bool, cfgs: list[GRPOBenchConfig] | None = 
         theirs = run_trl(bcfg, device)
         rows += theirs
         if theirs[0]["value"] is not None:
-            rows.append(result(BENCH, f"{bcfg.name}: TRL step / our step", theirs[0]["value"] / ours[0]["value"], "x",
-                               note="ratio of medians (the two run one after the other, not interleaved)", config=bcfg))
+            rows.append(
+                result(
+                    BENCH,
+                    f"{bcfg.name}: TRL step / our step",
+                    theirs[0]["value"] / ours[0]["value"],
+                    "x",
+                    note="ratio of medians (the two run one after the other, not interleaved)",
+                    config=bcfg,
+                )
+            )
     return rows
 
 

@@ -75,8 +75,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of one child per tree, the trees interleaved")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates per child")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads in each child")
-    parser.add_argument("--entropy_every", type=int, default=-1,
-                        help="grpo --entropy_every in trees that have it (-1: their default); 0 skips the entropy")
+    parser.add_argument(
+        "--entropy_every",
+        type=int,
+        default=-1,
+        help="grpo --entropy_every in trees that have it (-1: their default); 0 skips the entropy",
+    )
     args = parser.parse_args()
     results = {str(t): [] for t in args.trees}
     for rnd in range(args.rounds):
@@ -84,17 +88,26 @@ def main() -> None:
             load = os.getloadavg()[0]
             m = child(tree, args.repeats, args.threads, args.entropy_every)
             results[str(tree)].append(m)
-            print(f"round {rnd + 1} {tree}: update " + " ".join(f"{x:.3f}" for x in m["seconds"]) + " s, peak added "
-                  + " ".join(f"{x / 2**20:.0f}" for x in m["peak_added"]) + f" MiB (load average before {load:.2f})",
-                  flush=True)
-    print(f"{args.threads} torch threads; config: {m['config']}; "
-          f"one micro-batch's fp32 logits: {m['logits_bytes'] / 2**20:.0f} MiB")
+            print(
+                f"round {rnd + 1} {tree}: update "
+                + " ".join(f"{x:.3f}" for x in m["seconds"])
+                + " s, peak added "
+                + " ".join(f"{x / 2**20:.0f}" for x in m["peak_added"])
+                + f" MiB (load average before {load:.2f})",
+                flush=True,
+            )
+    print(
+        f"{args.threads} torch threads; config: {m['config']}; "
+        f"one micro-batch's fp32 logits: {m['logits_bytes'] / 2**20:.0f} MiB"
+    )
     for tree, ms in results.items():
         secs = [x for m in ms for x in m["seconds"]]
         peaks = [x for m in ms for x in m["peak_added"]]
-        print(f"{tree}: update median {statistics.median(secs):.3f} s (min {min(secs):.3f}, max {max(secs):.3f}); "
-              f"peak added median {statistics.median(peaks) / 2**20:.0f} MiB (min {min(peaks) / 2**20:.0f}, "
-              f"max {max(peaks) / 2**20:.0f})")
+        print(
+            f"{tree}: update median {statistics.median(secs):.3f} s (min {min(secs):.3f}, max {max(secs):.3f}); "
+            f"peak added median {statistics.median(peaks) / 2**20:.0f} MiB (min {min(peaks) / 2**20:.0f}, "
+            f"max {max(peaks) / 2**20:.0f})"
+        )
 
 
 if __name__ == "__main__":

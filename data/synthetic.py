@@ -372,8 +372,9 @@ def appended_item_summaries(prompt: str, rng: random.Random) -> tuple[str, str, 
     return base + END, f"{base}, i am {feeling}{END}", f"{base}, i am {invented}{END}"
 
 
-def label_pairs(prompt: str, summaries: Sequence[str], label_noise: float, rng: random.Random,
-                swap_rng: random.Random | None = None) -> list[dict]:
+def label_pairs(
+    prompt: str, summaries: Sequence[str], label_noise: float, rng: random.Random, swap_rng: random.Random | None = None
+) -> list[dict]:
     """Labelled comparisons of one prompt's summaries (as generated: END at the end of those that ended), the way
     the demo labels its SFT policy's samples: the pairs of gold_pairs, each swapped with probability `label_noise`
     (drawn from `rng`). With `swap_rng`, each of a pair's two summaries that names a key item is also compared with
@@ -389,7 +390,9 @@ def label_pairs(prompt: str, summaries: Sequence[str], label_noise: float, rng: 
         for text in (chosen, rejected) if swap_rng is not None else ():
             swapped = swap_key_item(prompt, text, swap_rng)
             if swapped is not None:
-                rows.append({"prompt": prompt, "chosen": text[: -len(END)], "rejected": swapped[: -len(END)], "swap": True})
+                rows.append(
+                    {"prompt": prompt, "chosen": text[: -len(END)], "rejected": swapped[: -len(END)], "swap": True}
+                )
     return rows
 
 
@@ -526,18 +529,14 @@ def task_stats(paths: dict[str, Path]) -> dict[str, float]:
     stats: dict[str, float] = {"gold_reward_max": GOLD_REWARD_MAX}
     for split in ("train", "validation"):
         sft = _read_jsonl(paths[f"sft_{split}"])
-        stats[f"sft_{split}_gold"] = mean_gold_reward(
-            [r["prompt"] for r in sft], [r["completion"] + END for r in sft]
-        )
+        stats[f"sft_{split}_gold"] = mean_gold_reward([r["prompt"] for r in sft], [r["completion"] + END for r in sft])
         pref = _read_jsonl(paths[f"preference_{split}"])
         prompts = [r["prompt"] for r in pref]
         gold_chosen = [gold_reward(r["prompt"], r["chosen"] + END) for r in pref]
         gold_rejected = [gold_reward(r["prompt"], r["rejected"] + END) for r in pref]
         stats[f"preference_{split}_chosen_gold"] = sum(gold_chosen) / len(prompts)
         stats[f"preference_{split}_rejected_gold"] = sum(gold_rejected) / len(prompts)
-        stats[f"preference_{split}_label_noise"] = sum(
-            c < r for c, r in zip(gold_chosen, gold_rejected)
-        ) / len(prompts)
+        stats[f"preference_{split}_label_noise"] = sum(c < r for c, r in zip(gold_chosen, gold_rejected)) / len(prompts)
     return stats
 
 

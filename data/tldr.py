@@ -20,8 +20,8 @@ from pathlib import Path
 import tiktoken
 import torch
 
-from data.tokenizer import END_ID, PAD_ID
 from data.hub import hub_unreachable
+from data.tokenizer import END_ID, PAD_ID
 
 SFT_COLUMNS = ("prompt", "completion")
 PREF_COLUMNS = ("prompt", "chosen", "rejected")
@@ -92,8 +92,7 @@ def _split_file(directory: Path, split: str) -> Path:
     if not found:
         present = sorted(p.name for p in directory.iterdir())[:20]
         raise DataError(
-            f"{directory}: no {split}.jsonl or {split}.parquet for split {split!r} "
-            f"(the directory holds {present})"
+            f"{directory}: no {split}.jsonl or {split}.parquet for split {split!r} (the directory holds {present})"
         )
     if len(found) > 1:
         raise DataError(f"{directory}: both {found[0].name} and {found[1].name} exist; keep one")
@@ -152,9 +151,7 @@ def _read_json_records(file: Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: row {i} (line {line_no}): invalid JSON: {e}") from e
         if not isinstance(record, dict):
-            raise DataError(
-                f"{where}: row {i} (line {line_no}): not a JSON object ({type(record).__name__})"
-            )
+            raise DataError(f"{where}: row {i} (line {line_no}): not a JSON object ({type(record).__name__})")
         records.append(record)
     return records
 
@@ -186,9 +183,7 @@ def _read_hub(name: str, split: str, columns: tuple[str, ...]) -> list[dict[str,
 def _check_columns(found: list[str], columns: tuple[str, ...], where: str, what: str) -> None:
     missing = [c for c in columns if c not in found]
     if missing:
-        raise DataError(
-            f"{where}: missing column(s) {missing}: expected {list(columns)}, {what}: {list(found)}"
-        )
+        raise DataError(f"{where}: missing column(s) {missing}: expected {list(columns)}, {what}: {list(found)}")
 
 
 def _validate(records: list[dict], columns: tuple[str, ...], where: str) -> list[dict[str, str]]:
@@ -198,14 +193,10 @@ def _validate(records: list[dict], columns: tuple[str, ...], where: str) -> list
     for i, record in enumerate(records):
         for c in columns:
             if c not in record:
-                raise DataError(
-                    f"{where}: row {i}: missing column {c!r} (row has columns {list(record)})"
-                )
+                raise DataError(f"{where}: row {i}: missing column {c!r} (row has columns {list(record)})")
             value = record[c]
             if not isinstance(value, str):
-                raise DataError(
-                    f"{where}: row {i}: column {c!r} is {type(value).__name__}, expected a str"
-                )
+                raise DataError(f"{where}: row {i}: column {c!r} is {type(value).__name__}, expected a str")
             if not value.strip():
                 raise DataError(f"{where}: row {i}: column {c!r} is empty or only whitespace")
         rows.append({c: record[c] for c in columns})
@@ -297,9 +288,7 @@ def _column(rows: Sequence[dict[str, str]], column: str, name: str) -> list[str]
     return values
 
 
-def _encode_prompts(
-    tok: tiktoken.Encoding, texts: list[str], max_len: int, name: str
-) -> list[list[int]]:
+def _encode_prompts(tok: tiktoken.Encoding, texts: list[str], max_len: int, name: str) -> list[list[int]]:
     # One threaded batch call for all rows (long texts: tiktoken releases the GIL while encoding),
     # then the rows that are too long get truncated.
     all_ids = tok.encode_ordinary_batch(texts)
@@ -356,9 +345,7 @@ class SFTDataset:
         name: str = "sft",
     ):
         self.name = name
-        self.prompts: list[list[int]] = _encode_prompts(
-            tok, _column(rows, "prompt", name), max_prompt_len, name
-        )
+        self.prompts: list[list[int]] = _encode_prompts(tok, _column(rows, "prompt", name), max_prompt_len, name)
         self.responses: list[list[int]] = _encode_responses(
             tok, _column(rows, "completion", name), max_response_len, name, "completion"
         )
@@ -379,9 +366,7 @@ class PreferenceDataset:
         name: str = "preference",
     ):
         self.name = name
-        self.prompts: list[list[int]] = _encode_prompts(
-            tok, _column(rows, "prompt", name), max_prompt_len, name
-        )
+        self.prompts: list[list[int]] = _encode_prompts(tok, _column(rows, "prompt", name), max_prompt_len, name)
         self.chosen: list[list[int]] = _encode_responses(
             tok, _column(rows, "chosen", name), max_response_len, name, "chosen"
         )
@@ -397,9 +382,7 @@ class PreferenceDataset:
 # Collation
 
 
-def pad_prompts(
-    prompts: Sequence[list[int]], pad_id: int = PAD_ID
-) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_prompts(prompts: Sequence[list[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad to the longest prompt: (prompt_ids (B, P) long, prompt_mask (B, P) bool).
 
     Left padding puts every prompt's last token in column P-1, so generation appends all rows at the
@@ -419,9 +402,7 @@ def pad_prompts(
     return prompt_ids, prompt_mask
 
 
-def collate_sft(
-    prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int = PAD_ID
-) -> dict:
+def collate_sft(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int = PAD_ID) -> dict:
     """One batch of prompt + response rows (see the module docstring for the layout).
 
     Returns input_ids (B, P+R) long, attention_mask (B, P+R) bool (True on real tokens),
@@ -482,8 +463,9 @@ def prompt_response_rows(
     }
 
 
-def decode_responses(tok: tiktoken.Encoding, response_ids: torch.Tensor, response_mask: torch.Tensor,
-                     has_end: torch.Tensor) -> list[str]:
+def decode_responses(
+    tok: tiktoken.Encoding, response_ids: torch.Tensor, response_mask: torch.Tensor, has_end: torch.Tensor
+) -> list[str]:
     """Response texts as generated: up to and including the first end token; a stop at EOS reads as "\n"."""
     texts = []
     for ids, mask, ended in zip(response_ids.tolist(), response_mask.tolist(), has_end.tolist()):
@@ -503,9 +485,7 @@ def collate_pairs(
     """collate_sft over 2B rows: chosen rows 0..B-1, then rejected rows B..2B-1 (row i and row B+i
     share prompt i), so one forward pass scores both sides; plus "n_pairs": B."""
     if not len(prompts) == len(chosen) == len(rejected):
-        raise ValueError(
-            f"collate_pairs: {len(prompts)} prompts, {len(chosen)} chosen, {len(rejected)} rejected"
-        )
+        raise ValueError(f"collate_pairs: {len(prompts)} prompts, {len(chosen)} chosen, {len(rejected)} rejected")
     batch = collate_sft(list(prompts) * 2, list(chosen) + list(rejected), pad_id)
     batch["n_pairs"] = len(prompts)
     return batch
@@ -590,8 +570,10 @@ class ShardedLoader:
 
     def state_dict(self) -> dict[str, int]:
         return {
-            "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-            "n_examples": self.n_examples, "global_batch": self.world_size * self.batch_size,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "n_examples": self.n_examples,
+            "global_batch": self.world_size * self.batch_size,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -615,7 +597,6 @@ class ShardedLoader:
             batch_in_epoch = taken // global_batch
         if epoch < 0 or not 0 <= batch_in_epoch < self.batches_per_epoch:
             raise ValueError(
-                f"loader state {state} is outside epochs >= 0 and batches "
-                f"[0, {self.batches_per_epoch}) of this loader"
+                f"loader state {state} is outside epochs >= 0 and batches [0, {self.batches_per_epoch}) of this loader"
             )
         self.epoch, self.batch_in_epoch = epoch, batch_in_epoch

@@ -32,8 +32,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 EVALUATION_PREFIXES = ("val/", "eval/")
 """Metrics logged at evaluations only: drawn as points, never smoothed across evaluations."""
-DEFAULT_METRICS = ("eval/reward", "eval/win_rate", "eval/pref_accuracy", "val/accuracy", "val/loss", "reward/mean",
-                   "train/loss", "train/kl")
+DEFAULT_METRICS = (
+    "eval/reward",
+    "eval/win_rate",
+    "eval/pref_accuracy",
+    "val/accuracy",
+    "val/loss",
+    "reward/mean",
+    "train/loss",
+    "train/kl",
+)
 """Without --metrics: the first three of these that the runs logged."""
 
 
@@ -44,10 +52,25 @@ class CompareError(ValueError):
 
 
 # Options that do not change what a run computes, or that every run has its own value of.
-IGNORED = frozenset({
-    "seed", "out_dir", "run_name", "resume", "resume_from", "wandb_mode", "wandb_project", "wandb_group",
-    "wandb_tags", "eval_every", "save_every", "keep_last", "table_every", "table_prompts", "device",
-})
+IGNORED = frozenset(
+    {
+        "seed",
+        "out_dir",
+        "run_name",
+        "resume",
+        "resume_from",
+        "wandb_mode",
+        "wandb_project",
+        "wandb_group",
+        "wandb_tags",
+        "eval_every",
+        "save_every",
+        "keep_last",
+        "table_every",
+        "table_prompts",
+        "device",
+    }
+)
 
 
 @dataclass
@@ -177,8 +200,11 @@ def figure(groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], x: s
                 axes[row][1].plot(xs[-1], ys[-1], "s", color=color, ms=5)
         axes[row][0].set_xlabel("step")
         axes[row][0].set_ylabel(metric)
-        how = "each evaluation, unsmoothed" if points else (
-            f"moving average of {smooth} logged steps" if smooth > 1 else "every logged step, unsmoothed")
+        how = (
+            "each evaluation, unsmoothed"
+            if points
+            else (f"moving average of {smooth} logged steps" if smooth > 1 else "every logged step, unsmoothed")
+        )
         axes[row][0].set_title(f"{metric}: mean over seeds, {how}", fontsize=8)
         if x:
             if metric == x:
@@ -225,20 +251,36 @@ def main(argv: list[str] | None = None) -> str:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl and config.json)")
-    p.add_argument("--metrics", nargs="+", default=None,
-                   help="metrics to tabulate and draw; default: the first three of " + ", ".join(DEFAULT_METRICS)
-                   + " that the runs logged")
+    p.add_argument(
+        "--metrics",
+        nargs="+",
+        default=None,
+        help="metrics to tabulate and draw; default: the first three of "
+        + ", ".join(DEFAULT_METRICS)
+        + " that the runs logged",
+    )
     p.add_argument("--minimize", nargs="*", default=["train/kl"], help="metrics whose best value is the lowest")
-    p.add_argument("--last", type=int, default=1,
-                   help="the final value of a metric: the mean of its last N logged values")
-    p.add_argument("--x", default=None,
-                   help="also draw every other metric against this one; default: train/kl when the runs logged it; "
-                   "empty: only against the step")
-    p.add_argument("--smooth", type=int, default=5,
-                   help="moving average of per-step metrics over this many logged steps (window // 2 either side); "
-                   "evaluation metrics (val/, eval/) are never smoothed")
-    p.add_argument("--out", default=None,
-                   help="PNG of the curves; default: compare.png in the runs' common folder; empty: no picture")
+    p.add_argument(
+        "--last", type=int, default=1, help="the final value of a metric: the mean of its last N logged values"
+    )
+    p.add_argument(
+        "--x",
+        default=None,
+        help="also draw every other metric against this one; default: train/kl when the runs logged it; "
+        "empty: only against the step",
+    )
+    p.add_argument(
+        "--smooth",
+        type=int,
+        default=5,
+        help="moving average of per-step metrics over this many logged steps (window // 2 either side); "
+        "evaluation metrics (val/, eval/) are never smoothed",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="PNG of the curves; default: compare.png in the runs' common folder; empty: no picture",
+    )
     args = p.parse_args(argv)
     if args.smooth < 1 or args.last < 1:
         p.error(f"--smooth and --last must be >= 1, got {args.smooth} and {args.last}")

@@ -52,7 +52,9 @@ class PairData:
 
     def collate(self, index: list[int]) -> dict:
         t = self.train
-        return collate_pairs([t.prompts[i] for i in index], [t.chosen[i] for i in index], [t.rejected[i] for i in index])
+        return collate_pairs(
+            [t.prompts[i] for i in index], [t.chosen[i] for i in index], [t.rejected[i] for i in index]
+        )
 
     def step_batches(self, accum: int, overfit: bool):
         """This rank's `accum` micro-batches of each optimizer step, continuing from the loader's position. With
@@ -66,12 +68,22 @@ def load_pairs(cfg: PairConfig, tok, rank: int, world: int, seed: int, validate:
     """Read and tokenize the training pairs, shard them over ranks, and (when `validate` and --val_data) build this
     rank's slice of the first --val_rows validation pairs."""
     rows = load_rows(cfg.train_data, cfg.train_split, PREF_COLUMNS)
-    train = PreferenceDataset(rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]")
+    train = PreferenceDataset(
+        rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]"
+    )
     data = PairData(rows, train, None, None)
     data.loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, seed, data.collate)
     if validate and cfg.val_data:
         val_rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)
         val_rows = val_rows[: cfg.val_rows] if cfg.val_rows else val_rows
-        data.val_set = build_eval_set(val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, cfg.micro_batch_size,
-                                      rank, world, name=f"{cfg.val_data}[{cfg.val_split}]")
+        data.val_set = build_eval_set(
+            val_rows,
+            tok,
+            cfg.max_prompt_len,
+            cfg.max_response_len,
+            cfg.micro_batch_size,
+            rank,
+            world,
+            name=f"{cfg.val_data}[{cfg.val_split}]",
+        )
     return data

@@ -1,6 +1,6 @@
 """Pictures for the README: the pipeline diagram and the demo's curves, drawn from metrics.jsonl files.
 
-    python -m evaluation.plots --run runs/demo --out assets
+python -m evaluation.plots --run runs/demo --out assets
 """
 
 import argparse
@@ -35,11 +35,20 @@ def pipeline_diagram(out: Path) -> None:
     for x, y, text in boxes.values():
         ax.add_patch(FancyBboxPatch((x, y), 2.0, 0.95, boxstyle="round,pad=0.05", fc="#eef3fb", ec="#35589a"))
         ax.text(x + 1.0, y + 0.47, text, ha="center", va="center", fontsize=8.5)
-    arrows = [((2.25, 1.7), (3.0, 2.5)), ((2.25, 1.6), (3.0, 0.7)), ((2.25, 1.65), (6.2, 1.65)),
-              ((5.05, 2.5), (6.2, 1.95)), ((5.05, 0.7), (9.0, 1.4)), ((8.25, 1.65), (9.0, 1.65)), ((5.05, 2.55), (9.0, 1.95))]
+    arrows = [
+        ((2.25, 1.7), (3.0, 2.5)),
+        ((2.25, 1.6), (3.0, 0.7)),
+        ((2.25, 1.65), (6.2, 1.65)),
+        ((5.05, 2.5), (6.2, 1.95)),
+        ((5.05, 0.7), (9.0, 1.4)),
+        ((8.25, 1.65), (9.0, 1.65)),
+        ((5.05, 2.55), (9.0, 1.95)),
+    ]
     for (x0, y0), (x1, y1) in arrows:
         ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="->", color="#35589a"))
-    ax.text(0.2, -0.25, "each stage exports a Hugging Face-format folder that the next one loads", fontsize=8, color="#555")
+    ax.text(
+        0.2, -0.25, "each stage exports a Hugging Face-format folder that the next one loads", fontsize=8, color="#555"
+    )
     fig.savefig(out, dpi=130, bbox_inches="tight")
     plt.close(fig)
 
@@ -52,8 +61,11 @@ def demo_curves(run: Path, out: Path) -> None:
     rm = read_metrics(run / "rm" / "metrics.jsonl")
     fig, (a, s, b) = plt.subplots(1, 3, figsize=(15, 3.9))
     rows = [m for m in grpo if "train/kl" in m]
-    series = (("reward/raw_mean", "o", "reward model (proxy)"), ("reward/gold_mean", "s", "gold reward"),
-              ("gold/items_correct", "^", "key items named"))
+    series = (
+        ("reward/raw_mean", "o", "reward model (proxy)"),
+        ("reward/gold_mean", "s", "gold reward"),
+        ("gold/items_correct", "^", "key items named"),
+    )
     if rows:
         kl, steps = [m["train/kl"] for m in rows], [m["step"] for m in rows]
         points = None

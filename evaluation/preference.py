@@ -42,8 +42,13 @@ def packed_pairs(batch: dict, device) -> tuple[torch.Tensor, torch.Tensor, Share
     of the padded rows (tests/test_prefix_sharing.py) for about half the prompt tokens."""
     B, P = batch["n_pairs"], batch["prompt_len"]
     group = torch.arange(B, device=device).repeat(2)  # rows i and B + i share prompt i
-    return SharedPrefix.pack(batch["input_ids"][:B, :P].to(device), batch["attention_mask"][:B, :P].to(device),
-                             batch["response_ids"].to(device), batch["response_mask"].to(device), group)
+    return SharedPrefix.pack(
+        batch["input_ids"][:B, :P].to(device),
+        batch["attention_mask"][:B, :P].to(device),
+        batch["response_ids"].to(device),
+        batch["response_mask"].to(device),
+        group,
+    )
 
 
 def response_logprobs(model: nn.Module, batch: dict, device, prefix_sharing: bool = True) -> torch.Tensor:
@@ -57,13 +62,21 @@ def response_logprobs(model: nn.Module, batch: dict, device, prefix_sharing: boo
     targets, mask = batch["response_ids"].to(device), batch["response_mask"].to(device)
     if prefix_sharing:
         input_ids, position_ids, layout = packed_pairs(batch, device)
-        logp, _ = model(input_ids, position_ids, layout, logits_slice=layout.logits_index().view(1, n * R),
-                        head=partial(linear_processed_logprobs, targets_NR=targets.view(1, n * R), mask_NR=mask.view(1, n * R)))
+        logp, _ = model(
+            input_ids,
+            position_ids,
+            layout,
+            logits_slice=layout.logits_index().view(1, n * R),
+            head=partial(linear_processed_logprobs, targets_NR=targets.view(1, n * R), mask_NR=mask.view(1, n * R)),
+        )
     else:
         P = batch["prompt_len"]
         logp, _ = model(
-            batch["input_ids"].to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device),
-            logits_slice=slice(P - 1, P + R - 1), head=partial(linear_processed_logprobs, targets_NR=targets, mask_NR=mask),
+            batch["input_ids"].to(device),
+            batch["position_ids"].to(device),
+            batch["attention_mask"].to(device),
+            logits_slice=slice(P - 1, P + R - 1),
+            head=partial(linear_processed_logprobs, targets_NR=targets, mask_NR=mask),
         )
     return (logp.view(n, R) * mask).sum(-1)  # (2B,); 0 at padding
 
@@ -73,8 +86,12 @@ def reward_scores(model: nn.Module, batch: dict, device, prefix_sharing: bool = 
     pooling). `prefix_sharing`: packed rows (packed_pairs); else one padded row per response."""
     if prefix_sharing:
         return model(*packed_pairs(batch, device))
-    return model(batch["input_ids"].to(device), batch["position_ids"].to(device), batch["attention_mask"].to(device),
-                 prompt_len=batch["prompt_len"])
+    return model(
+        batch["input_ids"].to(device),
+        batch["position_ids"].to(device),
+        batch["attention_mask"].to(device),
+        prompt_len=batch["prompt_len"],
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -115,7 +132,9 @@ def build_eval_set(
         index = mine[start : start + micro_batch_size]
         rows_idx = [i if i >= 0 else 0 for i in index]
         batch = collate_pairs(
-            [data.prompts[i] for i in rows_idx], [data.chosen[i] for i in rows_idx], [data.rejected[i] for i in rows_idx]
+            [data.prompts[i] for i in rows_idx],
+            [data.chosen[i] for i in rows_idx],
+            [data.rejected[i] for i in rows_idx],
         )
         batch["pair_index"] = torch.tensor(index, dtype=torch.long)
         batches.append(batch)
@@ -174,15 +193,22 @@ def evaluate_reward_model(
     """Preference accuracy of a reward model's raw scalar (call on every rank; every rank gets the results).
     `prefix_sharing`: packed rows (packed_pairs)."""
     was = _in_eval_mode([model])
-    index, c, r = score_local(lambda b: reward_scores(model, b, device, prefix_sharing), eval_set, device,
-                              "preference accuracy (reward model)")
+    index, c, r = score_local(
+        lambda b: reward_scores(model, b, device, prefix_sharing),
+        eval_set,
+        device,
+        "preference accuracy (reward model)",
+    )
     model.train(was[0])
     c, r = gather_pair_scores(index, c, r, eval_set.n_pairs)
     return preference_summary(c, r, eval_set.chosen_longer, n_resamples, seed=seed)
 
 
 def policy_logps(
-    model: nn.Module, eval_set: EvalSet, device, prefix_sharing: bool = True,
+    model: nn.Module,
+    eval_set: EvalSet,
+    device,
+    prefix_sharing: bool = True,
     desc: str = "preference log-probs (reference)",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's summed response log-probs: (pair_index, chosen, rejected), each (n,). A frozen reference's
@@ -235,7 +261,13 @@ def log_results(logger, results: dict, step: int, prefix: str = "val/") -> None:
     """Scalars under `prefix` and a wandb table of the three subsets (rank 0's Logger; others are no-ops)."""
     logger.log({f"{prefix}{k}": v for k, v in results.items()}, step)
     rows = [
-        [label, results[n_key], results[f"{key}accuracy"], results[f"{key}accuracy_ci_low"], results[f"{key}accuracy_ci_high"]]
+        [
+            label,
+            results[n_key],
+            results[f"{key}accuracy"],
+            results[f"{key}accuracy_ci_low"],
+            results[f"{key}accuracy_ci_high"],
+        ]
         for label, key, n_key in SUBSETS
     ]
     logger.table(f"{prefix}accuracy_table", ["subset", "pairs", "accuracy", "ci_low", "ci_high"], rows, step)

@@ -15,8 +15,8 @@ from model.sampler import SampleOutput, generate
 from model.weights import build_reward_model, model_config
 from rlhf.stats import win_rate
 from rollouts.sampling import score
-from utils.dist import rank_and_world, stream
 from utils.config import ConfigError
+from utils.dist import rank_and_world, stream
 from utils.fsdp import gathered_params, shard_model
 from utils.logging import EvalProgress
 
@@ -36,8 +36,15 @@ def tldr_prompt(post: str, subreddit: str = "", title: str = "") -> str:
 
 @torch.no_grad()
 def sample_summaries(
-    policy, prompts: list[list[int]], num_samples: int, max_new_tokens: int, temperature: float = 1.0,
-    top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None, batch_prompts: int = 8,
+    policy,
+    prompts: list[list[int]],
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+    batch_prompts: int = 8,
     on_chunk=None,
 ) -> tuple[torch.Tensor, torch.Tensor, SampleOutput]:
     """`num_samples` summaries of each prompt (token ids), `batch_prompts` prompts per generation call, parameters
@@ -54,8 +61,18 @@ def sample_summaries(
         for s in range(0, len(prompts), batch_prompts):
             ids, mask = prompt_ids[s : s + batch_prompts], prompt_mask[s : s + batch_prompts]
             first = int(mask.any(0).long().argmax())  # this chunk's own left padding only
-            parts.append(generate(policy, ids[:, first:], mask[:, first:], num_samples, max_new_tokens,
-                                  temperature=0.0 if greedy else temperature, top_p=top_p, generator=generator))
+            parts.append(
+                generate(
+                    policy,
+                    ids[:, first:],
+                    mask[:, first:],
+                    num_samples,
+                    max_new_tokens,
+                    temperature=0.0 if greedy else temperature,
+                    top_p=top_p,
+                    generator=generator,
+                )
+            )
             if on_chunk is not None:
                 on_chunk(ids.shape[0])
     policy.train(was_training)
@@ -64,8 +81,14 @@ def sample_summaries(
 
 
 @torch.no_grad()
-def reward_of_samples(reward_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, samples: SampleOutput,
-                      group: int, micro_batch_size: int = 16) -> torch.Tensor:
+def reward_of_samples(
+    reward_model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    samples: SampleOutput,
+    group: int,
+    micro_batch_size: int = 16,
+) -> torch.Tensor:
     """The reward model's normalized score (gain * raw + bias: reward_model.py's normalisation) of every sample (N,),
     sample n answering prompt n // group."""
     raw = score(reward_model, prompt_ids, prompt_mask, samples, group, micro_batch_size, prefix_sharing=False)  # (N,)
@@ -77,8 +100,15 @@ class SampleLog:
     SAMPLE_COLUMNS under the key "samples" (samples.jsonl in the run directory, a wandb table). Every rank generates
     the same summaries (the policy's parameters are gathered once, a collective); rank 0's logger writes them."""
 
-    def __init__(self, rows: list[dict[str, str]], reference_column: str, tok, max_prompt_len: int,
-                 max_new_tokens: int, seed: int):
+    def __init__(
+        self,
+        rows: list[dict[str, str]],
+        reference_column: str,
+        tok,
+        max_prompt_len: int,
+        max_new_tokens: int,
+        seed: int,
+    ):
         self.tok, self.max_new_tokens, self.seed = tok, max_new_tokens, seed
         self.texts = [r["prompt"] for r in rows]
         self.references = [r[reference_column] for r in rows]
@@ -96,8 +126,17 @@ class SampleLog:
 
 
 @torch.no_grad()
-def summary_win_rate(policy, reward_model, rows: list[dict[str, str]], tok, max_prompt_len: int, max_new_tokens: int,
-                     micro_batch_size: int = 16, n_resamples: int = 2000, seed: int = 0) -> dict:
+def summary_win_rate(
+    policy,
+    reward_model,
+    rows: list[dict[str, str]],
+    tok,
+    max_prompt_len: int,
+    max_new_tokens: int,
+    micro_batch_size: int = 16,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> dict:
     """The policy's greedy summary of each row's prompt against the row's reference summary (`completion`, cut to
     max_new_tokens like the policy's), judged by the reward model's raw score: the win rate with its bootstrap
     interval (rlhf.stats.win_rate) and both mean normalized rewards. Every rank computes all rows (a command line's
@@ -105,16 +144,20 @@ def summary_win_rate(policy, reward_model, rows: list[dict[str, str]], tok, max_
     prompts = PromptDataset(rows, tok, max_prompt_len, name="summary prompts").prompts
     progress = EvalProgress("summaries", len(prompts), unit="prompts", split=False)
     generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)  # greedy still draws
-    ids, mask, samples = sample_summaries(policy, prompts, 1, max_new_tokens, greedy=True, generator=generator,
-                                          on_chunk=progress.advance)
+    ids, mask, samples = sample_summaries(
+        policy, prompts, 1, max_new_tokens, greedy=True, generator=generator, on_chunk=progress.advance
+    )
     progress.close()
     references = reference_summaries([r["completion"] for r in rows], tok, max_new_tokens, ids.device)
     policy_raw = score(reward_model, ids, mask, samples, 1, micro_batch_size, prefix_sharing=False).double().cpu()
     reference_raw = score(reward_model, ids, mask, references, 1, micro_batch_size, prefix_sharing=False).double().cpu()
     out = {f"summary_{k}": v for k, v in win_rate(policy_raw, reference_raw, n_resamples, seed=seed).items()}
     gain, bias = float(reward_model.gain), float(reward_model.bias)
-    out |= {"summary_prompts": len(rows), "summary_reward_mean": float((gain * policy_raw + bias).mean()),
-            "summary_reference_reward_mean": float((gain * reference_raw + bias).mean())}
+    out |= {
+        "summary_prompts": len(rows),
+        "summary_reward_mean": float((gain * policy_raw + bias).mean()),
+        "summary_reference_reward_mean": float((gain * reference_raw + bias).mean()),
+    }
     return out
 
 
@@ -162,9 +205,21 @@ class Judge:
         self.micro_batch_size, self.seed = micro_batch_size, seed
 
     def evaluate(self, policy, prefix: str) -> dict:
-        out = summary_win_rate(policy, self.model, self.rows, self.tok, self.max_prompt_len, self.max_new_tokens,
-                               self.micro_batch_size, seed=self.seed)
-        names = {"summary_win_rate": "win_rate", "summary_win_rate_ci_low": "win_rate_ci_low",
-                 "summary_win_rate_ci_high": "win_rate_ci_high", "summary_reward_mean": "summary_reward",
-                 "summary_reference_reward_mean": "reference_reward"}
+        out = summary_win_rate(
+            policy,
+            self.model,
+            self.rows,
+            self.tok,
+            self.max_prompt_len,
+            self.max_new_tokens,
+            self.micro_batch_size,
+            seed=self.seed,
+        )
+        names = {
+            "summary_win_rate": "win_rate",
+            "summary_win_rate_ci_low": "win_rate_ci_low",
+            "summary_win_rate_ci_high": "win_rate_ci_high",
+            "summary_reward_mean": "summary_reward",
+            "summary_reference_reward_mean": "reference_reward",
+        }
         return {prefix + name: out[key] for key, name in names.items()}

@@ -15,6 +15,7 @@ from rollouts.sampling import RewardSpec, rollout, score, source_values
 from utils.dist import all_reduce_sum, rank_and_world, stream
 from utils.logging import EvalProgress
 
+
 @torch.no_grad()
 def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, cfg, step: int) -> dict:
     """One greedy (or sampled) summary per validation prompt, scored by every source, over all ranks.
@@ -40,10 +41,17 @@ def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, c
     total = combine_sources(torch.where(applies, values, 0.0), spec.weights_S)  # (n,)
     count_S, mean_S, _ = source_stats(values, applies, all_reduce_sum)
     w = counted.double()  # (n,)
-    n, r, rp, end, length = all_reduce_sum(torch.stack([
-        w.sum(), (w * total).sum(), (w * penalized.double()).sum(), (w * samples.has_end.double()).sum(),
-        (w * samples.response_mask.double().sum(1)).sum(),
-    ])).tolist()
+    n, r, rp, end, length = all_reduce_sum(
+        torch.stack(
+            [
+                w.sum(),
+                (w * total).sum(),
+                (w * penalized.double()).sum(),
+                (w * samples.has_end.double()).sum(),
+                (w * samples.response_mask.double().sum(1)).sum(),
+            ]
+        )
+    ).tolist()
     out = {"eval/reward": r / n, "eval/end_fraction": end / n, "eval/response_length": length / n}
     if rm is not None:
         out["eval/reward_penalized"] = rp / n
@@ -55,14 +63,16 @@ def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, c
     return out
 
 
-def reference_win_rate(reward_model, val: PromptSet, policy_raw: torch.Tensor, counted: torch.Tensor, n_prompts: int,
-                       cfg) -> dict:
+def reference_win_rate(
+    reward_model, val: PromptSet, policy_raw: torch.Tensor, counted: torch.Tensor, n_prompts: int, cfg
+) -> dict:
     """eval/win_rate: the share of validation prompts whose policy summary the reward model scores above the
     prompt's reference summary (raw scores, no missing-end penalty; ties count half), with its bootstrap interval
     (rlhf.stats.win_rate). The references are cut to --max_new_tokens like the policy's summaries. Collective: every
     rank scores its slice."""
-    reference_raw = score(reward_model, val.ids, val.mask, val.references, 1, cfg.score_micro_batch_size,
-                          cfg.prefix_sharing)  # (n,)
+    reference_raw = score(
+        reward_model, val.ids, val.mask, val.references, 1, cfg.score_micro_batch_size, cfg.prefix_sharing
+    )  # (n,)
     index = torch.where(counted, torch.tensor(val.rows, device=counted.device), -1)  # (n,) -1: padding prompts
     policy_scores, reference_scores = gather_pair_scores(index, policy_raw, reference_raw, n_prompts)
     return {f"eval/{k}": v for k, v in win_rate(policy_scores, reference_scores).items()}
@@ -76,11 +86,23 @@ def reference_summaries(texts: list, tok, max_new_tokens: int, device) -> Sample
     for i, e in enumerate(encoded):
         ids[i, : len(e)] = torch.tensor(e)
     mask = torch.arange(max_new_tokens)[None, :] < torch.tensor([len(e) for e in encoded])[:, None]  # (n, R)
-    return SampleOutput(ids.to(device), mask.to(device), torch.zeros(ids.shape, device=device),
-                        torch.ones(len(encoded), dtype=torch.bool, device=device))
+    return SampleOutput(
+        ids.to(device),
+        mask.to(device),
+        torch.zeros(ids.shape, device=device),
+        torch.ones(len(encoded), dtype=torch.bool, device=device),
+    )
 
-def sample_table(spec: RewardSpec, prompts: PromptSet, samples, scores, rows_BK: torch.Tensor, advantages: torch.Tensor,
-                 n_prompts: int) -> tuple[list[str], list[list]]:
+
+def sample_table(
+    spec: RewardSpec,
+    prompts: PromptSet,
+    samples,
+    scores,
+    rows_BK: torch.Tensor,
+    advantages: torch.Tensor,
+    n_prompts: int,
+) -> tuple[list[str], list[list]]:
     """Columns and rows of a table of training samples: the first n_prompts prompts of this rank with their selected
     samples (rows_BK): prompt, response, each source's value (None where it does not apply), reward, advantage,
     has_end."""
@@ -88,13 +110,18 @@ def sample_table(spec: RewardSpec, prompts: PromptSet, samples, scores, rows_BK:
     for b in range(min(n_prompts, rows_BK.shape[0])):
         for j, n in enumerate(rows_BK[b].tolist()):
             values, applies = scores.values[n].tolist(), scores.applies[n].tolist()
-            table.append([
-                spec.tok.decode(prompts.ids[b][prompts.mask[b]].tolist()),
-                spec.tok.decode(samples.response_ids[n][samples.response_mask[n]].tolist()),
-                *(float(v) if a else None for v, a in zip(values, applies)),
-                float(scores.total[n]), float(advantages[b * rows_BK.shape[1] + j]), bool(samples.has_end[n]),
-            ])
+            table.append(
+                [
+                    spec.tok.decode(prompts.ids[b][prompts.mask[b]].tolist()),
+                    spec.tok.decode(samples.response_ids[n][samples.response_mask[n]].tolist()),
+                    *(float(v) if a else None for v, a in zip(values, applies)),
+                    float(scores.total[n]),
+                    float(advantages[b * rows_BK.shape[1] + j]),
+                    bool(samples.has_end[n]),
+                ]
+            )
     return ["prompt", "response", *(x.name for x in spec.sources), "reward", "advantage", "has_end"], table
+
 
 def load_eval_sets(cfg, tok, sources, rank: int, world: int, device) -> tuple[PromptSet | None, object]:
     """This rank's validation prompts (the summary evaluation) and preference pairs, or None for each that is off."""
@@ -119,6 +146,14 @@ def load_eval_sets(cfg, tok, sources, rank: int, world: int, device) -> tuple[Pr
     if cfg.pref_data and cfg.eval_every >= 0:
         rows = load_rows(cfg.pref_data, cfg.pref_split, PREF_COLUMNS)
         rows = rows[: cfg.pref_rows] if cfg.pref_rows else rows
-        pref = build_eval_set(rows, tok, cfg.max_prompt_len, cfg.pref_max_response_len, cfg.micro_batch_size, rank,
-                              world, name=f"{cfg.pref_data}[{cfg.pref_split}]")
+        pref = build_eval_set(
+            rows,
+            tok,
+            cfg.max_prompt_len,
+            cfg.pref_max_response_len,
+            cfg.micro_batch_size,
+            rank,
+            world,
+            name=f"{cfg.pref_data}[{cfg.pref_split}]",
+        )
     return val, pref

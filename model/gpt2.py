@@ -168,7 +168,9 @@ class SharedPrefix:
         return torch.where(length > 0, own, self.prompt_last_index())
 
     @staticmethod
-    def pack(prompt_ids, prompt_mask, response_ids, response_mask, group) -> tuple[torch.Tensor, torch.Tensor, "SharedPrefix"]:
+    def pack(
+        prompt_ids, prompt_mask, response_ids, response_mask, group
+    ) -> tuple[torch.Tensor, torch.Tensor, "SharedPrefix"]:
         """(input_ids (1, T), position_ids (1, T), layout) with T = B*P + n*R. Positions count real tokens from 0:
         a response continues at its prompt's real length; padding gets position 0 (masked everywhere)."""
         prompt_pos = (prompt_mask.long().cumsum(-1) - 1) * prompt_mask  # (B, P)
@@ -267,7 +269,15 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def shared_prefix_decode_attention(
-    q, prompt_k, prompt_v, prompt_hidden, own_k, own_v, own_hidden, out=None, buffer=None,
+    q,
+    prompt_k,
+    prompt_v,
+    prompt_hidden,
+    own_k,
+    own_v,
+    own_hidden,
+    out=None,
+    buffer=None,
 ) -> torch.Tensor:
     """out = softmax(q K^T / sqrt(hs)) V over the keys [prompt part, own part], without copying the prompt part per
     row.
@@ -470,7 +480,12 @@ class GPT2LMHeadModel(nn.Module):
         init_gpt2_weights(self, cfg.n_layer)
 
     def forward(
-        self, input_ids, position_ids, attention_mask=None, kv_cache=None, logits_slice: slice | torch.Tensor | None = None,
+        self,
+        input_ids,
+        position_ids,
+        attention_mask=None,
+        kv_cache=None,
+        logits_slice: slice | torch.Tensor | None = None,
         head=None,
     ):
         """Returns logits (B, T', V) for the positions in `logits_slice`: a slice of columns, a (B, T') long tensor

@@ -109,7 +109,9 @@ class LoRALinear(nn.Linear):
         y = F.linear(x, self.weight, self.bias)  # (..., out), exactly nn.Linear's forward
         if not self.adapter_enabled:
             return y
-        return y + self.scaling * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)  # (..., r) -> (..., out)
+        return y + self.scaling * F.linear(
+            F.linear(self.dropout(x), self.lora_A), self.lora_B
+        )  # (..., r) -> (..., out)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, rank={self.rank}, scaling={self.scaling:g}"

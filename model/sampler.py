@@ -55,7 +55,10 @@ def processed_logprobs(
 
 
 def sample_tokens(
-    logp: torch.Tensor, generator: torch.Generator | None = None, block: int = 256, uniforms: torch.Tensor | None = None,
+    logp: torch.Tensor,
+    generator: torch.Generator | None = None,
+    block: int = 256,
+    uniforms: torch.Tensor | None = None,
     work: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of log-probs (N, V), by inverting the CDF with one float64 uniform per row (drawn from
@@ -101,8 +104,16 @@ def probs_work(N: int, V: int, block: int = 256, device=None, dtype=torch.float3
     return torch.zeros(N, -(-V // block) * block, device=device, dtype=dtype)
 
 
-def decode_step(model, cache, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None, temperature: float,
-                top_k: int, top_p: float) -> torch.Tensor:
+def decode_step(
+    model,
+    cache,
+    tok: torch.Tensor,
+    pos: torch.Tensor,
+    rows: torch.Tensor | None,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> torch.Tensor:
     """Feed one token per row (tok (N,), positions pos (N, 1)) through the model with its KV cache and return the
     processed log-probs (n, V) of the next token of `rows` (n,) (None: every row): the head, the softmax and the
     draw, most of a decode step's cost with a 50,257-word vocabulary, run on those rows only. The unit that
@@ -163,7 +174,9 @@ def generate(
     B, P = prompt_ids.shape
     G, device = num_samples, prompt_ids.device
     if P + max_new_tokens > model.cfg.n_positions:
-        raise ValueError(f"prompt width {P} + {max_new_tokens} new tokens exceeds the model's {model.cfg.n_positions} positions")
+        raise ValueError(
+            f"prompt width {P} + {max_new_tokens} new tokens exceeds the model's {model.cfg.n_positions} positions"
+        )
     prompt_pos = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P) positions of real tokens from 0
 
     # 1. prefill each prompt once; its cache is then shared by its G samples, or copied to each of them
@@ -221,7 +234,9 @@ def generate(
                 break
             rows = None if len(unfinished) == N else unfinished
             if rows is not None:  # compiled: padded to a bucket (repeating the last row), so few head shapes
-                head_rows = rows if not compile else torch.cat([rows, rows[-1:].expand(head_bucket(len(rows), N) - len(rows))])
+                head_rows = (
+                    rows if not compile else torch.cat([rows, rows[-1:].expand(head_bucket(len(rows), N) - len(rows))])
+                )
         # finished rows are fed a token they drew (ignored), not PAD_ID, which may lie outside a small vocabulary
         pos = positions[:, t : t + 1]
         if compile:

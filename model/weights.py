@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from data.hub import hub_unreachable
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
 from model.heads import POOLINGS, RewardModel
 from model.lora import lora_scalings, merged_state_dict
-from data.hub import hub_unreachable
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -85,7 +85,9 @@ def _resolve_files(name_or_path: str) -> tuple[Path, Path | None]:
                 return cfg, path / w
         return cfg, None
     if path.exists():
-        raise ModelLoadError(f"model path {path} is a file; expected a Hugging Face-format folder (config.json and weights)")
+        raise ModelLoadError(
+            f"model path {path} is a file; expected a Hugging Face-format folder (config.json and weights)"
+        )
     if os.sep in name_or_path or name_or_path.startswith("."):
         raise ModelLoadError(f"model folder {name_or_path} does not exist (expected a Hugging Face-format folder)")
     # No network: read the local Hugging Face cache only, at once, instead of ~25 s of retries.
@@ -96,7 +98,11 @@ def _resolve_files(name_or_path: str) -> tuple[Path, Path | None]:
         cfg = Path(hf_hub_download(name_or_path, "config.json", local_files_only=offline is not None))
         return cfg, Path(hf_hub_download(name_or_path, "model.safetensors", local_files_only=offline is not None))
     except Exception as e:  # no network, unknown repo, ...
-        why = f"no network: {offline}, and it is not in the local Hugging Face cache" if offline else f"{type(e).__name__}: {e}"
+        why = (
+            f"no network: {offline}, and it is not in the local Hugging Face cache"
+            if offline
+            else f"{type(e).__name__}: {e}"
+        )
         raise ModelLoadError(
             f"could not load model '{name_or_path}' from the Hugging Face hub ({why}). "
             f"Pass a local Hugging Face-format folder instead, or a preset with --random_init "
@@ -146,30 +152,37 @@ def load_config(name_or_path: str) -> GPTConfig:
 
 
 def model_kind(name_or_path: str, cfg_file: Path | None = None) -> str:
-    """"policy" or "reward_model": the model's config.json "model_kind", else its architecture (see the module
+    """ "policy" or "reward_model": the model's config.json "model_kind", else its architecture (see the module
     docstring). `cfg_file`: its config.json where _resolve_files found it (a hub model's, in the Hugging Face cache);
     by default the folder's own, and a name without one is a policy. Reads no weights."""
     cfg_file = cfg_file or Path(name_or_path) / "config.json"
     if not cfg_file.is_file():
         return "policy"
     hf = _config_json(cfg_file)
-    kind = hf.get("model_kind") or ("reward_model" if "GPT2ForSequenceClassification" in (hf.get("architectures") or [])
-                                    else "policy")
+    kind = hf.get("model_kind") or (
+        "reward_model" if "GPT2ForSequenceClassification" in (hf.get("architectures") or []) else "policy"
+    )
     if kind not in KINDS:
         raise ModelLoadError(f"{cfg_file}: model_kind {kind!r}, expected one of {', '.join(KINDS)}")
     return kind
 
 
-def check_kind(name_or_path: str, kind: str, option: str, normalized: bool = True,
-               cfg_file: Path | None = None) -> None:
+def check_kind(
+    name_or_path: str, kind: str, option: str, normalized: bool = True, cfg_file: Path | None = None
+) -> None:
     """ModelLoadError, naming `option`, unless the model is of `kind` (model_kind); a reward model must also hold its
     normalisation (reward_normalization.json with a finite gain and bias) when `normalized`."""
     got = model_kind(name_or_path, cfg_file)
-    what = {"policy": "a policy (a GPT-2 language model)",
-            "reward_model": "a reward model (a GPT-2 with a scalar head)"}
+    what = {
+        "policy": "a policy (a GPT-2 language model)",
+        "reward_model": "a reward model (a GPT-2 with a scalar head)",
+    }
     if got != kind:
-        hint = ("give reward_model.py's export (its hf/ folder)" if kind == "reward_model" else
-                "give a policy: an sft.py, dpo.py or grpo.py export (hf/), a hub name or a Hugging Face GPT-2 folder")
+        hint = (
+            "give reward_model.py's export (its hf/ folder)"
+            if kind == "reward_model"
+            else "give a policy: an sft.py, dpo.py or grpo.py export (hf/), a hub name or a Hugging Face GPT-2 folder"
+        )
         raise ModelLoadError(f"{option} {name_or_path} is {what[got]}, not {what[kind]}; {hint}")
     if kind == "reward_model" and normalized:
         norm = Path(name_or_path) / NORMALIZATION
@@ -186,8 +199,9 @@ def check_kind(name_or_path: str, kind: str, option: str, normalized: bool = Tru
             ) from None
 
 
-def model_config(name_or_path: str, random_init: bool = False, kind: str = "", option: str = "--model",
-                 normalized: bool = True) -> GPTConfig:
+def model_config(
+    name_or_path: str, random_init: bool = False, kind: str = "", option: str = "--model", normalized: bool = True
+) -> GPTConfig:
     """The GPTConfig that build_policy / build_reward_model would build, without reading any weights: scripts call
     it first, so a wrong model name or folder fails before data is tokenized or anything is put on a GPU. With
     `kind` ("policy" or "reward_model") a loaded model must be of that kind (check_kind; `option` names it in the
@@ -215,7 +229,9 @@ def _load_into(model: nn.Module, name_or_path: str, strict_head: bool) -> None:
             sd.pop(k)  # e.g. lm_head.weight when building a reward model from a policy
             continue
         if own[k].shape != v.shape:
-            raise ModelLoadError(f"{name_or_path}: weight {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+            raise ModelLoadError(
+                f"{name_or_path}: weight {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}"
+            )
     missing = [k for k in own if k not in sd and k != "lm_head.weight"]
     if not strict_head:
         missing = [k for k in missing if not k.startswith("score.") and k not in ("gain", "bias")]
@@ -264,7 +280,9 @@ def resolve_pooling(name_or_path: str, pooling: str = "", random_init: bool = Fa
     saved = ""
     if not random_init and cfg_file.is_file():
         hf = _config_json(cfg_file)
-        saved = hf.get("reward_pooling", "last" if "GPT2ForSequenceClassification" in hf.get("architectures", []) else "")
+        saved = hf.get(
+            "reward_pooling", "last" if "GPT2ForSequenceClassification" in hf.get("architectures", []) else ""
+        )
         if saved and saved not in POOLINGS:
             raise ModelLoadError(f"{cfg_file}: reward_pooling {saved!r}, expected one of {', '.join(POOLINGS)}")
     if pooling and saved and pooling != saved:
@@ -272,8 +290,13 @@ def resolve_pooling(name_or_path: str, pooling: str = "", random_init: bool = Fa
     return pooling or saved or "last"
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | Path, extra_files: dict | None = None,
-            reward_pooling: str = "last") -> None:
+def save_hf(
+    state_dict: dict[str, torch.Tensor],
+    cfg: GPTConfig,
+    folder: str | Path,
+    extra_files: dict | None = None,
+    reward_pooling: str = "last",
+) -> None:
     """Write a folder that transformers' GPT2LMHeadModel (or GPT2ForSequenceClassification, when the state
     dict has a `score` head) loads with from_pretrained; a reward model's config.json also names its
     `reward_pooling` (model.heads.RewardModel). Written to a temporary folder and renamed, so a crash leaves
@@ -318,12 +341,18 @@ def save_hf(state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | P
         tmp.rename(folder)
 
 
-def save_export(model: nn.Module, state_dict: dict[str, torch.Tensor], cfg: GPTConfig, folder: str | Path,
-                extra_files: dict | None = None) -> None:
+def save_export(
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    cfg: GPTConfig,
+    folder: str | Path,
+    extra_files: dict | None = None,
+) -> None:
     """Write `model`'s full state dict as a Hugging Face-format folder, LoRA adapters merged into their base
     weights (a plain GPT-2 that `transformers` loads). With utils.checkpoint.export_model under FSDP."""
-    save_hf(merged_state_dict(state_dict, lora_scalings(model)), cfg, folder, extra_files,
-            getattr(model, "pooling", "last"))
+    save_hf(
+        merged_state_dict(state_dict, lora_scalings(model)), cfg, folder, extra_files, getattr(model, "pooling", "last")
+    )
 
 
 def freeze(model: nn.Module) -> nn.Module:

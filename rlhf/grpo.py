@@ -64,7 +64,9 @@ def select_top_bottom(rewards_BG: torch.Tensor, k: int) -> tuple[torch.Tensor, d
     return idx.sort(dim=1).values, _one_pass(rewards_BG)
 
 
-def select_uniform(rewards_BG: torch.Tensor, k: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+def select_uniform(
+    rewards_BG: torch.Tensor, k: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, dict]:
     """K samples of each prompt uniformly at random, without replacement."""
     B, G = rewards_BG.shape
     if not 0 < k <= G:
@@ -201,7 +203,9 @@ def global_normalize(
 
 
 def advantages(
-    rewards_BK: torch.Tensor, scale_by_std: bool, global_norm: bool,
+    rewards_BK: torch.Tensor,
+    scale_by_std: bool,
+    global_norm: bool,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> torch.Tensor:
     """Advantages (B*K,) of the kept samples: group normalization (or Dr. GRPO's centring without std), then, with
@@ -282,7 +286,11 @@ def clipped_surrogate(
 
 
 def sequence_clipped_surrogate(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages_N: torch.Tensor, mask: torch.Tensor, eps_low: float,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages_N: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
     eps_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GSPO's sequence-level clipped objective (arXiv 2507.18071, eqs. 5-7), negated to a loss (N,):
@@ -311,7 +319,12 @@ MISMATCH_BAND = (0.9, 1.1)  # a token whose trainer / sampler probability ratio 
 
 
 def rollout_correction(
-    train_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, method: str, cap: float, level: str,
+    train_logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    mask: torch.Tensor,
+    method: str,
+    cap: float,
+    level: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Importance weights (detached) that correct the policy loss for the sampler / trainer mismatch: the tokens were
     drawn from the sampler's distribution (its own log-probs, e.g. a KV-cache or bf16 inference path), the loss is
@@ -349,8 +362,12 @@ def mismatch_stats(train_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: t
     gap = torch.where(m, train_logp.double() - sampler_logp.double(), 0.0)
     lo, hi = math.log(MISMATCH_BAND[0]), math.log(MISMATCH_BAND[1])
     outside = m & ((gap < lo) | (gap > hi))
-    return {"tokens": m.sum().double(), "outside_band": outside.sum().double(), "abs_log_gap": gap.abs().sum(),
-            "max_abs_log_gap": gap.abs().max()}
+    return {
+        "tokens": m.sum().double(),
+        "outside_band": outside.sum().double(),
+        "abs_log_gap": gap.abs().sum(),
+        "max_abs_log_gap": gap.abs().max(),
+    }
 
 
 def floor_logprobs(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -389,8 +406,9 @@ class Objective:
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
         if self.rollout_correction not in ROLLOUT_CORRECTIONS:
-            raise ValueError(f"unknown rollout correction {self.rollout_correction!r}; "
-                             f"expected one of {ROLLOUT_CORRECTIONS}")
+            raise ValueError(
+                f"unknown rollout correction {self.rollout_correction!r}; expected one of {ROLLOUT_CORRECTIONS}"
+            )
 
     @property
     def needs_entropy(self) -> bool:
@@ -400,13 +418,19 @@ class Objective:
     def correction(self, train_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor):
         """(rollout-correction weights (N, T) or (N, 1), detached, or None without a correction; where they differ
         from the ratio (N, T)): see rollout_correction."""
-        w, corrected = rollout_correction(train_logp, sampler_logp, mask, self.rollout_correction,
-                                          self.rollout_correction_cap, self.importance_level)
+        w, corrected = rollout_correction(
+            train_logp, sampler_logp, mask, self.rollout_correction, self.rollout_correction_cap, self.importance_level
+        )
         return (None if self.rollout_correction == "none" else w), corrected
 
     def policy_term(
-        self, logp: torch.Tensor, old_logp: torch.Tensor, advantages_N: torch.Tensor, mask: torch.Tensor,
-        weights_NT: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        advantages_N: torch.Tensor,
+        mask: torch.Tensor,
+        weights_NT: torch.Tensor | None = None,
+        correction: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(clipped surrogate loss (N, T), where it is clipped (N, T), the ratio (N, T), detached) from floored
         log-probs (floor_logprobs). At sequence level GSPO's loss is spread over the tokens with the aggregation's
@@ -419,8 +443,9 @@ class Objective:
         else:
             if weights_NT is None:
                 raise ValueError("the sequence-level importance ratio needs the aggregation's token weights")
-            loss_N, clipped_N, s_N = sequence_clipped_surrogate(logp, old_logp, advantages_N, mask, self.eps_low,
-                                                                self.eps_high)
+            loss_N, clipped_N, s_N = sequence_clipped_surrogate(
+                logp, old_logp, advantages_N, mask, self.eps_low, self.eps_high
+            )
             surrogate = spread_sequence_loss(loss_N, weights_NT)
             is_clipped, ratio = clipped_N[:, None].expand_as(mask), s_N[:, None].detach().expand_as(logp)
         if correction is not None:
@@ -446,8 +471,15 @@ class Objective:
         return self.entropy_coef * torch.where(mask, entropy_NT, 0.0)
 
     def token_loss(
-        self, logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages_N: torch.Tensor,
-        mask: torch.Tensor, *, weights_NT: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        ref_logp: torch.Tensor,
+        advantages_N: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        weights_NT: torch.Tensor | None = None,
+        correction: torch.Tensor | None = None,
         entropy_NT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss (N, T), 0 on masked tokens: policy term + KL term, minus the entropy term when
@@ -461,7 +493,9 @@ class Objective:
         if self.needs_entropy:
             loss = loss - self.entropy_term(entropy_NT, mask)
         return loss, {
-            "kl": (kl * mask).detach(), "clipped": (is_clipped & mask), "ratio_deviation": ((ratio - 1.0).abs() * mask),
+            "kl": (kl * mask).detach(),
+            "clipped": (is_clipped & mask),
+            "ratio_deviation": ((ratio - 1.0).abs() * mask),
         }
 
 

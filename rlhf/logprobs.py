@@ -32,7 +32,9 @@ import torch.nn.functional as F
 
 CHUNK = 32  # positions per chunk: 32 x 50,257 fp32 is 6.4 MB, a few of them fit a CPU's last-level cache
 BLOCK_BYTES = 16 * 2**20  # the fused backward's entropy term: vocabulary blocks of (positions x block) fp32 this size
-GPU_CHUNK_BYTES = 32 * 2**20  # the fused pass on a GPU: as many positions as make ~32 MB of fp32 logits per chunk (a few
+GPU_CHUNK_BYTES = (
+    32 * 2**20
+)  # the fused pass on a GPU: as many positions as make ~32 MB of fp32 logits per chunk (a few
 # kernel launches per micro-batch, and a chunk's temporaries stay small), against CHUNK positions on a CPU
 
 
@@ -97,7 +99,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             z_cV = process_logits(logits_MV[s:e], temperature, top_k, top_p)  # (c, V)
             out_cV = grad_MV[s:e] if in_place else torch.empty_like(z_cV)
             if grad_entropy_M is None:
-                torch.softmax(z_cV, -1, out=out_cV)  # p, in one kernel (cheaper than exp of the log-softmax: docs/benchmarks.md)
+                torch.softmax(
+                    z_cV, -1, out=out_cV
+                )  # p, in one kernel (cheaper than exp of the log-softmax: docs/benchmarks.md)
             else:  # -p_j (log p_j + H) g_H needs log p too
                 torch.log_softmax(z_cV, -1, out=out_cV)
                 term_cV = (_finite(out_cV, masked) + entropy_M[s:e, None]).mul_(-scale * grad_entropy_M[s:e, None])
@@ -197,7 +201,9 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
         dtype = weight_VC.dtype
         probs = probs_MV.to(dtype)  # the matmuls run in the head's dtype (no copy when P already has it)
         grad_hidden_MC = torch.zeros(M, hidden_MC.shape[1], dtype=torch.float32, device=hidden_MC.device)
-        grad_weight_VC = torch.zeros(V, weight_VC.shape[1], dtype=torch.float32, device=weight_VC.device) if want_weight else None
+        grad_weight_VC = (
+            torch.zeros(V, weight_VC.shape[1], dtype=torch.float32, device=weight_VC.device) if want_weight else None
+        )
         if grad_logp_M is not None:
             g_M1 = grad_logp_M[:, None] * scale  # (M, 1)
             # the target's one-hot term only where the target is inside the top-k / top-p set: outside, its
@@ -258,8 +264,9 @@ def linear_processed_logprobs(
         )
     if positions_K is None:
         if mask_NR.shape != targets_NR.shape:
-            raise ValueError(f"mask_NR has shape {tuple(mask_NR.shape)}, targets_NR {tuple(targets_NR.shape)}: "
-                             "expected the same")
+            raise ValueError(
+                f"mask_NR has shape {tuple(mask_NR.shape)}, targets_NR {tuple(targets_NR.shape)}: expected the same"
+            )
         positions_K = mask_NR.reshape(-1).nonzero().squeeze(1)  # the True positions, in row-major order
     hidden_KC = hidden_NRC.reshape(-1, C).index_select(0, positions_K)
     targets_K = targets_NR.reshape(-1).index_select(0, positions_K)

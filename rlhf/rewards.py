@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 REWARD_MODEL = "reward_model"
 END = "\n"  # the text of the end token (198)
 
@@ -158,7 +157,9 @@ def row_sources(values: Sequence, sources: list[RewardSource], where: str) -> to
             continue
         names = value.split(",") if isinstance(value, str) else value
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-            raise RewardSpecError(f"{where}: row {row}: the reward column must be a string or a list of names, got {value!r}")
+            raise RewardSpecError(
+                f"{where}: row {row}: the reward column must be a string or a list of names, got {value!r}"
+            )
         names = [n.strip() for n in names if n.strip()]
         if not names:
             raise RewardSpecError(f"{where}: row {row}: the reward column names no reward source")
@@ -171,7 +172,9 @@ def row_sources(values: Sequence, sources: list[RewardSource], where: str) -> to
     return applies
 
 
-def function_rewards(source: RewardSource, prompts: Sequence[str], responses: Sequence[str], rows: Sequence[int], where: str) -> list[float]:
+def function_rewards(
+    source: RewardSource, prompts: Sequence[str], responses: Sequence[str], rows: Sequence[int], where: str
+) -> list[float]:
     """source.fn on every (prompt, response); `rows` are the dataset rows, for the error message."""
     out = []
     for prompt, response, row in zip(prompts, responses, rows):
@@ -207,7 +210,9 @@ def score_functions(
         if source.fn is None:
             continue
         idx = applies_NS[:, s].nonzero().flatten().tolist()
-        scores = function_rewards(source, [prompts[n] for n in idx], [responses[n] for n in idx], [rows[n] for n in idx], where)
+        scores = function_rewards(
+            source, [prompts[n] for n in idx], [responses[n] for n in idx], [rows[n] for n in idx], where
+        )
         values[idx, s] = torch.tensor(scores, dtype=torch.float64)
     return values
 

@@ -67,7 +67,10 @@ def preference_summary(
 
 
 def win_rate(
-    policy_scores: torch.Tensor, reference_scores: torch.Tensor, n_resamples: int = 2000, confidence: float = 0.95,
+    policy_scores: torch.Tensor,
+    reference_scores: torch.Tensor,
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
     seed: int = 0,
 ) -> dict[str, float]:
     """Share of prompts (N,) whose policy summary a judge (the reward model) scores above the reference summary

@@ -53,16 +53,30 @@ class MicroBatch:
         return cls(**rows, head_positions=head_positions, advantages=advantages, sampler_logprobs=sampler_logprobs)
 
 
-def build_training_batches(prompt_ids, prompt_mask, samples: SampleOutput, rows_N: torch.Tensor, advantages_N, group, micro,
-                           prefix_sharing: bool = True) -> list[MicroBatch]:
+def build_training_batches(
+    prompt_ids,
+    prompt_mask,
+    samples: SampleOutput,
+    rows_N: torch.Tensor,
+    advantages_N,
+    group,
+    micro,
+    prefix_sharing: bool = True,
+) -> list[MicroBatch]:
     """Micro-batches of the selected rows, with their advantages and the sampler's log-probs: packed rows with each
     prompt once for its responses (`prefix_sharing`), or the prompt + response layout with a copy of the prompt per
     row."""
     batches = []
     for s in range(0, rows_N.shape[0], micro):
         rows = rows_N[s : s + micro]
-        batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows], rows // group,
-                           prefix_sharing)
+        batch = model_rows(
+            prompt_ids,
+            prompt_mask,
+            samples.response_ids[rows],
+            samples.response_mask[rows],
+            rows // group,
+            prefix_sharing,
+        )
         sampler_logprobs = samples.logprobs[rows][:, : batch["response_ids"].shape[1]]
         batches.append(MicroBatch.from_rows(batch, advantages_N[s : s + micro], sampler_logprobs))
     return batches
@@ -97,6 +111,11 @@ def pad_micro_batches(batches: list[MicroBatch], filler: MicroBatch, device) -> 
     the others use) with an empty response mask: weight 0, nothing added to any normaliser or sum."""
     n_micro = int(all_reduce_max(float(len(batches)), device))
     no_response = torch.zeros_like(filler.response_mask)
-    filler = replace(filler, response_mask=no_response, head_positions=filler.head_positions[:0],
-                     advantages=torch.zeros_like(filler.advantages), filler=True)
+    filler = replace(
+        filler,
+        response_mask=no_response,
+        head_positions=filler.head_positions[:0],
+        advantages=torch.zeros_like(filler.advantages),
+        filler=True,
+    )
     return batches + [filler] * (n_micro - len(batches))

@@ -47,8 +47,9 @@ def param_count(cfg: GPTConfig) -> int:
     return cfg.vocab_size * C + cfg.n_positions * C + L * (12 * C * C + 13 * C) + 2 * C
 
 
-def kv_cache_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
-                   prefix_sharing: bool) -> int:
+def kv_cache_bytes(
+    cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int, prefix_sharing: bool
+) -> int:
     """Keys and values of one generate call of `prompts` prompts (prompt_len columns) x `samples` samples."""
     per_position = 2 * cfg.n_layer * cfg.n_embd * dtype_bytes
     if prefix_sharing:
@@ -58,15 +59,17 @@ def kv_cache_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, 
     return positions * per_position
 
 
-def generate_bytes(cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
-                   prefix_sharing: bool) -> int:
+def generate_bytes(
+    cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int, prefix_sharing: bool
+) -> int:
     """KV cache plus the sampler's four (rows, vocabulary) fp32 tensors of one decode step."""
     logits = 4 * prompts * samples * cfg.vocab_size * 4
     return kv_cache_bytes(cfg, prompts, samples, prompt_len, new_tokens, dtype_bytes, prefix_sharing) + logits
 
 
-def attention_scores_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int,
-                           dtype_bytes: int, prefix_sharing: bool) -> int:
+def attention_scores_bytes(
+    cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int, prefix_sharing: bool
+) -> int:
     """One layer's (queries, keys) attention scores and probabilities of every head, as the math kernel keeps them for
     the backward (--deterministic). With prefix sharing each prompt attends to itself once and each response to its
     prompt and itself."""
@@ -77,8 +80,17 @@ def attention_scores_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: 
     return 2 * cfg.n_head * pairs * dtype_bytes
 
 
-def update_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int,
-                 prefix_sharing: bool, checkpointing: bool, math_attention: bool = False) -> int:
+def update_bytes(
+    cfg: GPTConfig,
+    rows: int,
+    prompts: int,
+    prompt_len: int,
+    response_len: int,
+    dtype_bytes: int,
+    prefix_sharing: bool,
+    checkpointing: bool,
+    math_attention: bool = False,
+) -> int:
     """Activations and response logits of one training micro-batch of `rows` sequences from `prompts` prompts;
     `math_attention`: the (T, T) scores the math kernel keeps (--deterministic)."""
     C, L = cfg.n_embd, cfg.n_layer
@@ -93,15 +105,17 @@ def update_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, respo
     return activations + logits
 
 
-def score_bytes(cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int,
-                prefix_sharing: bool) -> int:
+def score_bytes(
+    cfg: GPTConfig, rows: int, prompts: int, prompt_len: int, response_len: int, dtype_bytes: int, prefix_sharing: bool
+) -> int:
     """The reward model's forward of one score micro-batch (no gradient)."""
     tokens = prompts * prompt_len + rows * response_len if prefix_sharing else rows * (prompt_len + response_len)
     return 8 * tokens * cfg.n_embd * dtype_bytes
 
 
-def weight_bytes(policy: GPTConfig, reward_model: GPTConfig | None, world: int, lora: bool,
-                 frozen_offload: bool = False) -> int:
+def weight_bytes(
+    policy: GPTConfig, reward_model: GPTConfig | None, world: int, lora: bool, frozen_offload: bool = False
+) -> int:
     """Policy (fp32 weights, gradients, AdamW moments; with LoRA the frozen base alone, the adapters are small),
     reference (none with LoRA: the policy with adapters off) and reward model (fp32 shards, as FSDP keeps them; on
     the host with `frozen_offload`), sharded over `world` ranks."""
@@ -133,11 +147,16 @@ class StepMemory:
         return self.weights + max(self.generate, self.score, self.reference, self.update)
 
 
-def step_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: int, dtype_bytes: int, **override) -> StepMemory:
+def step_memory(
+    cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: int, dtype_bytes: int, **override
+) -> StepMemory:
     """StepMemory of grpo.Config `cfg` (its sizes, with `override` replacing any of gen_prompts, micro_batch_size,
     score_micro_batch_size) at the longest prompt (--max_prompt_len) and response (--max_new_tokens)."""
-    sizes = {"gen_prompts": cfg.gen_prompts, "micro_batch_size": cfg.micro_batch_size,
-             "score_micro_batch_size": cfg.score_micro_batch_size} | override
+    sizes = {
+        "gen_prompts": cfg.gen_prompts,
+        "micro_batch_size": cfg.micro_batch_size,
+        "score_micro_batch_size": cfg.score_micro_batch_size,
+    } | override
     P, R, G, K, shared = cfg.max_prompt_len, cfg.max_new_tokens, cfg.num_samples, cfg.kept, cfg.prefix_sharing
     micro, score_micro = sizes["micro_batch_size"], sizes["score_micro_batch_size"]
     lora, math_attention = cfg.lora_enabled, cfg.deterministic
@@ -146,13 +165,24 @@ def step_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: i
     score_prompts = min(score_micro, -(-score_micro // G) + 1)
     micro_batches = -(-(-(-cfg.prompts_per_step // world) * K) // micro)  # per rank: ceil(ceil(B / world) * K / micro)
     gathered_policy = param_count(policy) * dtype_bytes
-    forward_scores = attention_scores_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared) if math_attention else 0
-    reference = 0 if lora else (gathered_policy + score_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared)
-                                + forward_scores + micro * R * policy.vocab_size * 4)
+    forward_scores = (
+        attention_scores_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared) if math_attention else 0
+    )
+    reference = (
+        0
+        if lora
+        else (
+            gathered_policy
+            + score_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared)
+            + forward_scores
+            + micro * R * policy.vocab_size * 4
+        )
+    )
     score = 0
     if reward_model is not None:
-        score = param_count(reward_model) * dtype_bytes + score_bytes(reward_model, score_micro, score_prompts, P, R,
-                                                                      dtype_bytes, shared)
+        score = param_count(reward_model) * dtype_bytes + score_bytes(
+            reward_model, score_micro, score_prompts, P, R, dtype_bytes, shared
+        )
         if math_attention:
             score += attention_scores_bytes(reward_model, score_micro, score_prompts, P, R, dtype_bytes, shared)
     return StepMemory(
@@ -160,8 +190,12 @@ def step_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: i
         generate=gathered_policy + generate_bytes(policy, sizes["gen_prompts"], G, P, R, dtype_bytes, shared),
         score=score,
         reference=reference,
-        update=(update_bytes(policy, micro, train_prompts, P, R, dtype_bytes, shared, cfg.activation_checkpointing,
-                             math_attention) + no_sync_grad_bytes(policy, micro_batches, lora)),
+        update=(
+            update_bytes(
+                policy, micro, train_prompts, P, R, dtype_bytes, shared, cfg.activation_checkpointing, math_attention
+            )
+            + no_sync_grad_bytes(policy, micro_batches, lora)
+        ),
     )
 
 
@@ -177,8 +211,9 @@ def largest_fitting(fits, start: int) -> int:
     return v
 
 
-def check_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: int, dtype_bytes: int,
-                 free_bytes: int, where: str) -> StepMemory:
+def check_memory(
+    cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: int, dtype_bytes: int, free_bytes: int, where: str
+) -> StepMemory:
     """Stop (ConfigError, one line) when the step's estimate exceeds MARGIN of `free_bytes`, naming for each stage
     that does not fit beside the weights the option to lower and the largest value that fits: --gen_prompts for
     generation, --score_micro_batch_size for scoring, --micro_batch_size for the update (or
@@ -189,14 +224,21 @@ def check_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: 
         return est
     free = f"{size(free_bytes)} is free on {where}"
     if est.weights >= budget:
-        raise ConfigError(f"the models' weights and optimizer state need about {size(est.weights)} per rank but "
-                          f"{free}: use more ranks, --lora_rank or --frozen_cpu_offload true")
-    stages = {"gen_prompts": (("generate",), "KV cache and logits of one generate call"),
-              "score_micro_batch_size": (("score",), "one reward-model micro-batch"),
-              "micro_batch_size": (("reference", "update"),
-                                   "one training micro-batch: its activations, or the reference's log-probs")}
+        raise ConfigError(
+            f"the models' weights and optimizer state need about {size(est.weights)} per rank but "
+            f"{free}: use more ranks, --lora_rank or --frozen_cpu_offload true"
+        )
+    stages = {
+        "gen_prompts": (("generate",), "KV cache and logits of one generate call"),
+        "score_micro_batch_size": (("score",), "one reward-model micro-batch"),
+        "micro_batch_size": (
+            ("reference", "update"),
+            "one training micro-batch: its activations, or the reference's log-probs",
+        ),
+    }
     problems = []
     for option, (names, what) in stages.items():
+
         def need(e: StepMemory, names: tuple[str, ...] = names) -> int:
             return max(getattr(e, n) for n in names)
 
@@ -205,7 +247,9 @@ def check_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: 
         value = getattr(cfg, option)
 
         def fits(v: int, option: str = option, need=need) -> bool:
-            return est.weights + need(step_memory(cfg, policy, reward_model, world, dtype_bytes, **{option: v})) <= budget
+            return (
+                est.weights + need(step_memory(cfg, policy, reward_model, world, dtype_bytes, **{option: v})) <= budget
+            )
 
         best = largest_fitting(fits, value)
         hint = f"lower --{option} to {best}" if best else f"--{option} 1 does not fit either"
@@ -213,8 +257,9 @@ def check_memory(cfg, policy: GPTConfig, reward_model: GPTConfig | None, world: 
             hint += " or set --activation_checkpointing true"
         problems.append(f"--{option} {value} needs about {size(need(est))} ({what}): {hint}")
     sharing = "" if cfg.prefix_sharing else " (or set --prefix_sharing true)"
-    raise ConfigError(f"not enough device memory, {size(est.weights)} of weights and {free}{sharing}; "
-                      + "; ".join(problems))
+    raise ConfigError(
+        f"not enough device memory, {size(est.weights)} of weights and {free}{sharing}; " + "; ".join(problems)
+    )
 
 
 def free_device_bytes(device: torch.device) -> int | None:

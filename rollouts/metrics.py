@@ -8,8 +8,8 @@ import torch
 
 from data.tldr import decode_responses
 from model.sampler import SampleOutput
-from rollouts.batches import MicroBatch
 from rlhf.rewards import source_stats
+from rollouts.batches import MicroBatch
 from rollouts.prompts import PromptSet
 from rollouts.sampling import RewardSpec, Scores
 from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std
@@ -47,8 +47,9 @@ def gold_metrics(gold_reward, gold_parts, tok, prompts: PromptSet, samples: Samp
         out["reward/gold_mean"], out["reward/gold_std"] = global_mean_std(torch.tensor(gold, device=prompts.ids.device))
     if parts is not None:
         names = sorted(parts[0])  # the same order on every rank, so the all-reduced columns line up
-        sums = torch.tensor([[float(p[k]) for k in names] + [1.0] for p in parts], dtype=torch.float64,
-                            device=prompts.ids.device).sum(0)  # (parts + 1,): each part's sum, then the count
+        sums = torch.tensor(
+            [[float(p[k]) for k in names] + [1.0] for p in parts], dtype=torch.float64, device=prompts.ids.device
+        ).sum(0)  # (parts + 1,): each part's sum, then the count
         sums = all_reduce_sum(sums)
         out.update({f"gold/{k}": float(v) for k, v in zip(names, (sums[:-1] / sums[-1]).tolist())})
     return out
@@ -59,20 +60,33 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) ->
     device, G, K, rows_N = r.rewards_BK.device, cfg.num_samples, cfg.kept, r.rows_BK.flatten()
     reward_mean, reward_std = global_mean_std(r.scores.total)
     kept_mean, kept_std = global_mean_std(r.rewards_BK)
-    n_prompts, visited, rounds, ended, generated, kept_len, train_tokens = all_reduce_sum(torch.stack([
-        torch.tensor(float(r.idx_BK.shape[0]), dtype=torch.float64, device=device),
-        r.selection_stats["visited"].double().sum(), r.selection_stats["rounds"].double().sum(),
-        r.samples.has_end.double().sum(), r.samples.response_mask.double().sum(),
-        r.samples.response_mask[rows_N].double().sum(),
-        sum((b.attention_mask.sum() for b in r.batches if not b.filler), torch.zeros((), device=device)).double(),
-    ])).tolist()
+    n_prompts, visited, rounds, ended, generated, kept_len, train_tokens = all_reduce_sum(
+        torch.stack(
+            [
+                torch.tensor(float(r.idx_BK.shape[0]), dtype=torch.float64, device=device),
+                r.selection_stats["visited"].double().sum(),
+                r.selection_stats["rounds"].double().sum(),
+                r.samples.has_end.double().sum(),
+                r.samples.response_mask.double().sum(),
+                r.samples.response_mask[rows_N].double().sum(),
+                sum(
+                    (b.attention_mask.sum() for b in r.batches if not b.filler), torch.zeros((), device=device)
+                ).double(),
+            ]
+        )
+    ).tolist()
     n_samples = n_prompts * G
     metrics = {
         **r.update,
-        "reward/mean": reward_mean, "reward/std": reward_std, "reward/selected_mean": kept_mean, "reward/selected_std": kept_std,
-        "rs/acceptance_rate": n_prompts * K / visited, "rs/rounds_mean": rounds / n_prompts,
+        "reward/mean": reward_mean,
+        "reward/std": reward_std,
+        "reward/selected_mean": kept_mean,
+        "reward/selected_std": kept_std,
+        "rs/acceptance_rate": n_prompts * K / visited,
+        "rs/rounds_mean": rounds / n_prompts,
         "rs/rounds_max": all_reduce_max(float(r.selection_stats["rounds"].max()), device),
-        "sample/end_fraction": ended / n_samples, "sample/response_length": generated / n_samples,
+        "sample/end_fraction": ended / n_samples,
+        "sample/response_length": generated / n_samples,
         "sample/selected_response_length": kept_len / (n_prompts * K),
         "perf/generate_tokens_per_second": generated / r.seconds["generate"],
         "perf/update_tokens_per_second": train_tokens * cfg.policy_epochs / r.seconds["update"],
@@ -95,8 +109,9 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) ->
     return metrics
 
 
-def update_metrics(epochs: list[dict[str, float]], gap_max: float, normaliser: float, steps: list[dict],
-                   cfg, log_entropy: bool) -> dict:
+def update_metrics(
+    epochs: list[dict[str, float]], gap_max: float, normaliser: float, steps: list[dict], cfg, log_entropy: bool
+) -> dict:
     """The update's global metrics from each epoch's global sums (micro-batches and ranks), the largest |log gap| to
     the sampler, the loss normaliser and each optimizer step's own metrics (grad norm, lr, skipped); `cfg`: grpo.Config."""
     mu = len(epochs)

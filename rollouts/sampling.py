@@ -16,8 +16,8 @@ from model.gpt2 import SharedPrefix
 from model.sampler import SampleOutput, generate
 from rlhf.rewards import REWARD_MODEL, RewardSource, score_functions
 from rollouts.prompts import PromptSet
-from utils.fsdp import gathered_params
 from utils.dist import all_reduce_sum
+from utils.fsdp import gathered_params
 from utils.guard import all_ranks_agree
 from utils.rundir import warn
 
@@ -48,8 +48,9 @@ class RewardSpec:
 
 
 @torch.no_grad()
-def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, greedy: bool = False,
-            on_chunk=None) -> SampleOutput:
+def rollout(
+    policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, greedy: bool = False, on_chunk=None
+) -> SampleOutput:
     """Generate num_samples responses per prompt in calls of cfg.gen_prompts prompts, parameters gathered once.
     Returns (B * num_samples, max_new_tokens) tensors grouped by prompt. `on_chunk(prompts)` after each call (the
     evaluation's progress)."""
@@ -60,11 +61,21 @@ def rollout(policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, g
         for s in range(0, prompt_ids.shape[0], cfg.gen_prompts):
             ids, mask = prompt_ids[s : s + cfg.gen_prompts], prompt_mask[s : s + cfg.gen_prompts]
             first = int(mask.any(0).long().argmax())  # this chunk's own left padding only
-            parts.append(generate(
-                policy, ids[:, first:], mask[:, first:], num_samples, cfg.max_new_tokens,
-                temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=generator,
-                prefix_sharing=cfg.prefix_sharing, compile=cfg.compile,
-            ))
+            parts.append(
+                generate(
+                    policy,
+                    ids[:, first:],
+                    mask[:, first:],
+                    num_samples,
+                    cfg.max_new_tokens,
+                    temperature=0.0 if greedy else cfg.temperature,
+                    top_p=cfg.top_p,
+                    top_k=cfg.top_k,
+                    generator=generator,
+                    prefix_sharing=cfg.prefix_sharing,
+                    compile=cfg.compile,
+                )
+            )
             if on_chunk is not None:
                 on_chunk(ids.shape[0])
     policy.train(was_training)
@@ -83,10 +94,18 @@ def shared_prompt_rows(prompt_ids, prompt_mask, response_ids, response_mask, pro
     first = int(p_mask.any(0).long().argmax())  # leading columns that are padding in every prompt
     width = int(response_mask.any(0).sum())  # trailing response columns that are padding in every row
     response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
-    input_ids, position_ids, layout = SharedPrefix.pack(p_ids[:, first:], p_mask[:, first:], response_ids, response_mask, group)
+    input_ids, position_ids, layout = SharedPrefix.pack(
+        p_ids[:, first:], p_mask[:, first:], response_ids, response_mask, group
+    )
     attention_mask = torch.cat([p_mask[:, first:].reshape(-1), response_mask.reshape(-1)])[None]  # (1, T)
-    return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask, "layout": layout,
-            "response_ids": response_ids, "response_mask": response_mask}
+    return {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "attention_mask": attention_mask,
+        "layout": layout,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+    }
 
 
 def model_rows(
@@ -112,10 +131,18 @@ def score(
     with gathered_params(reward_model):
         for s in range(0, N, micro):
             rows = torch.arange(s, min(s + micro, N), device=prompt_ids.device)
-            batch = model_rows(prompt_ids, prompt_mask, samples.response_ids[rows], samples.response_mask[rows],
-                               rows // group, prefix_sharing)
+            batch = model_rows(
+                prompt_ids,
+                prompt_mask,
+                samples.response_ids[rows],
+                samples.response_mask[rows],
+                rows // group,
+                prefix_sharing,
+            )
             mask = batch["layout"] if prefix_sharing else batch["attention_mask"]
-            scores.append(reward_model(batch["input_ids"], batch["position_ids"], mask, prompt_len=batch.get("prompt_len")))
+            scores.append(
+                reward_model(batch["input_ids"], batch["position_ids"], mask, prompt_len=batch.get("prompt_len"))
+            )
     return torch.cat(scores).float()
 
 
@@ -148,9 +175,11 @@ def warn_constant_sources(spec: RewardSpec, values_NS: torch.Tensor, applies_NS:
         if source.fn is None or source.name in spec.constant or count[s] < 2 or hi_lo[s] != -hi_lo[S + s]:
             continue
         spec.constant.add(source.name)
-        warn(f"reward source {source.spec} gave every one of its {int(count[s])} responses the same value "
-             f"({float(hi_lo[s]):.6g}) at step {step}: it adds nothing to the advantages, so it trains nothing "
-             f"(said once per run)")
+        warn(
+            f"reward source {source.spec} gave every one of its {int(count[s])} responses the same value "
+            f"({float(hi_lo[s]):.6g}) at step {step}: it adds nothing to the advantages, so it trains nothing "
+            f"(said once per run)"
+        )
 
 
 @torch.no_grad()
@@ -166,10 +195,17 @@ def source_values(spec: RewardSpec, reward_model, prompts: PromptSet, samples: S
         texts = decode_responses(spec.tok, samples.response_ids, samples.response_mask, samples.has_end)
         # a function may raise on the rows one rank holds only: every rank stops together, with that rank's message
         with all_ranks_agree("the reward functions", device):
-            values = score_functions(spec.sources, applies, [prompts.texts[b] for b in of], texts,
-                                     [prompts.rows[b] for b in of], prompts.where)
+            values = score_functions(
+                spec.sources,
+                applies,
+                [prompts.texts[b] for b in of],
+                texts,
+                [prompts.rows[b] for b in of],
+                prompts.where,
+            )
     raw = None
     if reward_model is not None:
-        raw = score(reward_model, prompts.ids, prompts.mask, samples, group, cfg.score_micro_batch_size,
-                    cfg.prefix_sharing)  # (N,)
+        raw = score(
+            reward_model, prompts.ids, prompts.mask, samples, group, cfg.score_micro_batch_size, cfg.prefix_sharing
+        )  # (N,)
     return Scores(values.to(device), raw, applies.to(device))

@@ -24,15 +24,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_script(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run a top-level script as one plain process, or under torchrun with `nproc` gloo processes."""
     full_env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", *args,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            *args,
         ]
     out = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
@@ -70,8 +77,13 @@ def script_command(args: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, *args]
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *args,
     ]
 
 
@@ -101,8 +113,9 @@ def checkpoint_step(run_dir: Path) -> int:
         return 0
 
 
-def run_and_interrupt(args: list[str], run_dir: Path, min_step: int, sig: int, nproc: int = 1, timeout: int = 300,
-                      whole_tree: bool = True) -> tuple[int, str]:
+def run_and_interrupt(
+    args: list[str], run_dir: Path, min_step: int, sig: int, nproc: int = 1, timeout: int = 300, whole_tree: bool = True
+) -> tuple[int, str]:
     """Start a script, wait until it has saved a checkpoint of step >= min_step, send `sig` (to the launcher and,
     with whole_tree, to every worker: a node failure; without, to the launcher alone: torchrun forwards SIGTERM as
     a scheduler's preemption does), and wait for it to end. Returns (exit code, stdout + stderr)."""
@@ -112,15 +125,20 @@ def run_and_interrupt(args: list[str], run_dir: Path, min_step: int, sig: int, n
     env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     log = run_dir.with_name(run_dir.name + f".{signal.Signals(sig).name}.log")
     with open(log, "w") as out:
-        proc = subprocess.Popen(script_command(args, nproc), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            script_command(args, nproc), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         try:
             while checkpoint_step(run_dir) < min_step:
                 if proc.poll() is not None:
-                    raise AssertionError(f"ended ({proc.returncode}) before a step-{min_step} checkpoint:\n{log.read_text()[-3000:]}")
+                    raise AssertionError(
+                        f"ended ({proc.returncode}) before a step-{min_step} checkpoint:\n{log.read_text()[-3000:]}"
+                    )
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"no step-{min_step} checkpoint within {timeout} s:\n{log.read_text()[-3000:]}")
+                    raise AssertionError(
+                        f"no step-{min_step} checkpoint within {timeout} s:\n{log.read_text()[-3000:]}"
+                    )
                 time.sleep(0.02)
             targets = [proc.pid] + (descendants(proc.pid) if whole_tree else [])
             for pid in reversed(targets):  # workers first

@@ -57,9 +57,28 @@ def write_pref_rows(path, n=48, seed=0):
 def pair_run_args(data, run, steps):
     """The options a small reward_model.py or dpo.py run on `data` shares."""
     return [
-        "--train_data", str(data), "--val_data", str(data), "--val_rows", "16", "--steps", str(steps),
-        "--batch_size", "8", "--micro_batch_size", "2", "--warmup_steps", "1", "--max_prompt_len", "64",
-        "--max_response_len", "16", "--wandb_mode", "disabled", "--out_dir", str(run),
+        "--train_data",
+        str(data),
+        "--val_data",
+        str(data),
+        "--val_rows",
+        "16",
+        "--steps",
+        str(steps),
+        "--batch_size",
+        "8",
+        "--micro_batch_size",
+        "2",
+        "--warmup_steps",
+        "1",
+        "--max_prompt_len",
+        "64",
+        "--max_response_len",
+        "16",
+        "--wandb_mode",
+        "disabled",
+        "--out_dir",
+        str(run),
     ]
 
 
@@ -91,14 +110,21 @@ def end_biased_policy(folder, n_positions=256, seed=0) -> GPT2LMHeadModel:
 
 def adapted_weight_names(cfg: GPTConfig) -> set[str]:
     """Hugging Face names of the weights LoRA adapts by default (the export merges the adapters into these)."""
-    return {f"transformer.h.{i}.{m}.weight" for i in range(cfg.n_layer) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    return {
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(cfg.n_layer)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    }
 
 
 def changed_weights(before_folder, after_folder) -> set[str]:
     """Names of the weights that differ between two Hugging Face folders of a plain GPT-2."""
     from safetensors.torch import load_file
 
-    before, after = load_file(str(before_folder / "model.safetensors")), load_file(str(after_folder / "model.safetensors"))
+    before, after = (
+        load_file(str(before_folder / "model.safetensors")),
+        load_file(str(after_folder / "model.safetensors")),
+    )
     assert before.keys() == after.keys()  # a plain GPT-2: no adapter keys
     return {k for k in before if not torch.equal(before[k], after[k])}
 
@@ -132,8 +158,9 @@ def zero_reward(prompt: str, response: str) -> float:
 ZERO_REWARD = RewardSource("zero_reward", "tests.helpers:zero_reward", 1.0, zero_reward)
 
 
-def prompts_and_rewards(cfg, sources: list[RewardSource] | None = None,
-                        prompts: list[list[int]] | None = None) -> tuple[PromptSet, RewardSpec]:
+def prompts_and_rewards(
+    cfg, sources: list[RewardSource] | None = None, prompts: list[list[int]] | None = None
+) -> tuple[PromptSet, RewardSpec]:
     """grpo.train_step's prompts and rewards on the CPU, without a reward model: `prompts` (token ids; by default
     cfg.prompts_per_step short ragged ones, for a tiny GPT-2), every one of the reward sources of cfg.rewards, or
     `sources`, applying to each."""
@@ -143,5 +170,7 @@ def prompts_and_rewards(cfg, sources: list[RewardSource] | None = None,
         prompts = [[11 + i + j for j in range(2 + i % 3)] for i in range(cfg.prompts_per_step)]
     ids, mask = pad_prompts(prompts)  # (B, P) left-padded
     applies = torch.ones(len(prompts), len(sources), dtype=torch.bool)
-    prompt_set = PromptSet(ids, mask, [tok.decode(p) for p in prompts], list(range(len(prompts))), applies, "test prompts")
+    prompt_set = PromptSet(
+        ids, mask, [tok.decode(p) for p in prompts], list(range(len(prompts))), applies, "test prompts"
+    )
     return prompt_set, RewardSpec(sources, cfg.normalize_reward_fns, tok)

@@ -16,18 +16,61 @@ from data.tldr import collate_pairs, collate_sft
 from model.gpt2 import PRESETS, GPTConfig
 
 SAMPLER = sampler.SamplerConfig(
-    name="test-sampler", preset="tiny", dtype="fp32", prompt_len=12, min_prompt_len=8, new_tokens=3, group=2,
-    rows=(4,), share_prompts=1, warmup=1, repeats=1, stage_steps=2,
+    name="test-sampler",
+    preset="tiny",
+    dtype="fp32",
+    prompt_len=12,
+    min_prompt_len=8,
+    new_tokens=3,
+    group=2,
+    rows=(4,),
+    share_prompts=1,
+    warmup=1,
+    repeats=1,
+    stage_steps=2,
 )
-TRAIN = train.TrainConfig("test-train", "tiny", batch_rows=4, micro_rows=2, prompt_len=12, min_prompt_len=8,
-                          response_len=4, min_response_len=2, warmup=1, repeats=1)
-GRPO = grpo_step.GRPOBenchConfig("test-grpo", "tiny", prompts=2, num_samples=4, num_kept=2, selection="rso",
-                                 max_new_tokens=3, prompt_len=12, min_prompt_len=8, gen_prompts=2, micro_batch_size=2,
-                                 score_micro_batch_size=8, warmup=1, repeats=1)
+TRAIN = train.TrainConfig(
+    "test-train",
+    "tiny",
+    batch_rows=4,
+    micro_rows=2,
+    prompt_len=12,
+    min_prompt_len=8,
+    response_len=4,
+    min_response_len=2,
+    warmup=1,
+    repeats=1,
+)
+GRPO = grpo_step.GRPOBenchConfig(
+    "test-grpo",
+    "tiny",
+    prompts=2,
+    num_samples=4,
+    num_kept=2,
+    selection="rso",
+    max_new_tokens=3,
+    prompt_len=12,
+    min_prompt_len=8,
+    gen_prompts=2,
+    micro_batch_size=2,
+    score_micro_batch_size=8,
+    warmup=1,
+    repeats=1,
+)
 TRL = dataclasses.replace(GRPO, name="test-trl", selection="all", num_kept=4)
-PREFIX = prefix_sharing.PrefixBenchConfig("test-prefix", "tiny", prompts=2, num_samples=4, num_kept=2, max_new_tokens=3,
-                                          max_prompt_len=64, gen_prompts=1, micro_batch_size=4, score_micro_batch_size=3,
-                                          repeats=1)
+PREFIX = prefix_sharing.PrefixBenchConfig(
+    "test-prefix",
+    "tiny",
+    prompts=2,
+    num_samples=4,
+    num_kept=2,
+    max_new_tokens=3,
+    max_prompt_len=64,
+    gen_prompts=1,
+    micro_batch_size=4,
+    score_micro_batch_size=3,
+    repeats=1,
+)
 POSITIVE_UNITS = ("tok/s", "s", "ms", "MiB", "x", "%", "TFLOP/s", "rows/s", "pairs/s")
 
 
@@ -56,7 +99,9 @@ def micro_configs(monkeypatch, fresh_process_group):
     monkeypatch.setattr(train, "configs", lambda device, quick: [TRAIN])
     monkeypatch.setattr(grpo_step, "configs", lambda device, quick: [GRPO])
     monkeypatch.setattr(trl_grpo, "configs", lambda device, quick: [TRL])
-    monkeypatch.setattr(lora_memory, "configs", lambda device, quick: [lora_memory.LoRAMemoryConfig("test-lora", "tiny", 4)])
+    monkeypatch.setattr(
+        lora_memory, "configs", lambda device, quick: [lora_memory.LoRAMemoryConfig("test-lora", "tiny", 4)]
+    )
     monkeypatch.setattr(prefix_sharing, "configs", lambda device, quick: [PREFIX])
     # the TRL run itself takes a minute of start-up; test_trl_child covers it where trl is installed
     monkeypatch.setattr(trl_grpo, "trl_available", lambda: (False, "trl is not installed (test)"))
@@ -85,8 +130,14 @@ def test_run_all_prints_table_and_writes_json(tmp_path, micro_configs, capsys):
             assert r["note"].startswith("not measured") or "not reported" in r["note"], r
             continue
         assert math.isfinite(r["value"]), r
-        assert r["config_name"] in {"test-sampler", "test-train", "test-grpo", "test-trl", "test-lora",
-                                    "test-prefix"}, r
+        assert r["config_name"] in {
+            "test-sampler",
+            "test-train",
+            "test-grpo",
+            "test-trl",
+            "test-lora",
+            "test-prefix",
+        }, r
         if r["unit"] in POSITIVE_UNITS and not r["name"].endswith(": other"):
             assert r["value"] > 0, r
     # no silent gaps: the missing TRL step and the CPU MFU say why
@@ -139,7 +190,9 @@ def test_grpo_step_stages_and_token_counts(one_thread, fresh_process_group, monk
     assert c["total_tokens"] == int(prompt_mask.sum()) * GRPO.num_samples + c["generated_tokens"]
     assert c["trained_sequences"] == GRPO.prompts * GRPO.num_kept
     assert c["generated_tokens"] == int(results[-1].samples.response_mask.sum())
-    assert by_name(rows, "grpo", "generated tokens/s per device")["value"] == pytest.approx(c["generated_tokens"] / step)
+    assert by_name(rows, "grpo", "generated tokens/s per device")["value"] == pytest.approx(
+        c["generated_tokens"] / step
+    )
     assert m["peak_memory_bytes"] > 2**20
 
 
@@ -172,7 +225,10 @@ def test_flops_formula_by_hand():
     # GPT-2 124M: 124,439,808 unique parameters; N drops the 1024 x 768 position table (and wte without a head)
     gpt2 = PRESETS["gpt2"]
     assert train.matmul_params(gpt2, 124_439_808, lm_head=True) == (124_439_808 - 786_432, 50257 * 768)
-    assert train.matmul_params(gpt2, 124_439_808 - 50257 * 768, lm_head=False)[0] == 124_439_808 - 786_432 - 2 * 50257 * 768
+    assert (
+        train.matmul_params(gpt2, 124_439_808 - 50257 * 768, lm_head=False)[0]
+        == 124_439_808 - 786_432 - 2 * 50257 * 768
+    )
 
 
 def test_table_and_result_rules():
@@ -228,7 +284,8 @@ def test_prefix_sharing_counts_each_prompt_once_per_group(fresh_process_group, o
     assert shared["kv_cache_bytes"] == sum(2 * 2 * 64 * 4 * (lengths[0] + G * new) for _ in [0])  # first call: prompt 0
     rows = prefix_sharing.rows_of(PREFIX, m)
     assert by_name(rows, "prefix_sharing", "shared / unshared, KV cache")["value"] == pytest.approx(
-        (lengths[0] + G * new) / (G * (lengths[0] + new)))
+        (lengths[0] + G * new) / (G * (lengths[0] + new))
+    )
 
 
 def test_decode_ops_per_token_and_per_layer(one_thread):
@@ -242,5 +299,7 @@ def test_decode_ops_per_token_and_per_layer(one_thread):
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPTConfig(vocab_size=512, n_layer=n_layer, n_head=2, n_embd=64, n_positions=128)).eval()
         ids, mask = random_prompts(2, 16, 10, model.cfg.vocab_size, seed=0, pad_id=0)
-        counts[n_layer] = sum(decode_ops.ops_per_token(model, ids, mask, 4, share=True, check_every=8, short=2, long=5).values())
+        counts[n_layer] = sum(
+            decode_ops.ops_per_token(model, ids, mask, 4, share=True, check_every=8, short=2, long=5).values()
+        )
     assert counts[2] <= 100 and 0 < counts[3] - counts[2] <= 30, counts

@@ -73,8 +73,9 @@ def test_lora_reference_is_gathered_once_for_all_micro_batches(one_rank_group, a
     ids, pos, mask = rows(n=6)
     response_ids = torch.randint(0, CFG.vocab_size, (6, 5))
     real = torch.ones(2, 5, dtype=torch.bool)
-    rows_of = [prompt_response_rows(ids[i : i + 2], mask[i : i + 2], response_ids[i : i + 2], real)
-               for i in range(0, 6, 2)]  # 3 micro-batches
+    rows_of = [
+        prompt_response_rows(ids[i : i + 2], mask[i : i + 2], response_ids[i : i + 2], real) for i in range(0, 6, 2)
+    ]  # 3 micro-batches
     batches = [MicroBatch.from_rows(r, torch.zeros(2), torch.zeros(2, 5)) for r in rows_of]
     cfg = SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0)
     gathered = grpo.batch_logprobs(AdaptersOff(policy), batches, cfg, gather=True)
@@ -94,7 +95,7 @@ def test_sampler_checks_for_finished_rows_every_few_tokens_with_the_same_rows():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CFG).eval()
     with torch.no_grad():  # the final hidden state is a fixed unit vector d and the logit of "\n" (198) is 6 above
-        d = torch.ones(CFG.n_embd) / CFG.n_embd ** 0.5  # the others' (about 0): each token ends a row with p ~ 0.44
+        d = torch.ones(CFG.n_embd) / CFG.n_embd**0.5  # the others' (about 0): each token ends a row with p ~ 0.44
         model.transformer.ln_f.weight.zero_()
         model.transformer.ln_f.bias.copy_(d)
         model.transformer.wte.weight[198] = 6 * d
@@ -104,7 +105,9 @@ def test_sampler_checks_for_finished_rows_every_few_tokens_with_the_same_rows():
     out = {}
     for every in (1, 4):
         calls.clear()
-        out[every] = generate(model, ids, mask, 4, 40, generator=torch.Generator().manual_seed(1), done_check_every=every)
+        out[every] = generate(
+            model, ids, mask, 4, 40, generator=torch.Generator().manual_seed(1), done_check_every=every
+        )
         out[every] = (out[every], len(calls))
     (one, forwards_1), (four, forwards_4) = out[1], out[4]
     assert bool(one.has_end.all()) and one.response_mask.sum(1).max() < 30
@@ -137,7 +140,7 @@ def test_gpu_sampler_checks_every_8_tokens_by_default_with_the_same_rows():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CFG).cuda().eval()
     with torch.no_grad():
-        d = torch.ones(CFG.n_embd, device="cuda") / CFG.n_embd ** 0.5
+        d = torch.ones(CFG.n_embd, device="cuda") / CFG.n_embd**0.5
         model.transformer.ln_f.weight.zero_()
         model.transformer.ln_f.bias.copy_(d)
         model.transformer.wte.weight[198] = 6 * d
@@ -147,8 +150,14 @@ def test_gpu_sampler_checks_every_8_tokens_by_default_with_the_same_rows():
     outs = []
     for every in (1, None):  # None: the GPU default
         calls.clear()
-        outs.append((generate(model, ids, mask, 4, 40, generator=torch.Generator("cuda").manual_seed(1),
-                              done_check_every=every), len(calls)))
+        outs.append(
+            (
+                generate(
+                    model, ids, mask, 4, 40, generator=torch.Generator("cuda").manual_seed(1), done_check_every=every
+                ),
+                len(calls),
+            )
+        )
     (one, forwards_1), (default, forwards_default) = outs
     for field in ("response_ids", "response_mask", "logprobs", "has_end"):
         assert torch.equal(getattr(one, field), getattr(default, field)), field
@@ -183,8 +192,9 @@ def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tm
     from data.tldr import collate_pairs
     from utils.config import parse_config
 
-    cfg = parse_config(dpo.Config, ["--model", "tiny", "--random_init", "true", "--dtype", "fp32",
-                                    "--out_dir", str(tmp_path / "run")])
+    cfg = parse_config(
+        dpo.Config, ["--model", "tiny", "--random_init", "true", "--dtype", "fp32", "--out_dir", str(tmp_path / "run")]
+    )
     run = SimpleNamespace(say=lambda message: None, device=torch.device("cuda"), dtype=None)
     torch.manual_seed(0)
     policy, reference = dpo.build_models(cfg, run)
@@ -230,8 +240,11 @@ def test_reshard_settings_are_the_ones_shard_model_gave_and_come_back_after_a_ga
     # what FSDP2 does matches the recorded setting: after a frozen forward every unit is resharded
     with torch.no_grad():
         frozen(ids, pos, mask)
-    assert all(not m._get_fsdp_state()._fsdp_param_group.is_unsharded  # noqa: SLF001 (FSDP2's own view)
-               for m in frozen.modules() if isinstance(m, FSDPModule))
+    assert all(
+        not m._get_fsdp_state()._fsdp_param_group.is_unsharded  # noqa: SLF001 (FSDP2's own view)
+        for m in frozen.modules()
+        if isinstance(m, FSDPModule)
+    )
 
 
 def test_dpo_reference_is_gathered_once_per_step(one_rank_group, monkeypatch):
@@ -253,7 +266,9 @@ def test_dpo_reference_is_gathered_once_per_step(one_rank_group, monkeypatch):
     cfg = GPTConfig(vocab_size=50257, n_positions=64, n_layer=2, n_head=2, n_embd=16)  # pairs end in GPT-2's end token
     policy = shard_model(GPT2LMHeadModel(cfg))
     reference = shard_model(freeze(GPT2LMHeadModel(cfg)))
-    ref_groups = {id(m._get_fsdp_state()._fsdp_param_group) for m in reference.modules() if hasattr(m, "_get_fsdp_state")}
+    ref_groups = {
+        id(m._get_fsdp_state()._fsdp_param_group) for m in reference.modules() if hasattr(m, "_get_fsdp_state")
+    }
     g = torch.Generator().manual_seed(0)
     pairs = lambda: [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (7, 5)]
     micro = [collate_pairs(pairs(), pairs(), pairs()) for _ in range(3)]  # 3 micro-batches of 2 pairs

@@ -27,7 +27,13 @@ def runs(tmp_path):
         for seed in (0, 1):
             rows = [{"step": s, "reward/mean": offset + s + seed, "train/kl": 0.1 * s} for s in (1, 2, 3)]
             rows[-1]["eval/pref_accuracy"] = 0.6 + 0.1 * seed
-            config = {"selection": selection, "seed": seed, "out_dir": f"r/{selection}{seed}", "lr": 0.1, "eval_every": 1}
+            config = {
+                "selection": selection,
+                "seed": seed,
+                "out_dir": f"r/{selection}{seed}",
+                "lr": 0.1,
+                "eval_every": 1,
+            }
             dirs.append(write_run(tmp_path / f"{selection}{seed}", config, rows))
     return dirs
 
@@ -55,17 +61,22 @@ def test_final_and_best_over_seeds_by_hand(runs):
     assert s["best"] == pytest.approx((0.1, 0.0)) and s["final"] == pytest.approx((0.3, 0.0))
     assert compare.summarize(rso, "no/such_metric", minimize=False) is None
     # the final value as the mean of the last two: seeds (2 + 3) / 2 and (3 + 4) / 2
-    assert compare.summarize(rso, "reward/mean", minimize=False, last=2)["final"] == pytest.approx((3.0, math.sqrt(0.5)))
+    assert compare.summarize(rso, "reward/mean", minimize=False, last=2)["final"] == pytest.approx(
+        (3.0, math.sqrt(0.5))
+    )
     assert compare.mean_curve(rso, "eval/pref_accuracy") == [(3, pytest.approx(0.65))]
 
 
 def test_command_prints_one_row_per_group_and_draws_the_curves(runs, tmp_path, capsys):
     out = tmp_path / "compare.png"
-    text = compare.main([*map(str, runs), "--metrics", "reward/mean", "eval/pref_accuracy", "--out", str(out),
-                         "--smooth", "2"])
+    text = compare.main(
+        [*map(str, runs), "--metrics", "reward/mean", "eval/pref_accuracy", "--out", str(out), "--smooth", "2"]
+    )
     lines = text.splitlines()
-    assert lines[0] == ("| group | seeds | reward/mean (final) | reward/mean (best) | eval/pref_accuracy (final) | "
-                        "eval/pref_accuracy (best) |")
+    assert lines[0] == (
+        "| group | seeds | reward/mean (final) | reward/mean (best) | eval/pref_accuracy (final) | "
+        "eval/pref_accuracy (best) |"
+    )
     assert lines[2] == "| selection=rso | 2 | 3.500 ± 0.707 | 3.500 ± 0.707 | 0.650 ± 0.071 | 0.650 ± 0.071 |"
     assert lines[3].startswith("| selection=uniform | 2 | 2.500 ± 0.707 |")
     assert out.stat().st_size > 10_000
@@ -109,7 +120,11 @@ def test_every_evaluation_point_is_drawn_at_its_value(evaluated):
     assert "moving average of 5 logged steps" in step_ax.get_title()
     # against KL: the evaluation points at the KL of their steps, unsmoothed
     against_kl = fig.axes[1].lines[0]
-    assert list(against_kl.get_xdata()) == pytest.approx([0.03, 0.06, 0.09]) and list(against_kl.get_ydata()) == [1.5, 2.5, 4.5]
+    assert list(against_kl.get_xdata()) == pytest.approx([0.03, 0.06, 0.09]) and list(against_kl.get_ydata()) == [
+        1.5,
+        2.5,
+        4.5,
+    ]
 
 
 def test_x_never_draws_itself(evaluated):
@@ -122,7 +137,9 @@ def test_x_never_draws_itself(evaluated):
 def test_defaults_exist_on_the_runs_and_the_picture_goes_next_to_them(evaluated, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     text = compare.main([str(d) for d in evaluated])
-    assert text.splitlines()[0].startswith("| group | seeds | eval/reward (final) | eval/reward (best) | reward/mean (final)")
+    assert text.splitlines()[0].startswith(
+        "| group | seeds | eval/reward (final) | eval/reward (best) | reward/mean (final)"
+    )
     assert "train/loss" not in text  # not logged: not a default
     assert (tmp_path / "grpo" / "compare.png").is_file() and not (tmp_path / "compare.png").exists()
     assert f"wrote {tmp_path / 'grpo' / 'compare.png'}" in capsys.readouterr().out
@@ -133,8 +150,9 @@ def test_bad_inputs_are_one_line_each(evaluated, tmp_path):
         compare.main([str(tmp_path / "nowhere")])
     with pytest.raises(compare.CompareError) as info:
         compare.main([str(evaluated[0]), "--metrics", "reward/gold_mean", "--out", ""])
-    assert str(info.value) == ("--metrics reward/gold_mean: no run logged it; the runs logged eval/reward, "
-                               "reward/mean, train/kl")
+    assert str(info.value) == (
+        "--metrics reward/gold_mean: no run logged it; the runs logged eval/reward, reward/mean, train/kl"
+    )
     with pytest.raises(compare.CompareError, match="--x train/klx: no run logged it"):
         compare.main([str(evaluated[0]), "--x", "train/klx", "--out", ""])
     import subprocess
@@ -142,15 +160,22 @@ def test_bad_inputs_are_one_line_each(evaluated, tmp_path):
 
     from tests.conftest import ROOT
 
-    out = subprocess.run([sys.executable, "-m", "evaluation.compare", str(tmp_path / "nowhere")], cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "evaluation.compare", str(tmp_path / "nowhere")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: ")
 
 
 def test_runs_of_different_stages_are_labelled_by_their_folders(tmp_path):
-    sft = write_run(tmp_path / "sft", {"seed": 1, "max_response_len": 64, "prompt_loss_weight": 0.0}, [{"step": 1, "m": 1.0}])
-    dpo = write_run(tmp_path / "dpo", {"seed": 1, "max_response_len": 64, "beta": 0.1, "loss": "sigmoid"},
-                    [{"step": 1, "m": 2.0}])
+    sft = write_run(
+        tmp_path / "sft", {"seed": 1, "max_response_len": 64, "prompt_loss_weight": 0.0}, [{"step": 1, "m": 1.0}]
+    )
+    dpo = write_run(
+        tmp_path / "dpo", {"seed": 1, "max_response_len": 64, "beta": 0.1, "loss": "sigmoid"}, [{"step": 1, "m": 2.0}]
+    )
     groups = compare.group_runs([compare.load_run(d) for d in (sft, dpo)])
     assert [options for options, _ in groups] == [{"run": str(sft)}, {"run": str(dpo)}]
     # runs of one stage: the options that differ, not the ones some lack

@@ -35,10 +35,39 @@ def test_two_process_sft_lowers_loss_and_resumes_exactly_after_sigkill_and_sigte
 
     def args(run):
         return [
-            "sft.py", "--model", "tiny", "--random_init", "true", "--train_data", str(data), "--val_data", str(data),
-            "--val_rows", "16", "--steps", "6", "--batch_size", "8", "--micro_batch_size", "2", "--lr", "3e-3",
-            "--warmup_steps", "1", "--eval_every", "2", "--save_every", "1", "--keep_last", "2",
-            "--max_prompt_len", "64", "--wandb_mode", "disabled", "--out_dir", str(run),
+            "sft.py",
+            "--model",
+            "tiny",
+            "--random_init",
+            "true",
+            "--train_data",
+            str(data),
+            "--val_data",
+            str(data),
+            "--val_rows",
+            "16",
+            "--steps",
+            "6",
+            "--batch_size",
+            "8",
+            "--micro_batch_size",
+            "2",
+            "--lr",
+            "3e-3",
+            "--warmup_steps",
+            "1",
+            "--eval_every",
+            "2",
+            "--save_every",
+            "1",
+            "--keep_last",
+            "2",
+            "--max_prompt_len",
+            "64",
+            "--wandb_mode",
+            "disabled",
+            "--out_dir",
+            str(run),
         ]
 
     full_run = tmp_path / "full"
@@ -79,8 +108,15 @@ def test_fsdp_gathers_the_root_once_per_micro_batch(tmp_path):
     out = tmp_path / "gathers.pt"
     run_script(["tests/scripts/fsdp_gathers.py", str(out)], nproc=2)
     counts = torch.load(out)
-    assert counts == {"first_step": 5, "second_step": 5, "gathered_block": 3, "step_after_gathered_block": 5,
-                      "frozen_forward": 3, "frozen_forward_again": 3, "forward_after_step": 3}, counts
+    assert counts == {
+        "first_step": 5,
+        "second_step": 5,
+        "gathered_block": 3,
+        "step_after_gathered_block": 5,
+        "frozen_forward": 3,
+        "frozen_forward_again": 3,
+        "forward_after_step": 3,
+    }, counts
 
 
 def test_sharded_checkpoint_resumes_exactly_on_two_processes_and_on_one(tmp_path):
@@ -109,7 +145,11 @@ def test_sharded_checkpoint_resumes_exactly_on_two_processes_and_on_one(tmp_path
                 assert not torch.equal(final, t)  # step 3 moved it
         assert all(torch.equal(resumed["loaded_frozen"][n], t) for n, t in saved["saved_frozen"].items())
         assert resumed["lr"] == saved["lr"]  # the schedule resumed at step 3
-        assert abs(resumed["loss"] - saved["loss"]) <= (0 if nproc == 2 else 1e-5), (nproc, resumed["loss"], saved["loss"])
+        assert abs(resumed["loss"] - saved["loss"]) <= (0 if nproc == 2 else 1e-5), (
+            nproc,
+            resumed["loss"],
+            saved["loss"],
+        )
 
 
 def test_dist_timeout_reaches_the_process_group(tmp_path):
@@ -130,8 +170,10 @@ def test_out_dir_that_ranks_see_differently_is_refused_on_every_rank(tmp_path):
         if mode == "same":
             assert errors == ["", ""], errors
         else:
-            assert all("is not the same folder on every rank: ranks [1] do not see the file rank 0 wrote there" in e
-                       for e in errors), errors
+            assert all(
+                "is not the same folder on every rank: ranks [1] do not see the file rank 0 wrote there" in e
+                for e in errors
+            ), errors
         assert not list((tmp_path / mode).rglob(".shared_check_*"))
 
 
@@ -143,9 +185,33 @@ def test_sft_validation_with_uneven_rows_finishes_and_matches_one_process(tmp_pa
 
     def args(run):
         return [
-            "sft.py", "--model", "tiny", "--random_init", "true", "--train_data", str(data), "--val_data", str(data),
-            "--val_rows", "17", "--steps", "1", "--batch_size", "16", "--micro_batch_size", "8", "--lr", "1e-9",
-            "--warmup_steps", "0", "--max_prompt_len", "64", "--wandb_mode", "disabled", "--out_dir", str(run),
+            "sft.py",
+            "--model",
+            "tiny",
+            "--random_init",
+            "true",
+            "--train_data",
+            str(data),
+            "--val_data",
+            str(data),
+            "--val_rows",
+            "17",
+            "--steps",
+            "1",
+            "--batch_size",
+            "16",
+            "--micro_batch_size",
+            "8",
+            "--lr",
+            "1e-9",
+            "--warmup_steps",
+            "0",
+            "--max_prompt_len",
+            "64",
+            "--wandb_mode",
+            "disabled",
+            "--out_dir",
+            str(run),
         ]
 
     losses = {}

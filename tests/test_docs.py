@@ -31,7 +31,11 @@ def help_entries(text: str) -> dict[str, str]:
 
 
 def test_docs_option_tables_are_generated_from_the_configs():
-    stale = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md")) if render_docs(p.read_text()) != p.read_text()]
+    stale = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "docs").glob("*.md"))
+        if render_docs(p.read_text()) != p.read_text()
+    ]
     assert not stale, f"the option tables in {', '.join(stale)} differ from --help; regenerate them with: {REGENERATE}"
 
 
@@ -40,8 +44,12 @@ def test_docs_table_lists_what_help_lists(script, monkeypatch):
     """The script's full table in docs/ has every option of `python SCRIPT.py --help`, in its order, with its
     default (read from the help text itself, not from the generator)."""
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapping inside a default (argparse breaks "trl-lib" at its hyphen)
-    blocks = [m for p in sorted((ROOT / "docs").glob("*.md")) for m in DOCS_BLOCK.finditer(p.read_text())
-              if m.group(2) == script and m.group(3) is None]
+    blocks = [
+        m
+        for p in sorted((ROOT / "docs").glob("*.md"))
+        for m in DOCS_BLOCK.finditer(p.read_text())
+        if m.group(2) == script and m.group(3) is None
+    ]
     assert len(blocks) == 1, f"docs/ should hold one full option table of {script}.py (<!-- options: {script} -->)"
     rows = ROW.findall(blocks[0].group(4))
     cls = importlib.import_module(script).Config
@@ -49,7 +57,10 @@ def test_docs_table_lists_what_help_lists(script, monkeypatch):
     assert [name for name, _ in rows] == list(entries), f"regenerate with: {REGENERATE}"
     as_help = {"true": "True", "false": "False", '""': ""}
     for name, default in rows:
-        assert entries[name].endswith(f"(default: {as_help.get(default, default)})"), (name, f"regenerate: {REGENERATE}")
+        assert entries[name].endswith(f"(default: {as_help.get(default, default)})"), (
+            name,
+            f"regenerate: {REGENERATE}",
+        )
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -94,8 +105,11 @@ class _Unmarked(_Shared):
 
 
 def test_help_groups_by_section_with_the_scripts_own_options_first():
-    groups = [(g.title, [a.dest for a in g._group_actions]) for g in build_parser(_Stage)._action_groups
-              if g._group_actions and g.title != "options"]
+    groups = [
+        (g.title, [a.dest for a in g._group_actions])
+        for g in build_parser(_Stage)._action_groups
+        if g._group_actions and g.title != "options"
+    ]
     # sections in SECTIONS order; own options (reference, seed_offset) before shared ones; the redeclared --model
     # keeps the section of its first declaration and its place among the shared options
     assert groups == [("models", ["reference", "model"]), ("objective", ["beta"]), ("run", ["seed_offset", "seed"])]
@@ -109,8 +123,17 @@ def test_an_option_under_no_section_line_still_parses_and_is_listed_last():
 
 
 TOOLS = (  # every command line but the four training scripts (parse_config, as eval_preferences.py)
-    "demo", "eval_preferences", "evaluation.compare", "evaluation.plots", "bench.run_all", "bench.prefix_sharing",
-    "bench.update_stage", "bench.trl_grpo", "model.lora", "data.synthetic", "utils.config",
+    "demo",
+    "eval_preferences",
+    "evaluation.compare",
+    "evaluation.plots",
+    "bench.run_all",
+    "bench.prefix_sharing",
+    "bench.update_stage",
+    "bench.trl_grpo",
+    "model.lora",
+    "data.synthetic",
+    "utils.config",
 )
 
 

@@ -46,7 +46,9 @@ TINY = PRESETS["tiny"]
 
 def tldr_prompt(rng, words):
     post = " ".join(rng.choice(words) for _ in range(rng.randint(8, 20)))
-    return f"SUBREDDIT: r/{rng.choice(words)}\n\nTITLE: {rng.choice(words)} {rng.choice(words)}\n\nPOST: {post}\n\nTL;DR:"
+    return (
+        f"SUBREDDIT: r/{rng.choice(words)}\n\nTITLE: {rng.choice(words)} {rng.choice(words)}\n\nPOST: {post}\n\nTL;DR:"
+    )
 
 
 def write_jsonl(path, rows):
@@ -59,14 +61,20 @@ def inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("inputs")
     rng = random.Random(0)
     words = "cat dog car house job money friend sister brother school game phone rent boss date trip".split()
-    sft_rows = [{"prompt": tldr_prompt(rng, words), "completion": " " + " ".join(rng.sample(words, 3))} for _ in range(16)]
-    pref_rows = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": " " + rng.choice(words)} for r in sft_rows]
+    sft_rows = [
+        {"prompt": tldr_prompt(rng, words), "completion": " " + " ".join(rng.sample(words, 3))} for _ in range(16)
+    ]
+    pref_rows = [
+        {"prompt": r["prompt"], "chosen": r["completion"], "rejected": " " + rng.choice(words)} for r in sft_rows
+    ]
     f = {
         "sft": write_jsonl(d / "sft.jsonl", sft_rows),
         "pref": write_jsonl(d / "pref.jsonl", pref_rows),
         "empty_field": write_jsonl(d / "empty_field.jsonl", [sft_rows[0], {**sft_rows[1], "completion": "   "}]),
         "not_text": write_jsonl(d / "not_text.jsonl", [sft_rows[0], sft_rows[1], {**sft_rows[2], "completion": 42}]),
-        "no_tldr": write_jsonl(d / "no_tldr.jsonl", [sft_rows[0], {**sft_rows[1], "prompt": "POST: my cat ate my homework"}]),
+        "no_tldr": write_jsonl(
+            d / "no_tldr.jsonl", [sft_rows[0], {**sft_rows[1], "prompt": "POST: my cat ate my homework"}]
+        ),
         "few_rows": write_jsonl(d / "few_rows.jsonl", sft_rows[:3]),
         "no_rows": write_jsonl(d / "no_rows.jsonl", []),
         "csv": d / "rows.csv",
@@ -133,17 +141,73 @@ def base_args(script, f, out_dir) -> list[str]:
     """A small run of `script` that would work; each case adds or overrides options."""
     common = ["--max_prompt_len", "64", "--wandb_mode", "disabled", "--out_dir", str(out_dir), "--steps", "1"]
     if script == "sft":
-        return ["--model", "tiny", "--random_init", "true", "--train_data", str(f["sft"]), "--val_data", "",
-                "--max_response_len", "16", "--batch_size", "4", "--micro_batch_size", "2", *common]
+        return [
+            "--model",
+            "tiny",
+            "--random_init",
+            "true",
+            "--train_data",
+            str(f["sft"]),
+            "--val_data",
+            "",
+            "--max_response_len",
+            "16",
+            "--batch_size",
+            "4",
+            "--micro_batch_size",
+            "2",
+            *common,
+        ]
     if script in ("dpo", "reward_model"):
         extra = ["--norm_prompts", "0"] if script == "reward_model" else []
-        return ["--model", "tiny", "--random_init", "true", "--train_data", str(f["pref"]), "--val_data", "",
-                "--max_response_len", "16", "--batch_size", "4", "--micro_batch_size", "2", *extra, *common]
+        return [
+            "--model",
+            "tiny",
+            "--random_init",
+            "true",
+            "--train_data",
+            str(f["pref"]),
+            "--val_data",
+            "",
+            "--max_response_len",
+            "16",
+            "--batch_size",
+            "4",
+            "--micro_batch_size",
+            "2",
+            *extra,
+            *common,
+        ]
     if script == "grpo":
-        return ["--model", str(f["policy"]), "--reward_model", "tiny", "--reward_random_init", "true",
-                "--train_data", str(f["sft"]), "--val_data", "", "--pref_data", "", "--eval_every", "-1",
-                "--num_samples", "4", "--num_kept", "2", "--max_new_tokens", "4", "--prompts_per_step", "2",
-                "--micro_batch_size", "4", "--table_every", "0", *common]
+        return [
+            "--model",
+            str(f["policy"]),
+            "--reward_model",
+            "tiny",
+            "--reward_random_init",
+            "true",
+            "--train_data",
+            str(f["sft"]),
+            "--val_data",
+            "",
+            "--pref_data",
+            "",
+            "--eval_every",
+            "-1",
+            "--num_samples",
+            "4",
+            "--num_kept",
+            "2",
+            "--max_new_tokens",
+            "4",
+            "--prompts_per_step",
+            "2",
+            "--micro_batch_size",
+            "4",
+            "--table_every",
+            "0",
+            *common,
+        ]
     return ["--val_data", str(f["pref"]), "--max_prompt_len", "64", "--max_response_len", "16"]
 
 
@@ -157,7 +221,9 @@ def log_case(case: str, script: str, message: str, code: int, f) -> None:
     if os.environ.get("ERRORS_LOG"):
         for name in sorted(f, key=lambda k: -len(str(f[k]))):  # placeholders for the temporary paths
             message = message.replace(str(f[name]), f"<{name}>")
-        message = re.sub(r"/\S*pytest-\d+/\S+?/", "<tmp>/", message).replace("python __main__.py", f"python {script}.py")
+        message = re.sub(r"/\S*pytest-\d+/\S+?/", "<tmp>/", message).replace(
+            "python __main__.py", f"python {script}.py"
+        )
         with open(os.environ["ERRORS_LOG"], "a") as log:
             log.write(json.dumps({"case": case, "script": script, "code": code, "message": message}) + "\n")
 
@@ -167,110 +233,325 @@ def log_case(case: str, script: str, message: str, code: int, f) -> None:
 
 CASES = [
     # options
-    ("misspelled_option", "sft", lambda f, out: ["--micro_batchsize", "2"],
-     ["unrecognized arguments: --micro_batchsize 2", "did you mean --micro_batch_size"]),
-    ("wrong_type_int", "sft", lambda f, out: ["--batch_size", "eight"], ["argument --batch_size: invalid int value: 'eight'"]),
-    ("wrong_type_bool", "dpo", lambda f, out: ["--resume", "maybe"], ["argument --resume", "expected a boolean", "'maybe'"]),
+    (
+        "misspelled_option",
+        "sft",
+        lambda f, out: ["--micro_batchsize", "2"],
+        ["unrecognized arguments: --micro_batchsize 2", "did you mean --micro_batch_size"],
+    ),
+    (
+        "wrong_type_int",
+        "sft",
+        lambda f, out: ["--batch_size", "eight"],
+        ["argument --batch_size: invalid int value: 'eight'"],
+    ),
+    (
+        "wrong_type_bool",
+        "dpo",
+        lambda f, out: ["--resume", "maybe"],
+        ["argument --resume", "expected a boolean", "'maybe'"],
+    ),
     ("missing_value", "sft", lambda f, out: ["--lr"], ["argument --lr: expected one argument"]),
-    ("bad_choice", "grpo", lambda f, out: ["--on_nonfinite", "ignore"], ["--on_nonfinite: invalid choice: 'ignore'", "'stop', 'skip'"]),
-    ("empty_required_option", "sft", lambda f, out: ["--train_data", ""], ["--train_data is empty; expected training rows"]),
-    ("missing_required_option", "eval_preferences", lambda f, out: [], ["give exactly one of --reward_model or --policy"]),
-    ("non_positive_size", "reward_model", lambda f, out: ["--micro_batch_size", "0"], ["--micro_batch_size must be positive, got 0"]),
-    ("out_of_range_value", "dpo", lambda f, out: ["--label_smoothing", "0.7"], ["--label_smoothing must be in [0, 0.5), got 0.7"]),
+    (
+        "bad_choice",
+        "grpo",
+        lambda f, out: ["--on_nonfinite", "ignore"],
+        ["--on_nonfinite: invalid choice: 'ignore'", "'stop', 'skip'"],
+    ),
+    (
+        "empty_required_option",
+        "sft",
+        lambda f, out: ["--train_data", ""],
+        ["--train_data is empty; expected training rows"],
+    ),
+    (
+        "missing_required_option",
+        "eval_preferences",
+        lambda f, out: [],
+        ["give exactly one of --reward_model or --policy"],
+    ),
+    (
+        "non_positive_size",
+        "reward_model",
+        lambda f, out: ["--micro_batch_size", "0"],
+        ["--micro_batch_size must be positive, got 0"],
+    ),
+    (
+        "out_of_range_value",
+        "dpo",
+        lambda f, out: ["--label_smoothing", "0.7"],
+        ["--label_smoothing must be in [0, 0.5), got 0.7"],
+    ),
     ("cuda_without_gpu", "sft", lambda f, out: ["--device", "cuda"], ["--device cuda", "no CUDA device is available"]),
-    ("unknown_best_metric", "sft", lambda f, out: ["--best_metric", "val/los", "--val_data", str(f["sft"]), "--eval_every", "1"],
-     ["--best_metric val/los is not logged by this stage; its val/ metrics are ['val/loss']"]),
-    ("per_rank_best_metric", "grpo", lambda f, out: ["--best_metric", "perf/step_seconds", "--best_mode", "min"],
-     ["--best_metric perf/step_seconds is measured on each rank separately", "ranks would disagree about saving"]),
+    (
+        "unknown_best_metric",
+        "sft",
+        lambda f, out: ["--best_metric", "val/los", "--val_data", str(f["sft"]), "--eval_every", "1"],
+        ["--best_metric val/los is not logged by this stage; its val/ metrics are ['val/loss']"],
+    ),
+    (
+        "per_rank_best_metric",
+        "grpo",
+        lambda f, out: ["--best_metric", "perf/step_seconds", "--best_mode", "min"],
+        ["--best_metric perf/step_seconds is measured on each rank separately", "ranks would disagree about saving"],
+    ),
     # sizes
-    ("batch_not_divisible_by_micro_batch", "sft", lambda f, out: ["--batch_size", "6", "--micro_batch_size", "4"],
-     ["--batch_size 6 must be divisible by --micro_batch_size 4 x world size 1 = 4"]),
-    ("kept_samples_not_divisible_by_micro_batch", "grpo",
-     lambda f, out: ["--num_samples", "4", "--num_kept", "3", "--selection", "uniform", "--micro_batch_size", "4"],
-     ["2 prompts per rank x 3 kept samples = 6 sequences must be divisible by --micro_batch_size 4"]),
-    ("group_smaller_than_kept", "grpo", lambda f, out: ["--num_samples", "4", "--num_kept", "8"],
-     ["--num_kept 8 exceeds --num_samples 4"]),
-    ("top_bottom_odd_kept", "grpo", lambda f, out: ["--selection", "top_bottom", "--num_kept", "3"],
-     ["--selection top_bottom needs an even --num_kept, got 3"]),
-    ("context_longer_than_model", "sft", lambda f, out: ["--max_prompt_len", "500"],
-     ["--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions; the largest --max_prompt_len "
-      "that fits is 496"]),
-    ("fewer_rows_than_one_batch", "sft", lambda f, out: ["--train_data", str(f["few_rows"]), "--micro_batch_size", "4"],
-     ["3 examples cannot fill one global batch of world_size 1 x batch_size 4 = 4"]),
+    (
+        "batch_not_divisible_by_micro_batch",
+        "sft",
+        lambda f, out: ["--batch_size", "6", "--micro_batch_size", "4"],
+        ["--batch_size 6 must be divisible by --micro_batch_size 4 x world size 1 = 4"],
+    ),
+    (
+        "kept_samples_not_divisible_by_micro_batch",
+        "grpo",
+        lambda f, out: ["--num_samples", "4", "--num_kept", "3", "--selection", "uniform", "--micro_batch_size", "4"],
+        ["2 prompts per rank x 3 kept samples = 6 sequences must be divisible by --micro_batch_size 4"],
+    ),
+    (
+        "group_smaller_than_kept",
+        "grpo",
+        lambda f, out: ["--num_samples", "4", "--num_kept", "8"],
+        ["--num_kept 8 exceeds --num_samples 4"],
+    ),
+    (
+        "top_bottom_odd_kept",
+        "grpo",
+        lambda f, out: ["--selection", "top_bottom", "--num_kept", "3"],
+        ["--selection top_bottom needs an even --num_kept, got 3"],
+    ),
+    (
+        "context_longer_than_model",
+        "sft",
+        lambda f, out: ["--max_prompt_len", "500"],
+        [
+            "--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions; the largest --max_prompt_len "
+            "that fits is 496"
+        ],
+    ),
+    (
+        "fewer_rows_than_one_batch",
+        "sft",
+        lambda f, out: ["--train_data", str(f["few_rows"]), "--micro_batch_size", "4"],
+        ["3 examples cannot fill one global batch of world_size 1 x batch_size 4 = 4"],
+    ),
     # run directory and checkpoints
     ("out_dir_is_a_file", "sft", lambda f, out: ["--out_dir", str(f["sft"])], ["is a file; expected a directory"]),
-    ("resume_false_over_checkpoints", "sft", lambda f, out: ["--out_dir", str(f["ckpt"].parent.parent), "--resume", "false"],
-     ["already holds checkpoints (newest: step_00000001) and --resume is false"]),
-    ("missing_checkpoint", "sft", lambda f, out: ["--resume_from", str(out / "nowhere")],
-     ["--resume_from", "nowhere: no checkpoint there (expected a checkpoint folder holding state.pt"]),
-    ("checkpoint_from_another_stage", "dpo", lambda f, out: ["--resume_from", str(f["ckpt"])],
-     ["was written by another stage: stage='sft' but this run expects stage='dpo'"]),
-    ("checkpoint_of_another_model_size", "sft", lambda f, out: ["--model", "small", "--resume_from", str(f["ckpt"])],
-     ["holds another model: n_embd=64, n_head=2, n_layer=2 but this run's model has n_embd=128, n_head=4, n_layer=4"]),
-    ("unreadable_checkpoint", "sft", lambda f, out: ["--resume_from", str(f["garbage_ckpt"])],
-     ["--resume_from", "garbage_ckpt: checkpoint is damaged:", "state.pt has 9 bytes", "were written"]),
-    ("checkpoint_from_other_data", "sft", lambda f, out: ["--resume_from", str(f["ckpt"])],
-     ["its data position does not fit this run's training data", "for 999 examples, but this data has 16"]),
-    ("no_intact_checkpoint", "sft", lambda f, out: ["--out_dir", str(f["damaged_run"])],
-     ["no intact checkpoint in", "damaged_run/checkpoints (step_00000001:", "state.pt was altered",
-      "restore the files, or move"]),
-    ("options_changed_on_resume", "sft",
-     lambda f, out: ["--out_dir", str(f["ckpt"].parent.parent), "--lr", "0.01", "--seed", "5"],
-     ["holds a run started with other options (--lr 3e-05 -> 0.01, --seed 1 -> 5)", "use another --out_dir",
-      "--resume_changes allow to continue from step 1"]),
-    ("wandb_online_without_login", "sft", lambda f, out: ["--wandb_mode", "online"],
-     ["--wandb_mode online needs a wandb login", "WANDB_API_KEY is unset", "--wandb_mode offline"]),
+    (
+        "resume_false_over_checkpoints",
+        "sft",
+        lambda f, out: ["--out_dir", str(f["ckpt"].parent.parent), "--resume", "false"],
+        ["already holds checkpoints (newest: step_00000001) and --resume is false"],
+    ),
+    (
+        "missing_checkpoint",
+        "sft",
+        lambda f, out: ["--resume_from", str(out / "nowhere")],
+        ["--resume_from", "nowhere: no checkpoint there (expected a checkpoint folder holding state.pt"],
+    ),
+    (
+        "checkpoint_from_another_stage",
+        "dpo",
+        lambda f, out: ["--resume_from", str(f["ckpt"])],
+        ["was written by another stage: stage='sft' but this run expects stage='dpo'"],
+    ),
+    (
+        "checkpoint_of_another_model_size",
+        "sft",
+        lambda f, out: ["--model", "small", "--resume_from", str(f["ckpt"])],
+        [
+            "holds another model: n_embd=64, n_head=2, n_layer=2 but this run's model has n_embd=128, n_head=4, n_layer=4"
+        ],
+    ),
+    (
+        "unreadable_checkpoint",
+        "sft",
+        lambda f, out: ["--resume_from", str(f["garbage_ckpt"])],
+        ["--resume_from", "garbage_ckpt: checkpoint is damaged:", "state.pt has 9 bytes", "were written"],
+    ),
+    (
+        "checkpoint_from_other_data",
+        "sft",
+        lambda f, out: ["--resume_from", str(f["ckpt"])],
+        ["its data position does not fit this run's training data", "for 999 examples, but this data has 16"],
+    ),
+    (
+        "no_intact_checkpoint",
+        "sft",
+        lambda f, out: ["--out_dir", str(f["damaged_run"])],
+        [
+            "no intact checkpoint in",
+            "damaged_run/checkpoints (step_00000001:",
+            "state.pt was altered",
+            "restore the files, or move",
+        ],
+    ),
+    (
+        "options_changed_on_resume",
+        "sft",
+        lambda f, out: ["--out_dir", str(f["ckpt"].parent.parent), "--lr", "0.01", "--seed", "5"],
+        [
+            "holds a run started with other options (--lr 3e-05 -> 0.01, --seed 1 -> 5)",
+            "use another --out_dir",
+            "--resume_changes allow to continue from step 1",
+        ],
+    ),
+    (
+        "wandb_online_without_login",
+        "sft",
+        lambda f, out: ["--wandb_mode", "online"],
+        ["--wandb_mode online needs a wandb login", "WANDB_API_KEY is unset", "--wandb_mode offline"],
+    ),
     # models
-    ("missing_model_folder", "dpo", lambda f, out: ["--model", str(out / "sft" / "hf"), "--random_init", "false"],
-     ["model folder", "sft/hf does not exist (expected a Hugging Face-format folder)"]),
-    ("model_folder_without_config", "sft", lambda f, out: ["--model", str(f["no_config"]), "--random_init", "false"],
-     ["has no config.json (expected a Hugging Face-format folder)"]),
-    ("model_folder_without_weights", "grpo", lambda f, out: ["--model", str(f["no_weights"])],
-     ["has no model.safetensors or pytorch_model.bin"]),
-    ("unreadable_weights", "sft", lambda f, out: ["--model", str(f["bad_weights"]), "--random_init", "false"],
-     ["cannot read weights file", "model.safetensors"]),
-    ("random_init_of_unknown_preset", "sft", lambda f, out: ["--model", "gpt5"],
-     ["--random_init needs a preset name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny, small), got 'gpt5'"]),
-    ("missing_reward_model", "grpo", lambda f, out: ["--reward_model", str(out / "rm" / "hf"), "--reward_random_init", "false"],
-     ["rm/hf does not exist"]),
-    ("missing_normalisation_policy", "reward_model", lambda f, out: ["--norm_prompts", "4", "--sft_policy", str(out / "sft")],
-     ["model folder", "does not exist"]),
-    ("reward_pooling_mismatch", "reward_model",
-     lambda f, out: ["--model", str(f["nan_rm"]), "--random_init", "false", "--pooling", "sum"],
-     ["nan_rm is a reward model with pooling 'last', not 'sum'"]),
-    ("reward_model_as_policy", "sft", lambda f, out: ["--model", str(f["constant_rm"]), "--random_init", "false"],
-     ["--model", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"]),
-    ("reward_model_as_reference", "dpo", lambda f, out: ["--reference", str(f["constant_rm"])],
-     ["--reference", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"]),
-    ("policy_as_reward_model", "grpo",
-     lambda f, out: ["--reward_model", str(f["policy"]), "--reward_random_init", "false"],
-     ["--reward_model", "policy is a policy (a GPT-2 language model), not a reward model"]),
-    ("policy_as_reward_model_to_evaluate", "eval_preferences", lambda f, out: ["--reward_model", str(f["policy"])],
-     ["--reward_model", "policy is a policy (a GPT-2 language model), not a reward model"]),
-    ("reward_model_without_normalisation", "grpo",
-     lambda f, out: ["--reward_model", str(f["rm_no_norm"]), "--reward_random_init", "false"],
-     ["--reward_model", "rm_no_norm is a reward model whose reward_normalization.json is missing"]),
-    ("hub_model_without_network", "sft", lambda f, out: ["--model", "gpt2-medium", "--random_init", "false"],
-     ["could not load model 'gpt2-medium' from the Hugging Face hub (no network: cannot connect to 127.0.0.1:9",
-      "Pass a local Hugging Face-format folder instead"]),
-    ("bad_gold_reward_function", "grpo", lambda f, out: ["--gold_reward_fn", "data.synthetic:no_such_function"],
-     ["--gold_reward_fn: cannot load function 'data.synthetic:no_such_function' (expected module:function)"]),
+    (
+        "missing_model_folder",
+        "dpo",
+        lambda f, out: ["--model", str(out / "sft" / "hf"), "--random_init", "false"],
+        ["model folder", "sft/hf does not exist (expected a Hugging Face-format folder)"],
+    ),
+    (
+        "model_folder_without_config",
+        "sft",
+        lambda f, out: ["--model", str(f["no_config"]), "--random_init", "false"],
+        ["has no config.json (expected a Hugging Face-format folder)"],
+    ),
+    (
+        "model_folder_without_weights",
+        "grpo",
+        lambda f, out: ["--model", str(f["no_weights"])],
+        ["has no model.safetensors or pytorch_model.bin"],
+    ),
+    (
+        "unreadable_weights",
+        "sft",
+        lambda f, out: ["--model", str(f["bad_weights"]), "--random_init", "false"],
+        ["cannot read weights file", "model.safetensors"],
+    ),
+    (
+        "random_init_of_unknown_preset",
+        "sft",
+        lambda f, out: ["--model", "gpt5"],
+        ["--random_init needs a preset name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny, small), got 'gpt5'"],
+    ),
+    (
+        "missing_reward_model",
+        "grpo",
+        lambda f, out: ["--reward_model", str(out / "rm" / "hf"), "--reward_random_init", "false"],
+        ["rm/hf does not exist"],
+    ),
+    (
+        "missing_normalisation_policy",
+        "reward_model",
+        lambda f, out: ["--norm_prompts", "4", "--sft_policy", str(out / "sft")],
+        ["model folder", "does not exist"],
+    ),
+    (
+        "reward_pooling_mismatch",
+        "reward_model",
+        lambda f, out: ["--model", str(f["nan_rm"]), "--random_init", "false", "--pooling", "sum"],
+        ["nan_rm is a reward model with pooling 'last', not 'sum'"],
+    ),
+    (
+        "reward_model_as_policy",
+        "sft",
+        lambda f, out: ["--model", str(f["constant_rm"]), "--random_init", "false"],
+        ["--model", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"],
+    ),
+    (
+        "reward_model_as_reference",
+        "dpo",
+        lambda f, out: ["--reference", str(f["constant_rm"])],
+        ["--reference", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"],
+    ),
+    (
+        "policy_as_reward_model",
+        "grpo",
+        lambda f, out: ["--reward_model", str(f["policy"]), "--reward_random_init", "false"],
+        ["--reward_model", "policy is a policy (a GPT-2 language model), not a reward model"],
+    ),
+    (
+        "policy_as_reward_model_to_evaluate",
+        "eval_preferences",
+        lambda f, out: ["--reward_model", str(f["policy"])],
+        ["--reward_model", "policy is a policy (a GPT-2 language model), not a reward model"],
+    ),
+    (
+        "reward_model_without_normalisation",
+        "grpo",
+        lambda f, out: ["--reward_model", str(f["rm_no_norm"]), "--reward_random_init", "false"],
+        ["--reward_model", "rm_no_norm is a reward model whose reward_normalization.json is missing"],
+    ),
+    (
+        "hub_model_without_network",
+        "sft",
+        lambda f, out: ["--model", "gpt2-medium", "--random_init", "false"],
+        [
+            "could not load model 'gpt2-medium' from the Hugging Face hub (no network: cannot connect to 127.0.0.1:9",
+            "Pass a local Hugging Face-format folder instead",
+        ],
+    ),
+    (
+        "bad_gold_reward_function",
+        "grpo",
+        lambda f, out: ["--gold_reward_fn", "data.synthetic:no_such_function"],
+        ["--gold_reward_fn: cannot load function 'data.synthetic:no_such_function' (expected module:function)"],
+    ),
     # data
-    ("missing_data_file", "sft", lambda f, out: ["--train_data", str(out / "train.jsonl")], ["train.jsonl: no such file or directory"]),
-    ("wrong_columns", "sft", lambda f, out: ["--train_data", str(f["pref"])],
-     ["missing column(s) ['completion']: expected ['prompt', 'completion'], columns of row 0: ['prompt', 'chosen', 'rejected']"]),
-    ("empty_field", "sft", lambda f, out: ["--train_data", str(f["empty_field"])], ["row 1: column 'completion' is empty or only whitespace"]),
-    ("non_text_field", "sft", lambda f, out: ["--train_data", str(f["not_text"])], ["row 2: column 'completion' is int, expected a str"]),
-    ("prompt_without_tldr", "grpo", lambda f, out: ["--train_data", str(f["no_tldr"])],
-     ["row 1: column 'prompt': prompt does not end with 'TL;DR:'"]),
+    (
+        "missing_data_file",
+        "sft",
+        lambda f, out: ["--train_data", str(out / "train.jsonl")],
+        ["train.jsonl: no such file or directory"],
+    ),
+    (
+        "wrong_columns",
+        "sft",
+        lambda f, out: ["--train_data", str(f["pref"])],
+        [
+            "missing column(s) ['completion']: expected ['prompt', 'completion'], columns of row 0: ['prompt', 'chosen', 'rejected']"
+        ],
+    ),
+    (
+        "empty_field",
+        "sft",
+        lambda f, out: ["--train_data", str(f["empty_field"])],
+        ["row 1: column 'completion' is empty or only whitespace"],
+    ),
+    (
+        "non_text_field",
+        "sft",
+        lambda f, out: ["--train_data", str(f["not_text"])],
+        ["row 2: column 'completion' is int, expected a str"],
+    ),
+    (
+        "prompt_without_tldr",
+        "grpo",
+        lambda f, out: ["--train_data", str(f["no_tldr"])],
+        ["row 1: column 'prompt': prompt does not end with 'TL;DR:'"],
+    ),
     ("empty_data_file", "dpo", lambda f, out: ["--train_data", str(f["no_rows"])], ["no_rows.jsonl: no rows"]),
-    ("invalid_json_line", "sft", lambda f, out: ["--train_data", str(f["broken_json"])], ["broken.jsonl: row 1 (line 2): invalid JSON"]),
+    (
+        "invalid_json_line",
+        "sft",
+        lambda f, out: ["--train_data", str(f["broken_json"])],
+        ["broken.jsonl: row 1 (line 2): invalid JSON"],
+    ),
     ("unsupported_file_type", "sft", lambda f, out: ["--train_data", str(f["csv"])], ["unsupported file type '.csv'"]),
-    ("folder_without_split", "sft", lambda f, out: ["--train_data", str(f["split_dir"]), "--train_split", "test"],
-     ["no test.jsonl or test.parquet for split 'test' (the directory holds ['train.jsonl'])"]),
-    ("hub_dataset_without_network", "reward_model", lambda f, out: ["--train_data", "trl-lib/tldr-preference"],
-     ["could not load hub dataset 'trl-lib/tldr-preference' split 'train': no network (cannot connect to 127.0.0.1:9",
-      "Pass a local .jsonl/.json/.parquet file"]),
+    (
+        "folder_without_split",
+        "sft",
+        lambda f, out: ["--train_data", str(f["split_dir"]), "--train_split", "test"],
+        ["no test.jsonl or test.parquet for split 'test' (the directory holds ['train.jsonl'])"],
+    ),
+    (
+        "hub_dataset_without_network",
+        "reward_model",
+        lambda f, out: ["--train_data", "trl-lib/tldr-preference"],
+        [
+            "could not load hub dataset 'trl-lib/tldr-preference' split 'train': no network (cannot connect to 127.0.0.1:9",
+            "Pass a local .jsonl/.json/.parquet file",
+        ],
+    ),
 ]
 
 
@@ -336,11 +617,21 @@ def test_nonfinite_mid_run_leaves_the_last_good_checkpoint(inputs, tmp_path, cap
 
 def test_skip_drops_nonfinite_steps_without_stepping(inputs, tmp_path, capsys):
     out = tmp_path / "run"
-    args = base_args("sft", inputs, out) + ["--model", str(inputs["nan_policy"]), "--random_init", "false",
-                                            "--steps", "2", "--on_nonfinite", "skip"]
+    args = base_args("sft", inputs, out) + [
+        "--model",
+        str(inputs["nan_policy"]),
+        "--random_init",
+        "false",
+        "--steps",
+        "2",
+        "--on_nonfinite",
+        "skip",
+    ]
     metrics = sft.main(parse_config(sft.Config, args))
     err = capsys.readouterr().err
-    assert re.search(r"warning: sft: non-finite train/loss and train/grad_norm at step 2 \(.*\); step skipped", err), err
+    assert re.search(r"warning: sft: non-finite train/loss and train/grad_norm at step 2 \(.*\); step skipped", err), (
+        err
+    )
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["train/skipped"] for m in lines] == [1.0, 1.0]
     assert metrics["train/lr"] == pytest.approx(sft.Config.lr / sft.Config.warmup_steps)  # the schedule never moved
@@ -352,10 +643,13 @@ def test_skip_drops_nonfinite_steps_without_stepping(inputs, tmp_path, capsys):
     assert torch.equal(saved, start["transformer.h.0.mlp.c_fc.weight"].t())  # HF stores it transposed
 
 
-@pytest.mark.parametrize("rm, fragment", [
-    ("nan_rm", "grpo: the reward model returned non-finite scores at step 1"),
-    ("constant_rm", "grpo: the reward model gave every sample the same score (0) at step 1: it is constant"),
-])
+@pytest.mark.parametrize(
+    "rm, fragment",
+    [
+        ("nan_rm", "grpo: the reward model returned non-finite scores at step 1"),
+        ("constant_rm", "grpo: the reward model gave every sample the same score (0) at step 1: it is constant"),
+    ],
+)
 def test_reward_model_nan_or_constant_is_caught_at_rollout(rm, fragment, inputs, tmp_path, capsys):
     out = tmp_path / "run"
     args = base_args("grpo", inputs, out) + ["--reward_model", str(inputs[rm]), "--reward_random_init", "false"]
@@ -375,8 +669,17 @@ def test_grpo_step_skips_a_nonfinite_update_and_leaves_weights_and_schedule_alon
     policy = GPT2LMHeadModel(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32))
     reference = freeze(GPT2LMHeadModel(policy.cfg))
     # a NaN weight of the KL term: sampling, rewards and advantages are finite, the update's loss and gradients not
-    cfg = grpo.Config(rewards="length", num_samples=4, num_kept=4, max_new_tokens=4, prompts_per_step=2,
-                      micro_batch_size=4, beta=float("nan"), lr=1e-2, warmup_steps=1)
+    cfg = grpo.Config(
+        rewards="length",
+        num_samples=4,
+        num_kept=4,
+        max_new_tokens=4,
+        prompts_per_step=2,
+        micro_batch_size=4,
+        beta=float("nan"),
+        lr=1e-2,
+        warmup_steps=1,
+    )
     optimizer = build_optimizer(policy, cfg.lr, 0.0)
     scheduler = build_scheduler(optimizer, 1, 10)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
@@ -386,7 +689,9 @@ def test_grpo_step_skips_a_nonfinite_update_and_leaves_weights_and_schedule_alon
     assert result.advantages.isfinite().all() and result.update["train/skipped"] == 1.0 and scheduler.last_epoch == 0
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
     assert all(p.grad is None for p in policy.parameters())
-    with pytest.raises(NumericalError, match="grpo: non-finite train/loss and train/grad_norm at step 8.*2 steps in a row"):
+    with pytest.raises(
+        NumericalError, match="grpo: non-finite train/loss and train/grad_norm at step 8.*2 steps in a row"
+    ):
         grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, 8, guard)
 
 
@@ -396,7 +701,16 @@ def test_grpo_step_skips_a_nonfinite_update_and_leaves_weights_and_schedule_alon
 
 def test_sigint_saves_and_returns_and_the_rerun_matches_an_uninterrupted_run(inputs, tmp_path):
     def args(out):
-        return base_args("sft", inputs, out) + ["--steps", "8", "--save_every", "0", "--lr", "1e-3", "--warmup_steps", "1"]
+        return base_args("sft", inputs, out) + [
+            "--steps",
+            "8",
+            "--save_every",
+            "0",
+            "--lr",
+            "1e-3",
+            "--warmup_steps",
+            "1",
+        ]
 
     sft.main(parse_config(sft.Config, args(tmp_path / "full")))
     full = [json.loads(line) for line in open(tmp_path / "full" / "metrics.jsonl")]
@@ -440,8 +754,16 @@ def test_plain_process_prints_exactly_one_line_and_exits_2(inputs, tmp_path):
 @pytest.mark.slow
 def test_torchrun_batch_not_divisible_by_world_size_prints_once(inputs, tmp_path):
     args = base_args("grpo", inputs, tmp_path / "run") + ["--prompts_per_step", "3"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "grpo.py", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "grpo.py",
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
@@ -457,17 +779,31 @@ def test_error_on_one_rank_stops_every_rank_with_one_line(inputs, tmp_path):
     """A reward function that raises on rank 1's rows only: rank 0 would otherwise wait in the next collective for a
     rank that is gone (gloo fails it with a connection error and a traceback; NCCL leaves it waiting out the
     process-group timeout). Every rank must stop within seconds with the same code and one error line."""
-    args = base_args("grpo", inputs, tmp_path / "run") + ["--rewards", "tests.helpers:raise_on_rank_1",
-                                                               "--micro_batch_size", "2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "grpo.py", *args]
+    args = base_args("grpo", inputs, tmp_path / "run") + [
+        "--rewards",
+        "tests.helpers:raise_on_rank_1",
+        "--micro_batch_size",
+        "2",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "grpo.py",
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     seconds = time.monotonic() - start
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
     assert out.returncode != 0
-    assert len(lines) == 1 and "reward function 'tests.helpers:raise_on_rank_1' raised on row" in lines[0], out.stderr[-3000:]
+    assert len(lines) == 1 and "reward function 'tests.helpers:raise_on_rank_1' raised on row" in lines[0], out.stderr[
+        -3000:
+    ]
     assert "cannot score rank 1's rows" in lines[0]
     # torchrun's report: the first rank out exited with 2; the other exited with 2 too, or was still leaving when
     # torchrun stopped it (SIGTERM), never a failure of its own (before, the surviving rank 0 died in a collective)
@@ -485,6 +821,9 @@ def test_all_ranks_agree_raises_the_same_error_on_every_rank(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["user_error"] == r1["user_error"] == ["RankFailure", "row 7 of the data is bad", 2]
     assert r1["bug"] == ["ZeroDivisionError", "division by zero", None]
-    assert r0["bug"] == ["RankFailure", "rank 1 failed in case bug (ZeroDivisionError: division by zero); its traceback "
-                                        "is in its output", 1]
+    assert r0["bug"] == [
+        "RankFailure",
+        "rank 1 failed in case bug (ZeroDivisionError: division by zero); its traceback is in its output",
+        1,
+    ]
     assert r0["none"] is None and r1["none"] is None

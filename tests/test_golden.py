@@ -9,6 +9,7 @@ comparison too (test_a_one_percent_kl_error_fails_the_tolerance_comparison)."""
 
 import json
 import math
+
 import pytest
 
 from tests.golden.stages import ABS_TOL, GOLDEN, REL_TOL, configurations, machine, machine_id, records, run
@@ -18,17 +19,22 @@ NAMES = list(configurations())
 
 def compare(name: str, want, got, exact: bool, path: str = "") -> None:
     if isinstance(want, dict):
-        assert isinstance(got, dict) and sorted(got) == sorted(want), f"{name}{path}: keys {sorted(got)} != {sorted(want)}"
+        assert isinstance(got, dict) and sorted(got) == sorted(want), (
+            f"{name}{path}: keys {sorted(got)} != {sorted(want)}"
+        )
         for k in want:
             compare(name, want[k], got[k], exact, f"{path}.{k}")
     elif isinstance(want, list):
-        assert isinstance(got, list) and len(got) == len(want), f"{name}{path}: {len(got)} entries, expected {len(want)}"
+        assert isinstance(got, list) and len(got) == len(want), (
+            f"{name}{path}: {len(got)} entries, expected {len(want)}"
+        )
         for i, (a, b) in enumerate(zip(want, got)):
             compare(name, a, b, exact, f"{path}[{i}]")
     elif isinstance(want, float) and not exact:
         assert math.isclose(got, want, rel_tol=REL_TOL, abs_tol=ABS_TOL), (
             f"{name}{path}: {got!r} != golden {want!r} (relative difference {abs(got - want) / max(abs(want), 1e-300):.2e}"
-            f", tolerance {REL_TOL:g} relative / {ABS_TOL:g} absolute)")
+            f", tolerance {REL_TOL:g} relative / {ABS_TOL:g} absolute)"
+        )
     else:
         assert got == want, f"{name}{path}: {got!r} != golden {want!r}"
 
@@ -54,17 +60,20 @@ def check_golden(name: str, got: dict, label: str | None = None) -> None:
             mode = "bit-exact" if exact else "within tolerance"
             raise AssertionError(
                 f"{e}\n  compared {mode} with {path.relative_to(GOLDEN.parents[1])}, recorded on {record['machine']};"
-                f" this machine is {here}" + ("" if exact else differs_because(record["machine"], here))) from None
+                f" this machine is {here}" + ("" if exact else differs_because(record["machine"], here))
+            ) from None
 
 
 def differs_because(recorded: dict, here: dict) -> str:
     """Why a tolerance comparison may legitimately fail: another torch build changes kernels and reduction orders, so a
     golden number can move beyond the tolerance without an error in the code."""
     if recorded["torch"].split("+")[0] != here["torch"].split("+")[0]:
-        return (f"\n  recorded with torch {recorded['torch']}, running torch {here['torch']}: another torch's CPU kernels"
-                f" (matmul blocking, reductions, inductor-free eager) may round differently; if every stage still passes"
-                f" its unit tests, record this machine's own set with `python -m tests.golden.stages` "
-                f"(tests/golden/{machine_id(here)}/) rather than loosening the tolerance")
+        return (
+            f"\n  recorded with torch {recorded['torch']}, running torch {here['torch']}: another torch's CPU kernels"
+            f" (matmul blocking, reductions, inductor-free eager) may round differently; if every stage still passes"
+            f" its unit tests, record this machine's own set with `python -m tests.golden.stages` "
+            f"(tests/golden/{machine_id(here)}/) rather than loosening the tolerance"
+        )
     return ""
 
 
@@ -78,8 +87,15 @@ def test_golden_configurations_cover_every_stage_and_grpo_variant():
     argvs = {name: argv_of(GOLDEN / "x") for name, (_, argv_of) in configurations().items()}
     assert {a[0] for a in argvs.values()} == {"sft.py", "reward_model.py", "dpo.py", "grpo.py"}
     grpo = " ".join(" ".join(a) for n, a in argvs.items() if n.startswith("grpo"))
-    for option in ("--policy_epochs 2", "--ref_refresh_every 2", "--lora_rank 4", "--importance_level sequence",
-                   "--rollout_correction tis", "--kl_in reward", "--min_group_std"):
+    for option in (
+        "--policy_epochs 2",
+        "--ref_refresh_every 2",
+        "--lora_rank 4",
+        "--importance_level sequence",
+        "--rollout_correction tis",
+        "--kl_in reward",
+        "--min_group_std",
+    ):
         assert option in grpo, option
     assert configurations()["grpo_rso_2proc"][0] == 2
     sets = sorted(p for p in GOLDEN.iterdir() if p.is_dir() and p.name != "data")
@@ -88,7 +104,9 @@ def test_golden_configurations_cover_every_stage_and_grpo_variant():
         for name in argvs:
             path = folder / f"{name}.json"
             assert path.is_file(), f"{path} is missing: python -m tests.golden.stages {name} on that machine"
-            assert machine_id(json.loads(path.read_text())["machine"]) == folder.name, f"{path}: recorded on another machine"
+            assert machine_id(json.loads(path.read_text())["machine"]) == folder.name, (
+                f"{path}: recorded on another machine"
+            )
 
 
 @pytest.mark.slow
@@ -130,6 +148,8 @@ def test_recorded_sets_agree_with_each_other_within_the_tolerance():
         for (path_a, a), (path_b, b) in zip(sets, sets[1:]):
             if a["machine"]["torch"] != b["machine"]["torch"]:
                 continue
-            strip = lambda r: {**{k: v for k, v in r.items() if k != "machine"},
-                               "params": {k: v for k, v in r["params"].items() if k != "sha256"}}
+            strip = lambda r: {
+                **{k: v for k, v in r.items() if k != "machine"},
+                "params": {k: v for k, v in r["params"].items() if k != "sha256"},
+            }
             compare(f"{name} {path_a.parent.name} vs {path_b.parent.name}", strip(a), strip(b), exact=False)

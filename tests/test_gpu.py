@@ -55,9 +55,22 @@ def test_memory_estimate_bounds_the_measured_peak_of_the_step_it_estimates():
     from utils.dist import cleanup_distributed
 
     cleanup_distributed()
-    bcfg = GRPOBenchConfig("gpu-memory-check", "gpt2", prompts=16, num_samples=16, num_kept=4, selection="rso",
-                           max_new_tokens=32, prompt_len=256, min_prompt_len=224, gen_prompts=8, micro_batch_size=16,
-                           score_micro_batch_size=64, warmup=1, repeats=1)
+    bcfg = GRPOBenchConfig(
+        "gpu-memory-check",
+        "gpt2",
+        prompts=16,
+        num_samples=16,
+        num_kept=4,
+        selection="rso",
+        max_new_tokens=32,
+        prompt_len=256,
+        min_prompt_len=224,
+        gen_prompts=8,
+        micro_batch_size=16,
+        score_micro_batch_size=64,
+        warmup=1,
+        repeats=1,
+    )
     try:
         m = measure_steps(bcfg, torch.device("cuda"))
     finally:

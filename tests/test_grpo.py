@@ -49,8 +49,17 @@ def test_step_trains_the_policy_and_leaves_the_frozen_reference_alone():
     models = Models(policy, freeze(GPT2LMHeadModel(policy.cfg)), None)  # another random model: the KL is not 0
     before_ref = {k: v.clone() for k, v in models.reference.state_dict().items()}
     before_policy = {k: v.clone() for k, v in policy.state_dict().items()}
-    cfg = Config(rewards="length", num_samples=8, num_kept=4, max_new_tokens=5, prompts_per_step=2, micro_batch_size=4,
-                 beta=0.1, lr=1e-2, warmup_steps=1)
+    cfg = Config(
+        rewards="length",
+        num_samples=8,
+        num_kept=4,
+        max_new_tokens=5,
+        prompts_per_step=2,
+        micro_batch_size=4,
+        beta=0.1,
+        lr=1e-2,
+        warmup_steps=1,
+    )
     optimizer = build_optimizer(policy, cfg.lr, 0.0)
     assert all(p.requires_grad for group in optimizer.param_groups for p in group["params"])
     prompts, spec = prompts_and_rewards(cfg)
@@ -120,12 +129,55 @@ def test_two_process_grpo_trains_every_parameter_and_resumes_exactly_after_sigki
 
     def args(run):
         return [
-            "grpo.py", "--model", str(tmp_path / "policy"), "--reward_model", "tiny", "--reward_random_init", "true",
-            "--train_data", str(prompts), "--val_data", str(prompts), "--pref_data", str(pref), "--pref_rows", "8",
-            "--val_rows", "4", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "12",
-            "--max_prompt_len", "64", "--prompts_per_step", "4", "--micro_batch_size", "4", "--steps", "4",
-            "--lr", "1e-3", "--warmup_steps", "1", "--beta", "0.1", "--eval_every", "2", "--save_every", "1",
-            "--keep_last", "2", "--table_every", "1", "--wandb_mode", "disabled", "--out_dir", str(run),
+            "grpo.py",
+            "--model",
+            str(tmp_path / "policy"),
+            "--reward_model",
+            "tiny",
+            "--reward_random_init",
+            "true",
+            "--train_data",
+            str(prompts),
+            "--val_data",
+            str(prompts),
+            "--pref_data",
+            str(pref),
+            "--pref_rows",
+            "8",
+            "--val_rows",
+            "4",
+            "--num_samples",
+            "8",
+            "--num_kept",
+            "4",
+            "--max_new_tokens",
+            "12",
+            "--max_prompt_len",
+            "64",
+            "--prompts_per_step",
+            "4",
+            "--micro_batch_size",
+            "4",
+            "--steps",
+            "4",
+            "--lr",
+            "1e-3",
+            "--warmup_steps",
+            "1",
+            "--beta",
+            "0.1",
+            "--eval_every",
+            "2",
+            "--save_every",
+            "1",
+            "--keep_last",
+            "2",
+            "--table_every",
+            "1",
+            "--wandb_mode",
+            "disabled",
+            "--out_dir",
+            str(run),
         ]
 
     run_script(args(full_run), nproc=2)
@@ -152,8 +204,17 @@ def test_two_process_grpo_trains_every_parameter_and_resumes_exactly_after_sigki
     run = tmp_path / "run"
     kill_at = random.randint(1, 2)
     killed_at = kill_and_rerun(args(run), run, kill_at, nproc=2)
-    keys = ("train/loss", "train/grad_norm", "train/kl", "reward/raw_mean", "reward/mean", "rs/acceptance_rate",
-            "sample/response_length", "eval/reward", "eval/pref_accuracy")
+    keys = (
+        "train/loss",
+        "train/grad_norm",
+        "train/kl",
+        "reward/raw_mean",
+        "reward/mean",
+        "rs/acceptance_rate",
+        "sample/response_length",
+        "eval/reward",
+        "eval/pref_accuracy",
+    )
     assert_same_metrics(full, read_metrics(run), keys, f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at})")
     tables = [(run_dir / "samples.jsonl").read_text() for run_dir in (full_run, run)]
     assert tables[0] == tables[1]
@@ -166,8 +227,25 @@ def test_summary_evaluation_gives_every_rank_as_many_prompts_and_padding_counts_
     from rollouts.prompts import PromptSet
 
     data = write_sft_rows(tmp_path / "rows.jsonl", n=5)
-    cfg = parse_config(Config, ["--val_data", str(data), "--val_rows", "3", "--pref_data", "", "--rewards", "length",
-                                "--max_new_tokens", "6", "--max_prompt_len", "64", "--out_dir", str(tmp_path / "run")])
+    cfg = parse_config(
+        Config,
+        [
+            "--val_data",
+            str(data),
+            "--val_rows",
+            "3",
+            "--pref_data",
+            "",
+            "--rewards",
+            "length",
+            "--max_new_tokens",
+            "6",
+            "--max_prompt_len",
+            "64",
+            "--out_dir",
+            str(tmp_path / "run"),
+        ],
+    )
     tok = get_tokenizer()
     sets = [load_eval_sets(cfg, tok, cfg.sources(), rank, 2, torch.device("cpu"))[0] for rank in (0, 1)]
     assert [v.ids.shape[0] for v in sets] == [2, 2]
@@ -197,8 +275,16 @@ def test_micro_batch_loss_compiles_as_one_graph_without_host_reads(shared):
     lengths = torch.tensor([5, 2, 3, 1, 4, 5])
     response_mask = torch.arange(R)[None] < lengths[:, None]
     samples = SampleOutput(torch.randint(0, 64, (6, R)), response_mask, -torch.rand(6, R) * response_mask, lengths < R)
-    cfg = Config(max_new_tokens=R, micro_batch_size=6, policy_epochs=2, rollout_correction="tis", entropy_coef=0.01,
-                 importance_level="sequence", top_k=20, temperature=0.9)
+    cfg = Config(
+        max_new_tokens=R,
+        micro_batch_size=6,
+        policy_epochs=2,
+        rollout_correction="tis",
+        entropy_coef=0.01,
+        importance_level="sequence",
+        top_k=20,
+        temperature=0.9,
+    )
     (batch,) = build_training_batches(prompt_ids, prompt_mask, samples, torch.arange(6), torch.randn(6), G, 6, shared)
     batch = replace(batch, ref_logprobs=-torch.rand(6, R), old_logprobs=-torch.rand(6, R))
     w, _ = AGGREGATIONS[cfg.loss_type](batch.response_mask, R)

@@ -21,7 +21,13 @@ from model.weights import freeze
 from rollouts.models import Models, refresh_reference
 from tests.conftest import assert_same_metrics, run_script
 from tests.helpers import (
-    ZERO_REWARD, adapted_weight_names, changed_weights, end_biased_policy, prompts_and_rewards, read_metrics, run_cli,
+    ZERO_REWARD,
+    adapted_weight_names,
+    changed_weights,
+    end_biased_policy,
+    prompts_and_rewards,
+    read_metrics,
+    run_cli,
     write_sft_rows,
 )
 from utils.optim import build_optimizer, build_scheduler
@@ -31,8 +37,18 @@ SMALL = GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32)
 
 def tiny_config(**options) -> Config:
     """GRPO on 2 prompts x 8 samples of 5 tokens, 4 kept each: two micro-batches of 4 rows, the length reward."""
-    return Config(**{"rewards": "length", "num_samples": 8, "num_kept": 4, "max_new_tokens": 5, "prompts_per_step": 2,
-                     "micro_batch_size": 4, "warmup_steps": 1, **options})
+    return Config(
+        **{
+            "rewards": "length",
+            "num_samples": 8,
+            "num_kept": 4,
+            "max_new_tokens": 5,
+            "prompts_per_step": 2,
+            "micro_batch_size": 4,
+            "warmup_steps": 1,
+            **options,
+        }
+    )
 
 
 def test_second_of_two_updates_moves_the_ratio_off_one_and_clipping_engages():
@@ -141,17 +157,50 @@ def returns_text(prompt, response):
     return "high"
 
 
-@pytest.mark.parametrize("fn, fragment", [
-    ("raises_on_second_call", "raised on row {row} of {data}[train] (response "),
-    ("returns_text", "returned 'high' (str) on row {row} of {data}[train]"),
-])
+@pytest.mark.parametrize(
+    "fn, fragment",
+    [
+        ("raises_on_second_call", "raised on row {row} of {data}[train] (response "),
+        ("returns_text", "returned 'high' (str) on row {row} of {data}[train]"),
+    ],
+)
 def test_a_reward_function_that_fails_stops_naming_itself_and_the_row(fn, fragment, tmp_path, capsys):
     rows = write_sft_rows(tmp_path / "rows.jsonl", n=16)
     args = [
-        "--model", "tiny", "--random_init", "true", "--rewards", f"format + tests.test_grpo_iterative:{fn}",
-        "--train_data", str(rows), "--val_data", "", "--pref_data", "", "--eval_every", "-1", "--num_samples", "4",
-        "--num_kept", "2", "--max_new_tokens", "4", "--max_prompt_len", "64", "--prompts_per_step", "2",
-        "--micro_batch_size", "4", "--steps", "1", "--seed", "3", "--wandb_mode", "disabled", "--out_dir", str(tmp_path / "run"),
+        "--model",
+        "tiny",
+        "--random_init",
+        "true",
+        "--rewards",
+        f"format + tests.test_grpo_iterative:{fn}",
+        "--train_data",
+        str(rows),
+        "--val_data",
+        "",
+        "--pref_data",
+        "",
+        "--eval_every",
+        "-1",
+        "--num_samples",
+        "4",
+        "--num_kept",
+        "2",
+        "--max_new_tokens",
+        "4",
+        "--max_prompt_len",
+        "64",
+        "--prompts_per_step",
+        "2",
+        "--micro_batch_size",
+        "4",
+        "--steps",
+        "1",
+        "--seed",
+        "3",
+        "--wandb_mode",
+        "disabled",
+        "--out_dir",
+        str(tmp_path / "run"),
     ]
     code, message = run_cli(grpo, args, capsys)
     assert code == 2, message
@@ -173,11 +222,48 @@ def ends(prompt, response):
 
 def grpo_args(policy, prompts, val, run, *extra):
     return [
-        "grpo.py", "--model", str(policy), "--train_data", str(prompts), "--val_data", str(val), "--pref_data", "",
-        "--val_rows", "8", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "16", "--max_prompt_len",
-        "192", "--prompts_per_step", "8", "--micro_batch_size", "16", "--steps", "5", "--warmup_steps", "1",
-        "--beta", "0.05", "--eval_every", "5", "--save_every", "3", "--keep_last", "5", "--table_every", "3",
-        "--wandb_mode", "disabled", "--out_dir", str(run), *extra,
+        "grpo.py",
+        "--model",
+        str(policy),
+        "--train_data",
+        str(prompts),
+        "--val_data",
+        str(val),
+        "--pref_data",
+        "",
+        "--val_rows",
+        "8",
+        "--num_samples",
+        "8",
+        "--num_kept",
+        "4",
+        "--max_new_tokens",
+        "16",
+        "--max_prompt_len",
+        "192",
+        "--prompts_per_step",
+        "8",
+        "--micro_batch_size",
+        "16",
+        "--steps",
+        "5",
+        "--warmup_steps",
+        "1",
+        "--beta",
+        "0.05",
+        "--eval_every",
+        "5",
+        "--save_every",
+        "3",
+        "--keep_last",
+        "5",
+        "--table_every",
+        "3",
+        "--wandb_mode",
+        "disabled",
+        "--out_dir",
+        str(run),
+        *extra,
     ]
 
 
@@ -196,10 +282,28 @@ def test_two_process_grpo_with_lora_and_a_reward_function_improves_it(tmp_path):
     data = write_task(tmp_path / "data", n_sft_train=8, n_sft_val=16, n_pref_train=4, n_pref_val=4, n_prompts=64)
     start = end_biased_policy(tmp_path / "policy")
     run = tmp_path / "run"
-    args = grpo_args(tmp_path / "policy", data["prompts_train"], data["sft_validation"], run,
-                     "--rewards", "tests.test_grpo_iterative:ends", "--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2",
-                     "--policy_epochs", "2", "--ref_refresh_every", "2", "--gold_reward_fn", "data.synthetic:gold_reward",
-                     "--gold_parts_fn", "data.synthetic:gold_parts")
+    args = grpo_args(
+        tmp_path / "policy",
+        data["prompts_train"],
+        data["sft_validation"],
+        run,
+        "--rewards",
+        "tests.test_grpo_iterative:ends",
+        "--lora_rank",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--lr",
+        "1e-2",
+        "--policy_epochs",
+        "2",
+        "--ref_refresh_every",
+        "2",
+        "--gold_reward_fn",
+        "data.synthetic:gold_reward",
+        "--gold_parts_fn",
+        "data.synthetic:gold_parts",
+    )
     out = run_script(args, nproc=2)
     assert "LoRA adapters on 8 projections" in out.stdout and "rewards: 1*ends" in out.stdout
     m = [x for x in read_metrics(run) if x["step"] > 0]
@@ -228,12 +332,25 @@ def test_two_process_grpo_mixing_tasks_by_a_reward_column_with_a_refreshed_full_
     # half the prompts are scored by ending (a test-local function: the embedded gold reward pays nothing to a random
     # policy's content-free summaries, so it would carry no signal), half by the format check
     mixed = tmp_path / "mixed.jsonl"
-    mixed.write_text("".join(json.dumps({**r, "reward_fns": ["ends", "format"][i % 2]}) + "\n" for i, r in enumerate(rows)))
+    mixed.write_text(
+        "".join(json.dumps({**r, "reward_fns": ["ends", "format"][i % 2]}) + "\n" for i, r in enumerate(rows))
+    )
     end_biased_policy(tmp_path / "policy")
     run = tmp_path / "run"
-    args = grpo_args(tmp_path / "policy", mixed, data["sft_validation"], run,
-                     "--rewards", "tests.test_grpo_iterative:ends + 0.5*format", "--lr", "3e-3", "--ref_refresh_every", "2",
-                     "--entropy_coef", "0.01")
+    args = grpo_args(
+        tmp_path / "policy",
+        mixed,
+        data["sft_validation"],
+        run,
+        "--rewards",
+        "tests.test_grpo_iterative:ends + 0.5*format",
+        "--lr",
+        "3e-3",
+        "--ref_refresh_every",
+        "2",
+        "--entropy_coef",
+        "0.01",
+    )
     run_script(args, nproc=2)
     m = [x for x in read_metrics(run) if x["step"] > 0]
     for x in m:

@@ -146,7 +146,6 @@ def test_the_correction_weights_the_policy_term_only():
     assert torch.allclose(logp.grad, -adv * c + kl_grad)
 
 
-
 def test_token_loss_is_its_three_terms_by_hand():
     """Objective.token_loss = policy term + KL term - entropy term on response tokens, 0 elsewhere, each term worked
     by hand on one response: ratio e^0.1 (inside the clip range), k3 with log r = ref - logp, H given."""
@@ -166,6 +165,7 @@ def test_token_loss_is_its_three_terms_by_hand():
         Objective(kl_estimator="k4")
     with pytest.raises(ValueError, match="unknown importance level 'row'"):
         Objective(importance_level="row")
+
 
 # ----------------------------------------------------------------------------------------------------
 # 3. KL estimators and where the KL goes (arXiv 2512.21852)
@@ -216,9 +216,13 @@ def test_expected_gradient_of_each_estimator_on_a_toy_categorical_policy():
     assert not torch.allclose(reverse, forward, atol=1e-3)  # the toy can tell them apart
 
     def in_loss(name, ratio=False):
-        return expected_gradient(lambda lp, old, ref: (torch.exp(lp - old) if ratio else 1.0) * kl_estimate(lp, ref, name))
+        return expected_gradient(
+            lambda lp, old, ref: (torch.exp(lp - old) if ratio else 1.0) * kl_estimate(lp, ref, name)
+        )
 
-    assert torch.allclose(in_loss("k1"), torch.zeros(7, dtype=torch.float64), atol=1e-12)  # k1 in the loss: no pull at all
+    assert torch.allclose(
+        in_loss("k1"), torch.zeros(7, dtype=torch.float64), atol=1e-12
+    )  # k1 in the loss: no pull at all
     assert torch.allclose(in_loss("k2"), reverse, atol=1e-12)  # k2 in the loss: unbiased on-policy
     assert torch.allclose(in_loss("k3"), forward, atol=1e-12)  # k3 in the loss: the forward KL's gradient
     assert torch.allclose(in_loss("k3", ratio=True), reverse, atol=1e-12)  # --kl_ratio: corrected
@@ -280,10 +284,30 @@ OPTIONS = {  # four runs for the six options, CPU being scarce; each case assert
     # caps far from 1 either way: in fp32 the sampler's and the trainer's log-probs agree to ~1e-6, so the share of
     # tokens past a cap of exactly 1 would be rounding noise. 1000: nothing masked (GSPO's clipping still acts);
     # 0.5: every token's ratio (~1) is past the cap, so TIS weighs every policy term by 0.5
-    "sequence_ratio_mis": ["--importance_level", "sequence", "--eps_low", "3e-4", "--eps_high", "4e-4", "--policy_epochs",
-                           "2", "--rollout_correction", "mis", "--rollout_correction_cap", "1000"],
-    "tis_kl_ratio": ["--rollout_correction", "tis", "--rollout_correction_cap", "0.5", "--kl_estimator", "k2",
-                     "--kl_ratio", "true"],
+    "sequence_ratio_mis": [
+        "--importance_level",
+        "sequence",
+        "--eps_low",
+        "3e-4",
+        "--eps_high",
+        "4e-4",
+        "--policy_epochs",
+        "2",
+        "--rollout_correction",
+        "mis",
+        "--rollout_correction_cap",
+        "1000",
+    ],
+    "tis_kl_ratio": [
+        "--rollout_correction",
+        "tis",
+        "--rollout_correction_cap",
+        "0.5",
+        "--kl_estimator",
+        "k2",
+        "--kl_ratio",
+        "true",
+    ],
     "kl_in_reward": ["--kl_in", "reward", "--kl_estimator", "k1"],
     "dynamic_sampling": ["--min_group_std", "0.1"],
 }
@@ -309,14 +333,55 @@ def embedded_task(tmp_path_factory):
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path):
     prompts, policy = embedded_task
-    run_script([
-        "grpo.py", "--model", str(policy), "--rewards", "tests.test_grpo_options:ends", "--train_data", str(prompts),
-        "--val_data", "",
-        "--pref_data", "", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "8", "--max_prompt_len", "128",
-        "--prompts_per_step", "4", "--micro_batch_size", "4", "--steps", "3", "--lr", "1e-3", "--warmup_steps", "1",
-        "--beta", "0.1", "--eval_every", "-1", "--table_every", "0", "--save_every", "0", "--seed", "0",
-        "--wandb_mode", "disabled", "--out_dir", str(tmp_path / "run"), *OPTIONS[option],
-    ], nproc=2)
+    run_script(
+        [
+            "grpo.py",
+            "--model",
+            str(policy),
+            "--rewards",
+            "tests.test_grpo_options:ends",
+            "--train_data",
+            str(prompts),
+            "--val_data",
+            "",
+            "--pref_data",
+            "",
+            "--num_samples",
+            "8",
+            "--num_kept",
+            "4",
+            "--max_new_tokens",
+            "8",
+            "--max_prompt_len",
+            "128",
+            "--prompts_per_step",
+            "4",
+            "--micro_batch_size",
+            "4",
+            "--steps",
+            "3",
+            "--lr",
+            "1e-3",
+            "--warmup_steps",
+            "1",
+            "--beta",
+            "0.1",
+            "--eval_every",
+            "-1",
+            "--table_every",
+            "0",
+            "--save_every",
+            "0",
+            "--seed",
+            "0",
+            "--wandb_mode",
+            "disabled",
+            "--out_dir",
+            str(tmp_path / "run"),
+            *OPTIONS[option],
+        ],
+        nproc=2,
+    )
     steps = read_metrics(tmp_path / "run")
     assert [m["step"] for m in steps] == [1, 2, 3]
     trained = [m for m in steps if m["train/skipped"] == 0]

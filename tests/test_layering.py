@@ -74,4 +74,6 @@ def test_no_test_file_imports_another():
     for file in sorted((ROOT / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
-                assert not node.module.split(".")[-1].startswith("test_"), f"{file.relative_to(ROOT)} imports {node.module}"
+                assert not node.module.split(".")[-1].startswith("test_"), (
+                    f"{file.relative_to(ROOT)} imports {node.module}"
+                )

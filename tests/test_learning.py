@@ -35,7 +35,11 @@ def demo(tmp_path_factory) -> tuple[dict, object]:
     """The demo's summary.json, its assets folder and its run folder: one run shared by every test here."""
     tmp_path = tmp_path_factory.mktemp("demo")
     out = tmp_path / "demo"
-    run_script(["demo.py", "--out", str(out), "--assets", str(tmp_path / "assets"), "--wandb_mode", "disabled"], timeout=1800, env={"OMP_NUM_THREADS": "2"})
+    run_script(
+        ["demo.py", "--out", str(out), "--assets", str(tmp_path / "assets"), "--wandb_mode", "disabled"],
+        timeout=1800,
+        env={"OMP_NUM_THREADS": "2"},
+    )
     summary = json.loads((out / "summary.json").read_text())
     print(json.dumps(summary, indent=2), file=sys.stderr)
     return summary, tmp_path / "assets", out
@@ -55,7 +59,9 @@ def test_demo_pipeline_learns_on_the_embedded_task(demo):
 def test_sft_copies_and_grpo_names_more_key_items(demo):
     summary, _, _ = demo
     assert summary["sft_items_correct"] > SFT_ITEMS_CORRECT_MIN, summary
-    assert summary["sft_swap_accuracy"] > 0.9, summary  # the policy's likelihood picks the post's item over an invented one
+    assert summary["sft_swap_accuracy"] > 0.9, (
+        summary
+    )  # the policy's likelihood picks the post's item over an invented one
     assert summary["grpo_items_correct"] > summary["sft_items_correct"], summary
 
 

@@ -53,11 +53,11 @@ def test_values_and_gradients_equal_the_unchunked_functions(proc, chunk):
     x_old = logits.clone().requires_grad_()
     logp_old = sampler.processed_logprobs(x_old, targets, **proc)
     entropy_old = token_entropy(sampler.process_logits(x_old, **proc))
-    grad_old, = torch.autograd.grad(objective(logp_old, entropy_old, mask, g_logp, g_entropy), x_old)
+    (grad_old,) = torch.autograd.grad(objective(logp_old, entropy_old, mask, g_logp, g_entropy), x_old)
 
     x_new = logits.clone().requires_grad_()
     logp_new, entropy_new = processed_logprobs(x_new, targets, with_entropy=True, chunk=chunk, **proc)
-    grad_new, = torch.autograd.grad(objective(logp_new, entropy_new, mask, g_logp, g_entropy), x_new)
+    (grad_new,) = torch.autograd.grad(objective(logp_new, entropy_new, mask, g_logp, g_entropy), x_new)
 
     if proc.get("top_k") or proc.get("top_p"):
         assert torch.isinf(logp_old).any() and torch.isfinite(logp_old[mask]).any()  # both kinds of target occur
@@ -69,11 +69,18 @@ def test_values_and_gradients_equal_the_unchunked_functions(proc, chunk):
     # log-prob only (the logged entropy is detached): the same gradient as the log-prob branch alone
     x_lp = logits.clone().requires_grad_()
     logp_only, entropy_logged = processed_logprobs(x_lp, targets, with_entropy=True, chunk=chunk, **proc)
-    grad_lp, = torch.autograd.grad(objective(logp_only, entropy_logged.detach(), mask, g_logp, g_entropy), x_lp)
+    (grad_lp,) = torch.autograd.grad(objective(logp_only, entropy_logged.detach(), mask, g_logp, g_entropy), x_lp)
     x_ref = logits.clone().requires_grad_()
-    grad_ref, = torch.autograd.grad(
-        objective(sampler.processed_logprobs(x_ref, targets, **proc), torch.zeros_like(mask, dtype=torch.float),
-                  mask, g_logp, g_entropy), x_ref)
+    (grad_ref,) = torch.autograd.grad(
+        objective(
+            sampler.processed_logprobs(x_ref, targets, **proc),
+            torch.zeros_like(mask, dtype=torch.float),
+            mask,
+            g_logp,
+            g_entropy,
+        ),
+        x_ref,
+    )
     torch.testing.assert_close(grad_lp, grad_ref, rtol=0, atol=1e-6)
 
 
@@ -83,9 +90,9 @@ def test_entropy_only_gradient_and_no_entropy_when_not_asked():
     _, entropy = processed_logprobs(x, targets, top_k=30, chunk=5)
     assert entropy is None
     _, entropy = processed_logprobs(x, targets, top_k=30, with_entropy=True, chunk=5)
-    grad, = torch.autograd.grad(entropy.sum(), x)
+    (grad,) = torch.autograd.grad(entropy.sum(), x)
     x_old = logits.clone().requires_grad_()
-    grad_old, = torch.autograd.grad(token_entropy(sampler.process_logits(x_old, top_k=30)).sum(), x_old)
+    (grad_old,) = torch.autograd.grad(token_entropy(sampler.process_logits(x_old, top_k=30)).sum(), x_old)
     torch.testing.assert_close(grad, grad_old, rtol=0, atol=1e-6)
 
 
@@ -106,9 +113,9 @@ def test_bf16_logits_get_a_bf16_gradient_equal_to_the_fp32_one_rounded():
     x16 = logits.bfloat16().requires_grad_()
     logp, _ = processed_logprobs(x16, targets, temperature=0.7, chunk=4)
     assert logp.dtype == torch.float32
-    grad16, = torch.autograd.grad(logp.sum(), x16)
+    (grad16,) = torch.autograd.grad(logp.sum(), x16)
     x32 = logits.bfloat16().float().requires_grad_()
-    grad32, = torch.autograd.grad(processed_logprobs(x32, targets, temperature=0.7, chunk=4)[0].sum(), x32)
+    (grad32,) = torch.autograd.grad(processed_logprobs(x32, targets, temperature=0.7, chunk=4)[0].sum(), x32)
     assert grad16.dtype == torch.bfloat16 and torch.equal(grad16, grad32.bfloat16())
 
 
@@ -144,8 +151,9 @@ def test_fused_head_equals_the_logits_path(proc, chunk, block_bytes, monkeypatch
     g_logp, g_entropy = torch.randn(n, R, generator=g), torch.randn(n, R, generator=g)
 
     h_old, w_old = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logp_old, entropy_old = processed_logprobs(torch.nn.functional.linear(h_old, w_old), targets, with_entropy=True,
-                                               **proc)
+    logp_old, entropy_old = processed_logprobs(
+        torch.nn.functional.linear(h_old, w_old), targets, with_entropy=True, **proc
+    )
     grads_old = torch.autograd.grad(objective(logp_old, entropy_old, mask, g_logp, g_entropy), (h_old, w_old))
 
     h_new, w_new = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -162,10 +170,10 @@ def test_fused_head_equals_the_logits_path(proc, chunk, block_bytes, monkeypatch
     # the log-prob alone (entropy detached), and a frozen weight: no weight gradient, the same hidden gradient
     h_lp = hidden.clone().requires_grad_()
     logp_lp, _ = linear_processed_logprobs(h_lp, weight, targets, chunk=chunk, **proc)
-    grad_lp, = torch.autograd.grad(objective(logp_lp, torch.zeros(n, R), mask, g_logp, g_entropy), h_lp)
+    (grad_lp,) = torch.autograd.grad(objective(logp_lp, torch.zeros(n, R), mask, g_logp, g_entropy), h_lp)
     h_ref = hidden.clone().requires_grad_()
     logp_ref, _ = processed_logprobs(torch.nn.functional.linear(h_ref, weight), targets, **proc)
-    grad_ref, = torch.autograd.grad(objective(logp_ref, torch.zeros(n, R), mask, g_logp, g_entropy), h_ref)
+    (grad_ref,) = torch.autograd.grad(objective(logp_ref, torch.zeros(n, R), mask, g_logp, g_entropy), h_ref)
     torch.testing.assert_close(grad_lp, grad_ref, rtol=1e-5, atol=1e-5)
 
 
@@ -236,17 +244,21 @@ def test_fused_head_on_gpu_matches_and_saves_memory():
     def whole(h, w):
         logits = torch.nn.functional.linear(h, w)
         return sampler.processed_logprobs(logits, targets, temperature=0.9), token_entropy(
-            sampler.process_logits(logits, temperature=0.9))
+            sampler.process_logits(logits, temperature=0.9)
+        )
 
     original = peak(whole)
-    chunked = peak(lambda h, w: processed_logprobs(torch.nn.functional.linear(h, w), targets, temperature=0.9,
-                                                   with_entropy=True))
+    chunked = peak(
+        lambda h, w: processed_logprobs(torch.nn.functional.linear(h, w), targets, temperature=0.9, with_entropy=True)
+    )
     fused = peak(lambda h, w: linear_processed_logprobs(h, w, targets, temperature=0.9, with_entropy=True))
     torch.testing.assert_close(fused[0], chunked[0], rtol=1e-5, atol=1e-3)
     for new, old in zip(fused[1:3], chunked[1:3]):
         torch.testing.assert_close(new.float(), old.float(), rtol=5e-2, atol=5e-2 * old.float().abs().max().item())
-    print(f"peak over forward + backward: whole-tensor {original[3] / 2**20:.0f} MiB, chunked {chunked[3] / 2**20:.0f}"
-          f" MiB, fused {fused[3] / 2**20:.0f} MiB; fp32 logits {logits_bytes / 2**20:.0f} MiB")
+    print(
+        f"peak over forward + backward: whole-tensor {original[3] / 2**20:.0f} MiB, chunked {chunked[3] / 2**20:.0f}"
+        f" MiB, fused {fused[3] / 2**20:.0f} MiB; fp32 logits {logits_bytes / 2**20:.0f} MiB"
+    )
     assert fused[3] < chunked[3]
     assert original[3] - fused[3] >= 2 * logits_bytes
 
@@ -278,10 +290,14 @@ def test_fused_head_with_a_mask_runs_only_the_real_positions(proc):
     h_new, w_new = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(logprobs._LinearChunkedLogprobs, "forward", staticmethod(counting))
-        logp_new, entropy_new = linear_processed_logprobs(h_new, w_new, targets, with_entropy=True, chunk=4, mask_NR=mask, **proc)
+        logp_new, entropy_new = linear_processed_logprobs(
+            h_new, w_new, targets, with_entropy=True, chunk=4, mask_NR=mask, **proc
+        )
     assert rows == [int(mask.sum())]
     assert logp_new.shape == entropy_new.shape == (n, R)
-    assert torch.equal(logp_new[~mask], torch.zeros(int((~mask).sum()))) and torch.equal(entropy_new[~mask], logp_new[~mask])
+    assert torch.equal(logp_new[~mask], torch.zeros(int((~mask).sum()))) and torch.equal(
+        entropy_new[~mask], logp_new[~mask]
+    )
     torch.testing.assert_close(logp_new[mask], logp_ref[mask], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(entropy_new[mask], entropy_ref[mask], rtol=1e-6, atol=1e-6)
     ones = torch.ones(n, R, dtype=torch.bool)  # the caller weighs padding too: it still gets no gradient

@@ -26,7 +26,12 @@ from model.lora import (
 from model.weights import save_hf
 from tests.conftest import run_script
 from tests.helpers import (
-    adapted_weight_names, changed_weights, pair_run_args, read_metrics, write_pref_rows, write_sft_rows,
+    adapted_weight_names,
+    changed_weights,
+    pair_run_args,
+    read_metrics,
+    write_pref_rows,
+    write_sft_rows,
 )
 from utils.optim import build_optimizer
 
@@ -75,12 +80,18 @@ def test_lora_starts_equal_to_the_base_and_trains_only_the_adapters():
     with torch.no_grad():
         assert torch.equal(policy(ids, pos, mask), base(ids, pos, mask))  # B = 0: exactly the base function
     names = {n for n, p in policy.named_parameters() if p.requires_grad}
-    targets = [f"transformer.h.{i}.{m}" for i in range(CFG.n_layer) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    targets = [
+        f"transformer.h.{i}.{m}"
+        for i in range(CFG.n_layer)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
     assert names == {f"{t}.{ab}" for t in targets for ab in ("lora_A", "lora_B")}
     # the state dict is the base's (same names) plus two keys per target
     assert set(policy.state_dict()) == set(base.state_dict()) | names
     optimizer = train_steps(policy)
-    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {id(p) for n, p in policy.named_parameters() if n in names}
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {
+        id(p) for n, p in policy.named_parameters() if n in names
+    }
     after = policy.state_dict()
     for k, v in base.state_dict().items():
         assert torch.equal(after[k], v), k  # the base weights did not move
@@ -208,8 +219,23 @@ def test_two_process_dpo_with_lora_starts_at_its_reference_and_trains_only_the_a
     start = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128))
     save_hf(start.state_dict(), start.cfg, init)
     run = tmp_path / "run"
-    run_script(["dpo.py", "--model", str(init), "--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2",
-                "--eval_every", "5", *pair_run_args(data, run, 5)], nproc=2)
+    run_script(
+        [
+            "dpo.py",
+            "--model",
+            str(init),
+            "--lora_rank",
+            "4",
+            "--lora_alpha",
+            "8",
+            "--lr",
+            "1e-2",
+            "--eval_every",
+            "5",
+            *pair_run_args(data, run, 5),
+        ],
+        nproc=2,
+    )
     m = read_metrics(run)
     # the reference is the policy with adapters off, and B = 0 at the start: every pair ties, the loss is log 2
     assert m[0]["val/bt_loss"] == pytest.approx(math.log(2), abs=1e-6) and m[0]["val/n_ties"] == 16
@@ -228,15 +254,43 @@ def test_sft_with_lora_lowers_the_loss_and_exports_merged_weights(tmp_path):
     start = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128))
     save_hf(start.state_dict(), start.cfg, init)
     run = tmp_path / "run"
-    out = run_script([
-        "sft.py", "--model", str(init), "--lora_rank", "8", "--lora_targets", "c_attn,c_fc", "--train_data", str(data),
-        "--val_data", "", "--steps", "4", "--batch_size", "8", "--micro_batch_size", "8", "--lr", "1e-2",
-        "--warmup_steps", "1", "--max_prompt_len", "64", "--wandb_mode", "disabled", "--out_dir", str(run),
-    ])
+    out = run_script(
+        [
+            "sft.py",
+            "--model",
+            str(init),
+            "--lora_rank",
+            "8",
+            "--lora_targets",
+            "c_attn,c_fc",
+            "--train_data",
+            str(data),
+            "--val_data",
+            "",
+            "--steps",
+            "4",
+            "--batch_size",
+            "8",
+            "--micro_batch_size",
+            "8",
+            "--lr",
+            "1e-2",
+            "--warmup_steps",
+            "1",
+            "--max_prompt_len",
+            "64",
+            "--wandb_mode",
+            "disabled",
+            "--out_dir",
+            str(run),
+        ]
+    )
     assert "LoRA adapters on 4 projections" in out.stdout
     m = read_metrics(run)
     assert m[-1]["train/loss"] < m[0]["train/loss"] - 0.05
-    assert changed_weights(init, run / "hf") == {f"transformer.h.{i}.{n}.weight" for i in range(2) for n in ("attn.c_attn", "mlp.c_fc")}
+    assert changed_weights(init, run / "hf") == {
+        f"transformer.h.{i}.{n}.weight" for i in range(2) for n in ("attn.c_attn", "mlp.c_fc")
+    }
 
 
 @pytest.mark.slow

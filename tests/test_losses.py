@@ -75,4 +75,3 @@ def test_ipo_at_known_margins():
     assert ipo_loss(pc, pr, rc, rr, beta=0.25).item() == pytest.approx(0.0)  # h on target
     z = torch.zeros(3)
     assert torch.allclose(ipo_loss(z, z, z, z, beta=0.1), torch.full((3,), 25.0))  # (0 - 5)^2 at h = 0
-

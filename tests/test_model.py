@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from model.gpt2 import GPT2LMHeadModel, GPTConfig, KVCache
+from model.gpt2 import GPT2LMHeadModel, KVCache
 from model.heads import RewardModel, last_real_index
 from model.weights import ModelLoadError, build_policy, build_reward_model, save_hf
 
@@ -22,7 +22,9 @@ def left_padded_batch(B=3, T=12, vocab=50257, seed=0):
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
     hf = transformers.GPT2LMHeadModel(cfg)
     with torch.no_grad():  # transformers zero-inits some biases; randomise everything so the test can fail
         for p in hf.parameters():
@@ -169,8 +171,10 @@ def test_reward_pooling_travels_with_the_export_and_a_mismatch_is_refused(tmp_pa
     assert back.pooling == "sum" and build_reward_model(str(tmp_path / "rm"), pooling="sum").pooling == "sum"
     ids, pos = torch.randint(0, 1000, (2, 7)), torch.arange(7)[None].expand(2, 7)
     with torch.no_grad():
-        assert torch.equal(back(ids, pos, torch.ones(2, 7, dtype=torch.bool), prompt_len=4),
-                           rm(ids, pos, torch.ones(2, 7, dtype=torch.bool), prompt_len=4))
+        assert torch.equal(
+            back(ids, pos, torch.ones(2, 7, dtype=torch.bool), prompt_len=4),
+            rm(ids, pos, torch.ones(2, 7, dtype=torch.bool), prompt_len=4),
+        )
     with pytest.raises(ModelLoadError, match="pooling 'sum', not 'last'"):
         build_reward_model(str(tmp_path / "rm"), pooling="last")
     with pytest.raises(ModelLoadError, match="must be one of last, sum"):

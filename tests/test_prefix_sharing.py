@@ -52,8 +52,14 @@ def random_samples(B: int, G: int, R: int, seed: int = 0) -> SampleOutput:
 
 def ref_logprobs(batches: list, R: int) -> torch.Tensor:
     """Every micro-batch's reference log-probs (n, R') on the real tokens, 0 elsewhere, padded to (N, R)."""
-    return torch.cat([torch.nn.functional.pad(torch.where(b.response_mask, b.ref_logprobs, 0.0),
-                                              (0, R - b.response_mask.shape[1])) for b in batches])
+    return torch.cat(
+        [
+            torch.nn.functional.pad(
+                torch.where(b.response_mask, b.ref_logprobs, 0.0), (0, R - b.response_mask.shape[1])
+            )
+            for b in batches
+        ]
+    )
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rel: bool = False) -> bool:
@@ -125,7 +131,9 @@ def test_update_loss_and_every_gradient_match_the_unshared_rows(tldr_prompts, lo
     (loss_s, ref_s, grads_s), (loss_u, ref_u, grads_u) = results[True], results[False]
     assert abs(loss_s - loss_u) <= TOL * max(1.0, abs(loss_u)) and loss_u != 0
     assert close(ref_s, ref_u)
-    assert sorted(grads_s) == sorted(grads_u) and len(grads_u) == (4 * 2 * CFG.n_layer if lora else len(list(policy.parameters())))
+    assert sorted(grads_s) == sorted(grads_u) and len(grads_u) == (
+        4 * 2 * CFG.n_layer if lora else len(list(policy.parameters()))
+    )
     for name, g in grads_u.items():
         assert g.abs().max() > 0, name
         assert close(grads_s[name], g, rel=True), name
@@ -136,8 +144,21 @@ def test_generate_with_the_prompt_cache_stored_once_samples_the_same_tokens(tldr
     torch.manual_seed(0)
     policy = GPT2LMHeadModel(CFG).eval()
     G, new = 4, 8
-    outs = [generate(policy, ids, mask, G, new, temperature=0.9, top_k=50, generator=torch.Generator().manual_seed(3),
-                     stop_ids=(13,), prefix_sharing=s) for s in (True, False)]
+    outs = [
+        generate(
+            policy,
+            ids,
+            mask,
+            G,
+            new,
+            temperature=0.9,
+            top_k=50,
+            generator=torch.Generator().manual_seed(3),
+            stop_ids=(13,),
+            prefix_sharing=s,
+        )
+        for s in (True, False)
+    ]
     assert torch.equal(outs[0].response_ids, outs[1].response_ids)
     assert torch.equal(outs[0].response_mask, outs[1].response_mask) and outs[0].response_mask.sum() > ids.shape[0] * G
     assert close(outs[0].logprobs, outs[1].logprobs)
@@ -164,15 +185,23 @@ def test_memory_estimates_against_hand_numbers():
     # keeps 2 x 12 layers x 768 x 2 bytes = 36,864 bytes per position
     rows = 16 * 64
     assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, prefix_sharing=False) == rows * 565 * 36_864  # 21.3 GB
-    assert kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, prefix_sharing=True) == (16 * 512 + rows * 53) * 36_864  # 2.3 GB
-    assert kv_cache_bytes(PRESETS["gpt2-xl"], 16, 64, 512, 53, 2, prefix_sharing=False) == rows * 565 * 307_200  # 177.7 GB
+    assert (
+        kv_cache_bytes(PRESETS["gpt2"], 16, 64, 512, 53, 2, prefix_sharing=True) == (16 * 512 + rows * 53) * 36_864
+    )  # 2.3 GB
+    assert (
+        kv_cache_bytes(PRESETS["gpt2-xl"], 16, 64, 512, 53, 2, prefix_sharing=False) == rows * 565 * 307_200
+    )  # 177.7 GB
     # gpt2-xl activations, micro-batch 32 of 565-token rows, bf16, no checkpointing: 34 bytes per token, channel
     # and layer (arXiv 2205.05198) = 48 x 34 x 18,080 x 1,600 = 47.2 GB, plus logits and their gradient
     logits = 32 * 53 * 50257 * (2 + 4)
-    assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, prefix_sharing=False, checkpointing=False) == 48 * 34 * 18_080 * 1600 + logits
+    assert (
+        update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, prefix_sharing=False, checkpointing=False)
+        == 48 * 34 * 18_080 * 1600 + logits
+    )
     # checkpointing keeps each block's input (2 bytes per token and channel) and one block's activations
     assert update_bytes(PRESETS["gpt2-xl"], 32, 32, 512, 53, 2, prefix_sharing=False, checkpointing=True) == (
-        48 * 2 * 18_080 * 1600 + 34 * 18_080 * 1600 + logits)
+        48 * 2 * 18_080 * 1600 + 34 * 18_080 * 1600 + logits
+    )
 
 
 def test_memory_terms_for_frozen_models_gathers_no_sync_gradients_and_math_attention():
@@ -202,11 +231,19 @@ def test_memory_terms_for_frozen_models_gathers_no_sync_gradients_and_math_atten
     math = update_bytes(xl, 8, 8, 512, 53, 2, prefix_sharing=False, checkpointing=False, math_attention=True)
     assert math - plain == 48 * 2 * 25 * 8 * 565 * 565 * 2 == 12_258_240_000
     # shared prefix: 2 prompts of 512 attend to themselves once, 8 responses of 53 to their prompt and themselves
-    assert attention_scores_bytes(xl, 8, 2, 512, 53, 2, prefix_sharing=True) == 2 * 25 * (2 * 512 * 512 + 8 * 53 * 565) * 2
+    assert (
+        attention_scores_bytes(xl, 8, 2, 512, 53, 2, prefix_sharing=True) == 2 * 25 * (2 * 512 * 512 + 8 * 53 * 565) * 2
+    )
     checkpointed = update_bytes(xl, 8, 8, 512, 53, 2, prefix_sharing=False, checkpointing=True, math_attention=True)
-    assert checkpointed - update_bytes(xl, 8, 8, 512, 53, 2, prefix_sharing=False, checkpointing=True) == 2 * 25 * 8 * 565 * 565 * 2
+    assert (
+        checkpointed - update_bytes(xl, 8, 8, 512, 53, 2, prefix_sharing=False, checkpointing=True)
+        == 2 * 25 * 8 * 565 * 565 * 2
+    )
     deterministic = grpo.Config(max_prompt_len=512, deterministic=True)
-    assert step_memory(deterministic, xl, xl, 1, 2).update > step_memory(grpo.Config(max_prompt_len=512), xl, xl, 1, 2).update
+    assert (
+        step_memory(deterministic, xl, xl, 1, 2).update
+        > step_memory(grpo.Config(max_prompt_len=512), xl, xl, 1, 2).update
+    )
 
 
 def test_memory_check_names_the_option_to_lower():
@@ -223,14 +260,20 @@ def test_memory_check_names_the_option_to_lower():
         "not enough device memory, 34.8 GiB of weights and 80.0 GiB is free on cuda:0 (or set --prefix_sharing true); "
         "--gen_prompts 16 needs about 169.2 GiB (KV cache and logits of one generate call): lower --gen_prompts to 2; "
         "--micro_batch_size 32 needs about 50.2 GiB (one training micro-batch: its activations, or the reference's "
-        "log-probs): lower --micro_batch_size to 16 or set --activation_checkpointing true")
+        "log-probs): lower --micro_batch_size to 16 or set --activation_checkpointing true"
+    )
     est = check_memory(grpo.Config(max_prompt_len=512), xl, xl, 1, 2, free, "cuda:0")  # the defaults fit with sharing
     assert est.peak < 0.9 * free
     big_micro = grpo.Config(max_prompt_len=512, micro_batch_size=256, prefix_sharing=True)
-    with pytest.raises(ConfigError, match=r"; --micro_batch_size 256 needs .* lower --micro_batch_size to \d+ or set "
-                                          r"--activation_checkpointing true$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"; --micro_batch_size 256 needs .* lower --micro_batch_size to \d+ or set "
+        r"--activation_checkpointing true$",
+    ):
         check_memory(big_micro, xl, xl, 1, 2, free, "cuda:0")
-    assert step_memory(big_micro, xl, xl, 1, 2).update > step_memory(big_micro, xl, xl, 1, 2, micro_batch_size=32).update
+    assert (
+        step_memory(big_micro, xl, xl, 1, 2).update > step_memory(big_micro, xl, xl, 1, 2, micro_batch_size=32).update
+    )
 
 
 def test_grpo_stops_before_loading_weights_when_generation_cannot_fit(tmp_path, capsys, monkeypatch):
@@ -239,16 +282,57 @@ def test_grpo_stops_before_loading_weights_when_generation_cannot_fit(tmp_path, 
     from tests.helpers import run_cli, write_sft_rows
 
     rows = write_sft_rows(tmp_path / "rows.jsonl", n=8)
-    cfg = grpo.Config(model="tiny", random_init=True, rewards="length", max_prompt_len=64, num_samples=64, num_kept=2,
-                      gen_prompts=8, prompts_per_step=8, micro_batch_size=2)
+    cfg = grpo.Config(
+        model="tiny",
+        random_init=True,
+        rewards="length",
+        max_prompt_len=64,
+        num_samples=64,
+        num_kept=2,
+        gen_prompts=8,
+        prompts_per_step=8,
+        micro_batch_size=2,
+    )
     est = step_memory(cfg, PRESETS["tiny"], None, 1, 4)
     assert est.generate // 3 > est.update
-    monkeypatch.setattr(rollouts.models, "free_device_bytes", lambda device: int((est.weights + est.generate // 3) / 0.9) + 1)
+    monkeypatch.setattr(
+        rollouts.models, "free_device_bytes", lambda device: int((est.weights + est.generate // 3) / 0.9) + 1
+    )
     monkeypatch.setattr(grpo, "build_models", lambda *a, **k: pytest.fail("models built after a failed memory check"))
-    args = ["--model", "tiny", "--random_init", "true", "--rewards", "length", "--train_data", str(rows), "--val_data", "",
-            "--pref_data", "", "--eval_every", "-1", "--num_samples", "64", "--num_kept", "2", "--max_prompt_len", "64",
-            "--gen_prompts", "8", "--prompts_per_step", "8", "--micro_batch_size", "2", "--steps", "1",
-            "--wandb_mode", "disabled", "--out_dir", str(tmp_path / "run")]
+    args = [
+        "--model",
+        "tiny",
+        "--random_init",
+        "true",
+        "--rewards",
+        "length",
+        "--train_data",
+        str(rows),
+        "--val_data",
+        "",
+        "--pref_data",
+        "",
+        "--eval_every",
+        "-1",
+        "--num_samples",
+        "64",
+        "--num_kept",
+        "2",
+        "--max_prompt_len",
+        "64",
+        "--gen_prompts",
+        "8",
+        "--prompts_per_step",
+        "8",
+        "--micro_batch_size",
+        "2",
+        "--steps",
+        "1",
+        "--wandb_mode",
+        "disabled",
+        "--out_dir",
+        str(tmp_path / "run"),
+    ]
     code, message = run_cli(grpo, args, capsys)
     assert code == 2
     assert message.startswith("error: not enough device memory") and "--gen_prompts 8 needs about 432 MiB" in message
@@ -282,9 +366,16 @@ def test_pair_batches_packed_match_the_padded_rows(tldr_prompts, pooling):
     assert out[False][0].std() > 0 and out[False][1].abs().min() > 1 and out[False][2].abs().max() > 0
 
 
-@pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
 def test_bf16_with_the_default_attention_kernel_matches_fp32_on_left_padded_and_packed_rows(device):
     """The production path: bf16 weights and activations, the attention kernel torch picks (flash or memory-efficient
     on a GPU; not the math kernel --deterministic forces), on left-padded rows and on packed prefix-sharing rows,

@@ -13,7 +13,6 @@ from rlhf.stats import win_rate
 from utils import logging as log
 from utils.logging import LineProgress, Logger, format_summary, report_summary, run_summary
 
-
 # ----------------------------------------------------------------------------------------------------
 # Win rate
 
@@ -76,7 +75,9 @@ def test_line_progress_interval_and_the_last_line_at_close():
 
 def test_step_postfix_shows_tokens_per_second_beside_the_loss():
     assert log.step_postfix({"train/loss": 2.345678, "perf/tokens_per_second": 12345.6, "train/lr": 1.0}) == {
-        "loss": "2.346", "tok/s": "1.23e+04"}
+        "loss": "2.346",
+        "tok/s": "1.23e+04",
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -93,10 +94,26 @@ def write_run(path, rows):
 ROWS = [
     {"step": 0, "val/loss": 3.0, "val/accuracy": 0.5, "val/n_pairs": 8},
     {"step": 1, "train/loss": 2.0, "perf/step_seconds": 2.0, "perf/tokens_per_second": 100.0},
-    {"step": 2, "train/loss": 1.5, "perf/step_seconds": 1.0, "perf/tokens_per_second": 400.0, "val/loss": 2.0,
-     "val/accuracy": 0.75, "val/accuracy_ci_low": 0.5, "val/n_pairs": 8},
-    {"step": 3, "train/loss": 1.8, "perf/step_seconds": 1.0, "perf/tokens_per_second": 200.0, "val/loss": 2.5,
-     "val/accuracy": 0.625, "val/accuracy_ci_low": 0.4, "val/n_pairs": 8},
+    {
+        "step": 2,
+        "train/loss": 1.5,
+        "perf/step_seconds": 1.0,
+        "perf/tokens_per_second": 400.0,
+        "val/loss": 2.0,
+        "val/accuracy": 0.75,
+        "val/accuracy_ci_low": 0.5,
+        "val/n_pairs": 8,
+    },
+    {
+        "step": 3,
+        "train/loss": 1.8,
+        "perf/step_seconds": 1.0,
+        "perf/tokens_per_second": 200.0,
+        "val/loss": 2.5,
+        "val/accuracy": 0.625,
+        "val/accuracy_ci_low": 0.4,
+        "val/n_pairs": 8,
+    },
 ]
 
 

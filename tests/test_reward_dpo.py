@@ -20,10 +20,17 @@ from evaluation.preference import build_eval_set, evaluate_reward_model, gather_
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import build_reward_model, save_hf
-from tests.helpers import pair_run_args, read_metrics, write_pref_rows
-from tests.conftest import assert_same_metrics, kill_and_rerun, checkpoint_step, run_and_interrupt, run_script, shared_file
-from utils.config import parse_config
 from rlhf.stats import bootstrap_ci, pair_outcomes, preference_summary, standardizing_gain_bias
+from tests.conftest import (
+    assert_same_metrics,
+    checkpoint_step,
+    kill_and_rerun,
+    run_and_interrupt,
+    run_script,
+    shared_file,
+)
+from tests.helpers import pair_run_args, read_metrics, write_pref_rows
+from utils.config import parse_config
 
 LOG2 = math.log(2.0)
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128)
@@ -164,11 +171,15 @@ def test_gradient_does_not_depend_on_micro_batch_size(stage, shared):
     grads, metrics = [], []
     for sizes in ([4], [1, 3], [2, 2]):
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(TINY) if stage == "dpo" else RewardModel(TINY, "sum" if stage.endswith("sum") else "last")
+        model = (
+            GPT2LMHeadModel(TINY) if stage == "dpo" else RewardModel(TINY, "sum" if stage.endswith("sum") else "last")
+        )
         if stage == "dpo":  # a reference that differs from the policy, so margins are not zero
             reference = GPT2LMHeadModel(TINY).requires_grad_(False)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        micro = [collate_pairs(prompts[s : s + n], chosen[s : s + n], rejected[s : s + n]) for s, n in zip(starts, sizes)]
+        micro = [
+            collate_pairs(prompts[s : s + n], chosen[s : s + n], rejected[s : s + n]) for s, n in zip(starts, sizes)
+        ]
         if stage == "dpo":
             loss_fn = dpo.preference_loss_fn(dpo.Config(beta=0.5))
             m = dpo.accumulate_gradients(model, reference, micro, 1, 4, loss_fn, 0.5, "cpu", shared)
@@ -195,21 +206,44 @@ def test_evaluate_reward_model_on_real_pairs_two_processes(tmp_path):
     folder = tmp_path / "rm"
     save_hf(rm.state_dict(), rm.cfg, folder)
     out = tmp_path / "eval"
-    run_script([
-        "eval_preferences.py", "--reward_model", str(folder), "--val_data", str(data), "--val_rows", "64",
-        "--max_prompt_len", "96", "--max_response_len", "32", "--micro_batch_size", "5", "--out_dir", str(out), "--wandb_mode", "disabled",
-    ], nproc=2)
+    run_script(
+        [
+            "eval_preferences.py",
+            "--reward_model",
+            str(folder),
+            "--val_data",
+            str(data),
+            "--val_rows",
+            "64",
+            "--max_prompt_len",
+            "96",
+            "--max_response_len",
+            "32",
+            "--micro_batch_size",
+            "5",
+            "--out_dir",
+            str(out),
+            "--wandb_mode",
+            "disabled",
+        ],
+        nproc=2,
+    )
     res = json.loads((out / "preference_eval.json").read_text())["results"]
     assert res["n_pairs"] == 64 and res["n_chosen_longer"] + res["n_chosen_not_longer"] == 64
     for key in ("", "chosen_longer_", "chosen_not_longer_"):
         assert res[f"{key}accuracy_ci_low"] <= res[f"{key}accuracy"] <= res[f"{key}accuracy_ci_high"]
     assert res["accuracy"] * 64 == pytest.approx(round(res["accuracy"] * 128) / 2)  # a multiple of 1/128
-    assert (res["n_chosen_longer"] * res["chosen_longer_accuracy"] + res["n_chosen_not_longer"] * res["chosen_not_longer_accuracy"]) == pytest.approx(64 * res["accuracy"])
+    assert (
+        res["n_chosen_longer"] * res["chosen_longer_accuracy"]
+        + res["n_chosen_not_longer"] * res["chosen_not_longer_accuracy"]
+    ) == pytest.approx(64 * res["accuracy"])
     logged = read_metrics(out)[0]
     assert logged["eval/accuracy"] == res["accuracy"] and logged["eval/n_pairs"] == 64
     # the same scores in this process, unsharded and in one slice: the gather put every pair back in place
     rows = load_rows(str(data), "validation", PREF_COLUMNS)[:64]
-    local = evaluate_reward_model(build_reward_model(str(folder)), build_eval_set(rows, get_tokenizer(), 96, 32, 8, 0, 1), "cpu")
+    local = evaluate_reward_model(
+        build_reward_model(str(folder)), build_eval_set(rows, get_tokenizer(), 96, 32, 8, 0, 1), "cpu"
+    )
     assert local["accuracy"] == res["accuracy"]
     assert local["n_chosen_longer"] == res["n_chosen_longer"]
     assert local["chosen_score_mean"] == pytest.approx(res["chosen_score_mean"], abs=1e-5)
@@ -234,9 +268,31 @@ def test_two_process_reward_model_fits_a_fixed_batch_and_normalizes(tmp_path):
     data = write_pref_rows(tmp_path / "pairs.jsonl")
     init, policy = tiny_folders(tmp_path, "sum")
     run = tmp_path / "run"
-    run_script(["reward_model.py", "--model", str(init), "--sft_policy", str(policy), "--lr", "1e-3", "--overfit_batch", "true",
-                "--eval_every", "5", "--norm_prompts", "6", "--norm_samples_per_prompt", "2", "--norm_batch_size", "2",
-                "--pooling", "sum", *pair_run_args(data, run, 5)], nproc=2)
+    run_script(
+        [
+            "reward_model.py",
+            "--model",
+            str(init),
+            "--sft_policy",
+            str(policy),
+            "--lr",
+            "1e-3",
+            "--overfit_batch",
+            "true",
+            "--eval_every",
+            "5",
+            "--norm_prompts",
+            "6",
+            "--norm_samples_per_prompt",
+            "2",
+            "--norm_batch_size",
+            "2",
+            "--pooling",
+            "sum",
+            *pair_run_args(data, run, 5),
+        ],
+        nproc=2,
+    )
     m = read_metrics(run)
     assert [x["step"] for x in m] == [0, 1, 2, 3, 4, 5, 5]
     assert m[5]["train/loss"] < m[1]["train/loss"] - 0.15  # the same 8 pairs at every step
@@ -257,9 +313,26 @@ def test_two_process_reward_model_resumes_exactly_after_sigkill(tmp_path):
     init, policy = tiny_folders(tmp_path)
 
     def args(run):
-        return ["reward_model.py", "--model", str(init), "--sft_policy", str(policy), "--lr", "1e-3", "--eval_every", "3",
-                "--save_every", "1", "--keep_last", "2", "--norm_prompts", "4", "--norm_samples_per_prompt", "2",
-                *pair_run_args(data, run, 6)]
+        return [
+            "reward_model.py",
+            "--model",
+            str(init),
+            "--sft_policy",
+            str(policy),
+            "--lr",
+            "1e-3",
+            "--eval_every",
+            "3",
+            "--save_every",
+            "1",
+            "--keep_last",
+            "2",
+            "--norm_prompts",
+            "4",
+            "--norm_samples_per_prompt",
+            "2",
+            *pair_run_args(data, run, 6),
+        ]
 
     run_script(args(tmp_path / "full"), nproc=2)
     full = read_metrics(tmp_path / "full")
@@ -284,8 +357,21 @@ def test_two_process_dpo_starts_at_log2_learns_and_evaluates(tmp_path):
     pol = GPT2LMHeadModel(TINY)
     save_hf(pol.state_dict(), pol.cfg, init)
     run = tmp_path / "run"
-    run_script(["dpo.py", "--model", str(init), "--lr", "2e-3", "--eval_every", "5", "--label_smoothing", "0.1",
-                *pair_run_args(data, run, 5)], nproc=2)
+    run_script(
+        [
+            "dpo.py",
+            "--model",
+            str(init),
+            "--lr",
+            "2e-3",
+            "--eval_every",
+            "5",
+            "--label_smoothing",
+            "0.1",
+            *pair_run_args(data, run, 5),
+        ],
+        nproc=2,
+    )
     m = read_metrics(run)
     assert [x["step"] for x in m] == [0, 1, 2, 3, 4, 5]
     # the policy starts equal to its reference: every implicit reward is 0, every pair a tie
@@ -296,9 +382,27 @@ def test_two_process_dpo_starts_at_log2_learns_and_evaluates(tmp_path):
     assert changed_and_unchanged(init, run / "hf") == []
 
     # the stand-alone evaluation of the export against its reference agrees with the last validation
-    run_script(["eval_preferences.py", "--policy", str(run / "hf"), "--reference", str(init), "--val_data", str(data),
-                "--val_rows", "16", "--max_prompt_len", "64", "--max_response_len", "16", "--out_dir", str(tmp_path / "eval"),
-                "--wandb_mode", "disabled"])
+    run_script(
+        [
+            "eval_preferences.py",
+            "--policy",
+            str(run / "hf"),
+            "--reference",
+            str(init),
+            "--val_data",
+            str(data),
+            "--val_rows",
+            "16",
+            "--max_prompt_len",
+            "64",
+            "--max_response_len",
+            "16",
+            "--out_dir",
+            str(tmp_path / "eval"),
+            "--wandb_mode",
+            "disabled",
+        ]
+    )
     res = json.loads((tmp_path / "eval" / "preference_eval.json").read_text())["results"]
     assert res["accuracy"] == m[5]["val/accuracy"]
     assert res["bt_loss"] == pytest.approx(m[5]["val/bt_loss"], abs=1e-5)
@@ -308,8 +412,28 @@ def test_two_process_dpo_starts_at_log2_learns_and_evaluates(tmp_path):
 def test_ipo_one_process_starts_at_its_target_and_learns(tmp_path):
     data = write_pref_rows(tmp_path / "pairs.jsonl", n=16)
     run = tmp_path / "run"
-    run_script(["dpo.py", "--model", "tiny", "--random_init", "true", "--loss", "ipo", "--beta", "0.5", "--lr", "1e-3",
-                "--overfit_batch", "true", "--eval_every", "0", *pair_run_args(data, run, 4), "--val_data", ""])
+    run_script(
+        [
+            "dpo.py",
+            "--model",
+            "tiny",
+            "--random_init",
+            "true",
+            "--loss",
+            "ipo",
+            "--beta",
+            "0.5",
+            "--lr",
+            "1e-3",
+            "--overfit_batch",
+            "true",
+            "--eval_every",
+            "0",
+            *pair_run_args(data, run, 4),
+            "--val_data",
+            "",
+        ]
+    )
     m = read_metrics(run)
     assert [x["step"] for x in m] == [1, 2, 3, 4]
     assert m[0]["train/loss"] == pytest.approx(1.0, abs=1e-6)  # h = 0: (0 - 1/(2 * 0.5))^2
@@ -321,8 +445,22 @@ def test_dpo_resumes_exactly_after_sigkill_and_exits_cleanly_on_sigterm(tmp_path
     data = write_pref_rows(tmp_path / "pairs.jsonl", n=32)
 
     def args(run):
-        return ["dpo.py", "--model", "tiny", "--random_init", "true", "--lr", "2e-3", "--eval_every", "2",
-                "--save_every", "1", "--keep_last", "1", *pair_run_args(data, run, 6)]
+        return [
+            "dpo.py",
+            "--model",
+            "tiny",
+            "--random_init",
+            "true",
+            "--lr",
+            "2e-3",
+            "--eval_every",
+            "2",
+            "--save_every",
+            "1",
+            "--keep_last",
+            "1",
+            *pair_run_args(data, run, 6),
+        ]
 
     run_script(args(tmp_path / "full"))
     full = read_metrics(tmp_path / "full")
@@ -350,8 +488,19 @@ def test_eval_every_minus_one_never_reads_or_evaluates_the_validation_pairs(stag
     module = reward_model if stage == "reward_model" else dpo
     data = write_pref_rows(tmp_path / "pairs.jsonl", n=16)
     run = tmp_path / "run"
-    args = ["--model", "tiny", "--random_init", "true", "--eval_every", "-1", "--lr", "1e-3",
-            *pair_run_args(data, run, 2), "--val_data", str(tmp_path / "missing.jsonl")]
+    args = [
+        "--model",
+        "tiny",
+        "--random_init",
+        "true",
+        "--eval_every",
+        "-1",
+        "--lr",
+        "1e-3",
+        *pair_run_args(data, run, 2),
+        "--val_data",
+        str(tmp_path / "missing.jsonl"),
+    ]
     if stage == "reward_model":
         args += ["--norm_prompts", "0"]
     module.main(parse_config(module.Config, args))  # the missing validation file is never opened
@@ -399,8 +548,21 @@ def test_dpo_reference_dtype_auto_follows_the_policy_and_the_first_loss_is_log2(
     from types import SimpleNamespace
 
     data = write_pref_rows(tmp_path / "pairs.jsonl", n=8)
-    cfg = parse_config(dpo.Config, ["--model", "tiny", "--random_init", "true", "--dtype", "bf16",
-                                    "--train_data", str(data), "--out_dir", str(tmp_path / "run")])
+    cfg = parse_config(
+        dpo.Config,
+        [
+            "--model",
+            "tiny",
+            "--random_init",
+            "true",
+            "--dtype",
+            "bf16",
+            "--train_data",
+            str(data),
+            "--out_dir",
+            str(tmp_path / "run"),
+        ],
+    )
     torch.manual_seed(0)
     run = SimpleNamespace(say=lambda message: None, device=torch.device("cpu"), dtype=torch.bfloat16)
     policy, reference = dpo.build_models(cfg, run)

@@ -26,22 +26,30 @@ from rlhf.rewards import (
 
 def test_parse_rewards_weights_names_and_functions():
     sources = parse_rewards("reward_model + 0.5*format + -0.25 * length + data.synthetic:gold_reward", length_target=4)
-    assert [(s.name, s.weight) for s in sources] == [("reward_model", 1.0), ("format", 0.5), ("length", -0.25), ("gold_reward", 1.0)]
+    assert [(s.name, s.weight) for s in sources] == [
+        ("reward_model", 1.0),
+        ("format", 0.5),
+        ("length", -0.25),
+        ("gold_reward", 1.0),
+    ]
     assert sources[0].fn is None and sources[3].fn is gold_reward
     assert sources[2].fn("p", " a b c d\n") == 0.0 and sources[2].fn("p", " a b\n") == -0.5  # target 4 words
     # grpo.py's name for the same function (rlhf/rewards.py knows only format and length)
     assert parse_rewards("gold_reward", extra=TASK_REWARDS)[0].fn is gold_reward
 
 
-@pytest.mark.parametrize("spec, match", [
-    ("reward_model + bogus", "unknown reward source 'bogus'"),
-    ("x*format", "weight before"),
-    ("format + ", "empty term"),
-    ("format + 2*format", "more than once"),
-    ("gold_reward + data.synthetic:gold_reward", "more than once"),
-    ("data.synthetic:no_such_fn", "cannot load function 'data.synthetic:no_such_fn'"),
-    ("no_such_module:fn", "cannot load function"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("reward_model + bogus", "unknown reward source 'bogus'"),
+        ("x*format", "weight before"),
+        ("format + ", "empty term"),
+        ("format + 2*format", "more than once"),
+        ("gold_reward + data.synthetic:gold_reward", "more than once"),
+        ("data.synthetic:no_such_fn", "cannot load function 'data.synthetic:no_such_fn'"),
+        ("no_such_module:fn", "cannot load function"),
+    ],
+)
 def test_parse_rewards_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_rewards(spec, extra=TASK_REWARDS)
@@ -60,7 +68,9 @@ def test_builtin_functions():
 
 def test_row_sources_from_the_reward_column():
     sources = parse_rewards("reward_model + format + data.synthetic:gold_reward")
-    applies = row_sources([None, "gold_reward, format", ["reward_model"], "data.synthetic:gold_reward"], sources, "rows.jsonl")
+    applies = row_sources(
+        [None, "gold_reward, format", ["reward_model"], "data.synthetic:gold_reward"], sources, "rows.jsonl"
+    )
     assert applies.tolist() == [[True, True, True], [False, True, True], [True, False, False], [False, False, True]]
     with pytest.raises(ValueError, match="rows.jsonl: row 1: reward source 'length' is not in --rewards"):
         row_sources([None, "length"], sources, "rows.jsonl")
@@ -80,14 +90,18 @@ def raises_on_short(prompt, response):
 def test_a_function_returning_a_non_number_stops_naming_function_and_row(returned):
     source = parse_rewards("format")[0]
     bad = type(source)("bad", "tests.test_rewards:bad", 1.0, lambda p, r: 0.5 if r == " ok\n" else returned)
-    with pytest.raises(RewardFunctionError, match=r"reward function 'tests.test_rewards:bad' returned .* on row 7 of train.jsonl"):
+    with pytest.raises(
+        RewardFunctionError, match=r"reward function 'tests.test_rewards:bad' returned .* on row 7 of train.jsonl"
+    ):
         function_rewards(bad, ["p", "p"], [" ok\n", " wrong\n"], [3, 7], "train.jsonl")
 
 
 def test_a_function_that_raises_stops_naming_function_and_row():
     source = parse_rewards("tests.test_rewards:raises_on_short")[0]
     assert function_rewards(source, ["p"], [" long enough\n"], [0], "w") == [1.0]
-    with pytest.raises(RewardFunctionError, match=r"'tests.test_rewards:raises_on_short' raised on row 12 of w .*KeyError"):
+    with pytest.raises(
+        RewardFunctionError, match=r"'tests.test_rewards:raises_on_short' raised on row 12 of w .*KeyError"
+    ):
         function_rewards(source, ["p", "p"], [" long enough\n", " \n"], [11, 12], "w")
 
 
@@ -100,9 +114,17 @@ def test_functions_are_called_only_on_the_rows_they_apply_to():
 
 def test_normalization_per_source_then_weighted_sum_by_hand():
     # columns: reward model (already normalized by its gain/bias), a function on rows 0-3, a function on rows 2-5
-    values = torch.tensor([
-        [0.5, 1.0, 0.0], [-1.0, 3.0, 0.0], [2.0, 1.0, 10.0], [0.0, 3.0, 20.0], [1.0, 0.0, 10.0], [1.5, 0.0, 20.0],
-    ], dtype=torch.float64)
+    values = torch.tensor(
+        [
+            [0.5, 1.0, 0.0],
+            [-1.0, 3.0, 0.0],
+            [2.0, 1.0, 10.0],
+            [0.0, 3.0, 20.0],
+            [1.0, 0.0, 10.0],
+            [1.5, 0.0, 20.0],
+        ],
+        dtype=torch.float64,
+    )
     applies = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 1], [1, 0, 1]], dtype=torch.bool)
     normalize = torch.tensor([False, True, True])
     count, mean, std = source_stats(values, applies)
@@ -135,7 +157,11 @@ def test_normalization_statistics_are_those_of_the_global_batch():
 
 def test_optional_reward_column_of_a_dataset(tmp_path):
     with_column = tmp_path / "mixed.jsonl"
-    rows = [{"prompt": "a", "reward_fns": "gold_reward"}, {"prompt": "b"}, {"prompt": "c", "reward_fns": ["format", "length"]}]
+    rows = [
+        {"prompt": "a", "reward_fns": "gold_reward"},
+        {"prompt": "b"},
+        {"prompt": "c", "reward_fns": ["format", "length"]},
+    ]
     with_column.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert load_optional_column(str(with_column), "train", "reward_fns") == ["gold_reward", None, ["format", "length"]]
     without = tmp_path / "plain.jsonl"

@@ -26,8 +26,8 @@ from utils.checkpoint import CheckpointError, damage, find_checkpoint, read_tens
 from utils.config import ConfigError, parse_config
 from utils.logging import Logger
 from utils.optim import build_optimizer, build_scheduler
-from utils.rundir import LOCK, check_wandb_login, lock_run_dir, options_record, release_run_dir
 from utils.run import epoch_steps
+from utils.rundir import LOCK, check_wandb_login, lock_run_dir, options_record, release_run_dir
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +45,33 @@ def rows(tmp_path_factory):
 
 
 def sft_args(rows, out, *extra) -> list[str]:
-    return ["--model", "tiny", "--random_init", "true", "--train_data", str(rows), "--val_data", "",
-            "--max_prompt_len", "64", "--max_response_len", "16", "--batch_size", "4", "--micro_batch_size", "2",
-            "--lr", "1e-3", "--warmup_steps", "1", "--wandb_mode", "disabled", "--out_dir", str(out), *extra]
+    return [
+        "--model",
+        "tiny",
+        "--random_init",
+        "true",
+        "--train_data",
+        str(rows),
+        "--val_data",
+        "",
+        "--max_prompt_len",
+        "64",
+        "--max_response_len",
+        "16",
+        "--batch_size",
+        "4",
+        "--micro_batch_size",
+        "2",
+        "--lr",
+        "1e-3",
+        "--warmup_steps",
+        "1",
+        "--wandb_mode",
+        "disabled",
+        "--out_dir",
+        str(out),
+        *extra,
+    ]
 
 
 def run_sft(rows, out, *extra) -> list[dict]:
@@ -67,8 +91,17 @@ def test_a_second_run_on_a_folder_stops_at_start_and_a_dead_holders_lock_is_take
     out = tmp_path / "run"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from utils.rundir import lock_run_dir; lock_run_dir(sys.argv[1]); "
-         "print('locked', flush=True); time.sleep(300)", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from utils.rundir import lock_run_dir; lock_run_dir(sys.argv[1]); "
+            "print('locked', flush=True); time.sleep(300)",
+            str(out),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         code, message = helpers.run_cli(sft, sft_args(rows, out, "--steps", "1"), capsys)
@@ -90,8 +123,9 @@ def test_two_runs_on_one_folder_lose_nothing(rows, tmp_path, capsys):
     """The case that lost 14 steps of metrics: a second run of the same command while the first is training."""
     out = tmp_path / "run"
     args = sft_args(rows, out, "--steps", "6", "--save_every", "2")
-    first = subprocess.Popen([sys.executable, "sft.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    first = subprocess.Popen(
+        [sys.executable, "sft.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline and first.poll() is None:
@@ -131,8 +165,10 @@ def test_changed_options_stop_the_resume_and_allow_appends_them_with_their_step(
     assert checkpoint_step(out) == 2
 
     run_sft(rows, out, *changed, "--resume_changes", "allow")
-    assert any("continuing from step 2 with changed options (--lr 0.001 -> 0.01, --seed 1 -> 5)" in w
-               for w in warnings_in(capsys.readouterr().err))
+    assert any(
+        "continuing from step 2 with changed options (--lr 0.001 -> 0.01, --seed 1 -> 5)" in w
+        for w in warnings_in(capsys.readouterr().err)
+    )
     saved = json.loads((out / "config.json").read_text())
     assert (saved["lr"], saved["seed"], saved["steps"]) == (1e-3, 1, 2)  # what the run started with
     assert saved["option_changes"] == [{"step": 2, "options": {"steps": [2, 3], "lr": [1e-3, 1e-2], "seed": [1, 5]}}]
@@ -179,7 +215,7 @@ def _damage(file, how: str) -> None:
     elif how == "truncate":
         file.write_bytes(data[: len(data) // 2])
     else:  # one bit flipped, the size unchanged
-        file.write_bytes(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 1]) + data[len(data) // 2 + 1:])
+        file.write_bytes(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 1]) + data[len(data) // 2 + 1 :])
 
 
 FILES = ["state.pt", "meta.json", "digests.json", "sharded/.metadata", "sharded/__0_0.distcp"]
@@ -187,8 +223,9 @@ FILES = ["state.pt", "meta.json", "digests.json", "sharded/.metadata", "sharded/
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
 @pytest.mark.parametrize("name", FILES)
-def test_a_damaged_file_is_named_and_the_resume_falls_back_to_the_checkpoint_before(two_checkpoints, tmp_path, capsys,
-                                                                                   name, how):
+def test_a_damaged_file_is_named_and_the_resume_falls_back_to_the_checkpoint_before(
+    two_checkpoints, tmp_path, capsys, name, how
+):
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run)
     _damage(run / "checkpoints" / "step_00000002" / name, how)
@@ -232,6 +269,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_exactly(row
     resumed = run_sft(rows, out, "--steps", "4", "--save_every", "1", "--keep_last", "4")
     err = capsys.readouterr().err
     assert any("checkpoint step_00000004 is damaged" in w for w in warnings_in(err)), err
+
     def numbers(rows):
         return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in rows]
 
@@ -254,8 +292,9 @@ def _zip_writer_failure(*args, **kwargs):  # what torch.save raises when the dis
 
 
 @pytest.mark.parametrize("where", ["shards", "state"])
-def test_a_full_disk_stops_the_save_in_one_line_and_leaves_the_earlier_checkpoints(rows, tmp_path, capsys,
-                                                                                  monkeypatch, where):
+def test_a_full_disk_stops_the_save_in_one_line_and_leaves_the_earlier_checkpoints(
+    rows, tmp_path, capsys, monkeypatch, where
+):
     out = tmp_path / "run"
     run_sft(rows, out, "--steps", "1")
     with monkeypatch.context() as patch:
@@ -297,9 +336,11 @@ def test_a_torn_last_line_is_dropped_with_a_warning_and_nothing_before_the_resum
 
 
 def test_a_constant_reward_function_is_named_once_per_run(capsys):
-    sources = [RewardSource("reward_model", "reward_model", 1.0, None),
-               RewardSource("zero_reward", "tests.helpers:zero_reward", 1.0, helpers.zero_reward),
-               RewardSource("length", "length", 1.0, lambda p, r: 0.0)]
+    sources = [
+        RewardSource("reward_model", "reward_model", 1.0, None),
+        RewardSource("zero_reward", "tests.helpers:zero_reward", 1.0, helpers.zero_reward),
+        RewardSource("length", "length", 1.0, lambda p, r: 0.0),
+    ]
     spec = RewardSpec(sources, True, None)
     values = torch.tensor([[0.5, 0.0, 1.0], [0.5, 0.0, 2.0], [0.5, 0.0, 2.0]], dtype=torch.float64)  # (N, S)
     applies = torch.ones(3, 3, dtype=torch.bool)
@@ -307,8 +348,10 @@ def test_a_constant_reward_function_is_named_once_per_run(capsys):
         warn_constant_sources(spec, values, applies, step)
     warned = warnings_in(capsys.readouterr().err)
     assert len(warned) == 1, warned  # the reward model's constancy is check_rewards' error, not a warning here
-    assert "reward source tests.helpers:zero_reward gave every one of its 3 responses the same value (0) at step 1" \
+    assert (
+        "reward source tests.helpers:zero_reward gave every one of its 3 responses the same value (0) at step 1"
         in warned[0]
+    )
     warn_constant_sources(RewardSpec(sources, True, None), values, applies, 1)  # a new run says it again
     assert len(warnings_in(capsys.readouterr().err)) == 1
 
@@ -346,10 +389,14 @@ def test_a_small_filesystem_that_fills_at_the_second_checkpoint(rows, tmp_path):
     disk.mkdir()
     train = " ".join(shlex.quote(a) for a in sft_args(rows, disk / "run", "--steps", "2", "--save_every", "1"))
     ckpts = disk / "run" / "checkpoints"
-    check = (f"from utils.checkpoint import damage; import os; "
-             f"print('left:', sorted(os.listdir('{ckpts}')), damage('{ckpts}/step_00000001'))")
-    script = (f"mount -t tmpfs -o size=80m tmpfs {disk} && {sys.executable} sft.py {train}; echo exit=$?; "
-              f"{sys.executable} -c \"{check}\"")
+    check = (
+        f"from utils.checkpoint import damage; import os; "
+        f"print('left:', sorted(os.listdir('{ckpts}')), damage('{ckpts}/step_00000001'))"
+    )
+    script = (
+        f"mount -t tmpfs -o size=80m tmpfs {disk} && {sys.executable} sft.py {train}; echo exit=$?; "
+        f'{sys.executable} -c "{check}"'
+    )
     done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert "exit=4" in done.stdout, done.stdout + done.stderr[-3000:]
@@ -363,7 +410,8 @@ def test_a_small_filesystem_that_fills_at_the_second_checkpoint(rows, tmp_path):
 
 
 def test_model_kinds_of_exports_hub_names_and_plain_transformers_folders(tmp_path):
-    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel as HFGPT2
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+    from transformers import GPT2LMHeadModel as HFGPT2
 
     from model.gpt2 import PRESETS, GPT2LMHeadModel
     from model.heads import RewardModel

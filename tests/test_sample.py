@@ -36,7 +36,10 @@ def run_sample(argv, stdin=None):
 
 
 def test_a_post_becomes_the_training_prompt_format():
-    assert tldr_prompt(" my post \n", "tifu", "A title") == "SUBREDDIT: r/tifu\n\nTITLE: A title\n\nPOST: my post\n\nTL;DR:"
+    assert (
+        tldr_prompt(" my post \n", "tifu", "A title")
+        == "SUBREDDIT: r/tifu\n\nTITLE: A title\n\nPOST: my post\n\nTL;DR:"
+    )
     assert tldr_prompt("my post") == "POST: my post\n\nTL;DR:"
     whole = "SUBREDDIT: r/x\n\nTITLE: t\n\nPOST: p\n\nTL;DR:"
     assert tldr_prompt(whole) == whole
@@ -45,8 +48,24 @@ def test_a_post_becomes_the_training_prompt_format():
 def test_greedy_summaries_are_the_samplers_and_the_jsonl_carries_them(tmp_path):
     folder, model = policy_folder(tmp_path)
     data = helpers.write_sft_rows(tmp_path / "rows.jsonl", n=5)
-    argv = ["--policy", str(folder), "--data", str(data), "--rows", "3", "--greedy", "true", "--max_new_tokens", "8",
-            "--max_prompt_len", "96", "--device", "cpu", "--jsonl", "true"]
+    argv = [
+        "--policy",
+        str(folder),
+        "--data",
+        str(data),
+        "--rows",
+        "3",
+        "--greedy",
+        "true",
+        "--max_new_tokens",
+        "8",
+        "--max_prompt_len",
+        "96",
+        "--device",
+        "cpu",
+        "--jsonl",
+        "true",
+    ]
     records, text = run_sample(argv)
     # the same prompts through the sampler directly, greedy
     tok = get_tokenizer()
@@ -69,8 +88,22 @@ def test_samples_from_stdin_scored_by_a_reward_model_and_printed_readably(tmp_pa
             rm.gain.fill_(gain)
             rm.bias.fill_(bias)
         save_export(rm, rm.state_dict(), CFG, tmp_path / name)
-    argv = ["--policy", str(folder), "--num_samples", "3", "--temperature", "1.0", "--max_new_tokens", "6",
-            "--max_prompt_len", "64", "--device", "cpu", "--seed", "5"]
+    argv = [
+        "--policy",
+        str(folder),
+        "--num_samples",
+        "3",
+        "--temperature",
+        "1.0",
+        "--max_new_tokens",
+        "6",
+        "--max_prompt_len",
+        "64",
+        "--device",
+        "cpu",
+        "--seed",
+        "5",
+    ]
     post = "my sister took my computer on a trip\n"
     records, text = run_sample([*argv, "--reward_model", str(tmp_path / "rm")], stdin=io.StringIO(post))
     assert [r["sample"] for r in records] == [0, 1, 2]
@@ -87,13 +120,42 @@ def test_samples_from_stdin_scored_by_a_reward_model_and_printed_readably(tmp_pa
 def test_a_stage_on_real_rows_at_default_lengths_reports_progress_samples_and_summary(tmp_path):
     data = helpers.write_sft_rows(tmp_path / "rows.jsonl", n=24)
     run = tmp_path / "sft"
-    args = ["sft.py", "--model", "tiny", "--random_init", "true", "--train_data", str(data), "--val_data", str(data),
-            "--val_rows", "6", "--steps", "2", "--batch_size", "4", "--micro_batch_size", "2", "--eval_every", "1",
-            "--eval_samples", "2", "--wandb_mode", "disabled", "--out_dir", str(run), "--device", "cpu"]
+    args = [
+        "sft.py",
+        "--model",
+        "tiny",
+        "--random_init",
+        "true",
+        "--train_data",
+        str(data),
+        "--val_data",
+        str(data),
+        "--val_rows",
+        "6",
+        "--steps",
+        "2",
+        "--batch_size",
+        "4",
+        "--micro_batch_size",
+        "2",
+        "--eval_every",
+        "1",
+        "--eval_samples",
+        "2",
+        "--wandb_mode",
+        "disabled",
+        "--out_dir",
+        str(run),
+        "--device",
+        "cpu",
+    ]
     first = run_script(args)
     err = first.stderr
     # tiny has 512 positions: the default 512 + 64 is fitted, in one line
-    assert "--max_prompt_len 512 + --max_response_len 64 exceeds the model's 512 positions: using --max_prompt_len 448" in err
+    assert (
+        "--max_prompt_len 512 + --max_response_len 64 exceeds the model's 512 positions: using --max_prompt_len 448"
+        in err
+    )
     assert json.loads((run / "config.json").read_text())["max_prompt_len"] == 448
     # stderr is a pipe: whole progress lines, the evaluation's own among them, no carriage returns
     assert "\r" not in err
@@ -108,7 +170,9 @@ def test_a_stage_on_real_rows_at_default_lengths_reports_progress_samples_and_su
     # summary.json and the table
     summary = json.loads((run / "summary.json").read_text())
     val = [json.loads(line)["val/loss"] for line in open(run / "metrics.jsonl")]
-    assert summary["evaluation"]["val/loss"]["final"] == val[-1] and summary["evaluation"]["val/loss"]["final_step"] == 2
+    assert (
+        summary["evaluation"]["val/loss"]["final"] == val[-1] and summary["evaluation"]["val/loss"]["final_step"] == 2
+    )
     assert summary["evaluation"]["val/loss"]["best"] == min(val)
     assert summary["paths"]["export"] == str(run / "hf") and summary["paths"]["samples"] == str(run / "samples.jsonl")
     assert summary["tokens_per_second"] > 0 and summary["steps"] == 2
@@ -118,8 +182,21 @@ def test_a_stage_on_real_rows_at_default_lengths_reports_progress_samples_and_su
     assert json.loads((run / "summary.json").read_text()) == summary
     assert "sft summary after 2 steps" in again.stdout and "validation loss" not in again.stderr
     # sample.py reads the export
-    out = run_script(["sample.py", "--policy", str(run / "hf"), "--data", str(data), "--rows", "2", "--greedy", "true",
-                      "--device", "cpu"])
+    out = run_script(
+        [
+            "sample.py",
+            "--policy",
+            str(run / "hf"),
+            "--data",
+            str(data),
+            "--rows",
+            "2",
+            "--greedy",
+            "true",
+            "--device",
+            "cpu",
+        ]
+    )
     assert out.stdout.count("--- summary 1") == 2 and rows[0]["prompt"] in out.stdout
 
 
@@ -141,10 +218,13 @@ def test_a_default_prompt_length_is_fitted_and_a_given_one_is_refused_naming_wha
     # the tightest limit decides: 512 - 64 for the preference responses
     fit_context(cfg, (small, "max_new_tokens", "policy"), (small, "pref_max_response_len", "policy"))
     assert cfg.max_prompt_len == 448
-    assert capsys.readouterr().err == ("--max_prompt_len 512 + --pref_max_response_len 64 exceeds the policy's 512 "
-                                       "positions: using --max_prompt_len 448\n")
-    with pytest.raises(ConfigError, match="exceeds the reward model's 512 positions; the largest --max_prompt_len that "
-                                          "fits is 459"):
+    assert capsys.readouterr().err == (
+        "--max_prompt_len 512 + --pref_max_response_len 64 exceeds the policy's 512 "
+        "positions: using --max_prompt_len 448\n"
+    )
+    with pytest.raises(
+        ConfigError, match="exceeds the reward model's 512 positions; the largest --max_prompt_len that fits is 459"
+    ):
         fit_context(Lengths(max_prompt_len=500), (small, "max_new_tokens", "reward model"))
     with pytest.raises(ConfigError, match="beside --max_prompt_len 100 the largest --max_new_tokens that fits is 412"):
         fit_context(Lengths(max_prompt_len=100, max_new_tokens=600), (small, "max_new_tokens", "policy"))
@@ -172,10 +252,15 @@ def test_summary_win_rate_against_the_references_scored_one_row_at_a_time(tmp_pa
         for response in (mine, ref):
             b = collate_sft([prompts[i]], [response])
             with torch.no_grad():
-                scores.append(float(judge(b["input_ids"], b["position_ids"], b["attention_mask"], prompt_len=b["prompt_len"])))
+                scores.append(
+                    float(judge(b["input_ids"], b["position_ids"], b["attention_mask"], prompt_len=b["prompt_len"]))
+                )
         outcomes.append(1.0 if scores[0] > scores[1] else 0.5 if scores[0] == scores[1] else 0.0)
     assert got["summary_win_rate"] == pytest.approx(sum(outcomes) / len(outcomes))
-    assert got["summary_prompts"] == 12 and got["summary_win_rate_ci_low"] <= got["summary_win_rate"] <= got["summary_win_rate_ci_high"]
+    assert (
+        got["summary_prompts"] == 12
+        and got["summary_win_rate_ci_low"] <= got["summary_win_rate"] <= got["summary_win_rate_ci_high"]
+    )
     assert 0 < sum(outcomes) < len(outcomes)  # a comparison that can go either way
 
 
@@ -190,16 +275,34 @@ def test_dpo_judges_its_summaries_against_the_references_at_every_evaluation(tmp
     pairs = helpers.write_pref_rows(tmp_path / "pairs.jsonl", n=16)
     posts = helpers.write_sft_rows(tmp_path / "posts.jsonl", n=10, seed=4)
     run = tmp_path / "dpo"
-    run_script(["dpo.py", "--model", str(folder), *helpers.pair_run_args(pairs, run, 2), "--eval_every", "2",
-                "--judge", str(tmp_path / "judge"), "--summary_data", str(posts), "--summary_rows", "6",
-                "--max_new_tokens", "8", "--device", "cpu"])
+    run_script(
+        [
+            "dpo.py",
+            "--model",
+            str(folder),
+            *helpers.pair_run_args(pairs, run, 2),
+            "--eval_every",
+            "2",
+            "--judge",
+            str(tmp_path / "judge"),
+            "--summary_data",
+            str(posts),
+            "--summary_rows",
+            "6",
+            "--max_new_tokens",
+            "8",
+            "--device",
+            "cpu",
+        ]
+    )
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     judged = [r for r in rows if "val/win_rate" in r]
     assert [r["step"] for r in judged] == [0, 2]
     # the last one is the exported policy's, computed again outside the run
     posts_rows = [json.loads(line) for line in open(posts)][:6]
-    again = summary_win_rate(build_policy(str(run / "hf")), build_reward_model(str(tmp_path / "judge")), posts_rows,
-                             get_tokenizer(), 64, 8)
+    again = summary_win_rate(
+        build_policy(str(run / "hf")), build_reward_model(str(tmp_path / "judge")), posts_rows, get_tokenizer(), 64, 8
+    )
     assert judged[-1]["val/win_rate"] == again["summary_win_rate"]
     assert judged[-1]["val/reference_reward"] == pytest.approx(again["summary_reference_reward_mean"], abs=1e-5)
     summary = json.loads((run / "summary.json").read_text())

@@ -7,7 +7,13 @@ import torch
 
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.sampler import (
-    END_ID, PAD_ID, generate, probs_work, process_logits, processed_logprobs, sample_tokens,
+    END_ID,
+    PAD_ID,
+    generate,
+    probs_work,
+    process_logits,
+    processed_logprobs,
+    sample_tokens,
 )
 
 CFG = GPTConfig(vocab_size=512, n_layer=2, n_head=2, n_embd=32, n_positions=128)
@@ -104,7 +110,9 @@ def test_head_on_unfinished_rows_only_equals_every_row_through_the_head():
     ended = (ref_tokens == END_ID).any(1)
     assert ended.any() and (~ended).any()  # rows finish at different steps
     for check_every in (1, 3):
-        out = generate(model, ids, mask, 8, 12, generator=torch.Generator().manual_seed(3), done_check_every=check_every)
+        out = generate(
+            model, ids, mask, 8, 12, generator=torch.Generator().manual_seed(3), done_check_every=check_every
+        )
         assert torch.equal(out.response_ids, ref_tokens[:, : out.response_ids.shape[1]]), check_every
         assert torch.equal(out.response_mask, out.response_ids != PAD_ID)
         assert torch.allclose(out.logprobs, ref_logprobs[:, : out.logprobs.shape[1]], atol=1e-5)

@@ -96,9 +96,17 @@ def test_gold_reward_by_hand():
 
 def test_gold_parts_by_hand():
     assert gold_parts(PROMPT, " my brother sold my car, i am angry\n") == {
-        "items_correct": 2.0, "items_invented": 1.0, "words": 8.0, "ended": 1.0}
+        "items_correct": 2.0,
+        "items_invented": 1.0,
+        "words": 8.0,
+        "ended": 1.0,
+    }
     assert gold_parts(PROMPT, " Sister, sister\n car dog") == {
-        "items_correct": 1.0, "items_invented": 0.0, "words": 2.0, "ended": 1.0}
+        "items_correct": 1.0,
+        "items_invented": 0.0,
+        "words": 2.0,
+        "ended": 1.0,
+    }
     assert gold_parts(PROMPT, "") == {"items_correct": 0.0, "items_invented": 0.0, "words": 0.0, "ended": 0.0}
 
 
@@ -118,7 +126,10 @@ def test_gold_pairs_by_hand():
 def test_label_pairs_by_hand():
     best, two, wrong = " my sister sold my car, i am angry\n", " my sister sold my car\n", " my brother is annoying\n"
     plain = synthetic.label_pairs(PROMPT, [best, two, wrong, two], 0.0, random.Random(0))
-    assert [(r["chosen"], r["rejected"], r["swap"]) for r in plain] == [(best[:-1], two[:-1], False), (two[:-1], wrong[:-1], False)]
+    assert [(r["chosen"], r["rejected"], r["swap"]) for r in plain] == [
+        (best[:-1], two[:-1], False),
+        (two[:-1], wrong[:-1], False),
+    ]
     # every pair flipped at noise ~1; swap pairs follow their pair, never flipped, for each summary naming a key item
     rows = synthetic.label_pairs(PROMPT, [best, two, wrong, two], 0.999999, random.Random(0), random.Random(0))
     assert [r["swap"] for r in rows] == [False, True, True, False, True]  # "wrong" names no key item: no swap pair

@@ -12,8 +12,7 @@ import pytest
 
 import sft
 from tests.conftest import ROOT
-from utils.config import accumulation_steps
-from utils.config import field_docs, parse_config
+from utils.config import accumulation_steps, field_docs, parse_config
 from utils.logging import Logger
 from utils.optim import cosine_with_warmup
 
@@ -87,7 +86,9 @@ def test_wandb_auto_says_which_mode_and_an_offline_run_how_to_sync(tmp_path, mon
 
 
 def test_logger_gives_the_wandb_run_its_group_and_tags(tmp_path):
-    log = Logger(tmp_path, {}, "test", "run", "offline", enabled=True, group="selection=rso", tags="selection=rso, seed=2")
+    log = Logger(
+        tmp_path, {}, "test", "run", "offline", enabled=True, group="selection=rso", tags="selection=rso, seed=2"
+    )
     assert log.run.group == "selection=rso" and tuple(log.run.tags) == ("selection=rso", "seed=2")
     log.finish()
 
@@ -158,15 +159,24 @@ def test_a_checkpoint_of_the_full_state_format_still_resumes(tmp_path):
     reference, _, _, _ = tiny_training_state(seed=2)
     folder = tmp_path / "checkpoints" / "step_00000001"
     folder.mkdir(parents=True)
-    torch.save({"step": 1, "meta": meta, "model": get_model_state_dict(model, options=FULL),
-                "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL),
-                "scheduler": scheduler.state_dict(), "rng": [rng_state()],
-                "extra": {"loader": {"epoch": 0}, "reference": get_model_state_dict(reference, options=FULL)}},
-               folder / "state.pt")
+    torch.save(
+        {
+            "step": 1,
+            "meta": meta,
+            "model": get_model_state_dict(model, options=FULL),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL),
+            "scheduler": scheduler.state_dict(),
+            "rng": [rng_state()],
+            "extra": {"loader": {"epoch": 0}, "reference": get_model_state_dict(reference, options=FULL)},
+        },
+        folder / "state.pt",
+    )
     (folder / "meta.json").write_text(json.dumps({**meta, "step": 1}))
     fresh, fresh_optimizer, fresh_scheduler, _ = tiny_training_state(seed=1)
     fresh_reference, _, _, _ = tiny_training_state(seed=3)
-    state = load_checkpoint(folder, fresh, fresh_optimizer, fresh_scheduler, meta, frozen={"reference": fresh_reference})
+    state = load_checkpoint(
+        folder, fresh, fresh_optimizer, fresh_scheduler, meta, frozen={"reference": fresh_reference}
+    )
     assert state["step"] == 1
     for saved, loaded in ((model, fresh), (reference, fresh_reference)):
         assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in saved.state_dict().items())
@@ -186,10 +196,18 @@ def test_pruning_keeps_the_last_n_and_the_best_and_a_broken_pointer_falls_back(t
         save_checkpoint(tmp_path, step, model, optimizer, scheduler, meta, keep_last=2, best=best if improved else None)
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert names == ["step_00000002", "step_00000004", "step_00000005"]
-    assert read_best(tmp_path) == {"checkpoint": "step_00000002", "step": 2, "metric": "val/loss", "mode": "min", "value": 2.0}
+    assert read_best(tmp_path) == {
+        "checkpoint": "step_00000002",
+        "step": 2,
+        "metric": "val/loss",
+        "mode": "min",
+        "value": 2.0,
+    }
     assert update_best(best, {"train/loss": 1.0}, "val/loss", "min", 6) == (best, False)  # no validation this step
     assert update_best(best, {"val/acc": 1.0}, "val/acc", "max", 6)[1]  # another metric: a new record
-    with pytest.raises(ValueError, match=r"--best_metric val/los is not logged by this stage; its val/ metrics are \['val/loss'\]"):
+    with pytest.raises(
+        ValueError, match=r"--best_metric val/los is not logged by this stage; its val/ metrics are \['val/loss'\]"
+    ):
         update_best(best, {"val/loss": 1.0}, "val/los", "min", 6)
     (tmp_path / "checkpoints" / "latest").write_text("step_00000009")  # names a folder deleted by hand
     assert latest_checkpoint(tmp_path).name == "step_00000005"
@@ -197,8 +215,13 @@ def test_pruning_keeps_the_last_n_and_the_best_and_a_broken_pointer_falls_back(t
 
 
 def test_resumed_logger_drops_what_the_killed_run_logged_after_its_checkpoint(tmp_path):
-    lines = [{"step": 0, "val/acc": 0.5}, {"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": 1.0},
-             {"step": 3, "norm/gain": 2.0}]
+    lines = [
+        {"step": 0, "val/acc": 0.5},
+        {"step": 1, "loss": 3.0},
+        {"step": 2, "loss": 2.0},
+        {"step": 3, "loss": 1.0},
+        {"step": 3, "norm/gain": 2.0},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 4, "lo')
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"step": s, "rows": []}) + "\n" for s in (1, 2, 3)))
     log = Logger(tmp_path, {}, "test", "run", "disabled", enabled=True, resume_step=2)
@@ -261,7 +284,10 @@ def test_wandb_auto_without_wandb_installed_logs_to_metrics_only(tmp_path, monke
     logger.log({"train/loss": 1.5}, step=1)
     logger.finish()
     assert logger.run is None
-    assert capsys.readouterr().err.strip() == "wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only"
+    assert (
+        capsys.readouterr().err.strip()
+        == "wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only"
+    )
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text()) == {"step": 1, "train/loss": 1.5}
 
 
@@ -272,11 +298,27 @@ def test_wandb_online_or_offline_without_wandb_installed_stops_at_start(tmp_path
 
     _without_wandb(monkeypatch)
     out = tmp_path / "run"
-    code, message = run_cli(sft, ["--model", "tiny", "--random_init", "true", "--train_data", "x.jsonl",
-                                  "--wandb_mode", mode, "--out_dir", str(out)], capsys)
+    code, message = run_cli(
+        sft,
+        [
+            "--model",
+            "tiny",
+            "--random_init",
+            "true",
+            "--train_data",
+            "x.jsonl",
+            "--wandb_mode",
+            mode,
+            "--out_dir",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 2
-    assert message.startswith(f"error: --wandb_mode {mode} needs the wandb package, which is not installed: pip install "
-                              f"wandb, or --wandb_mode disabled (or auto: no wandb, metrics.jsonl only)")
+    assert message.startswith(
+        f"error: --wandb_mode {mode} needs the wandb package, which is not installed: pip install "
+        f"wandb, or --wandb_mode disabled (or auto: no wandb, metrics.jsonl only)"
+    )
     assert not out.exists()  # nothing written
 
 
@@ -301,9 +343,16 @@ def test_keep_freed_memory_reuses_freed_tensors_without_page_faults():
     every one page-faults on each of its 4 KB pages (the memory went back to the kernel at each free); once
     keep_freed_memory has run, none once the heap holds enough freed blocks (after up to ~10 cycles). A user's own
     malloc settings in the environment are left alone."""
+
     def run(mode: str, **env) -> tuple[str, int]:
-        out = subprocess.run([sys.executable, "-c", FAULTS_OF_REALLOCATIONS, mode], cwd=ROOT, capture_output=True,
-                             text=True, check=True, env={**os.environ, **env}).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", FAULTS_OF_REALLOCATIONS, mode],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, **env},
+        ).stdout.split()
         return out[0], int(out[1])
 
     took, faults = run("default")

@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
 # DCP's own reader of some of a checkpoint's keys, as full tensors, in one process (what its format tools use)
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -279,8 +280,11 @@ def save_checkpoint(
     digests = {}
     try:
         # each rank writes its shards, fsynced (FileSystemWriter's sync_files); rank 0 then writes the .metadata index
-        dcp.save(sharded, storage_writer=dcp.FileSystemWriter(tmp / SHARDED, sync_files=True),
-                 no_dist=not dist.is_initialized())
+        dcp.save(
+            sharded,
+            storage_writer=dcp.FileSystemWriter(tmp / SHARDED, sync_files=True),
+            no_dist=not dist.is_initialized(),
+        )
         # each rank hashes the shard files it wrote (DCP names them __RANK_N.distcp), rank 0 also the index
         mine = sorted(p.name for p in (tmp / SHARDED).glob(f"__{rank}_*"))
         mine += [".metadata"] if rank == 0 else []
@@ -321,7 +325,7 @@ def save_checkpoint(
         record = read_best(run_dir)
         keep = {record["checkpoint"]} if record else set()
         done = _step_folders(ckpt_root)
-        keep |= {p.name for p in done[-max(1, keep_last):]}
+        keep |= {p.name for p in done[-max(1, keep_last) :]}
         for p in done:
             if p.name not in keep:
                 shutil.rmtree(p, ignore_errors=True)
@@ -428,8 +432,10 @@ def newest_intact(run_dir: str | Path, rank: int = 0, world: int = 1) -> Path | 
         if why is None:
             return path
         older = candidates[i + 1].name if i + 1 < len(candidates) else None
-        _warn(f"checkpoint {path.name} is damaged: {why}; "
-              + (f"trying the one before it, {older}" if older else "no older checkpoint is left"))
+        _warn(
+            f"checkpoint {path.name} is damaged: {why}; "
+            + (f"trying the one before it, {older}" if older else "no older checkpoint is left")
+        )
         damaged.append(f"{path.name}: {why}")
     if damaged:
         raise CheckpointError(
@@ -442,8 +448,11 @@ def newest_intact(run_dir: str | Path, rank: int = 0, world: int = 1) -> Path | 
 def _describe_mismatch(key: str, got, want) -> str:
     if isinstance(got, dict) and isinstance(want, dict):
         keys = [k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k)]
-        return (", ".join(f"{k}={got.get(k)!r}" for k in keys) + " but this run's model has "
-                + ", ".join(f"{k}={want.get(k)!r}" for k in keys))
+        return (
+            ", ".join(f"{k}={got.get(k)!r}" for k in keys)
+            + " but this run's model has "
+            + ", ".join(f"{k}={want.get(k)!r}" for k in keys)
+        )
     return f"{key}={got!r} but this run expects {key}={want!r}"
 
 
@@ -560,8 +569,15 @@ def find_checkpoint(run_dir: str | Path, resume: bool, resume_from: str, meta: d
     return path
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, meta: dict, rank: int = 0,
-                    frozen: dict[str, nn.Module] | None = None) -> dict:
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    meta: dict,
+    rank: int = 0,
+    frozen: dict[str, nn.Module] | None = None,
+) -> dict:
     """Restore a checkpoint written by save_checkpoint into a sharded model and optimizer (a collective: every rank
     reads the slices of the shards it holds, whatever the world size that wrote them), and the `frozen` models it
     holds; returns the state's `step` and `extra`. Refuses a checkpoint whose `meta` (stage, model config) differs."""
@@ -580,8 +596,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, me
         else:
             sharded = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
             sharded |= {name: get_model_state_dict(m) for name, m in saved_frozen.items()}
-            dcp.load(sharded, storage_reader=dcp.FileSystemReader(path / SHARDED),  # in place, into this rank's shards
-                     no_dist=not dist.is_initialized())
+            dcp.load(
+                sharded,
+                storage_reader=dcp.FileSystemReader(path / SHARDED),  # in place, into this rank's shards
+                no_dist=not dist.is_initialized(),
+            )
             set_model_state_dict(model, sharded["model"])
             set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
             for name, m in saved_frozen.items():
@@ -591,8 +610,10 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer, scheduler, me
     except (RuntimeError, KeyError, ValueError, dcp.CheckpointException) as e:  # written by other code, edited, cut
         if isinstance(e, dcp.CheckpointException):  # raised on every rank (DCP gathers the failures): the first cause
             e = next(iter(e.failures.values()))[0]
-        raise CheckpointError(f"checkpoint {path} does not fit this run's model and optimizer ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this run's model and optimizer ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     rngs = state["rng"]
     world = dist.get_world_size() if dist.is_initialized() else 1
     if len(rngs) == world:

@@ -17,9 +17,9 @@ same listing in markdown, generated from it and checked against it by tests/test
 import argparse
 import ast
 import dataclasses
-import importlib.util
 import difflib
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -52,8 +52,15 @@ def print_error(message: str) -> None:
 # script that redeclares a shared option to change its default leaves it in its section). A field under none is
 # listed last, under OTHER.
 SECTIONS = (
-    "models", "data", "sampling", "rewards and selection", "objective", "batch sizes and optimisation",
-    "evaluation and logging", "run", "LoRA",
+    "models",
+    "data",
+    "sampling",
+    "rewards and selection",
+    "objective",
+    "batch sizes and optimisation",
+    "evaluation and logging",
+    "run",
+    "LoRA",
 )
 OTHER = "other"
 _SECTION_LINE = re.compile(r"^\s*# --- ([^(:]+?)\s*(?:[(:].*)?$")  # a note may follow in parentheses or after ":"
@@ -155,7 +162,8 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
     docs, sections, own = field_docs(cls), field_sections(cls), own_fields(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     parser = _Parser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         valid=[f.name for f in fields],
     )
     order = list(SECTIONS) + sorted({sections.get(f.name, OTHER) for f in fields} - set(SECTIONS) - {OTHER}) + [OTHER]
@@ -167,8 +175,12 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
         conv, choices = _converter(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         groups[section].add_argument(
-            f"--{f.name}", type=conv, choices=choices, default=default,
-            help=(docs.get(f.name, "") or " ").replace("%", "%%"), metavar=hints[f.name].__name__.upper() if isinstance(hints[f.name], type) else None,
+            f"--{f.name}",
+            type=conv,
+            choices=choices,
+            default=default,
+            help=(docs.get(f.name, "") or " ").replace("%", "%%"),
+            metavar=hints[f.name].__name__.upper() if isinstance(hints[f.name], type) else None,
         )
     return parser
 
@@ -215,19 +227,27 @@ def fit_context(cfg, *limits: tuple) -> None:
     A --max_prompt_len left at its default is lowered to the largest that fits, with one line saying so (a preset
     with fewer positions than GPT-2's runs at the default lengths); one given that does not fit is an error naming
     the largest value that does."""
-    room, (model_cfg, response, what) = min(((m.n_positions - getattr(cfg, r), (m, r, w)) for m, r, w in limits),
-                                            key=lambda x: x[0])
+    room, (model_cfg, response, what) = min(
+        ((m.n_positions - getattr(cfg, r), (m, r, w)) for m, r, w in limits), key=lambda x: x[0]
+    )
     prompt = cfg.max_prompt_len
     if prompt <= room:
         return
-    exceeds = (f"--max_prompt_len {prompt} + --{response} {getattr(cfg, response)} exceeds the {what}'s "
-               f"{model_cfg.n_positions} positions")
+    exceeds = (
+        f"--max_prompt_len {prompt} + --{response} {getattr(cfg, response)} exceeds the {what}'s "
+        f"{model_cfg.n_positions} positions"
+    )
     if room <= 0:
         fits = model_cfg.n_positions - prompt
-        hint = (f"beside --max_prompt_len {prompt} the largest --{response} that fits is {fits}" if fits > 0 else
-                f"--{response} must be below {model_cfg.n_positions}")
-        raise ConfigError(f"--{response} {getattr(cfg, response)} leaves no room for a prompt in the {what}'s "
-                          f"{model_cfg.n_positions} positions; {hint}")
+        hint = (
+            f"beside --max_prompt_len {prompt} the largest --{response} that fits is {fits}"
+            if fits > 0
+            else f"--{response} must be below {model_cfg.n_positions}"
+        )
+        raise ConfigError(
+            f"--{response} {getattr(cfg, response)} leaves no room for a prompt in the {what}'s "
+            f"{model_cfg.n_positions} positions; {hint}"
+        )
     default = next(f.default for f in dataclasses.fields(cfg) if f.name == "max_prompt_len")
     if prompt != default:
         raise ConfigError(f"{exceeds}; the largest --max_prompt_len that fits is {room}")
@@ -369,8 +389,10 @@ class RunConfig:
     def validate_run(self) -> None:
         require_nonempty(self, "out_dir")
         if self.wandb_mode in ("online", "offline") and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(f"--wandb_mode {self.wandb_mode} needs the wandb package, which is not installed: "
-                              f"pip install wandb, or --wandb_mode disabled (or auto: no wandb, metrics.jsonl only)")
+            raise ConfigError(
+                f"--wandb_mode {self.wandb_mode} needs the wandb package, which is not installed: "
+                f"pip install wandb, or --wandb_mode disabled (or auto: no wandb, metrics.jsonl only)"
+            )
         if self.keep_last <= 0:
             raise ConfigError(f"--keep_last must be positive, got {self.keep_last}")
         if self.save_every < 0:
@@ -426,7 +448,9 @@ def options_markdown(cls, section: str | None = None) -> str:
             text = " ".join(a.help.replace("%%", "%").split())
             if a.choices:
                 text += " One of: " + ", ".join(map(str, a.choices)) + "."
-            out.append(f"| `{a.option_strings[0]}` | {_markdown_default(a.default)} | {text.replace('|', chr(92) + '|')} |")
+            out.append(
+                f"| `{a.option_strings[0]}` | {_markdown_default(a.default)} | {text.replace('|', chr(92) + '|')} |"
+            )
         out.append("")
     if not out:
         raise ValueError(f"{cls.__module__}.{cls.__name__} has no section {section!r}; sections: {', '.join(SECTIONS)}")
@@ -440,6 +464,7 @@ def script_config(script: str):
 
 def render_docs(text: str) -> str:
     """`text` with every generated option block rewritten from the scripts' configs."""
+
     def block(m: re.Match) -> str:
         return m.group(1) + "\n" + options_markdown(script_config(m.group(2)), m.group(3)) + "\n" + m.group(5)
 
@@ -448,15 +473,26 @@ def render_docs(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m utils.config", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m utils.config",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="The option tables of the training scripts, in markdown, as their --help lists them.",
     )
-    p.add_argument("--markdown", metavar="SCRIPT", default="",
-                   help="print the option tables of SCRIPT (sft, reward_model, dpo, grpo, eval_preferences)")
-    p.add_argument("--update_docs", action="store_true",
-                   help="rewrite every generated block (<!-- options: SCRIPT -->) in the *.md files of --docs")
-    p.add_argument("--docs", default=str(Path(__file__).resolve().parents[1] / "docs"),
-                   help="folder of the markdown files --update_docs rewrites")
+    p.add_argument(
+        "--markdown",
+        metavar="SCRIPT",
+        default="",
+        help="print the option tables of SCRIPT (sft, reward_model, dpo, grpo, eval_preferences)",
+    )
+    p.add_argument(
+        "--update_docs",
+        action="store_true",
+        help="rewrite every generated block (<!-- options: SCRIPT -->) in the *.md files of --docs",
+    )
+    p.add_argument(
+        "--docs",
+        default=str(Path(__file__).resolve().parents[1] / "docs"),
+        help="folder of the markdown files --update_docs rewrites",
+    )
     args = p.parse_args(argv)
     if not (args.markdown or args.update_docs):
         p.error("give --markdown SCRIPT or --update_docs")

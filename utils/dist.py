@@ -49,8 +49,10 @@ def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Di
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for, but no CUDA device is available (torch.cuda.is_available() is False); "
-                          "use --device auto or cpu")
+        raise ConfigError(
+            "--device cuda was asked for, but no CUDA device is available (torch.cuda.is_available() is False); "
+            "use --device auto or cpu"
+        )
     if not timeout_minutes > 0:
         raise ConfigError(f"--dist_timeout_minutes must be positive, got {timeout_minutes}")
     backend = "nccl" if device == "cuda" else "gloo"
@@ -68,9 +70,14 @@ def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Di
         dev = torch.device("cpu")
         keep_freed_memory()  # freed CPU tensors' memory reused, not page-faulted in again (utils/host.py)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(minutes=timeout_minutes),
-                                device_id=dev if dev.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+            device_id=dev if dev.type == "cuda" else None,
+        )
         atexit.register(_release_process_group)
     return DistInfo(rank, world_size, local_rank, dev)
 

@@ -60,7 +60,11 @@ def shard_model(
     (no parameter requires a gradient: no backward comes to reshard it) reshards after forward, so it does not stay
     gathered, or on the GPU under cpu_offload, between uses.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        if param_dtype
+        else MixedPrecisionPolicy()
+    )
     kwargs = dict(mp_policy=mp, mesh=mesh or run_mesh())
     if cpu_offload:
         if not torch.cuda.is_available():
@@ -89,8 +93,10 @@ def _forward_order_lists(unit: FSDPModule) -> tuple[list, list]:
         group = state._fsdp_param_group
         return state._comm_ctx.post_forward_order, (group._post_forward_indices if group is not None else [])
     except AttributeError as e:
-        raise RuntimeError(f"utils/fsdp.py reads FSDP2's forward-order records, which torch {torch.__version__} keeps "
-                           f"elsewhere ({e}); the supported torch range is in pyproject.toml") from None
+        raise RuntimeError(
+            f"utils/fsdp.py reads FSDP2's forward-order records, which torch {torch.__version__} keeps "
+            f"elsewhere ({e}); the supported torch range is in pyproject.toml"
+        ) from None
 
 
 def forward_order_records(model: nn.Module) -> int:
@@ -125,7 +131,9 @@ def reshards_after_forward(unit: FSDPModule) -> bool:
     """Whether an FSDP unit frees its gathered parameters after forward: the setting shard_model gave it (FSDP2 has a
     setter, set_reshard_after_forward, and no public getter)."""
     if not hasattr(unit, RESHARD_ATTR):
-        raise RuntimeError(f"{type(unit).__name__} was sharded outside utils.fsdp.shard_model: its reshard setting is unknown")
+        raise RuntimeError(
+            f"{type(unit).__name__} was sharded outside utils.fsdp.shard_model: its reshard setting is unknown"
+        )
     return getattr(unit, RESHARD_ATTR)
 
 

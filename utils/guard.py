@@ -43,7 +43,6 @@ EXIT_NUMERICAL = 3
 EXIT_INTERRUPTED = 130
 
 
-
 class NumericalError(RuntimeError):
     """A non-finite loss or gradient norm, or rewards that are NaN or constant; names the stage and step."""
 
@@ -116,8 +115,10 @@ def exit_on_error():
     try:
         yield
     except KeyboardInterrupt:
-        _exit("interrupted outside the training loop (start-up or export); the newest checkpoint, if any, is intact",
-              EXIT_INTERRUPTED)
+        _exit(
+            "interrupted outside the training loop (start-up or export); the newest checkpoint, if any, is intact",
+            EXIT_INTERRUPTED,
+        )
     except Exception as e:
         code = getattr(e, "exit_code", None)
         if code is None:
@@ -182,8 +183,10 @@ class StopSignal:
     def report(self, step: int, checkpoint_dir, rank: int) -> None:
         """Rank 0 says where the stopped run's checkpoint is and how to continue."""
         if rank == 0:
-            print(f"stopped by {self.received or 'a signal on another rank'} after step {step}; checkpoint saved in "
-                  f"{checkpoint_dir}; rerun the same command to continue")
+            print(
+                f"stopped by {self.received or 'a signal on another rank'} after step {step}; checkpoint saved in "
+                f"{checkpoint_dir}; rerun the same command to continue"
+            )
 
 
 class NonFiniteGuard:

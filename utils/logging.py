@@ -3,12 +3,12 @@ tests and plots read, and tqdm progress bars."""
 
 import importlib.util
 import json
-import time
-from collections import defaultdict
-from contextlib import contextmanager
 import math
 import os
 import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -16,8 +16,16 @@ from tqdm import tqdm
 
 class Logger:
     def __init__(
-        self, run_dir: str | Path, config: dict, project: str, name: str, mode: str, enabled: bool,
-        resume_step: int | None = None, group: str = "", tags: str = "",
+        self,
+        run_dir: str | Path,
+        config: dict,
+        project: str,
+        name: str,
+        mode: str,
+        enabled: bool,
+        resume_step: int | None = None,
+        group: str = "",
+        tags: str = "",
     ):
         """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline; disabled,
         with one line saying so, when wandb is not installed).
@@ -55,7 +63,12 @@ class Logger:
             import wandb
 
             self.run = wandb.init(
-                project=project, name=name, config=config, mode=mode, dir=str(self.run_dir), group=group or None,
+                project=project,
+                name=name,
+                config=config,
+                mode=mode,
+                dir=str(self.run_dir),
+                group=group or None,
                 tags=[t.strip() for t in tags.split(",") if t.strip()] or None,
                 settings=wandb.Settings(silent=True),
             )
@@ -102,8 +115,11 @@ class Logger:
                 step = json.loads(line)["step"]
             except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill or a full disk
                 if self.enabled:
-                    print(f"warning: {path}: line {number} is not a whole JSON row ({line.strip()[:60]!r}); "
-                          f"dropped", file=sys.stderr, flush=True)
+                    print(
+                        f"warning: {path}: line {number} is not a whole JSON row ({line.strip()[:60]!r}); dropped",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 continue
             if step < self.resume_step or (step == self.resume_step > 0 and not seen_resume_step):
                 kept.append(line if line.endswith("\n") else line + "\n")
@@ -111,8 +127,12 @@ class Logger:
             else:
                 dropped += 1
         if dropped and self.enabled:
-            print(f"warning: {path}: {dropped} line(s) logged after the checkpoint of step {self.resume_step} "
-                  f"dropped (their steps run again)", file=sys.stderr, flush=True)
+            print(
+                f"warning: {path}: {dropped} line(s) logged after the checkpoint of step {self.resume_step} "
+                f"dropped (their steps run again)",
+                file=sys.stderr,
+                flush=True,
+            )
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
@@ -160,8 +180,7 @@ class LineProgress:
 
     live: set = set()
 
-    def __init__(self, total: int, initial: int, desc: str, unit: str, every: float = LINE_EVERY_SECONDS,
-                 file=None):
+    def __init__(self, total: int, initial: int, desc: str, unit: str, every: float = LINE_EVERY_SECONDS, file=None):
         self.total, self.n, self.start_n, self.desc, self.unit, self.every = total, initial, initial, desc, unit, every
         self.file = file or sys.stderr
         self.postfix: dict = {}
@@ -187,8 +206,13 @@ class LineProgress:
 
     def _write(self, now: float) -> None:
         self.last, self.written_at = now, self.n
-        print(format_progress(self.desc, self.n, self.total, self.unit, self.n - self.start_n, now - self.started,
-                              self.postfix), file=self.file, flush=True)
+        print(
+            format_progress(
+                self.desc, self.n, self.total, self.unit, self.n - self.start_n, now - self.started, self.postfix
+            ),
+            file=self.file,
+            flush=True,
+        )
 
 
 def format_progress(desc: str, n: int, total: int, unit: str, done: int, seconds: float, postfix: dict) -> str:
@@ -288,8 +312,11 @@ class StageTimer:
 def perf_metrics(seconds: dict[str, float], step_seconds: float, generated_tokens: float, world: int) -> dict:
     """perf/ metrics of a step: its seconds, generated tokens per second (overall and per device), and each stage's
     seconds and share of the step."""
-    out = {"perf/step_seconds": step_seconds, "perf/tokens_per_second": generated_tokens / step_seconds,
-           "perf/tokens_per_second_per_device": generated_tokens / step_seconds / world}
+    out = {
+        "perf/step_seconds": step_seconds,
+        "perf/tokens_per_second": generated_tokens / step_seconds,
+        "perf/tokens_per_second_per_device": generated_tokens / step_seconds / world,
+    }
     for name, s in seconds.items():
         out[f"perf/{name}_seconds"], out[f"perf/{name}_share"] = s, s / step_seconds
     return out
@@ -303,10 +330,27 @@ EVALUATION_PREFIXES = ("val/", "eval/")
 HEADLINES = {
     "sft": ("train/loss", "val/loss", "val/win_rate", "val/win_rate_ci_low", "val/win_rate_ci_high"),
     "reward_model": ("train/loss", "train/accuracy", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high"),
-    "dpo": ("train/loss", "train/reward_margin", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high",
-            "val/win_rate", "val/win_rate_ci_low", "val/win_rate_ci_high"),
-    "grpo": ("reward/mean", "train/kl", "eval/reward", "eval/win_rate", "eval/win_rate_ci_low", "eval/win_rate_ci_high",
-             "eval/pref_accuracy", "eval/end_fraction", "eval/response_length"),
+    "dpo": (
+        "train/loss",
+        "train/reward_margin",
+        "val/accuracy",
+        "val/accuracy_ci_low",
+        "val/accuracy_ci_high",
+        "val/win_rate",
+        "val/win_rate_ci_low",
+        "val/win_rate_ci_high",
+    ),
+    "grpo": (
+        "reward/mean",
+        "train/kl",
+        "eval/reward",
+        "eval/win_rate",
+        "eval/win_rate_ci_low",
+        "eval/win_rate_ci_high",
+        "eval/pref_accuracy",
+        "eval/end_fraction",
+        "eval/response_length",
+    ),
 }
 """The metrics each stage's terminal table shows (those it logged); summary.json holds every evaluation metric."""
 LOWER_IS_BETTER = ("loss", "kl")
@@ -348,8 +392,12 @@ def run_summary(run_dir: str | Path, stage: str, wall_seconds: float) -> dict:
     rows = read_rows(run_dir / "metrics.jsonl")
     keys = sorted({k for r in rows for k in r if k.startswith(EVALUATION_PREFIXES)})
     evaluation = {k: s for k in keys if (s := metric_summary(rows, k)) is not None}
-    training = {k: s for k in HEADLINES.get(stage, ()) if not k.startswith(EVALUATION_PREFIXES)
-                if (s := metric_summary(rows, k)) is not None}
+    training = {
+        k: s
+        for k in HEADLINES.get(stage, ())
+        if not k.startswith(EVALUATION_PREFIXES)
+        if (s := metric_summary(rows, k)) is not None
+    }
     timed = [r for r in rows if isinstance(r.get("perf/step_seconds"), (int, float))]
     seconds = sum(r["perf/step_seconds"] for r in timed)
     tokens = sum(r["perf/step_seconds"] * r.get("perf/tokens_per_second", 0.0) for r in timed)
@@ -381,16 +429,21 @@ def format_summary(summary: dict) -> str:
     every = {**summary["training"], **summary["evaluation"]}
     keys = [k for k in HEADLINES.get(stage, ()) if k in every] or list(summary["evaluation"])[:8]
     width = max([len(k) for k in keys] + [6])
-    steps = summary['steps']
-    lines = [f"{stage} summary after {steps} step{'' if steps == 1 else 's'}",
-             f"  {'metric':<{width}}  {'final':>11} {'(step)':>7}  {'best':>11} {'(step)':>7}"]
+    steps = summary["steps"]
+    lines = [
+        f"{stage} summary after {steps} step{'' if steps == 1 else 's'}",
+        f"  {'metric':<{width}}  {'final':>11} {'(step)':>7}  {'best':>11} {'(step)':>7}",
+    ]
     for k in keys:
         s = every[k]
         best = f"{s['best']:>11.4g} {'(' + str(s['best_step']) + ')':>7}" if "best" in s else ""
         lines.append(f"  {k:<{width}}  {s['final']:>11.4g} {'(' + str(s['final_step']) + ')':>7}  {best}".rstrip())
     tps = summary["tokens_per_second"]
-    lines.append(f"  training {summary['train_seconds']:.1f}s" + (f", {tps:.4g} tokens/s" if tps else "")
-                 + f"; wall {summary['wall_seconds']:.1f}s")
+    lines.append(
+        f"  training {summary['train_seconds']:.1f}s"
+        + (f", {tps:.4g} tokens/s" if tps else "")
+        + f"; wall {summary['wall_seconds']:.1f}s"
+    )
     paths = summary["paths"]
     for name in ("export", "metrics", "samples"):
         if paths[name]:

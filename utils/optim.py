@@ -100,5 +100,8 @@ def step_throughput(micro_batches: list[dict], seconds: float, world: int, devic
     per device. A collective."""
     tokens = float(sum(b["attention_mask"].sum() for b in micro_batches))
     seen = float(all_reduce_sum(torch.tensor(tokens, device=device)))
-    return {"perf/step_seconds": seconds, "perf/tokens_per_second": seen / seconds,
-            "perf/tokens_per_second_per_device": seen / seconds / world}
+    return {
+        "perf/step_seconds": seconds,
+        "perf/tokens_per_second": seen / seconds,
+        "perf/tokens_per_second_per_device": seen / seconds / world,
+    }

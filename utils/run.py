@@ -30,7 +30,13 @@ from pathlib import Path
 import torch
 
 from utils.checkpoint import (
-    check_run_dir, export_model, find_checkpoint, load_checkpoint, restore_loader, save_checkpoint, update_best,
+    check_run_dir,
+    export_model,
+    find_checkpoint,
+    load_checkpoint,
+    restore_loader,
+    save_checkpoint,
+    update_best,
 )
 from utils.config import RunConfig, config_to_dict
 from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
@@ -141,14 +147,17 @@ def epoch_steps(steps: int, rows: int, batches_per_epoch: int, accum: int, batch
     if steps:
         return steps
     if batches_per_epoch < accum:
-        warn(f"--steps 0 runs one epoch, but {rows} rows fill less than one global batch of --batch_size "
-             f"{batch_size}: the one step repeats rows about {batch_size / rows:.1f} times; give more rows, a smaller "
-             f"--batch_size, or --steps")
+        warn(
+            f"--steps 0 runs one epoch, but {rows} rows fill less than one global batch of --batch_size "
+            f"{batch_size}: the one step repeats rows about {batch_size / rows:.1f} times; give more rows, a smaller "
+            f"--batch_size, or --steps"
+        )
     return max(1, batches_per_epoch // accum)
 
 
-def resume(run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_steps: int,
-           frozen: dict | None = None) -> int:
+def resume(
+    run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_steps: int, frozen: dict | None = None
+) -> int:
     """Seed the global RNG per rank, restore the checkpoint start_run found, if any (weights, optimizer, schedule, every
     rank's RNG, data position, best evaluation so far; its loop state in run.extra; the `frozen` models it holds, see
     end_of_step), then open the logger and the progress bar at that step. Returns the step to continue from (0 on a
@@ -162,15 +171,34 @@ def resume(run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_
         run.best = run.extra.get("best")
         restore_loader(loader, run.checkpoint, run.extra)
         run.say(f"resumed from {run.checkpoint} at step {step}")
-    run.logger = Logger(run.dir, run.record or config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode,
-                        run.is_main, resume_step=step, group=cfg.wandb_group, tags=cfg.wandb_tags)
+    run.logger = Logger(
+        run.dir,
+        run.record or config_to_dict(cfg),
+        cfg.wandb_project,
+        cfg.run_name,
+        cfg.wandb_mode,
+        run.is_main,
+        resume_step=step,
+        group=cfg.wandb_group,
+        tags=cfg.wandb_tags,
+    )
     run.bar = progress(total_steps, step, run.is_main, run.meta["stage"])
     return step
 
 
 def end_of_step(
-    run: Run, cfg: RunConfig, step: int, total_steps: int, metrics: dict, model, optimizer, scheduler, loader,
-    best_metric: str | None = None, extra: Callable[[], dict] | None = None, frozen: dict | None = None,
+    run: Run,
+    cfg: RunConfig,
+    step: int,
+    total_steps: int,
+    metrics: dict,
+    model,
+    optimizer,
+    scheduler,
+    loader,
+    best_metric: str | None = None,
+    extra: Callable[[], dict] | None = None,
+    frozen: dict | None = None,
 ) -> bool:
     """Log the step's metrics, keep the best by --best_metric (or `best_metric`), and save a checkpoint on schedule,
     at the end, at a new best, or when a signal came. `extra()` adds loop state to the checkpoint (called on every
@@ -185,8 +213,19 @@ def end_of_step(
     stopping = run.stop.requested(run.device)
     if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
         state = {"loader": loader.state_dict(), "best": run.best, **(extra() if extra else {})}
-        save_checkpoint(run.dir, step, model, optimizer, scheduler, run.meta, extra=state, keep_last=cfg.keep_last,
-                        rank=run.rank, best=run.best if improved else None, frozen=frozen)
+        save_checkpoint(
+            run.dir,
+            step,
+            model,
+            optimizer,
+            scheduler,
+            run.meta,
+            extra=state,
+            keep_last=cfg.keep_last,
+            rank=run.rank,
+            best=run.best if improved else None,
+            frozen=frozen,
+        )
     return stopping
 
 

@@ -39,11 +39,26 @@ RESUME_CHANGES = "option_changes"
 # run goes on, when it evaluates, logs and saves, the wandb names, and memory savers that compute the same numbers.
 # --steps also moves the end of the cosine schedule, so the steps after the resume follow the new one. Every other
 # option changes what a step computes.
-FREE_OPTIONS = frozenset({
-    "steps", "eval_every", "save_every", "keep_last", "best_metric", "best_mode", "table_every", "table_prompts",
-    "dist_timeout_minutes", "activation_checkpointing", "frozen_cpu_offload",
-    "wandb_mode", "wandb_project", "run_name", "wandb_group", "wandb_tags",
-})
+FREE_OPTIONS = frozenset(
+    {
+        "steps",
+        "eval_every",
+        "save_every",
+        "keep_last",
+        "best_metric",
+        "best_mode",
+        "table_every",
+        "table_prompts",
+        "dist_timeout_minutes",
+        "activation_checkpointing",
+        "frozen_cpu_offload",
+        "wandb_mode",
+        "wandb_project",
+        "run_name",
+        "wandb_group",
+        "wandb_tags",
+    }
+)
 
 # How a run is started or where it is, not what it is: never compared, never recorded as a change
 NOT_RECORDED = frozenset({"out_dir", "resume", "resume_from", "resume_changes"})
@@ -87,13 +102,16 @@ def lock_run_dir(run_dir: str | Path) -> None:
         ) from None
     except OSError as e:  # a filesystem without locks (an NFS mount without lockd): run, but say what is not guarded
         os.close(fd)
-        warn(f"cannot lock {file} ({e.strerror or e}): a second run started on --out_dir {run_dir} would not be stopped")
+        warn(
+            f"cannot lock {file} ({e.strerror or e}): a second run started on --out_dir {run_dir} would not be stopped"
+        )
         return
     left = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
     if left:
         warn(f"took over the lock {file} left by a run that is no longer running ({_holder(left)})")
-    mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S %z")})
+    mine = json.dumps(
+        {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    )
     os.ftruncate(fd, 0)
     os.pwrite(fd, mine.encode(), 0)
     os.fsync(fd)
@@ -139,8 +157,11 @@ def options_record(run_dir: str | Path, options: dict, step: int, allow: bool) -
     current = {k: v for k, v in record.items() if k != RESUME_CHANGES}
     for change in record.get(RESUME_CHANGES, []):
         current |= {k: new for k, (_, new) in change["options"].items()}
-    changed = {k: [current[k], v] for k, v in options.items()
-               if k in current and k not in NOT_RECORDED and not _same(current[k], v)}
+    changed = {
+        k: [current[k], v]
+        for k, v in options.items()
+        if k in current and k not in NOT_RECORDED and not _same(current[k], v)
+    }
     refused = {k: v for k, v in changed.items() if k not in FREE_OPTIONS}
     if refused and not allow:
         listed = ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in refused.items())
@@ -153,8 +174,11 @@ def options_record(run_dir: str | Path, options: dict, step: int, allow: bool) -
     if changed:
         record = {**record, RESUME_CHANGES: record.get(RESUME_CHANGES, []) + [{"step": step, "options": changed}]}
         if refused:
-            warn(f"continuing from step {step} with changed options ("
-                 + ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in refused.items()) + f"), recorded in {file}")
+            warn(
+                f"continuing from step {step} with changed options ("
+                + ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in refused.items())
+                + f"), recorded in {file}"
+            )
     return json.loads(json.dumps(record, default=str))
 
 

@@ -44,53 +44,209 @@ def _common(out: Path) -> list[str]:
 
 def _grpo(out: Path, *extra: str) -> list[str]:
     return [
-        "grpo.py", "--model", "tiny", "--random_init", "true", "--reward_model", "tiny",
-        "--reward_random_init", "true", "--train_data", str(DATA / "prompts" / "train.jsonl"),
-        "--val_data", str(DATA / "sft" / "validation.jsonl"), "--pref_data", str(DATA / "preference" / "validation.jsonl"),
-        "--pref_rows", "4", "--val_rows", "4", "--num_samples", "8", "--num_kept", "4", "--max_new_tokens", "10",
-        "--max_prompt_len", "96", "--pref_max_response_len", "24", "--prompts_per_step", "4", "--micro_batch_size", "8",
-        "--steps", "3", "--lr", "1e-3", "--warmup_steps", "1", "--beta", "0.1", "--eval_every", "3", "--table_every", "0",
-        "--rewards", "reward_model + 0.5*format", *_common(out), *extra,
+        "grpo.py",
+        "--model",
+        "tiny",
+        "--random_init",
+        "true",
+        "--reward_model",
+        "tiny",
+        "--reward_random_init",
+        "true",
+        "--train_data",
+        str(DATA / "prompts" / "train.jsonl"),
+        "--val_data",
+        str(DATA / "sft" / "validation.jsonl"),
+        "--pref_data",
+        str(DATA / "preference" / "validation.jsonl"),
+        "--pref_rows",
+        "4",
+        "--val_rows",
+        "4",
+        "--num_samples",
+        "8",
+        "--num_kept",
+        "4",
+        "--max_new_tokens",
+        "10",
+        "--max_prompt_len",
+        "96",
+        "--pref_max_response_len",
+        "24",
+        "--prompts_per_step",
+        "4",
+        "--micro_batch_size",
+        "8",
+        "--steps",
+        "3",
+        "--lr",
+        "1e-3",
+        "--warmup_steps",
+        "1",
+        "--beta",
+        "0.1",
+        "--eval_every",
+        "3",
+        "--table_every",
+        "0",
+        "--rewards",
+        "reward_model + 0.5*format",
+        *_common(out),
+        *extra,
     ]
 
 
 def configurations() -> dict[str, tuple[int, callable]]:
     """name -> (processes, out_dir -> argv)."""
     sft_data = ["--train_data", str(DATA / "sft" / "train.jsonl"), "--val_data", str(DATA / "sft" / "validation.jsonl")]
-    pref_data = ["--train_data", str(DATA / "preference" / "train.jsonl"),
-                 "--val_data", str(DATA / "preference" / "validation.jsonl")]
-    sizes = ["--batch_size", "8", "--micro_batch_size", "4", "--steps", "3", "--max_prompt_len", "96",
-             "--max_response_len", "24", "--lr", "1e-3", "--warmup_steps", "1", "--eval_every", "3"]
+    pref_data = [
+        "--train_data",
+        str(DATA / "preference" / "train.jsonl"),
+        "--val_data",
+        str(DATA / "preference" / "validation.jsonl"),
+    ]
+    sizes = [
+        "--batch_size",
+        "8",
+        "--micro_batch_size",
+        "4",
+        "--steps",
+        "3",
+        "--max_prompt_len",
+        "96",
+        "--max_response_len",
+        "24",
+        "--lr",
+        "1e-3",
+        "--warmup_steps",
+        "1",
+        "--eval_every",
+        "3",
+    ]
     return {
-        "sft": (1, lambda out: [
-            "sft.py", "--model", "tiny", "--random_init", "true", *sft_data, "--val_rows", "8",
-            "--prompt_loss_weight", "0.5", "--prompt_loss_positions", "4", *sizes, *_common(out),
-        ]),
-        "reward_model": (1, lambda out: [
-            "reward_model.py", "--model", "tiny", "--random_init", "true", *pref_data, "--val_rows", "8",
-            "--norm_prompts", "4", "--norm_samples_per_prompt", "2", "--norm_batch_size", "2", *sizes, *_common(out),
-        ]),
-        "dpo": (1, lambda out: [
-            "dpo.py", "--model", "tiny", "--random_init", "true", *pref_data, "--val_rows", "8",
-            "--label_smoothing", "0.1", *sizes, *_common(out),
-        ]),
+        "sft": (
+            1,
+            lambda out: [
+                "sft.py",
+                "--model",
+                "tiny",
+                "--random_init",
+                "true",
+                *sft_data,
+                "--val_rows",
+                "8",
+                "--prompt_loss_weight",
+                "0.5",
+                "--prompt_loss_positions",
+                "4",
+                *sizes,
+                *_common(out),
+            ],
+        ),
+        "reward_model": (
+            1,
+            lambda out: [
+                "reward_model.py",
+                "--model",
+                "tiny",
+                "--random_init",
+                "true",
+                *pref_data,
+                "--val_rows",
+                "8",
+                "--norm_prompts",
+                "4",
+                "--norm_samples_per_prompt",
+                "2",
+                "--norm_batch_size",
+                "2",
+                *sizes,
+                *_common(out),
+            ],
+        ),
+        "dpo": (
+            1,
+            lambda out: [
+                "dpo.py",
+                "--model",
+                "tiny",
+                "--random_init",
+                "true",
+                *pref_data,
+                "--val_rows",
+                "8",
+                "--label_smoothing",
+                "0.1",
+                *sizes,
+                *_common(out),
+            ],
+        ),
         "grpo_rso": (1, lambda out: _grpo(out)),
-        "grpo_mu2_refresh": (1, lambda out: _grpo(
-            out, "--policy_epochs", "2", "--ref_refresh_every", "2", "--selection", "uniform", "--loss_type", "dapo",
-            "--entropy_coef", "0.01", "--eps_high", "0.28",
-        )),
-        "grpo_lora": (1, lambda out: _grpo(
-            out, "--lora_rank", "4", "--lora_alpha", "8", "--ref_refresh_every", "2", "--selection", "top_bottom",
-            "--rewards", "reward_model + length", "--loss_type", "dr_grpo", "--lr", "1e-2",
-        )),
+        "grpo_mu2_refresh": (
+            1,
+            lambda out: _grpo(
+                out,
+                "--policy_epochs",
+                "2",
+                "--ref_refresh_every",
+                "2",
+                "--selection",
+                "uniform",
+                "--loss_type",
+                "dapo",
+                "--entropy_coef",
+                "0.01",
+                "--eps_high",
+                "0.28",
+            ),
+        ),
+        "grpo_lora": (
+            1,
+            lambda out: _grpo(
+                out,
+                "--lora_rank",
+                "4",
+                "--lora_alpha",
+                "8",
+                "--ref_refresh_every",
+                "2",
+                "--selection",
+                "top_bottom",
+                "--rewards",
+                "reward_model + length",
+                "--loss_type",
+                "dr_grpo",
+                "--lr",
+                "1e-2",
+            ),
+        ),
         "grpo_rso_2proc": (2, lambda out: _grpo(out)),
         # TIS at cap 1.5, not 1: in fp32 the sampler's and the trainer's log-probs agree to ~1e-7, so the share of
         # tokens past a cap of exactly 1 would be rounding noise, different on every kernel set
-        "grpo_options": (1, lambda out: _grpo(
-            out, "--importance_level", "sequence", "--eps_low", "0.05", "--eps_high", "0.05", "--policy_epochs", "2",
-            "--rollout_correction", "tis", "--rollout_correction_cap", "1.5", "--kl_in", "reward", "--kl_estimator", "k1",
-            "--min_group_std", "0.05",
-        )),
+        "grpo_options": (
+            1,
+            lambda out: _grpo(
+                out,
+                "--importance_level",
+                "sequence",
+                "--eps_low",
+                "0.05",
+                "--eps_high",
+                "0.05",
+                "--policy_epochs",
+                "2",
+                "--rollout_correction",
+                "tis",
+                "--rollout_correction_cap",
+                "1.5",
+                "--kl_in",
+                "reward",
+                "--kl_estimator",
+                "k1",
+                "--min_group_std",
+                "0.05",
+            ),
+        ),
     }
 
 
@@ -109,8 +265,13 @@ def _commands(argv: list[str], nproc: int, agents: int = 1) -> list[list[str]]:
         return [[*launcher, f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}", *argv]]
     if nproc % agents:
         raise ValueError(f"{nproc} processes cannot be split over {agents} agents")
-    rendezvous = [f"--nnodes={agents}", f"--nproc_per_node={nproc // agents}", "--rdzv_backend=c10d",
-                  f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=golden-{port}"]
+    rendezvous = [
+        f"--nnodes={agents}",
+        f"--nproc_per_node={nproc // agents}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        f"--rdzv_id=golden-{port}",
+    ]
     return [[*launcher, *rendezvous, *argv] for _ in range(agents)]
 
 
@@ -131,8 +292,15 @@ def param_digest(hf_folder: Path) -> dict:
     return {"sha256": h.hexdigest(), "l2": sq**0.5, "tensors": len(tensors)}
 
 
-def run(name: str, work: Path, extra: tuple[str, ...] = (), fresh: bool = True, nproc: int | None = None,
-        agents: int = 1, wrapper: tuple[str, ...] = ()) -> dict:
+def run(
+    name: str,
+    work: Path,
+    extra: tuple[str, ...] = (),
+    fresh: bool = True,
+    nproc: int | None = None,
+    agents: int = 1,
+    wrapper: tuple[str, ...] = (),
+) -> dict:
     """Run configuration `name` in a fresh folder under `work` (fresh=False: in the folder already there, resuming
     from its checkpoints); returns its golden record. `extra` options override the configuration's (the last
     occurrence of an option wins); `nproc` overrides its number of processes, `agents` splits them over that many
@@ -167,7 +335,9 @@ def run(name: str, work: Path, extra: tuple[str, ...] = (), fresh: bool = True, 
     steps = []
     for line in (out / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        steps.append({k: v for k, v in sorted(row.items()) if not k.startswith("perf/") and k not in ("time", "_runtime")})
+        steps.append(
+            {k: v for k, v in sorted(row.items()) if not k.startswith("perf/") and k not in ("time", "_runtime")}
+        )
     record = {"processes": nproc, "steps": steps, "params": param_digest(out / "hf")}
     norm = out / "hf" / "reward_normalization.json"
     if norm.is_file():
@@ -196,8 +366,11 @@ def cpu_model() -> str:
 def machine() -> dict:
     """What decides bit-exactness of CPU kernels: the torch build, the vector ISA it dispatches to, and the processor
     model (the kernels' blocking)."""
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_model": cpu_model()}
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_model": cpu_model(),
+    }
 
 
 def machine_id(m: dict) -> str:
@@ -220,8 +393,10 @@ def main(names: list[str]) -> None:
         for name in names:
             record = {"machine": machine(), **run(name, Path(tmp))}
             (folder / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-            print(f"wrote {folder.relative_to(ROOT)}/{name}.json: {len(record['steps'])} logged steps, "
-                  f"params {record['params']['sha256'][:12]}")
+            print(
+                f"wrote {folder.relative_to(ROOT)}/{name}.json: {len(record['steps'])} logged steps, "
+                f"params {record['params']['sha256'][:12]}"
+            )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,9 @@ def main(mode: str, run_dir: str, out: str):
     scheduler = build_scheduler(optimizer, 1, 10)
     result, step = {}, 0
     if mode == "resume":
-        step = load_checkpoint(latest_checkpoint(run_dir), model, optimizer, scheduler, META, info.rank,
-                               frozen={"reference": frozen})["step"]
+        step = load_checkpoint(
+            latest_checkpoint(run_dir), model, optimizer, scheduler, META, info.rank, frozen={"reference": frozen}
+        )["step"]
         result["loaded"] = full(model, optimizer)
         result["loaded_frozen"] = {n: p.full_tensor().clone() for n, p in frozen.named_parameters()}
     while step < 3:
@@ -69,8 +70,17 @@ def main(mode: str, run_dir: str, out: str):
             with torch.no_grad():  # the frozen model's weights change during a run (a refreshed reference)
                 for p in frozen.parameters():
                     p.to_local().mul_(-1.0)
-            save_checkpoint(run_dir, step, model, optimizer, scheduler, META, extra={"loader": {"position": step}},
-                            rank=info.rank, frozen={"reference": frozen})
+            save_checkpoint(
+                run_dir,
+                step,
+                model,
+                optimizer,
+                scheduler,
+                META,
+                extra={"loader": {"position": step}},
+                rank=info.rank,
+                frozen={"reference": frozen},
+            )
             result["saved"] = full(model, optimizer)
             result["saved_frozen"] = {n: p.full_tensor().clone() for n, p in frozen.named_parameters()}
     result["final"], result["loss"] = full(model, optimizer), loss

@@ -97,14 +97,19 @@ def main(out: str, micro: int, shared: bool):
     advantages = global_normalize(group_normalize(rewards[rows].view(per_rank, G)).flatten(), all_reduce_sum)
     # the update alone on these fixed micro-batches (grpo.train_step's stages 5-7 without sampling): the batches and
     # the reference log-probs do not depend on the loss type, the gradients do
-    cfg = Config(temperature=0.9, beta=0.1, eps_low=0.2, eps_high=0.28, max_new_tokens=R, micro_batch_size=micro, grad_clip=0.0)
-    batches = build_training_batches(prompt_ids, prompt_mask, local, torch.arange(per_rank * G), advantages, G, micro,
-                                     shared)
+    cfg = Config(
+        temperature=0.9, beta=0.1, eps_low=0.2, eps_high=0.28, max_new_tokens=R, micro_batch_size=micro, grad_clip=0.0
+    )
+    batches = build_training_batches(
+        prompt_ids, prompt_mask, local, torch.arange(per_rank * G), advantages, G, micro, shared
+    )
     refs = batch_logprobs(reference, batches, cfg, gather=True)
     batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
     for loss_type in ("grpo", "bnpo", "dr_grpo"):
         recorder = GradRecorder(policy)
-        metrics = policy_update(policy, recorder, ConstantLR(), batches, replace(cfg, loss_type=loss_type), world, info.device)
+        metrics = policy_update(
+            policy, recorder, ConstantLR(), batches, replace(cfg, loss_type=loss_type), world, info.device
+        )
         results[loss_type] = {"loss": metrics["train/loss"], "kl": metrics["train/kl"], "grads": recorder.grads}
     assert all(p.grad is None for p in reference.parameters())
     if rank == 0:

@@ -106,18 +106,21 @@ def main(out: str, hf_folder: str):
     merged_off_equals_on = all_true(torch.equal(on, off))
 
     if rank == 0:
-        torch.save({
-            "loss": float(loss),
-            "adapters": {k: v for k, v in full.items() if "lora" in k},
-            "base_unchanged": all(torch.equal(full[k], v) for k, v in initial.items()),
-            "adapters_changed": all(v.abs().max() > 0 for k, v in full.items() if k.endswith("lora_B")),
-            "ref_equal": ref_equal,
-            "logits": logits,
-            "eval_rows": (eval_ids, eval_pos, eval_mask),
-            "merge_error": max((merged[k] - v).abs().max().item() for k, v in expected.items()),
-            "merged_off_equals_on": merged_off_equals_on
-            and all(torch.equal(v, torch.zeros_like(v)) for k, v in merged.items() if k.endswith("lora_B")),
-        }, out)
+        torch.save(
+            {
+                "loss": float(loss),
+                "adapters": {k: v for k, v in full.items() if "lora" in k},
+                "base_unchanged": all(torch.equal(full[k], v) for k, v in initial.items()),
+                "adapters_changed": all(v.abs().max() > 0 for k, v in full.items() if k.endswith("lora_B")),
+                "ref_equal": ref_equal,
+                "logits": logits,
+                "eval_rows": (eval_ids, eval_pos, eval_mask),
+                "merge_error": max((merged[k] - v).abs().max().item() for k, v in expected.items()),
+                "merged_off_equals_on": merged_off_equals_on
+                and all(torch.equal(v, torch.zeros_like(v)) for k, v in merged.items() if k.endswith("lora_B")),
+            },
+            out,
+        )
     if dist.is_initialized():
         dist.barrier()
     cleanup_distributed()

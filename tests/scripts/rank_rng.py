@@ -53,8 +53,15 @@ def main(out: str, run_dir: str):
     masks_equal = same_on_every_rank(mask)
     run.logger.finish()
     if run.rank == 0:
-        torch.save({"start_equal": start_equal, "masks_equal": masks_equal, "later_equal": later_equal,
-                    "kept_fraction": mask.float().mean().item()}, out)
+        torch.save(
+            {
+                "start_equal": start_equal,
+                "masks_equal": masks_equal,
+                "later_equal": later_equal,
+                "kept_fraction": mask.float().mean().item(),
+            },
+            out,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,6 +1,6 @@
 """Run under 1 or 2 processes: one SFT optimizer step's loss and full gradients, saved by rank 0.
 
-    python tests/scripts/sft_grads.py OUT.pt ACCUM
+python tests/scripts/sft_grads.py OUT.pt ACCUM
 """
 
 import sys
@@ -19,8 +19,13 @@ from utils.fsdp import shard_model  # noqa: E402
 def fixed_rows(n=8, seed=0):
     """Rows of different prompt and response lengths, so token counts differ between ranks."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 50000, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
-    responses = [torch.randint(0, 50000, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist() + [198] for _ in range(n)]
+    prompts = [
+        torch.randint(0, 50000, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
+    responses = [
+        torch.randint(0, 50000, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist() + [198]
+        for _ in range(n)
+    ]
     return prompts, responses
 
 
@@ -33,7 +38,13 @@ def main(out: str, accum: int):
     # rank r takes rows r, r+world, ...; then splits them into `accum` micro-batches
     mine = list(range(info.rank, len(prompts), info.world_size))
     size = len(mine) // accum
-    micro = [collate_sft([prompts[i] for i in mine[k * size:(k + 1) * size]], [responses[i] for i in mine[k * size:(k + 1) * size]]) for k in range(accum)]
+    micro = [
+        collate_sft(
+            [prompts[i] for i in mine[k * size : (k + 1) * size]],
+            [responses[i] for i in mine[k * size : (k + 1) * size]],
+        )
+        for k in range(accum)
+    ]
     loss = accumulate_gradients(model, micro, info.world_size, info.device)
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     if info.rank == 0:

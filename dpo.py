@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
+from evaluation.frontier import Frontier, FrontierConfig
 from evaluation.pairs import PairConfig, load_pairs
 from evaluation.preference import evaluate_policy, policy_logps, response_logprobs
 from evaluation.samples import Judge, JudgeConfig, SampleLog
@@ -51,7 +52,8 @@ from utils.run import Run, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig):  # shared options; --judge: win rate
+# shared options; --judge: win rate; --frontier_prompts: KL to the reference and rewards of samples
+class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig, FrontierConfig):
     # --- models
     model: str = "runs/sft/hf"
     """Starting policy: an SFT export (Hugging Face-format folder), a hub name (gpt2, ...), or with
@@ -105,6 +107,7 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig):  # sh
         if self.eval_samples < 0:
             raise ConfigError(f"--eval_samples must be >= 0, got {self.eval_samples}")
         self.validate_judge()
+        self.validate_frontier()
 
 
 def preference_loss_fn(cfg: Config):
@@ -265,9 +268,19 @@ def main(cfg: Config) -> dict:
     if ref_val is not None and cfg.eval_samples > 0:
         rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)[: cfg.eval_samples]
         samples = SampleLog(rows, "chosen", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed)
+    frontier, first = None, {}  # --frontier_prompts: eval/kl and rewards of temperature-1 samples at each evaluation
+    if cfg.frontier_prompts > 0:
+        args = (cfg.val_data, cfg.val_split, tok, cfg.max_prompt_len, cfg.max_response_len, run)
+        frontier = Frontier(cfg, *args, reward_model=judge.model if judge else None)
+        if step == 0 and cfg.eval_every > 0:
+            first = frontier.evaluate(policy, reference, 0)
+    if first and ref_val is None:
+        run.logger.log(first, 0)
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
         val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, prefix_sharing=cfg.prefix_sharing)
-        run.logger.log({f"val/{k}": v for k, v in val.items()} | (judge.evaluate(policy, "val/") if judge else {}), 0)
+        run.logger.log(
+            {f"val/{k}": v for k, v in val.items()} | (judge.evaluate(policy, "val/") if judge else {}) | first, 0
+        )
         if samples is not None:
             samples.log(run.logger, policy, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)
@@ -297,6 +310,8 @@ def main(cfg: Config) -> dict:
                     metrics.update(judge.evaluate(policy, "val/"))
                 if samples is not None:
                     samples.log(run.logger, policy, step)
+            if frontier is not None and cfg.eval_due(step, total_steps):
+                metrics.update(frontier.evaluate(policy, reference, step))
             stopping = end_of_step(run, cfg, step, total_steps, metrics, policy, optimizer, scheduler, data.loader)
 
     # 7. export a Hugging Face-format folder (not after a signal: the run is not finished)

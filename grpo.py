@@ -42,6 +42,7 @@ import torch
 from data.synthetic import gold_reward as synthetic_gold_reward
 from data.tldr import PROMPT_COLUMNS, PromptDataset, ShardedLoader, load_rows
 from data.tokenizer import get_tokenizer
+from evaluation.frontier import Frontier, FrontierConfig
 from evaluation.preference import evaluate_policy, policy_logps
 from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table
 from model.lora import LoRAConfig, trainable_summary
@@ -82,7 +83,7 @@ TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: 
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig):  # the option groups of utils/config.py
+class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig, FrontierConfig):  # utils/config.py's groups
     # --- models
     model: str = "runs/sft/hf"
     """Starting policy, also the frozen reference (with LoRA: the policy's own base weights, adapters off): a
@@ -270,6 +271,7 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig):  # t
         if any(s.fn is None for s in self.sources()):
             require_nonempty(self, "reward_model")
         self.validate_shared()  # --model, data, run, optimisation and LoRA options
+        self.validate_frontier()
         for name in ("ref_refresh_every", "entropy_every", "eps_low", "eps_high", "beta", "pref_rows", "min_group_std"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
@@ -609,6 +611,10 @@ def main(cfg: Config) -> dict:
         f"{cfg.kept} kept per rank, {n_micro} micro-batches, {total_steps} steps"
     )
     ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
+    frontier = None  # --frontier_prompts: KL to the reference and rewards of temperature-1 samples (eval/kl, ...)
+    if cfg.frontier_prompts > 0:
+        args = (cfg.val_data, cfg.val_split, tok, cfg.max_prompt_len, cfg.max_new_tokens, run)
+        frontier = Frontier(cfg, *args, reward_model=models.reward_model, gold_fn=gold_reward)
 
     def evaluate(step: int) -> dict:
         out = evaluate_summaries(models.policy, models.reward_model, spec, val, cfg, step) if val is not None else {}
@@ -617,6 +623,7 @@ def main(cfg: Config) -> dict:
             if pref
             else {}
         )
+        out |= frontier.evaluate(models.policy, models.reference, step) if frontier is not None else {}
         return out | {f"eval/pref_{k}": v for k, v in acc.items()}
 
     if step == 0 and cfg.eval_every > 0:

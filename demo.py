@@ -24,6 +24,7 @@ summaries of a better writer; they serve the tests and users with larger models.
 """
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -440,15 +441,15 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
     return text
 
 
-# The reward-KL frontier (make frontier): GRPO runs with the method's defaults (RSO keeps 8 of 64 samples per prompt at
-# beta_rs 2, global normalization on) and with uniform selection for contrast, each over a grid of its KL coefficient;
-# DPO over a grid of beta; best-of-n from the SFT policy as the baseline.
+# The reward-KL frontier (make frontier): GRPO with the method's defaults (RSO keeps 8 of 64 samples per prompt at
+# beta_rs 2, global normalization on) over a grid of its KL coefficient, and with uniform selection at the grid's first
+# coefficient for contrast; DPO over a grid of beta; best-of-n from the SFT policy as the baseline.
 FRONTIER_SELECTIONS = ("rso", "uniform")
 
 
 def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
-    """Every run of the frontier's grids (--frontier_dpo_betas, --frontier_grpo_betas x FRONTIER_SELECTIONS, each
-    --frontier_seeds seeds) from the SFT policy and reward model in --out, each measured at every evaluation on the
+    """Every run of the frontier's grids (--frontier_grpo_betas with RSO, the first of them with uniform selection,
+    --frontier_dpo_betas; --frontier_seeds seeds each) from the SFT policy and reward model in --out, each measured at every evaluation on the
     first --frontier_prompts held-out posts (dpo.py / grpo.py --frontier_prompts: KL to the SFT policy, gold and proxy
     reward of --frontier_samples temperature-1 samples per post); best-of-n from the SFT policy on the same posts;
     then frontier.md (the table), frontier.json (every point) and assets/frontier.png, rewritten after every run so
@@ -501,35 +502,43 @@ def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
         )
         return text
 
-    runs = [("grpo", selection, beta) for selection in FRONTIER_SELECTIONS for beta in args.frontier_grpo_betas]
+    # the method, then DPO, then the contrast, each grid in the order given and every seed of one grid point before the
+    # next: a frontier cut short has the first grid points with all their seeds
+    runs = [("grpo", FRONTIER_SELECTIONS[0], beta) for beta in args.frontier_grpo_betas]
     runs += [("dpo", "", beta) for beta in args.frontier_dpo_betas]
-    for seed in range(args.frontier_seeds):  # seed by seed: a run cut short has every grid point of the first seeds
-        for stage, selection, beta in runs:
-            name = f"GRPO {selection} 64->8, beta {beta:g}" if stage == "grpo" else f"DPO beta {beta:g}"
-            run_dir = (
-                root / (f"grpo_{selection}_beta{beta:g}" if stage == "grpo" else f"dpo_beta{beta:g}") / f"seed{seed}"
+    runs += [("grpo", selection, args.frontier_grpo_betas[0]) for selection in FRONTIER_SELECTIONS[1:]]
+    for (stage, selection, beta), seed in itertools.product(runs, range(args.frontier_seeds)):
+        kept = f"{args.frontier_grpo_samples}->8"
+        name = f"GRPO {selection} {kept}, beta {beta:g}" if stage == "grpo" else f"DPO beta {beta:g}"
+        run_dir = root / (f"grpo_{selection}_beta{beta:g}" if stage == "grpo" else f"dpo_beta{beta:g}") / f"seed{seed}"
+        if stage == "grpo":
+            options = grpo_options(out, paths, pairs, args) | {
+                "num_samples": args.frontier_grpo_samples,
+                "selection": selection,
+            }
+        else:
+            options = dpo_options(out, pairs, args)
+        if args.frontier_eval_rows:
+            options |= {"val_rows": args.frontier_eval_rows} | (
+                {"pref_rows": args.frontier_eval_rows} if stage == "grpo" else {}
             )
-            if stage == "grpo":
-                options = grpo_options(out, paths, pairs, args) | {"num_samples": 64, "selection": selection}
-            else:
-                options = dpo_options(out, pairs, args)
-            tags = f"{stage}={selection or 'dpo'},beta={beta:g}"
-            run_stage(
-                f"{stage}.py",
-                options
-                | measured
-                | {
-                    "beta": beta,
-                    "seed": seed,
-                    "out_dir": run_dir,
-                    "run_name": f"frontier-{run_dir.parent.name}-{seed}",
-                    "wandb_group": f"frontier-{run_dir.parent.name}",
-                    "wandb_tags": tags,
-                },
-                args.nproc,
-            )
-            methods.setdefault(name, []).append(frontier_points(run_dir))
-            record()
+        tags = f"{stage}={selection or 'dpo'},beta={beta:g}"
+        run_stage(
+            f"{stage}.py",
+            options
+            | measured
+            | {
+                "beta": beta,
+                "seed": seed,
+                "out_dir": run_dir,
+                "run_name": f"frontier-{run_dir.parent.name}-{seed}",
+                "wandb_group": f"frontier-{run_dir.parent.name}",
+                "wandb_tags": tags,
+            },
+            args.nproc,
+        )
+        methods.setdefault(name, []).append(frontier_points(run_dir))
+        record()
     return record()
 
 
@@ -610,13 +619,26 @@ def main() -> None:
         "--frontier_dpo_betas and --frontier_grpo_betas, N seeds each, and best-of-n, from one SFT policy and reward "
         "model (docs/results.md)",
     )
-    p.add_argument("--frontier_dpo_betas", type=float, nargs="+", default=[0.03, 0.1, 0.3], help="DPO betas")
+    p.add_argument("--frontier_dpo_betas", type=float, nargs="+", default=[0.1, 0.3], help="DPO betas")
     p.add_argument(
         "--frontier_grpo_betas",
         type=float,
         nargs="+",
-        default=[0.1, 0.4],
-        help="GRPO KL coefficients (grpo.py --beta), each with every selection of FRONTIER_SELECTIONS",
+        default=[0.4, 0.1],
+        help="GRPO KL coefficients (grpo.py --beta) of the RSO runs; the first also with uniform selection",
+    )
+    p.add_argument(
+        "--frontier_grpo_samples",
+        type=int,
+        default=64,
+        help="samples per prompt of the frontier's GRPO runs (grpo.py --num_samples; 8 are kept)",
+    )
+    p.add_argument(
+        "--frontier_eval_rows",
+        type=int,
+        default=0,
+        help="rows of the frontier runs' own evaluations (dpo.py and grpo.py --val_rows, grpo.py --pref_rows); 0: "
+        "the demo's",
     )
     p.add_argument("--frontier_prompts", type=int, default=100, help="held-out posts each frontier point samples")
     p.add_argument("--frontier_samples", type=int, default=4, help="temperature-1 samples per post of each point")

@@ -9,8 +9,9 @@ each group is named by the options that differ between groups (those every group
 which share few options, are named by their folders). For every metric the table gives, over the seeds of a group,
 the mean and the spread (sample standard deviation; 0 with one seed) of its value at the end of the run (the mean of
 its last --last logged values) and at its best (max, or min for the metrics named in --minimize). The picture
-draws each metric against the step and, with --x, against another metric (train/kl: the reward-KL frontier), the
-mean over a group's seeds at each step. Evaluation metrics (val/, eval/: logged every --eval_every steps) are drawn
+draws each metric against the step and against another metric (--x; by default eval/kl, the KL of the policy's
+temperature-1 samples that --frontier_prompts measures at every evaluation, else train/kl: the reward-KL frontier),
+the mean over a group's seeds at each step. Evaluation metrics (val/, eval/: logged every --eval_every steps) are drawn
 as their points, each at its value, never smoothed; per-step metrics are smoothed by a centred moving average of
 --smooth logged steps, which the panel's title says. The picture goes next to the runs (their common folder) or
 where --out says. A missing folder, or a metric no run logged, ends the command with one line (exit code 2) naming
@@ -33,6 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 EVALUATION_PREFIXES = ("val/", "eval/")
 """Metrics logged at evaluations only: drawn as points, never smoothed across evaluations."""
 DEFAULT_METRICS = (
+    "eval/gold",
     "eval/reward",
     "eval/win_rate",
     "eval/pref_accuracy",
@@ -259,15 +261,17 @@ def main(argv: list[str] | None = None) -> str:
         + ", ".join(DEFAULT_METRICS)
         + " that the runs logged",
     )
-    p.add_argument("--minimize", nargs="*", default=["train/kl"], help="metrics whose best value is the lowest")
+    p.add_argument(
+        "--minimize", nargs="*", default=["train/kl", "eval/kl"], help="metrics whose best value is the lowest"
+    )
     p.add_argument(
         "--last", type=int, default=1, help="the final value of a metric: the mean of its last N logged values"
     )
     p.add_argument(
         "--x",
         default=None,
-        help="also draw every other metric against this one; default: train/kl when the runs logged it; "
-        "empty: only against the step",
+        help="also draw every other metric against this one; default: eval/kl when the runs logged it "
+        "(--frontier_prompts), else train/kl when they did; empty: only against the step",
     )
     p.add_argument(
         "--smooth",
@@ -290,7 +294,9 @@ def main(argv: list[str] | None = None) -> str:
     if not metrics:
         raise CompareError(f"none of the default metrics was logged; name some with --metrics: {', '.join(known)}")
     check_metrics(runs, metrics, "--metrics")
-    x = ("train/kl" if "train/kl" in known else "") if args.x is None else args.x
+    # eval/kl (the policy's own samples at temperature 1, evaluation/frontier.py) before train/kl (the training
+    # samples): the one evaluation metrics are measured beside, and the one DPO logs
+    x = next((k for k in ("eval/kl", "train/kl") if k in known), "") if args.x is None else args.x
     if x:
         check_metrics(runs, [x], "--x")
     groups = group_runs(runs)

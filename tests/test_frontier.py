@@ -234,13 +234,14 @@ def test_a_tiny_frontier_run(tiny_demo, tmp_path):
     cmd = [sys.executable, "demo.py", "--out", str(tiny_demo), "--reuse", "--assets", str(tmp_path)]
     cmd += ["--frontier_seeds", "1", "--frontier_dpo_betas", "0.1", "--frontier_grpo_betas", "0.4"]
     cmd += ["--dpo_steps", "2", "--grpo_steps", "2", "--frontier_prompts", "4", "--frontier_samples", "2"]
-    cmd += ["--frontier_best_of", "4", "--wandb_mode", "disabled"]
+    cmd += ["--frontier_best_of", "4", "--frontier_grpo_samples", "8", "--frontier_eval_rows", "8"]
+    cmd += ["--wandb_mode", "disabled"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "frontier.png").stat().st_size > 0
     record = json.loads((tiny_demo / "frontier" / "frontier.json").read_text())
     assert [p["n"] for p in record["best_of_n"]] == [1, 2, 4]
-    assert set(record["methods"]) == {"GRPO rso 64->8, beta 0.4", "GRPO uniform 64->8, beta 0.4", "DPO beta 0.1"}
+    assert set(record["methods"]) == {"GRPO rso 8->8, beta 0.4", "GRPO uniform 8->8, beta 0.4", "DPO beta 0.1"}
     for name, seeds in record["methods"].items():
         points = seeds[0]
         assert [p["step"] for p in points] == [0, 2], name  # every evaluation: before the first step and the last
@@ -248,7 +249,30 @@ def test_a_tiny_frontier_run(tiny_demo, tmp_path):
         for p in points:
             assert {"kl", "kl_se", "gold", "gold_se", "proxy", "proxy_raw", "win_rate"} <= set(p), name
     grpo = frontier_points(tiny_demo / "frontier" / "grpo_rso_beta0.4" / "seed0")
-    assert grpo == record["methods"]["GRPO rso 64->8, beta 0.4"][0]
+    assert grpo == record["methods"]["GRPO rso 8->8, beta 0.4"][0]
     text = (tiny_demo / "frontier" / "frontier.md").read_text()
     assert text.strip() == frontier_table(record["best_of_n"], record["methods"]).strip()
     assert "| DPO beta 0.1 | 1 |" in text and "best-of-4" in text
+
+
+def test_compare_draws_evaluation_metrics_against_eval_kl_by_default(tmp_path, monkeypatch):
+    """A run that logged eval/kl (--frontier_prompts) is drawn against it, not against the per-step train/kl."""
+    from evaluation import compare
+    from utils.logging import Logger
+
+    log = Logger(tmp_path / "run", {"seed": 0}, "test", "run", "disabled", enabled=True)
+    for step in (1, 2, 3):
+        row = {"train/kl": 0.5 * step}
+        if step != 2:
+            row |= {"eval/kl": 0.1 * step, "eval/kl_se": 0.01, "eval/gold": 2.0 + step}
+        log.log(row, step=step)
+    log.finish()
+    drawn = {}
+    monkeypatch.setattr(compare, "plot", lambda groups, metrics, out, x, smooth: drawn.update(metrics=metrics, x=x))
+    text = compare.main([str(tmp_path / "run"), "--out", str(tmp_path / "c.png")])
+    assert drawn == {"metrics": ["eval/gold", "train/kl"], "x": "eval/kl"}
+    assert "eval/gold (final)" in text
+    groups = compare.group_runs([compare.load_run(tmp_path / "run")])
+    fig = compare.figure(groups, ["eval/gold"], x="eval/kl")
+    path = fig.axes[1].lines[0]
+    assert list(path.get_xdata()) == pytest.approx([0.1, 0.3]) and list(path.get_ydata()) == [3.0, 5.0]

@@ -230,6 +230,7 @@ def tiny_demo(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # four processes: the demo, GRPO twice, DPO
 def test_a_tiny_frontier_run(tiny_demo, tmp_path):
     cmd = [sys.executable, "demo.py", "--out", str(tiny_demo), "--reuse", "--assets", str(tmp_path)]
     cmd += ["--frontier_seeds", "1", "--frontier_dpo_betas", "0.1", "--frontier_grpo_betas", "0.4"]

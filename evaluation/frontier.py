@@ -425,3 +425,73 @@ def plot_frontier(curve: list[dict], methods: dict[str, list[list[dict]]], out: 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line: any runs that measured the frontier, and best-of-n from their reference
+
+
+def main(argv: list[str] | None = None) -> str:
+    """python -m evaluation.frontier RUN_DIR ... --reference DIR --reward_model DIR --data SOURCE: the table and the
+    picture of runs that logged eval/kl (--frontier_prompts), grouped as evaluation/compare.py groups them (runs that
+    differ only in seed are one method), with best-of-n from --reference on the first --prompts prompts of --data (the
+    runs' --frontier_data). Without a --gold_fn the picture draws proxy reward and win rate against KL."""
+    import argparse
+
+    from data.tokenizer import get_tokenizer
+    from evaluation.compare import CompareError, group_runs, label, load_run
+    from model.weights import build_policy
+
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", help="run directories (dpo.py / grpo.py --frontier_prompts N)")
+    p.add_argument("--reference", required=True, help="the runs' reference policy (their --model): best-of-n from it")
+    p.add_argument("--reward_model", required=True, help="the proxy (the runs' --frontier_reward_model)")
+    p.add_argument("--data", required=True, help="the prompts (the runs' --frontier_data)")
+    p.add_argument("--split", default="validation", help="split of --data")
+    p.add_argument("--prompts", type=int, default=100, help="prompts of --data (the runs' --frontier_prompts)")
+    p.add_argument("--gold_fn", default="", help='a gold reward "module:function" of (prompt, summary); empty: none')
+    p.add_argument("--max_new_tokens", type=int, default=53, help="tokens per summary (the runs' length)")
+    p.add_argument("--max_prompt_len", type=int, default=448, help="tokens per prompt at most")
+    p.add_argument("--best_of", type=int, default=64, help="best-of-n's largest n, a power of 2")
+    p.add_argument("--seed", type=int, default=0, help="seed of best-of-n's samples")
+    p.add_argument("--out", default="frontier.png", help="the picture; frontier.json beside it holds every point")
+    args = p.parse_args(argv)
+    if args.best_of < 1 or args.best_of & (args.best_of - 1):
+        p.error(f"--best_of must be a power of 2, got {args.best_of}")
+    methods = {}
+    for options, members in group_runs([load_run(d) for d in args.runs]):
+        seeds = [frontier_points(run.dir) for run in members]
+        empty = [str(run.dir) for run, points in zip(members, seeds, strict=True) if not points]
+        if empty:
+            raise CompareError(f"{empty[0]}: no eval/kl in its metrics.jsonl; train it with --frontier_prompts N")
+        methods[label(options)] = seeds
+    tok = get_tokenizer()
+    prompts = load_frontier_prompts(args.data, args.split, args.prompts, tok, args.max_prompt_len, args.max_new_tokens)
+    curve = best_of_n(
+        build_policy(args.reference).eval(),
+        prompts,
+        build_reward_model(args.reward_model).eval(),
+        tok,
+        stream(args.seed, 0, 0, "best-of-n"),
+        args.max_new_tokens,
+        n_max=args.best_of,
+        gold_fn=load_function(args.gold_fn, "--gold_fn") if args.gold_fn else None,
+    )
+    out = Path(args.out)
+    plot_frontier(curve, methods, out, f"{args.prompts} prompts of {args.data}; error bars 1 standard error")
+    out.with_suffix(".json").write_text(json.dumps({"best_of_n": curve, "methods": methods}, indent=1))
+    text = frontier_table(curve, methods)
+    print(f"{text}\n\nwrote {out} and {out.with_suffix('.json')}")
+    return text
+
+
+if __name__ == "__main__":
+    import sys
+
+    from evaluation.compare import CompareError
+
+    try:
+        main()
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

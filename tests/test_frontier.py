@@ -277,3 +277,32 @@ def test_compare_draws_evaluation_metrics_against_eval_kl_by_default(tmp_path, m
     fig = compare.figure(groups, ["eval/gold"], x="eval/kl")
     path = fig.axes[1].lines[0]
     assert list(path.get_xdata()) == pytest.approx([0.1, 0.3]) and list(path.get_ydata()) == [3.0, 5.0]
+
+
+def test_the_command_line_draws_runs_without_a_gold_reward(tiny_demo, tmp_path, capsys):
+    """python -m evaluation.frontier on two seeds of a run that logged the frontier, on prompts with reference
+    summaries and no gold reward: best-of-n from the reference, proxy and win rate in the table; a run that did not
+    measure the frontier is one line naming it."""
+    from evaluation import frontier
+    from evaluation.compare import CompareError
+    from utils.logging import Logger
+
+    runs = []
+    for seed in (0, 1):
+        log = Logger(tmp_path / f"seed{seed}", {"seed": seed, "beta": 0.1}, "test", "run", "disabled", enabled=True)
+        for step in (0, 5):
+            values = {"kl": 0.1 * step, "proxy": 0.2 * step + seed, "proxy_raw": 0.0, "win_rate_sampled": 0.5}
+            log.log({f"eval/{k}": v for k, v in values.items()} | {f"eval/{k}_se": 0.01 for k in values}, step=step)
+        log.finish()
+        runs.append(str(tmp_path / f"seed{seed}"))
+    data = str(tiny_demo / "data" / "sft" / "validation.jsonl")
+    common = ["--reference", str(tiny_demo / "sft" / "hf"), "--reward_model", str(tiny_demo / "rm" / "hf")]
+    common += ["--data", data, "--prompts", "3", "--best_of", "2", "--max_new_tokens", "6", "--max_prompt_len", "192"]
+    text = frontier.main([*runs, *common, "--out", str(tmp_path / "f.png")])
+    assert text.splitlines()[0] == "| policy | seeds | kl | proxy | win_rate |"
+    assert "| best-of-2 (reference) | | 0.193 |" in text
+    assert "| all runs | 2 | 0.500 ± 0.000 (se 0.010) | 1.500 ± 0.707 (se 0.010) | 0.500 ± 0.000 (se 0.010) |" in text
+    assert (tmp_path / "f.png").stat().st_size > 0 and (tmp_path / "f.json").is_file()
+    Logger(tmp_path / "plain", {"seed": 0}, "test", "run", "disabled", enabled=True).finish()
+    with pytest.raises(CompareError, match="plain: no eval/kl in its metrics.jsonl"):
+        frontier.main([str(tmp_path / "plain"), *common, "--out", ""])

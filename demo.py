@@ -4,6 +4,8 @@
     python demo.py --nproc 2             # every stage under torchrun with 2 processes (gloo on CPU)
     python demo.py --out runs/ablation --ablation_seeds 3 --reuse    # make ablation: GRPO's selection and
                                          # normalization, 3 seeds each, from one SFT policy and reward model
+    python demo.py --out runs/demo --frontier_seeds 2 --reuse        # make frontier: DPO and GRPO grids and
+                                         # best-of-n on gold reward against KL (evaluation/frontier.py)
 
 Stages: write the synthetic task (data/synthetic.py) -> SFT (sft.py) -> label pairs of the SFT policy's own
 samples by the gold reward -> reward model (reward_model.py) -> DPO (dpo.py) -> GRPO (grpo.py), each training

@@ -504,11 +504,13 @@ def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
         )
         return text
 
-    # the method, then DPO, then the contrast, each grid in the order given and every seed of one grid point before the
-    # next: a frontier cut short has the first grid points with all their seeds
-    runs = [("grpo", FRONTIER_SELECTIONS[0], beta) for beta in args.frontier_grpo_betas]
-    runs += [("dpo", "", beta) for beta in args.frontier_dpo_betas]
-    runs += [("grpo", selection, args.frontier_grpo_betas[0]) for selection in FRONTIER_SELECTIONS[1:]]
+    # the first grid point of the method, of DPO and of the contrast, then the rest of the grids, every seed of a run
+    # before the next: a frontier cut short has one point of each method with all its seeds
+    first_grpo, first_dpo = args.frontier_grpo_betas[0], args.frontier_dpo_betas[0]
+    runs = [("grpo", FRONTIER_SELECTIONS[0], first_grpo), ("dpo", "", first_dpo)]
+    runs += [("grpo", selection, first_grpo) for selection in FRONTIER_SELECTIONS[1:]]
+    runs += [("grpo", FRONTIER_SELECTIONS[0], beta) for beta in args.frontier_grpo_betas[1:]]
+    runs += [("dpo", "", beta) for beta in args.frontier_dpo_betas[1:]]
     for (stage, selection, beta), seed in itertools.product(runs, range(args.frontier_seeds)):
         kept = f"{args.frontier_grpo_samples}->8"
         name = f"GRPO {selection} {kept}, beta {beta:g}" if stage == "grpo" else f"DPO beta {beta:g}"

@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, eval_slice, load_rows
+from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, eval_slice, load_rows, shortest
 from data.tokenizer import get_tokenizer
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig, apply_lora, trainable_summary
@@ -56,6 +56,9 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, JudgeConfig):  # sh
     """Global batch size (rows per optimizer step, over all ranks)."""
     micro_batch_size: int = 8
     """Rows per forward/backward on each rank; batch_size / (micro_batch_size * world) accumulation steps."""
+    group_by_length: bool = True
+    """Each rank's rows of an optimizer step regrouped into micro-batches by length (data.tldr.length_sorted): less
+    padding computed, the same rows per step and the same gradient up to float summation order."""
     # --- objective
     prompt_loss_weight: float = 0.0
     """Weight of the next-token loss on prompt tokens, relative to response tokens. 0 (the default) trains on the
@@ -171,15 +174,19 @@ def accumulate_gradients(
     return float(all_reduce_sum(sum(sums, torch.zeros((), device=device))) / n_tokens)
 
 
-def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size: int) -> list[dict]:
-    """This rank's micro-batches of a disjoint slice of the validation rows, in fixed order. Every rank gets the same
-    number of batches (data.tldr.eval_slice): a rank short of rows fills its last batch with copies of row 0 whose
+def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size: int, by_length: bool) -> list[dict]:
+    """This rank's micro-batches of a disjoint slice of the validation rows, in a fixed order (longest first with
+    `by_length`: less padding, the same loss up to float summation order). Every rank gets the same number of
+    batches (data.tldr.eval_slice): a rank short of rows fills its last batch with copies of its shortest row whose
     response mask is all False, so they count for no token and no loss, whatever the number of rows."""
-    index = eval_slice(len(val), rank, world)
+    lengths = val.lengths()
+    index = eval_slice(len(val), rank, world, lengths if by_length else None)
+    filler = shortest(index, lengths)
     batches = []
     for start in range(0, len(index), micro_batch_size):
         rows = index[start : start + micro_batch_size]
-        batch = collate_sft([val.prompts[max(i, 0)] for i in rows], [val.responses[max(i, 0)] for i in rows])
+        computed = [i if i >= 0 else filler for i in rows]
+        batch = collate_sft([val.prompts[i] for i in computed], [val.responses[i] for i in computed])
         batch["response_mask"] &= torch.tensor([i >= 0 for i in rows])[:, None]  # (B, R): padding rows weigh 0
         batches.append(batch)
     return batches
@@ -223,7 +230,8 @@ def main(cfg: Config) -> dict:
     def collate(ds):
         return lambda idx: collate_sft([ds.prompts[i] for i in idx], [ds.responses[i] for i in idx])
 
-    loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, collate(train))
+    lengths = train.lengths() if cfg.group_by_length else None
+    loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, collate(train), lengths)
     val_batches, samples = [], None
     if cfg.val_data and cfg.eval_every >= 0:
         val_rows = load_rows(cfg.val_data, cfg.val_split, SFT_COLUMNS)
@@ -231,7 +239,7 @@ def main(cfg: Config) -> dict:
         val = SFTDataset(
             val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.val_data}[{cfg.val_split}]"
         )
-        val_batches = validation_batches(val, rank, world, cfg.micro_batch_size)
+        val_batches = validation_batches(val, rank, world, cfg.micro_batch_size, cfg.group_by_length)
         samples = SampleLog(
             val_rows[: cfg.eval_samples], "completion", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed
         )
@@ -251,7 +259,6 @@ def main(cfg: Config) -> dict:
     # 4. resume: weights, optimizer, schedule, every rank's RNG, data position, best validation so far
     step = resume(run, cfg, model, optimizer, scheduler, loader, total_steps)
     run.say(f"sft: {len(train)} rows, world {world}, {accum} accumulation steps, {total_steps} steps")
-    batches = iter(loader)
     model.train()
     metrics, stopping = {}, False
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
@@ -259,7 +266,7 @@ def main(cfg: Config) -> dict:
             t0 = time.perf_counter()
             # 5. one optimizer step: the loss is normalised by the global count of response tokens; a non-finite
             #    loss or gradient norm stops the run, or skips the step (--on_nonfinite)
-            micro = [next(batches) for _ in range(accum)]
+            micro = loader.next_step(accum)
             prompt_gen = stream(cfg.seed, step, rank, "prompt_positions")  # rebuilt from the step: resumes exactly
             loss = accumulate_gradients(
                 model, micro, world, device, cfg.prompt_loss_weight, cfg.prompt_loss_positions, prompt_gen

@@ -353,6 +353,10 @@ class SFTDataset:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def lengths(self) -> list[int]:
+        """Tokens per row (prompt + response), the width a row needs in a micro-batch."""
+        return [len(p) + len(r) for p, r in zip(self.prompts, self.responses, strict=True)]
+
 
 class PreferenceDataset:
     """Pre-tokenized (prompt, chosen, rejected) rows: `.prompts`, `.chosen`, `.rejected`."""
@@ -376,6 +380,10 @@ class PreferenceDataset:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def lengths(self) -> list[int]:
+        """Tokens per pair as a micro-batch lays it out: the prompt and the longer of its two responses."""
+        return [len(p) + max(len(c), len(r)) for p, c, r in zip(self.prompts, self.chosen, self.rejected, strict=True)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -426,14 +434,23 @@ def collate_sft(prompts: Sequence[list[int]], responses: Sequence[list[int]], pa
     return prompt_response_rows(prompt_ids, prompt_mask, response_ids, response_mask)
 
 
-def eval_slice(n: int, rank: int, world: int) -> list[int]:
+def eval_slice(n: int, rank: int, world: int, lengths: Sequence[int] | None = None) -> list[int]:
     """This rank's rows of an n-row evaluation set (rank, rank + world, ...), padded with -1 up to ceil(n / world).
+    With `lengths`, the rows are dealt out longest first (a stable sort), so consecutive rows of a slice, cut into
+    micro-batches, have similar lengths and little padding; every rank's batch i holds rows of similar length.
 
     Every rank then runs the same number of forward passes over the same number of micro-batches: under FSDP each
     forward all-gathers parameters and the evaluation ends in an all-reduce, so a rank with one batch fewer would
     leave the others waiting in a collective for ever. Padding rows (-1) are real rows computed with weight 0."""
-    mine = list(range(rank, n, world))
+    order = sorted(range(n), key=lambda i: -lengths[i]) if lengths is not None else range(n)
+    mine = list(order[rank::world])
     return mine + [-1] * (-(-n // world) - len(mine))
+
+
+def shortest(rows: Sequence[int], lengths: Sequence[int]) -> int:
+    """The shortest of `rows` (eval_slice's, -1 entries skipped; 0 when there is none): what a padding row computes,
+    so it widens no micro-batch."""
+    return min((i for i in rows if i >= 0), key=lambda i: lengths[i], default=0)
 
 
 def prompt_response_rows(
@@ -495,6 +512,19 @@ def collate_pairs(
 # Sharding and iteration
 
 
+def length_sorted(rows: Sequence[int], lengths: Sequence[int], size: int) -> list[list[int]]:
+    """`rows` (example indices) sorted by length, longest first (ties keep their order: a stable sort), and cut into
+    groups of `size`.
+
+    A micro-batch is as wide as its longest row, so rows of similar length together leave little padding to compute.
+    The loss of an optimizer step is a sum over its rows divided by global counts (utils/optim.py), so which rows
+    share a micro-batch, and which rank computes it, changes the gradient only by the order of float summation."""
+    if len(rows) % size:
+        raise ValueError(f"{len(rows)} rows do not divide into groups of {size}")
+    ordered = sorted(rows, key=lambda i: -lengths[i])
+    return [ordered[s : s + size] for s in range(0, len(ordered), size)]
+
+
 class ShardedLoader:
     """Infinite, resumable, sharded batches of example indices, each passed through `collate`.
 
@@ -506,6 +536,11 @@ class ShardedLoader:
 
     The loader is its own iterator: iter(loader) continues from its current position, and
     state_dict() gives the position of the next batch, so load_state_dict() resumes exactly.
+
+    `next_step(accum)` takes the next `accum` global batches as one optimizer step's micro-batches. With `lengths` (a
+    length per example), the step's rows of every rank are sorted by length together and dealt out (length_sorted):
+    micro-batch j of rank r holds sorted rows [(j * world + r) * batch_size, ...), so every micro-batch, on every
+    rank, holds rows of similar length. The step's rows are the same; which rank computes which row changes.
     """
 
     def __init__(
@@ -516,7 +551,10 @@ class ShardedLoader:
         world_size: int,
         seed: int,
         collate: Callable[[list[int]], dict],
+        lengths: Sequence[int] | None = None,
     ):
+        if lengths is not None and len(lengths) != n_examples:
+            raise ValueError(f"{len(lengths)} lengths for {n_examples} examples")
         if batch_size < 1 or world_size < 1:
             raise ValueError(f"batch_size ({batch_size}) and world_size ({world_size}) must be >= 1")
         if not 0 <= rank < world_size:
@@ -533,6 +571,7 @@ class ShardedLoader:
         self.world_size = world_size
         self.seed = seed
         self.collate = collate
+        self.lengths = lengths
         self.epoch = 0
         self.batch_in_epoch = 0
         self._perm_epoch: int | None = None
@@ -560,13 +599,35 @@ class ShardedLoader:
     def __iter__(self) -> "ShardedLoader":
         return self
 
-    def __next__(self) -> dict:
-        indices = self.batch_indices(self.epoch, self.batch_in_epoch)
-        # Advance before returning, so state_dict() taken after receiving a batch points at the next.
+    def _advance(self) -> tuple[int, int]:
+        """The position of the next batch, (epoch, batch in epoch); the loader then points past it. Advancing before
+        the batch is built means state_dict() taken after receiving a batch points at the next."""
+        position = self.epoch, self.batch_in_epoch
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.batches_per_epoch:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        return self.collate(indices)
+        return position
+
+    def __next__(self) -> dict:
+        return self.collate(self.batch_indices(*self._advance()))
+
+    def step_batches(self, positions: Sequence[tuple[int, int]]) -> list[dict]:
+        """This rank's micro-batches of the optimizer step made of the global batches at `positions` ((epoch, batch in
+        epoch) each): its own slice of each, or with `lengths` the step's rows of every rank dealt out by length."""
+        if self.lengths is None:
+            return [self.collate(self.batch_indices(e, b)) for e, b in positions]
+        global_batch = self.world_size * self.batch_size
+        rows = []
+        for epoch, batch in positions:
+            self.batch_indices(epoch, batch)  # checks the position
+            rows += self._permutation(epoch)[batch * global_batch : (batch + 1) * global_batch].tolist()
+        groups = length_sorted(rows, self.lengths, self.batch_size)  # len(positions) * world groups
+        return [self.collate(groups[j * self.world_size + self.rank]) for j in range(len(positions))]
+
+    def next_step(self, accum: int) -> list[dict]:
+        """The next `accum` global batches as one optimizer step's micro-batches (continuing into the next epoch where
+        the step runs past this one's end)."""
+        return self.step_batches([self._advance() for _ in range(accum)])
 
     def state_dict(self) -> dict[str, int]:
         return {

@@ -3,9 +3,9 @@
 import torch
 import torch.nn.functional as F
 
-from data.tldr import collate_sft
+from data.tldr import ShardedLoader, collate_sft
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
-from sft import prompt_targets, response_nll_sum, weighted_nll_sum
+from sft import accumulate_gradients, prompt_targets, response_nll_sum, weighted_nll_sum
 
 CFG = GPTConfig(vocab_size=300, n_layer=2, n_head=2, n_embd=32, n_positions=64)
 
@@ -51,3 +51,30 @@ def test_drawn_prompt_positions_are_unbiased():
     g = torch.Generator().manual_seed(1)
     draws = torch.stack([weighted_nll_sum(model, batch, 1.0, 2, g, "cpu").detach() for _ in range(200)])
     assert abs(draws.mean() - exact) < 4 * draws.std() / 200**0.5, (draws.mean(), exact)
+
+
+def test_a_step_grouped_by_length_has_the_ungrouped_steps_gradient():
+    # the step's rows dealt out by length over 2 ranks x 4 micro-batches (data.tldr.ShardedLoader with lengths):
+    # less padding, and the gradient of the whole step (both ranks' micro-batches, global token count) is the
+    # ungrouped one up to float summation order
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (int(n),), generator=g).tolist() for n in torch.randint(2, 40, (64,), generator=g)]
+    responses = [
+        torch.randint(0, 300, (int(n),), generator=g).tolist() + [198] for n in torch.randint(0, 9, (64,), generator=g)
+    ]
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+
+    def collate(idx):
+        return collate_sft([prompts[i] for i in idx], [responses[i] for i in idx], pad_id=0)
+
+    grads, computed = [], []
+    for by_length in (None, lengths):
+        micro = [b for r in range(2) for b in ShardedLoader(64, 4, r, 2, 3, collate, by_length).next_step(4)]
+        computed.append(sum(b["input_ids"].numel() for b in micro))
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(CFG)
+        accumulate_gradients(model, micro, 1, torch.device("cpu"))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert computed[1] < 0.8 * computed[0]
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-6
+    assert not torch.equal(grads[1], grads[0])  # the rows did move between micro-batches

@@ -34,9 +34,11 @@ from data.tldr import (
     collate_pairs,
     collate_sft,
     load_rows,
+    pad_prompts,
 )
 from data.tokenizer import get_tokenizer
 from model.gpt2 import PRESETS, GPT2LMHeadModel
+from rollouts.sampling import shared_prompt_rows
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -100,6 +102,39 @@ def ratios(world: int, batch: int, micro: int) -> list[tuple[str, float, float]]
     return out
 
 
+def grpo_ratios(world: int, prompts_per_step=256, samples=64, kept=8, micro=32, score_micro=128, new_tokens=53):
+    """GRPO's (scoring, update) real / computed tokens at its defaults (prefix sharing: each micro-batch's prompts
+    once, rollouts.sampling.shared_prompt_rows) over the steps of one epoch of the real prompts, all ranks. Response
+    lengths are not known without a policy: each sample takes the length of a reference summary drawn at random
+    (the summaries' own lengths, end token included, cut at `new_tokens`)."""
+    tok = get_tokenizer()
+    ds = SFTDataset(load_rows(str(DATA / "tldr-validation-sample.jsonl"), "train", SFT_COLUMNS), tok, 512, new_tokens)
+    summary_lengths = torch.tensor([len(r) for r in ds.responses])
+    g = torch.Generator().manual_seed(0)
+    per_rank = prompts_per_step // world
+    totals = {"score": [0, 0], "update": [0, 0]}
+    for rank in range(world):
+        loader = ShardedLoader(len(ds), per_rank, rank, world, 0, lambda idx: idx)
+        for _ in range(loader.batches_per_epoch):
+            prompt_ids, prompt_mask = pad_prompts([ds.prompts[i] for i in next(loader)])
+            lengths = summary_lengths[torch.randint(len(ds), (per_rank * samples,), generator=g)]
+            response_mask = torch.arange(new_tokens)[None, :] < lengths[:, None]  # (B*G, new_tokens)
+            response_ids = torch.where(response_mask, 1, 0)
+            kept_rows = torch.arange(per_rank * samples).view(per_rank, samples)[:, :kept].reshape(-1)  # (B*K,)
+            for stage, rows_all, size in (
+                ("score", torch.arange(per_rank * samples), score_micro),
+                ("update", kept_rows, micro),
+            ):
+                for s in range(0, rows_all.numel(), size):
+                    rows = rows_all[s : s + size]
+                    batch = shared_prompt_rows(
+                        prompt_ids, prompt_mask, response_ids[rows], response_mask[rows], rows // samples
+                    )
+                    totals[stage][0] += int(batch["attention_mask"].sum())
+                    totals[stage][1] += batch["input_ids"].numel()
+    return {k: real / computed for k, (real, computed) in totals.items()}
+
+
 def time_sft(steps: int, preset: str, rows: int) -> tuple[float, float, float]:
     """Median seconds of sft.accumulate_gradients over one step's micro-batches (the loader's first step: `rows` real
     rows, one process, micro-batch 8), without and with grouping by length, the two interleaved; and the relative
@@ -144,6 +179,12 @@ def main() -> None:
     for world in (1, 2):
         for label, plain, grouped in ratios(world, args.batch, args.micro):
             print(f"{label:40s} {world:5d} {plain:10.3f} {grouped:8.3f}")
+    for world in (1, 2):
+        r = grpo_ratios(world)
+        print(
+            f"{'GRPO scoring / update (prefix sharing)':40s} {world:5d} {r['score']:6.3f} / {r['update']:.3f}  "
+            f"(not grouped: a step's rows keep their prompt's group)"
+        )
     if args.time_steps:
         t_plain, t_grouped, diff = time_sft(args.time_steps, args.preset, args.batch)
         print(

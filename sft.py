@@ -32,7 +32,7 @@ from utils.config import (
     fit_context,
     parse_config,
 )
-from utils.dist import all_reduce_sum, stream
+from utils.dist import all_reduce_sum, stream, stream_seed
 from utils.fsdp import shard_model
 from utils.guard import exit_on_error
 from utils.logging import track
@@ -114,21 +114,24 @@ def prompt_targets(batch: dict) -> torch.Tensor:
 
 
 def weighted_nll_sum(
-    model, batch: dict, prompt_weight: float, prompt_positions: int, generator: torch.Generator | None, device
+    model, batch: dict, prompt_weight: float, prompt_positions: int, draw_seed: int | None, device
 ) -> torch.Tensor:
     """Response NLL + prompt_weight * (an unbiased estimate of the) prompt NLL, summed over one micro-batch.
 
     The prompt term draws `prompt_positions` prompt targets per row uniformly without replacement and scales
     each by (the row's prompt targets / the number drawn), so its expectation is the NLL summed over every prompt
-    token, at a fraction of the cost of a 50k-way softmax at every position. With prompt_weight 0 it is the
-    response NLL alone."""
+    token, at a fraction of the cost of a 50k-way softmax at every position. A row's draw depends on `draw_seed`
+    and its example index (batch["example"]) only, not on the micro-batch or rank that computes it. With
+    prompt_weight 0 it is the response NLL alone."""
     if prompt_weight == 0:
         return response_nll_sum(model, batch, device)[0]
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
     valid = prompt_targets(batch)  # (B, P-1): column j+1 is a prompt target predicted at column j
     B = valid.shape[0]
     K = min(prompt_positions, P - 1)
-    scores = torch.rand(valid.shape, generator=generator).masked_fill(~valid, -1.0)
+    scores = torch.full(valid.shape, -1.0)  # (B, P-1): a random score per prompt target, the top K drawn
+    for row, example in enumerate(batch["example"].tolist()):
+        scores[row, valid[row]] = torch.rand(int(valid[row].sum()), generator=stream(draw_seed, example))
     chosen = scores.topk(K, dim=1).indices  # (B, K) predictor columns
     drawn = valid.gather(1, chosen)  # (B, K) False where a row has fewer than K prompt targets
     scale = valid.sum(1, keepdim=True) / drawn.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
@@ -154,7 +157,7 @@ def accumulate_gradients(
     device,
     prompt_weight: float = 0.0,
     prompt_positions: int = 0,
-    generator: torch.Generator | None = None,
+    draw_seed: int | None = None,
 ) -> float:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns the global loss.
 
@@ -167,7 +170,7 @@ def accumulate_gradients(
     n_tokens = all_reduce_sum(n_tokens.to(device))
 
     def loss_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        s = weighted_nll_sum(model, batch, prompt_weight, prompt_positions, generator, device)
+        s = weighted_nll_sum(model, batch, prompt_weight, prompt_positions, draw_seed, device)
         return s, s.detach().float()
 
     sums = accumulate_micro_batches(model, micro_batches, loss_of, world, n_tokens)
@@ -227,8 +230,8 @@ def main(cfg: Config) -> dict:
         train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]"
     )
 
-    def collate(ds):
-        return lambda idx: collate_sft([ds.prompts[i] for i in idx], [ds.responses[i] for i in idx])
+    def collate(ds):  # with each row's example index: the prompt loss's draw is keyed by it
+        return lambda idx: collate_sft([ds.prompts[i] for i in idx], [ds.responses[i] for i in idx], example=idx)
 
     lengths = train.lengths() if cfg.group_by_length else None
     loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, collate(train), lengths)
@@ -267,9 +270,9 @@ def main(cfg: Config) -> dict:
             # 5. one optimizer step: the loss is normalised by the global count of response tokens; a non-finite
             #    loss or gradient norm stops the run, or skips the step (--on_nonfinite)
             micro = loader.next_step(accum)
-            prompt_gen = stream(cfg.seed, step, rank, "prompt_positions")  # rebuilt from the step: resumes exactly
+            draw_seed = stream_seed(cfg.seed, step, "prompt_positions")  # from the step: resumes exactly
             loss = accumulate_gradients(
-                model, micro, world, device, cfg.prompt_loss_weight, cfg.prompt_loss_positions, prompt_gen
+                model, micro, world, device, cfg.prompt_loss_weight, cfg.prompt_loss_positions, draw_seed
             )
             metrics = {"train/loss": loss}
             guarded_step(model, optimizer, scheduler, run.guard, step + 1, metrics, cfg.grad_clip)

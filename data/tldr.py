@@ -410,12 +410,18 @@ def pad_prompts(prompts: Sequence[list[int]], pad_id: int = PAD_ID) -> tuple[tor
     return prompt_ids, prompt_mask
 
 
-def collate_sft(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int = PAD_ID) -> dict:
+def collate_sft(
+    prompts: Sequence[list[int]],
+    responses: Sequence[list[int]],
+    pad_id: int = PAD_ID,
+    example: Sequence[int] | None = None,
+) -> dict:
     """One batch of prompt + response rows (see the module docstring for the layout).
 
     Returns input_ids (B, P+R) long, attention_mask (B, P+R) bool (True on real tokens),
     position_ids (B, P+R) long, response_ids (B, R) long, response_mask (B, R) bool and
-    prompt_len = P (int): response token j of every row sits at column P + j.
+    prompt_len = P (int): response token j of every row sits at column P + j; with `example`, also example (B,)
+    long, each row's index in its dataset.
     """
     if len(prompts) != len(responses):
         raise ValueError(f"collate_sft: {len(prompts)} prompts but {len(responses)} responses")
@@ -431,7 +437,10 @@ def collate_sft(prompts: Sequence[list[int]], responses: Sequence[list[int]], pa
         response_mask[i, : len(r)] = True
     # GPT-2 has learned absolute positions: a left-padded row must still see position 0 at its first real token, or
     # its logits differ from the same row unpadded (prompt_response_rows counts positions over real tokens only)
-    return prompt_response_rows(prompt_ids, prompt_mask, response_ids, response_mask)
+    batch = prompt_response_rows(prompt_ids, prompt_mask, response_ids, response_mask)
+    if example is not None:
+        batch["example"] = torch.tensor(example, dtype=torch.long)
+    return batch
 
 
 def eval_slice(n: int, rank: int, world: int, lengths: Sequence[int] | None = None) -> list[int]:

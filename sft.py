@@ -57,8 +57,9 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, JudgeConfig):  # sh
     micro_batch_size: int = 8
     """Rows per forward/backward on each rank; batch_size / (micro_batch_size * world) accumulation steps."""
     group_by_length: bool = True
-    """Each rank's rows of an optimizer step regrouped into micro-batches by length (data.tldr.length_sorted): less
-    padding computed, the same rows per step and the same gradient up to float summation order."""
+    """The rows of each optimizer step, over all ranks, sorted by length and dealt out as micro-batches (data.tldr
+    ShardedLoader.next_step): less padding computed, the same rows per step, the same gradient up to float summation
+    order; validation rows too. false: each rank's own slice of each batch, in loader order."""
     # --- objective
     prompt_loss_weight: float = 0.0
     """Weight of the next-token loss on prompt tokens, relative to response tokens. 0 (the default) trains on the

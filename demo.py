@@ -64,26 +64,25 @@ def sample_summaries(
     temperature 1. A summary ends with "\n" exactly when the policy stopped by itself (EOS counts as "\n")."""
     from data.tldr import PROMPT_COLUMNS, PromptDataset, load_rows, pad_prompts
     from data.tokenizer import get_tokenizer
-    from model.sampler import END_ID, generate
+    from model.sampler import END_ID
     from model.weights import build_policy
+    from rollouts.sampling import sample_responses
 
     tok = get_tokenizer()
     rows = load_rows(str(prompts_file), "train", PROMPT_COLUMNS)[:n_prompts]
     ds = PromptDataset(rows, tok, 256)
-    model = build_policy(str(policy_dir)).eval()
-    g = torch.Generator().manual_seed(seed)
-    result = []
-    for i in range(0, len(ds), 32):
-        ids, mask = pad_prompts(ds.prompts[i : i + 32])
-        out = generate(model, ids, mask, samples, max_new_tokens, generator=g)
-        texts = []
-        for n in range(out.response_ids.shape[0]):
-            resp = out.response_ids[n][out.response_mask[n]].tolist()
-            if out.has_end[n] and resp[-1] != END_ID:
-                resp = resp[:-1] + [END_ID]
-            texts.append(tok.decode(resp))
-        result += [(ds.texts[i + b], texts[b * samples : (b + 1) * samples]) for b in range(len(texts) // samples)]
-    return result
+    model = build_policy(str(policy_dir))
+    ids, mask = pad_prompts(ds.prompts)  # (B, P) left-padded; each call of 32 prompts is cut to its own padding
+    out = sample_responses(
+        model, ids, mask, samples, max_new_tokens, prompts_per_call=32, generator=torch.Generator().manual_seed(seed)
+    )
+    texts = []
+    for n in range(out.response_ids.shape[0]):
+        resp = out.response_ids[n][out.response_mask[n]].tolist()
+        if out.has_end[n] and resp[-1] != END_ID:
+            resp = resp[:-1] + [END_ID]
+        texts.append(tok.decode(resp))
+    return [(ds.texts[b], texts[b * samples : (b + 1) * samples]) for b in range(len(ds))]
 
 
 def gold_of_samples(
@@ -108,7 +107,7 @@ def score_margins(score, triples: list[tuple[list[int], list[int], list[int]]]) 
 
     margins = []
     for i in range(0, len(triples), 32):
-        batch = collate_pairs(*zip(*triples[i : i + 32]))
+        batch = collate_pairs(*zip(*triples[i : i + 32], strict=True))
         r = score(batch)
         margins.append(r[: batch["n_pairs"]] - r[batch["n_pairs"] :])
     return torch.cat(margins)
@@ -515,7 +514,8 @@ def main() -> None:
     if args.ablation_seeds > 0:
         text = ablation(out, paths, pairs, args)
         print(
-            f"\n{text}\n\nwrote {out / 'ablation.md'} and {Path(args.assets) / 'ablation.png'} ({time.time() - t0:.0f} s)"
+            f"\n{text}\n\nwrote {out / 'ablation.md'} and {Path(args.assets) / 'ablation.png'} "
+            f"({time.time() - t0:.0f} s)"
         )
         return
 

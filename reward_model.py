@@ -27,10 +27,10 @@ from data.tldr import PromptDataset, pad_prompts
 from data.tokenizer import get_tokenizer
 from evaluation.pairs import PairConfig, load_pairs
 from evaluation.preference import evaluate_reward_model, reward_scores
-from model.sampler import generate
 from model.weights import build_policy, build_reward_model, model_config, resolve_pooling, save_export
 from rlhf.losses import bradley_terry_loss
 from rlhf.stats import pair_outcomes, standardizing_gain_bias
+from rollouts.sampling import sample_responses
 from utils.config import (
     ConfigError,
     DecodeConfig,
@@ -41,7 +41,7 @@ from utils.config import (
     parse_config,
 )
 from utils.dist import all_reduce_sum, stream
-from utils.fsdp import gathered_params, shard_model
+from utils.fsdp import shard_model
 from utils.guard import check_rewards, exit_on_error
 from utils.logging import track
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
@@ -169,17 +169,17 @@ def fit_normalization(
         prompt_ids, prompt_mask = pad_prompts([prompts[i if i < len(prompts) else 0] for i in index])  # (B, P)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         # 1. sample: rows b*G .. b*G+G-1 belong to prompt b
-        with gathered_params(policy):
-            out = generate(
-                policy,
-                prompt_ids,
-                prompt_mask,
-                G,
-                cfg.max_response_len,
-                temperature=cfg.norm_temperature,
-                generator=generator,
-                compile=cfg.compile,
-            )
+        out = sample_responses(
+            policy,
+            prompt_ids,
+            prompt_mask,
+            G,
+            cfg.max_response_len,
+            prompts_per_call=len(index),
+            temperature=cfg.norm_temperature,
+            generator=generator,
+            compile=cfg.compile,
+        )
         # 2. score prompt + response (read at the last real token, the end token when there is one, or summed over
         #    the response: the model's pooling); the responses start at column P
         input_ids = torch.cat([prompt_ids.repeat_interleave(G, 0), out.response_ids], dim=1)  # (N, P+R)

@@ -200,7 +200,7 @@ def main(cfg: Config) -> dict:
     data = load_pairs(cfg, tok, run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
     total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
-    # 3. policy and frozen reference (build_models), optimizer over the policy's trainable parameters
+    # 3. policy and frozen reference (rollouts.models), optimizer over the policy's trainable parameters
     policy, reference = build_policy_and_reference(cfg, run)
     optimizer, scheduler = build_optimization(policy, cfg, total_steps)
     loss_fn = preference_loss_fn(cfg)

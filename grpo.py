@@ -17,9 +17,10 @@ One step (DeepSeekMath, arXiv 2402.03300, section 4); main() runs 0, 1, 8 and 9,
     4. select             K = num_kept of G per prompt (RSO rejection sampling at temperature beta_rs, ...); with
                           --min_group_std the groups whose kept rewards tie are dropped (DAPO's dynamic sampling)
     5. advantages         group normalization over the K selected (float64 statistics), then over the whole batch
-                          across ranks; with --kl_in reward after beta x the KL estimate leaves each reward
+                          across ranks
     6. reference          log-probs of the selected responses under the frozen reference policy (with LoRA: the
-                          policy with its adapters off); with mu > 1 also the sampling policy's
+                          policy with its adapters off); with mu > 1 also the sampling policy's; with --kl_in reward
+                          beta x the KL estimate leaves each reward and the advantages are computed again
     7. update             clipped ratio (per token, or per sequence: --importance_level) x the rollout correction
                           + beta * KL estimate (--kl_estimator) - entropy_coef * entropy, response tokens only, loss /
                           global normaliser; mu = --policy_epochs optimizer steps per batch of rollouts
@@ -266,17 +267,16 @@ def train_step(
             batches = pad_micro_batches(batches, filler, device)
     # 6. reference log-probs (frozen, parameters gathered once; with LoRA the policy with adapters off); with mu > 1
     #    or the KL in the reward also the sampling policy's (the weights that generated), from the training forward so
-    #    the first ratio is 1
+    #    the first ratio is 1. With --kl_in reward, beta x each response's KL estimate then leaves its reward and the
+    #    advantages are recomputed (they need both log-probs)
+    kl_penalty_BK = torch.zeros_like(rewards_BK)
     with timer("reference"):
         refs = batch_logprobs(models.reference, batches, cfg, gather=True)
         batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs, strict=True)]
         if cfg.policy_epochs > 1 or cfg.kl_in == "reward":
             olds = batch_logprobs(models.policy, batches, cfg, gather=False)
             batches = [replace(b, old_logprobs=o) for b, o in zip(batches, olds, strict=True)]
-    # 5'. --kl_in reward: beta x the response's KL estimate leaves its reward, and the advantages are recomputed
-    kl_penalty_BK = torch.zeros_like(rewards_BK)
-    if cfg.kl_in == "reward":
-        with timer("advantages"):
+        if cfg.kl_in == "reward":
             advantages, kl_penalty_BK = kl_in_reward(batches, rewards_BK, keep_B, cfg)
             batches = with_advantages(batches, advantages[kept_N])
     # 7. update the policy; a non-finite loss or gradient norm stops the run, or skips the optimizer step

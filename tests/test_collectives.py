@@ -185,7 +185,8 @@ def test_gpu_bf16_reward_head_is_fp32_and_frozen_models_keep_no_records(one_gpu_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tmp_path):
-    """On a GPU --reference_dtype auto used to mean bf16 even with --dtype fp32: the first loss was not log 2."""
+    """On a GPU --reference_dtype auto under --dtype fp32 keeps the reference in fp32, as the policy: the first loss is
+    log 2."""
     import math
 
     import dpo

@@ -147,7 +147,9 @@ def test_response_logprobs_sum_the_response_tokens_of_the_full_logits():
     want = (logp * mask).sum(-1)
     grads_want = torch.autograd.grad(want.sum(), list(policy.parameters()))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
-    for g_got, g_want in zip(grads_got, grads_want):  # summation order differs: within 1e-5 of each tensor's scale
+    for g_got, g_want in zip(
+        grads_got, grads_want, strict=True
+    ):  # summation order differs: within 1e-5 of each tensor's scale
         torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5 * g_want.abs().max().item())
 
 
@@ -178,7 +180,8 @@ def test_gradient_does_not_depend_on_micro_batch_size(stage, shared):
             reference = GPT2LMHeadModel(TINY).requires_grad_(False)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         micro = [
-            collate_pairs(prompts[s : s + n], chosen[s : s + n], rejected[s : s + n]) for s, n in zip(starts, sizes)
+            collate_pairs(prompts[s : s + n], chosen[s : s + n], rejected[s : s + n])
+            for s, n in zip(starts, sizes, strict=True)
         ]
         if stage == "dpo":
             loss_fn = dpo.preference_loss_fn(dpo.Config(beta=0.5))
@@ -187,7 +190,7 @@ def test_gradient_does_not_depend_on_micro_batch_size(stage, shared):
             m = reward_model.accumulate_gradients(model, micro, 1, 4, "cpu", shared)
         metrics.append(m)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    for m, g in zip(metrics[1:], grads[1:]):
+    for m, g in zip(metrics[1:], grads[1:], strict=True):
         for k, v in metrics[0].items():
             assert m[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
         for n, ref in grads[0].items():

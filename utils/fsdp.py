@@ -154,7 +154,7 @@ def gathered_params(model: nn.Module):
     try:
         yield model
     finally:
-        for m, setting in zip(units, previous):
+        for m, setting in zip(units, previous, strict=True):
             m.reshard()
             m.set_reshard_after_forward(setting, recurse=False)
             setattr(m, RESHARD_ATTR, setting)

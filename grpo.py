@@ -190,9 +190,8 @@ def score_rewards(
 ) -> Scores:
     """Stage 3 of step `step` (1-based). Reward model: raw score -> minus the penalty (raw units) without an end
     token -> RM gain/bias; a reward model returning NaN, or one score for every sample of every rank, stops the run
-    here. Functions: their
-    values, whitened over the global batch; a function that raises or returns a non-number stops the run naming
-    itself and the row. The reward is the weighted sum (rlhf/rewards.py)."""
+    here. Functions: their values, whitened over the global batch; a function that raises or returns a non-number
+    stops the run naming itself and the row. The reward is the weighted sum (rlhf/rewards.py)."""
     scores = source_values(spec, reward_model, prompts, samples, cfg.num_samples, cfg)
     if scores.raw is not None:
         check_rewards(scores.raw, "grpo", step, prompts.ids.device)

@@ -185,7 +185,8 @@ def test_gpu_bf16_reward_head_is_fp32_and_frozen_models_keep_no_records(one_gpu_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tmp_path):
-    """On a GPU --reference_dtype auto used to mean bf16 even with --dtype fp32: the first loss was not log 2."""
+    """On a GPU --reference_dtype auto under --dtype fp32 keeps the reference in fp32, as the policy: the first loss is
+    log 2."""
     import math
 
     import dpo
@@ -197,7 +198,7 @@ def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tm
     )
     run = SimpleNamespace(say=lambda message: None, device=torch.device("cuda"), dtype=None)
     torch.manual_seed(0)
-    policy, reference = dpo.build_models(cfg, run)
+    policy, reference = dpo.build_policy_and_reference(cfg, run)
     assert {p.dtype for p in reference.parameters()} == {torch.float32}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 50000, (12,), generator=g).tolist() for _ in range(4)]

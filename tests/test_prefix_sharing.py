@@ -23,6 +23,7 @@ from model.weights import freeze
 from rlhf.grpo import AGGREGATIONS
 from rollouts.memory import GiB, check_memory, kv_cache_bytes, step_memory, update_bytes
 from rollouts.sampling import score
+from rollouts.update import micro_batch_loss
 from tests.conftest import shared_file
 from utils.config import ConfigError
 
@@ -122,7 +123,7 @@ def test_update_loss_and_every_gradient_match_the_unshared_rows(tldr_prompts, lo
         normaliser = sum(z for _, z in weights)
         total = 0.0
         for batch, (w, _) in zip(batches, weights, strict=True):
-            loss, _, _ = grpo.micro_batch_loss(policy, batch, w, cfg.objective(), cfg)
+            loss, _, _ = micro_batch_loss(policy, batch, w, cfg.objective(), cfg)
             (loss / normaliser).backward()
             total += float(loss.detach()) / float(normaliser)
         ref = ref_logprobs(batches, R)

@@ -547,7 +547,7 @@ def test_reward_head_is_fp32_under_bf16_mixed_precision(one_rank_group):
 def test_dpo_reference_dtype_auto_follows_the_policy_and_the_first_loss_is_log2(one_rank_group, tmp_path):
     """--dtype bf16 with --reference_dtype auto: the reference computes in bf16 as the policy does, so every implicit
     reward is exactly 0 at step 0 and the sigmoid loss exactly log 2 (an fp32 reference under a bf16 policy gives
-    rewards of bf16 noise). CPU shows it with --dtype bf16; on GPU auto used to mean bf16 even with --dtype fp32."""
+    rewards of bf16 noise). CPU shows it with --dtype bf16; tests/test_collectives.py checks --dtype fp32 on a GPU."""
     from types import SimpleNamespace
 
     data = write_pref_rows(tmp_path / "pairs.jsonl", n=8)
@@ -568,7 +568,7 @@ def test_dpo_reference_dtype_auto_follows_the_policy_and_the_first_loss_is_log2(
     )
     torch.manual_seed(0)
     run = SimpleNamespace(say=lambda message: None, device=torch.device("cpu"), dtype=torch.bfloat16)
-    policy, reference = dpo.build_models(cfg, run)
+    policy, reference = dpo.build_policy_and_reference(cfg, run)
     assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
     rows = load_rows(str(data), "train", PREF_COLUMNS)
     tok = get_tokenizer()

@@ -16,22 +16,14 @@ from functools import partial
 
 import torch
 
-from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, eval_slice, load_rows, shortest
+from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, load_rows, real_rows, validation_batches
 from data.tokenizer import get_tokenizer
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.losses import sft_loss_sum
-from utils.config import (
-    ConfigError,
-    DataConfig,
-    OptimConfig,
-    RunConfig,
-    accumulation_steps,
-    fit_context,
-    parse_config,
-)
+from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config
 from utils.dist import all_reduce_sum, stream, stream_seed
 from utils.fsdp import shard_model
 from utils.guard import exit_on_error
@@ -57,9 +49,8 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, JudgeConfig):  # sh
     micro_batch_size: int = 8
     """Rows per forward/backward on each rank; batch_size / (micro_batch_size * world) accumulation steps."""
     group_by_length: bool = True
-    """The rows of each optimizer step, over all ranks, sorted by length and dealt out as micro-batches (data.tldr
-    ShardedLoader.next_step): less padding computed, the same rows per step, the same gradient up to float summation
-    order; validation rows too. false: each rank's own slice of each batch, in loader order."""
+    """Each step's rows (all ranks) sorted by length and dealt out as micro-batches, validation rows too: less padding
+    computed, the same gradient up to float summation order. false: each rank's own slice, in loader order."""
     # --- objective
     prompt_loss_weight: float = 0.0
     """Weight of the next-token loss on prompt tokens, relative to response tokens. 0 (the default) trains on the
@@ -121,15 +112,13 @@ def weighted_nll_sum(
 
     The prompt term draws `prompt_positions` prompt targets per row uniformly without replacement and scales
     each by (the row's prompt targets / the number drawn), so its expectation is the NLL summed over every prompt
-    token, at a fraction of the cost of a 50k-way softmax at every position. A row's draw depends on `draw_seed`
-    and its example index (batch["example"]) only, not on the micro-batch or rank that computes it. With
-    prompt_weight 0 it is the response NLL alone."""
+    token, at a fraction of the cost of a 50k-way softmax at every position. A row's draw depends on `draw_seed` and
+    its example index (batch["example"]) only, not on where it is computed. prompt_weight 0: the response NLL."""
     if prompt_weight == 0:
         return response_nll_sum(model, batch, device)[0]
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
     valid = prompt_targets(batch)  # (B, P-1): column j+1 is a prompt target predicted at column j
-    B = valid.shape[0]
-    K = min(prompt_positions, P - 1)
+    B, K = valid.shape[0], min(prompt_positions, P - 1)
     scores = torch.full(valid.shape, -1.0)  # (B, P-1): a random score per prompt target, the top K drawn
     for row, example in enumerate(batch["example"].tolist()):
         scores[row, valid[row]] = torch.rand(int(valid[row].sum()), generator=stream(draw_seed, example))
@@ -137,12 +126,10 @@ def weighted_nll_sum(
     drawn = valid.gather(1, chosen)  # (B, K) False where a row has fewer than K prompt targets
     scale = valid.sum(1, keepdim=True) / drawn.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
     columns = torch.cat([chosen, torch.arange(P - 1, P + R - 1).expand(B, R)], dim=1)  # (B, K+R) predictor columns
-    input_ids = batch["input_ids"]
-    targets = input_ids.gather(1, columns + 1)
-    weight = torch.cat([prompt_weight * scale * drawn, batch["response_mask"].float()], dim=1)  # (B, K+R)
-    weight = weight.to(device)
+    targets = batch["input_ids"].gather(1, columns + 1)
+    weight = torch.cat([prompt_weight * scale * drawn, batch["response_mask"].float()], dim=1).to(device)  # (B, K+R)
     logp, _ = model(
-        input_ids.to(device),
+        batch["input_ids"].to(device),
         batch["position_ids"].to(device),
         batch["attention_mask"].to(device),
         logits_slice=columns.to(device),
@@ -178,29 +165,6 @@ def accumulate_gradients(
     return float(all_reduce_sum(sum(sums, torch.zeros((), device=device))) / n_tokens)
 
 
-def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size: int, by_length: bool) -> list[dict]:
-    """This rank's micro-batches of a disjoint slice of the validation rows, in a fixed order (longest first with
-    `by_length`: less padding, the same loss up to float summation order). Every rank gets the same number of
-    batches (data.tldr.eval_slice): a rank short of rows fills its last batch with copies of its shortest row whose
-    response mask is all False, so they count for no token and no loss, whatever the number of rows."""
-    lengths = val.lengths()
-    index = eval_slice(len(val), rank, world, lengths if by_length else None)
-    filler = shortest(index, lengths)
-    batches = []
-    for start in range(0, len(index), micro_batch_size):
-        rows = index[start : start + micro_batch_size]
-        computed = [i if i >= 0 else filler for i in rows]
-        batch = collate_sft([val.prompts[i] for i in computed], [val.responses[i] for i in computed])
-        batch["response_mask"] &= torch.tensor([i >= 0 for i in rows])[:, None]  # (B, R): padding rows weigh 0
-        batches.append(batch)
-    return batches
-
-
-def real_rows(batch: dict) -> int:
-    """Rows of a validation batch that are not padding (validation_batches)."""
-    return int(batch["response_mask"].any(1).sum())
-
-
 @torch.no_grad()
 def evaluate(model, loader_batches: list[dict], device, rows: int = 0) -> float:
     """Token-averaged validation NLL over all ranks (a collective: every rank holds as many batches, see
@@ -230,12 +194,8 @@ def main(cfg: Config) -> dict:
     train = SFTDataset(
         train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]"
     )
-
-    def collate(ds):  # with each row's example index: the prompt loss's draw is keyed by it
-        return lambda idx: collate_sft([ds.prompts[i] for i in idx], [ds.responses[i] for i in idx], example=idx)
-
-    lengths = train.lengths() if cfg.group_by_length else None
-    loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, collate(train), lengths)
+    lengths = train.lengths() if cfg.group_by_length else None  # each step's rows sorted by length, dealt out
+    loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, train.collate, lengths)
     val_batches, samples = [], None
     if cfg.val_data and cfg.eval_every >= 0:
         val_rows = load_rows(cfg.val_data, cfg.val_split, SFT_COLUMNS)

@@ -293,7 +293,7 @@ def _encode_prompts(tok: tiktoken.Encoding, texts: list[str], max_len: int, name
     # then the rows that are too long get truncated.
     all_ids = tok.encode_ordinary_batch(texts)
     out = []
-    for i, (text, ids) in enumerate(zip(texts, all_ids)):
+    for i, (text, ids) in enumerate(zip(texts, all_ids, strict=True)):
         try:
             out.append(_fit_prompt(tok, text, ids, max_len))
         except DataError as e:
@@ -356,6 +356,11 @@ class SFTDataset:
     def lengths(self) -> list[int]:
         """Tokens per row (prompt + response), the width a row needs in a micro-batch."""
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses, strict=True)]
+
+    def collate(self, index: list[int]) -> dict:
+        """collate_sft's batch of rows `index` (a ShardedLoader's collate), with each row's example index (SFT's
+        prompt-loss draw is keyed by it)."""
+        return collate_sft([self.prompts[i] for i in index], [self.responses[i] for i in index], example=index)
 
 
 class PreferenceDataset:
@@ -462,6 +467,29 @@ def shortest(rows: Sequence[int], lengths: Sequence[int]) -> int:
     return min((i for i in rows if i >= 0), key=lambda i: lengths[i], default=0)
 
 
+def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size: int, by_length: bool) -> list[dict]:
+    """This rank's micro-batches of a disjoint slice of the validation rows, in a fixed order (longest first with
+    `by_length`: less padding, the same loss up to float summation order). Every rank gets the same number of
+    batches (eval_slice): a rank short of rows fills its last batch with copies of its shortest row whose response
+    mask is all False, so they count for no token and no loss, whatever the number of rows."""
+    lengths = val.lengths()
+    index = eval_slice(len(val), rank, world, lengths if by_length else None)
+    filler = shortest(index, lengths)
+    batches = []
+    for start in range(0, len(index), micro_batch_size):
+        rows = index[start : start + micro_batch_size]
+        computed = [i if i >= 0 else filler for i in rows]
+        batch = collate_sft([val.prompts[i] for i in computed], [val.responses[i] for i in computed])
+        batch["response_mask"] &= torch.tensor([i >= 0 for i in rows])[:, None]  # (B, R): padding rows weigh 0
+        batches.append(batch)
+    return batches
+
+
+def real_rows(batch: dict) -> int:
+    """Rows of a validation batch that are not padding (validation_batches)."""
+    return int(batch["response_mask"].any(1).sum())
+
+
 def prompt_response_rows(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
 ) -> dict:
@@ -494,8 +522,8 @@ def decode_responses(
 ) -> list[str]:
     """Response texts as generated: up to and including the first end token; a stop at EOS reads as "\n"."""
     texts = []
-    for ids, mask, ended in zip(response_ids.tolist(), response_mask.tolist(), has_end.tolist()):
-        ids = [t for t, m in zip(ids, mask) if m]
+    for ids, mask, ended in zip(response_ids.tolist(), response_mask.tolist(), has_end.tolist(), strict=True):
+        ids = [t for t, m in zip(ids, mask, strict=True) if m]
         if ended and ids[-1] != END_ID:
             ids = ids[:-1] + [END_ID]
         texts.append(tok.decode(ids))

@@ -27,9 +27,8 @@ class PairConfig(DataConfig):
     micro_batch_size: int = 8
     """Pairs per forward/backward on each rank (2x rows: chosen and rejected in one pass)."""
     group_by_length: bool = True
-    """The pairs of each optimizer step, over all ranks, sorted by length and dealt out as micro-batches (data.tldr
-    ShardedLoader.next_step): less padding computed, the same pairs per step, the same gradient up to float
-    summation order; validation pairs too. false: each rank's own slice of each batch, in loader order."""
+    """Each step's pairs (all ranks) sorted by length and dealt out as micro-batches, validation pairs too: less
+    padding computed, the same gradient up to float summation order. false: each rank's own slice, in loader order."""
     overfit_batch: bool = False
     """Debugging: train every step on the first global batch (the loss should fall quickly)."""
     prefix_sharing: bool = True

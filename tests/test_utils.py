@@ -181,7 +181,9 @@ def test_a_checkpoint_of_the_full_state_format_still_resumes(tmp_path):
     for saved, loaded in ((model, fresh), (reference, fresh_reference)):
         assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in saved.state_dict().items())
     moments = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
-    assert all(torch.equal(a, fresh_optimizer.state[p]["exp_avg"]) for a, p in zip(moments, fresh.parameters()))
+    assert all(
+        torch.equal(a, fresh_optimizer.state[p]["exp_avg"]) for a, p in zip(moments, fresh.parameters(), strict=True)
+    )
     assert fresh_scheduler.state_dict() == scheduler.state_dict()
     assert read_tensors(folder).keys() == model.state_dict().keys()
 

@@ -435,17 +435,20 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, layer_idx)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
-        # Set by utils/fsdp.py: recompute this block's activations in the backward pass.
+        # Set by utils/fsdp.py: recompute this block's activations in the backward pass; `_forward` compiled, for the
+        # forward without a KV cache (training, scoring, reference passes; decoding keeps its own compiled step).
         self.activation_checkpointing = False
+        self.compiled_forward = None
 
     def _forward(self, x, attn_mask, kv_cache):
         x = x + self.attn(self.ln_1(x), attn_mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
 
     def forward(self, x, attn_mask, kv_cache: KVCache | None = None):
+        fn = self._forward if kv_cache is not None or self.compiled_forward is None else self.compiled_forward
         if self.activation_checkpointing and self.training and kv_cache is None:
-            return torch.utils.checkpoint.checkpoint(self._forward, x, attn_mask, None, use_reentrant=False)
-        return self._forward(x, attn_mask, kv_cache)
+            return torch.utils.checkpoint.checkpoint(fn, x, attn_mask, None, use_reentrant=False)
+        return fn(x, attn_mask, kv_cache)
 
 
 class GPT2(nn.Module):

@@ -349,7 +349,7 @@ def save_export(
     extra_files: dict | None = None,
 ) -> None:
     """Write `model`'s full state dict as a Hugging Face-format folder, LoRA adapters merged into their base
-    weights (a plain GPT-2 that `transformers` loads). With utils.checkpoint.export_model under FSDP."""
+    weights (a plain GPT-2 that `transformers` loads). With utils.fsdp.export_model under FSDP."""
     save_hf(
         merged_state_dict(state_dict, lora_scalings(model)), cfg, folder, extra_files, getattr(model, "pooling", "last")
     )

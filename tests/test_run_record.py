@@ -22,7 +22,7 @@ from rlhf.rewards import RewardSource
 from rollouts.sampling import RewardSpec, warn_constant_sources
 from tests import helpers
 from tests.conftest import ROOT, checkpoint_step
-from utils.checkpoint import CheckpointError, damage, find_checkpoint, read_tensors, save_checkpoint
+from utils.checkpoint import CheckpointError, checkpoint_problem, find_checkpoint, read_tensors, save_checkpoint
 from utils.config import ConfigError, parse_config
 from utils.logging import Logger
 from utils.optim import build_optimizer, build_scheduler
@@ -229,7 +229,7 @@ def test_a_damaged_file_is_named_and_the_resume_falls_back_to_the_checkpoint_bef
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run)
     _damage(run / "checkpoints" / "step_00000002" / name, how)
-    assert find_checkpoint(run, True, "", META) == run / "checkpoints" / "step_00000001"
+    assert find_checkpoint(run, "", META) == run / "checkpoints" / "step_00000001"
     warned = warnings_in(capsys.readouterr().err)
     assert len(warned) == 1, warned
     assert "checkpoint step_00000002 is damaged: " in warned[0] and name.split("/")[-1] in warned[0], warned
@@ -240,7 +240,7 @@ def test_an_unreadable_latest_pointer_is_named_and_the_newest_intact_checkpoint_
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run)
     (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00step")
-    assert find_checkpoint(run, True, "", META) == run / "checkpoints" / "step_00000002"
+    assert find_checkpoint(run, "", META) == run / "checkpoints" / "step_00000002"
     warned = warnings_in(capsys.readouterr().err)
     assert len(warned) == 1 and "latest cannot be read (UnicodeDecodeError" in warned[0], warned
 
@@ -251,7 +251,7 @@ def test_no_intact_checkpoint_stops_with_one_line_naming_each(two_checkpoints, t
     _damage(run / "checkpoints" / "step_00000002" / "sharded" / "__0_0.distcp", "flip")
     _damage(run / "checkpoints" / "step_00000001" / "state.pt", "truncate")
     with pytest.raises(CheckpointError) as info:
-        find_checkpoint(run, True, "", META)
+        find_checkpoint(run, "", META)
     message = str(info.value)
     assert "\n" not in message and "no intact checkpoint in" in message
     assert "step_00000002: " in message and "__0_0.distcp was altered" in message
@@ -264,7 +264,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_exactly(row
     newest = out / "checkpoints" / "step_00000004"
     weights = read_tensors(newest)
     _damage(newest / "sharded" / "__0_0.distcp", "flip")
-    assert damage(newest) is not None
+    assert checkpoint_problem(newest) is not None
     capsys.readouterr()
     resumed = run_sft(rows, out, "--steps", "4", "--save_every", "1", "--keep_last", "4")
     err = capsys.readouterr().err
@@ -308,7 +308,7 @@ def test_a_full_disk_stops_the_save_in_one_line_and_leaves_the_earlier_checkpoin
     assert f"cannot write checkpoint step_00000002 in {out / 'checkpoints'}: no space left on device" in message
     assert "it needs about " in message and "the earlier checkpoints are intact (newest: step_00000001)" in message
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000001"]  # no .tmp left
-    assert damage(out / "checkpoints" / "step_00000001") is None
+    assert checkpoint_problem(out / "checkpoints" / "step_00000001") is None
     resumed = run_sft(rows, out, "--steps", "2")  # space again: the same command continues
     assert [m["step"] for m in resumed] == [1, 2]
 
@@ -390,8 +390,8 @@ def test_a_small_filesystem_that_fills_at_the_second_checkpoint(rows, tmp_path):
     train = " ".join(shlex.quote(a) for a in sft_args(rows, disk / "run", "--steps", "2", "--save_every", "1"))
     ckpts = disk / "run" / "checkpoints"
     check = (
-        f"from utils.checkpoint import damage; import os; "
-        f"print('left:', sorted(os.listdir('{ckpts}')), damage('{ckpts}/step_00000001'))"
+        f"from utils.checkpoint import checkpoint_problem; import os; "
+        f"print('left:', sorted(os.listdir('{ckpts}')), checkpoint_problem('{ckpts}/step_00000001'))"
     )
     script = (
         f"mount -t tmpfs -o size=80m tmpfs {disk} && {sys.executable} sft.py {train}; echo exit=$?; "

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from utils.rundir import drop_rows_after
+
 
 class Logger:
     def __init__(
@@ -106,36 +108,9 @@ class Logger:
             self.run.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def _truncate(self, path: Path) -> None:
-        """Drop the lines logged after step resume_step's checkpoint (see __init__); atomic rewrite."""
-        if self.resume_step is None or not path.is_file():
-            return
-        kept, seen_resume_step, dropped = [], False, 0
-        for number, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(keepends=True), 1):
-            try:
-                step = json.loads(line)["step"]
-            except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill or a full disk
-                if self.enabled:
-                    print(
-                        f"warning: {path}: line {number} is not a whole JSON row ({line.strip()[:60]!r}); dropped",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                continue
-            if step < self.resume_step or (step == self.resume_step > 0 and not seen_resume_step):
-                kept.append(line if line.endswith("\n") else line + "\n")
-                seen_resume_step |= step == self.resume_step
-            else:
-                dropped += 1
-        if dropped and self.enabled:
-            print(
-                f"warning: {path}: {dropped} line(s) logged after the checkpoint of step {self.resume_step} "
-                f"dropped (their steps run again)",
-                file=sys.stderr,
-                flush=True,
-            )
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        """Drop the lines logged after step resume_step's checkpoint (see __init__)."""
+        if self.resume_step is not None:
+            drop_rows_after(path, self.resume_step, self.enabled)
 
     def finish(self) -> None:
         if self.file is not None:

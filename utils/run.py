@@ -29,21 +29,22 @@ from pathlib import Path
 
 import torch
 
-from utils.checkpoint import (
-    check_run_dir,
-    export_model,
-    find_checkpoint,
-    load_checkpoint,
-    restore_loader,
-    save_checkpoint,
-    update_best,
-)
-from utils.config import RunConfig, config_to_dict
+from utils.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from utils.config import ConfigError, RunConfig, config_to_dict
 from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
-from utils.fsdp import resolve_dtype
+from utils.fsdp import export_model, resolve_dtype
 from utils.guard import NonFiniteGuard, StopSignal, all_ranks_agree
 from utils.logging import Logger, progress, report_summary, step_postfix, tell
-from utils.rundir import check_wandb_login, lock_run_dir, options_record, release_run_dir, warn
+from utils.rundir import (
+    check_run_dir,
+    check_shared_dir,
+    check_wandb_login,
+    lock_run_dir,
+    options_record,
+    refuse_start_over,
+    release_run_dir,
+    warn,
+)
 
 
 @dataclass
@@ -132,7 +133,9 @@ def start_run(cfg: RunConfig, meta: dict) -> Run:
             check_wandb_login(cfg.wandb_mode)
             check_run_dir(run_dir)
             lock_run_dir(run_dir)
-    checkpoint = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
+            refuse_start_over(run_dir, cfg.resume)
+    check_shared_dir(run_dir)
+    checkpoint = find_checkpoint(run_dir, cfg.resume_from, meta)
     record = config_to_dict(cfg)
     if checkpoint is not None and checkpoint.parent.parent.resolve() == run_dir.resolve():  # its own: a resume
         record = options_record(run_dir, record, int(checkpoint.name.split("_")[-1]), cfg.resume_changes == "allow")
@@ -153,6 +156,37 @@ def epoch_steps(steps: int, rows: int, batches_per_epoch: int, accum: int, batch
             f"--batch_size, or --steps"
         )
     return max(1, batches_per_epoch // accum)
+
+
+def restore_loader(loader, path: Path, extra: dict) -> None:
+    """Put a ShardedLoader back at the checkpoint's data position (CheckpointError when it cannot fit)."""
+    try:
+        loader.load_state_dict(extra["loader"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {path}: its data position does not fit this run's training data ({e}); resume with the "
+            f"data it was trained on"
+        ) from None
+
+
+def update_best(best: dict | None, metrics: dict, metric: str, mode: str, step: int) -> tuple[dict | None, bool]:
+    """(best record, improved): `metrics[metric]` against the best so far, lower is better for mode "min".
+    Steps without that metric (no validation) change nothing. A record from another metric is replaced."""
+    if not metric:
+        return best, False
+    if metric not in metrics:
+        group = metric.split("/")[0] + "/"
+        logged = sorted(k for k in metrics if k.startswith(group))
+        if logged:  # this step did validate, so the name is wrong
+            raise ConfigError(f"--best_metric {metric} is not logged by this stage; its {group} metrics are {logged}")
+        return best, False
+    value = float(metrics[metric])
+    if value != value:  # NaN is never best
+        return best, False
+    if best is not None and best.get("metric") == metric and best.get("mode") == mode:
+        if (value >= best["value"]) if mode == "min" else (value <= best["value"]):
+            return best, False
+    return {"metric": metric, "mode": mode, "value": value, "step": step}, True
 
 
 def resume(

@@ -28,10 +28,12 @@ docs/distributed.md describes the format and its guarantees.
 import hashlib
 import json
 import os
+import random
 import shutil
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -47,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.utils._pytree import tree_leaves
 
-from utils.dist import barrier, gather_objects, rank_and_world, rng_state, set_rng_state, stream_seed
+from utils.dist import barrier, broadcast_object, gather_objects, rank_and_world, rng_state, set_rng_state, stream_seed
 from utils.rundir import describe_write_failure, warn, write_text_atomic
 
 SHARDED = "sharded"  # the DCP folder inside a checkpoint
@@ -246,84 +248,117 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def check_format(path: Path) -> None:
-    """CheckpointError when the checkpoint at `path` is of an older format of this project (state.pt without a
-    digests.json, and a meta.json that is missing or does not name one): it cannot be loaded by this code. A
-    checkpoint whose meta.json names digests.json, or that cannot say, is of this format (checkpoint_problem then
-    finds what is missing)."""
+def _older_format(path: Path) -> str | None:
+    """One line when the checkpoint at `path` is of an older format of this project (state.pt without a
+    digests.json, and a meta.json that is missing or does not name one), else None. A checkpoint whose meta.json
+    names digests.json, or that cannot say, is of this format (checkpoint_problem then finds what is missing)."""
     if not (path / "state.pt").is_file() or (path / DIGESTS).is_file():
-        return
+        return None
     try:
         older = "digests" not in json.loads((path / "meta.json").read_bytes().decode("utf-8"))
     except FileNotFoundError:
         older = True
     except (OSError, ValueError, TypeError):  # unreadable: a damaged checkpoint of this format
         older = False
-    if older:
-        raise CheckpointError(
-            f"checkpoint {path} is from an older checkpoint format of this project (no {DIGESTS}) and cannot be "
-            f"loaded; move it away (or use another --out_dir) to start the run over"
-        )
+    return (
+        f"checkpoint {path} is from an older checkpoint format of this project (no {DIGESTS}) and cannot be "
+        f"loaded; move it away (or use another --out_dir) to start the run over"
+        if older
+        else None
+    )
+
+
+def check_format(path: Path, rank: int = 0) -> None:
+    """CheckpointError (every rank, a collective: rank 0 reads) when the checkpoint is of an older format."""
+    older = broadcast_object(_older_format(path) if rank == 0 else None)
+    if older is not None:
+        raise CheckpointError(older)
+
+
+def _read_digests(path: Path) -> tuple[dict, str | None]:
+    """({file name: {"bytes", "sha256"}} as digests.json lists them, None), or ({}, what is wrong)."""
+    if not (path / "state.pt").is_file():
+        return {}, f"{path / 'state.pt'} is missing"
+    try:
+        record = json.loads((path / DIGESTS).read_bytes().decode("utf-8"))
+        if _listing_digest(record["files"]) != record["sha256"]:
+            return {}, f"{path / DIGESTS} was altered (its list does not match its own SHA-256)"
+        return record["files"], None
+    except FileNotFoundError:
+        return {}, f"{path / DIGESTS} is missing"
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return {}, f"{path / DIGESTS} cannot be read ({type(e).__name__}: {e})"
+
+
+def _file_size(file: Path) -> int | None:
+    """The size this rank's view of the file system gives `file`; None when it sees no such file."""
+    try:
+        return file.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _size_problem(file: Path, want: int) -> str | None:
+    try:
+        size = _file_size(file)
+    except OSError as e:
+        return f"{file} cannot be checked ({type(e).__name__}: {e})"
+    if size is None:
+        return f"{file} is missing"
+    return f"{file} has {size:,} bytes, {want:,} were written" if size != want else None
 
 
 def checkpoint_problem(path: str | Path, rank: int = 0, world: int = 1) -> str | None:
     """None when the checkpoint at `path` is intact, else what is wrong with it, naming the file: state.pt or
-    digests.json missing or unreadable, or a file it lists missing, of another size or with another SHA-256. Rank r
-    hashes files r, r + world, ... and the ranks share what they found (a collective when world > 1, every rank gets
-    the same answer)."""
+    digests.json missing or unreadable, or a file it lists missing, of another size or with another SHA-256 (a
+    collective when world > 1: every rank gets the same answer). Rank 0 reads digests.json; every rank checks that
+    it sees every listed file at its size (ranks whose views of a shared file system differ: CheckpointError, one
+    line naming the first file and the ranks); rank r hashes files r, r + world, ..."""
     path = Path(path)
-    problem = None
-    recorded: dict = {}  # file name -> {"bytes", "sha256"}, as digests.json lists them
-    if not (path / "state.pt").is_file():
-        problem = f"{path / 'state.pt'} is missing"
-    elif not (path / DIGESTS).is_file():
-        problem = f"{path / DIGESTS} is missing"
-    else:
-        try:
-            record = json.loads((path / DIGESTS).read_bytes().decode("utf-8"))
-            recorded = record["files"]
-            if _listing_digest(recorded) != record["sha256"]:
-                problem, recorded = f"{path / DIGESTS} was altered (its list does not match its own SHA-256)", {}
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-            problem, recorded = f"{path / DIGESTS} cannot be read ({type(e).__name__}: {e})", {}
+    recorded, problem = broadcast_object(_read_digests(path) if rank == 0 else None)
     names = sorted(recorded)
+    views = gather_objects({name: _size_problem(path / name, recorded[name]["bytes"]) for name in names})
+    for name in names:
+        if any(view[name] != views[0][name] for view in views):
+            sees = "; ".join(f"rank {r}: {view[name] or 'as written'}" for r, view in enumerate(views))
+            raise CheckpointError(
+                f"the ranks see checkpoint {path} differently ({sees}): --out_dir must show every node the same "
+                f"files (a shared file system whose caches have settled); rerun when they agree"
+            )
     problems_here = {}  # of the files this rank hashed
     for name in names[rank::world]:
-        file, want = path / name, recorded[name]
+        file = path / name
         try:
-            size = file.stat().st_size
-            if size != want["bytes"]:
-                problems_here[name] = f"{file} has {size:,} bytes, {want['bytes']:,} were written"
-            elif _sha256(file) != want["sha256"]:
+            if views[0][name] is None and _sha256(file) != recorded[name]["sha256"]:
                 problems_here[name] = (
                     f"{file} was altered (its SHA-256 differs from the one recorded when it was written)"
                 )
-        except FileNotFoundError:
-            problems_here[name] = f"{file} is missing"
         except (OSError, KeyError, TypeError) as e:
             problems_here[name] = f"{file} cannot be checked ({type(e).__name__}: {e})"
-    problems = {k: v for d in gather_objects(problems_here) for k, v in d.items()} if world > 1 else problems_here
+    problems = {k: v for d in gather_objects(problems_here) for k, v in d.items()}
+    problems |= {name: views[0][name] for name in names if views[0][name] is not None}
     if problem is None and problems:
         problem = problems[min(problems, key=names.index)]
     return problem
 
 
 def newest_intact(run_dir: str | Path, rank: int = 0, world: int = 1) -> Path | None:
-    """The checkpoint to resume from: the one `latest` names (a warning when it cannot be read or names no folder),
-    else the newest, if it is intact (see checkpoint_problem); a damaged one is named in a warning line and the next
-    older one is tried. None when there is no checkpoint; CheckpointError (one line naming each) when none is
-    intact, or when the newest is of an older format (check_format)."""
+    """The checkpoint to resume from, as rank 0 chooses it (a collective): the one `latest` names (a warning when it
+    cannot be read or names no folder), else the newest, if it is intact (see checkpoint_problem: every rank checks
+    it); a damaged one is named in a warning line and the next older one is tried. None when there is no checkpoint;
+    CheckpointError (one line naming each) when none is intact, or when one is of an older format (check_format)."""
     ckpt_root = Path(run_dir) / "checkpoints"
-    if not ckpt_root.is_dir():
-        return None
-    folders = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir()), reverse=True)
-    name = _read_pointer(ckpt_root)
-    if name and ckpt_root / name not in folders:
-        warn(f"{ckpt_root / 'latest'} names {name!r}, which is missing; looking for the newest checkpoint")
-    candidates = sorted(folders, key=lambda p: p.name != name)  # stable: the named one first, then newest first
+    candidates = []
+    if rank == 0 and ckpt_root.is_dir():
+        folders = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir()), reverse=True)
+        name = _read_pointer(ckpt_root)
+        if name and ckpt_root / name not in folders:
+            warn(f"{ckpt_root / 'latest'} names {name!r}, which is missing; looking for the newest checkpoint")
+        candidates = sorted(folders, key=lambda p: p.name != name)  # stable: the named one first, then newest first
+    candidates = broadcast_object(candidates)
     damaged = []
     for i, path in enumerate(candidates):
-        check_format(path)
+        check_format(path, rank)
         problem = checkpoint_problem(path, rank, world)
         if problem is None:
             return path
@@ -395,7 +430,7 @@ def find_checkpoint(run_dir: str | Path, resume_from: str, meta: dict) -> Path |
         source = Path(resume_from)
         if (source / "state.pt").is_file():
             path = source
-            check_format(path)
+            check_format(path, rank)
             problem = checkpoint_problem(path, rank, world)
             if problem is not None:
                 raise CheckpointError(f"--resume_from {resume_from}: checkpoint is damaged: {problem}")
@@ -419,12 +454,15 @@ def load_checkpoint(
     meta: dict,
     rank: int = 0,
     frozen: dict[str, nn.Module] | None = None,
+    seed: int = 0,
 ) -> dict:
     """Restore a checkpoint written by save_checkpoint into a sharded model and optimizer (a collective: every rank
     reads the slices of the shards it holds, whatever the world size that wrote them), and the `frozen` models it
-    holds; returns the state's `step` and `extra`. Refuses a checkpoint whose `meta` (stage, model config) differs."""
+    holds; returns the state's `step` and `extra`. Refuses a checkpoint whose `meta` (stage, model config) differs.
+    Every rank's RNG state (torch, numpy, `random`) is restored; on another world size, where they cannot be
+    matched, each is reseeded from (`seed`: the run's --seed, step, rank), with a warning."""
     path = Path(path)
-    check_format(path)
+    check_format(path, rank)
     state = _load_state(path)
     check_meta(path, state["meta"], meta)
     saved_frozen = {name: m for name, m in (frozen or {}).items() if name in state["frozen"]}
@@ -449,11 +487,18 @@ def load_checkpoint(
             f"checkpoint {path} does not fit this run's model and optimizer ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''})"
         ) from None
-    rngs = state["rng"]
-    if len(rngs) == rank_and_world()[1]:
+    rngs, world = state["rng"], rank_and_world()[1]
+    if len(rngs) == world:
         set_rng_state(rngs[rank])
-    else:  # resumed on another world size: per-rank streams cannot be matched, reseed deterministically
-        torch.manual_seed(stream_seed(state["step"], rank, "resume"))
+    else:  # per-rank streams cannot be matched: each rank's are reseeded from the run's seed, the step and the rank
+        warn(
+            f"checkpoint {path} was written by {len(rngs)} processes and resumes on {world}: the random streams "
+            f"after it are reseeded from --seed {seed}, the step and the rank, so the run does not repeat bit for bit "
+            f"one that kept {len(rngs)}"
+        )
+        random.seed(stream_seed(seed, state["step"], rank, "resume", "python"))
+        np.random.seed(stream_seed(seed, state["step"], rank, "resume", "numpy") % 2**32)
+        torch.manual_seed(stream_seed(seed, state["step"], rank, "resume"))
     return {"step": state["step"], "extra": state["extra"]}
 
 
@@ -461,7 +506,8 @@ def read_tensors(path: str | Path, part: str = "model") -> dict[str, torch.Tenso
     """Full (unsharded) tensors of one part of a checkpoint ("model", "optimizer" or a frozen model's name), read in
     this process alone (no process group): for inspecting a checkpoint, not for resuming."""
     path = Path(path)
-    check_format(path)
+    if (older := _older_format(path)) is not None:
+        raise CheckpointError(older)
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent here
         warnings.simplefilter("ignore", UserWarning)
         return _load_state_dict_from_keys({part}, checkpoint_id=path / SHARDED)[part]

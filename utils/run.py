@@ -200,7 +200,9 @@ def resume(
     run.init_rng = torch.get_rng_state()
     torch.manual_seed(stream_seed(cfg.seed, step, run.rank, "global"))  # per rank; a checkpoint's own state replaces it
     if run.checkpoint is not None:
-        state = load_checkpoint(run.checkpoint, model, optimizer, scheduler, run.meta, run.rank, frozen=frozen)
+        state = load_checkpoint(
+            run.checkpoint, model, optimizer, scheduler, run.meta, run.rank, frozen=frozen, seed=cfg.seed
+        )
         step, run.extra = state["step"], state["extra"]
         run.best = run.extra.get("best")
         restore_loader(loader, run.checkpoint, run.extra)

@@ -110,9 +110,10 @@ def main(cfg: Config, stdin=None, out=None) -> list[dict]:
     if not cuda:
         keep_freed_memory()  # utils/host.py
     dtype = resolve_dtype(cfg.dtype, device)
-    limits = [(model_config(cfg.policy, cfg.random_init), "max_new_tokens", "policy")]
-    if cfg.reward_model:
-        limits.append((model_config(cfg.reward_model), "max_new_tokens", "reward model"))
+    limits = [(model_config(cfg.policy, cfg.random_init, kind="policy", option="--policy"), "max_new_tokens", "policy")]
+    if cfg.reward_model:  # its rewards are reported normalized: it must hold its gain and bias
+        rm_cfg = model_config(cfg.reward_model, kind="reward_model", option="--reward_model")
+        limits.append((rm_cfg, "max_new_tokens", "reward model"))
     fit_context(cfg, *limits)
     tok = get_tokenizer()
     rows = prompt_rows(cfg, stdin)

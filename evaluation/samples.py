@@ -186,10 +186,12 @@ class JudgeConfig:
 
     def judge_limits(self, policy_cfg) -> list[tuple]:
         """utils.config.fit_context's limits of the judged summaries: prompt + max_new_tokens in the policy and the
-        judge (none without --judge)."""
+        judge (none without --judge). Checks that --judge is a reward model (model.weights.model_config)."""
         if not self.judge:
             return []
-        return [(policy_cfg, "max_new_tokens", "policy"), (model_config(self.judge), "max_new_tokens", "judge")]
+        # the win rate compares two rewards of one model: its gain and bias cancel, so it need not hold them
+        judge_cfg = model_config(self.judge, kind="reward_model", option="--judge", normalized=False)
+        return [(policy_cfg, "max_new_tokens", "policy"), (judge_cfg, "max_new_tokens", "judge")]
 
 
 class Judge:

@@ -151,6 +151,18 @@ def load_config(name_or_path: str) -> GPTConfig:
         raise ModelLoadError(f"{cfg_file} is not a GPT-2 config.json ({type(e).__name__}: {e})") from None
 
 
+# The kind each option that names a model must be of, in every script that has it (reward_model.py's --model takes
+# either: a policy gets a new head). tests/test_errors.py walks every script's options against this table.
+MODEL_OPTIONS = {
+    "model": "policy",
+    "reference": "policy",
+    "policy": "policy",
+    "sft_policy": "policy",
+    "reward_model": "reward_model",
+    "judge": "reward_model",
+}
+
+
 def model_kind(name_or_path: str, cfg_file: Path | None = None) -> str:
     """ "policy" or "reward_model": the model's config.json "model_kind", else its architecture (see the module
     docstring). `cfg_file`: its config.json where _resolve_files found it (a hub model's, in the Hugging Face cache);
@@ -205,14 +217,18 @@ def model_config(
     """The GPTConfig that build_policy / build_reward_model would build, without reading any weights: scripts call
     it first, so a wrong model name or folder fails before data is tokenized or anything is put on a GPU. With
     `kind` ("policy" or "reward_model") a loaded model must be of that kind (check_kind; `option` names it in the
-    error); a random preset is whatever is built from it."""
+    error, and any error about the folder); a random preset is whatever is built from it. MODEL_OPTIONS names the kind
+    of every option that names a model; every script checks each of its own here before building anything."""
     if random_init:
         if name_or_path not in PRESETS:
             raise ModelLoadError(f"--random_init needs a preset name ({', '.join(PRESETS)}), got '{name_or_path}'")
         return PRESETS[name_or_path]
-    cfg_file, weights = _resolve_files(name_or_path)
-    if weights is None:
-        raise ModelLoadError(f"model folder {name_or_path} has no model.safetensors or pytorch_model.bin")
+    try:
+        cfg_file, weights = _resolve_files(name_or_path)
+        if weights is None:
+            raise ModelLoadError(f"model folder {name_or_path} has no model.safetensors or pytorch_model.bin")
+    except ModelLoadError as e:  # the option that named the folder comes first
+        raise ModelLoadError(f"{option}: {e}") from None
     if kind:
         check_kind(name_or_path, kind, option, normalized, cfg_file)
     return load_config(name_or_path)

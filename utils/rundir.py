@@ -285,9 +285,9 @@ def options_record(run_dir: str | Path, options: dict, step: int, allow: bool) -
     }
     refused = {k: v for k, v in changed.items() if k not in FREE_OPTIONS}
     if refused and not allow:
-        refused_changes = ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in refused.items())
+        changes = ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in refused.items())
         raise ConfigError(
-            f"--out_dir {run_dir} holds a run started with other options ({refused_changes}): resuming would train one run "
+            f"--out_dir {run_dir} holds a run started with other options ({changes}): resuming would train one run "
             f"under two configurations while {file} names one; rerun with the recorded options, use another --out_dir "
             f"for a new run, or pass --resume_changes allow to continue from step {step} with these (the change and "
             f"its step are appended to {file})"

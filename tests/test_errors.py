@@ -672,6 +672,36 @@ def test_catalogue_has_twenty_cases_and_matches_the_docs():
     assert not missing, missing
 
 
+def test_eval_preferences_writes_into_a_run_folder_under_its_lock_and_leaves_its_record(inputs, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"lr": 1.0}\n')  # a training run's record
+    args = base_args("eval_preferences", inputs, run) + ["--reward_model", str(inputs["constant_rm"])]
+    args += ["--out_dir", str(run), "--wandb_mode", "disabled", "--bootstrap_samples", "10"]
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from utils.rundir import lock_run_dir; lock_run_dir(sys.argv[1]); "
+            "print('locked', flush=True); time.sleep(300)",
+            str(run),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, message = run_cli("eval_preferences", args, capsys)
+        assert code == 2 and f"--out_dir {run} is in use by another run (pid {holder.pid} on " in message, message
+    finally:
+        holder.kill()
+        holder.wait()
+    eval_preferences.main(parse_config(eval_preferences.Config, args))
+    assert (run / "config.json").read_text() == '{"lr": 1.0}\n'
+    assert (run / "preference_eval.json").is_file() and (run / ".lock").read_text() == ""
+
+
 def test_every_option_that_names_a_model_has_its_kind_checked_in_every_script():
     # each script's options named in model.weights.MODEL_OPTIONS must have a case above giving a folder of the other
     # kind, answered by one line naming the option (reward_model.py's --model takes either kind): a new model option

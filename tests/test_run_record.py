@@ -27,7 +27,7 @@ from utils.config import ConfigError, parse_config
 from utils.logging import Logger
 from utils.optim import build_optimizer, build_scheduler
 from utils.run import epoch_steps
-from utils.rundir import LOCK, check_wandb_login, lock_run_dir, options_record, release_run_dir
+from utils.rundir import LOCK, check_wandb_login, lock_run_dir, options_record, release_run_dir, write_record
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +183,54 @@ def test_free_options_are_recorded_without_asking_and_compared_after_earlier_cha
     assert options_record(tmp_path, options, 4, allow=False) == record  # nothing changed since: nothing appended
     with pytest.raises(ConfigError, match=r"\(--seed 1 -> 2\)"):
         options_record(tmp_path, {**options, "seed": 2}, 4, allow=False)
+
+
+def test_the_options_check_holds_with_config_json_deleted_emptied_or_lacking_a_key(rows, tmp_path, capsys):
+    # every checkpoint holds the run's record of options: a resume compares against it, whatever config.json says
+    first = tmp_path / "first"
+    run_sft(rows, first, "--steps", "2", "--save_every", "1")
+    for how in ("deleted", "emptied", "lacking"):
+        out = tmp_path / how
+        shutil.copytree(first, out)
+        record_file = out / "config.json"
+        if how == "deleted":
+            record_file.unlink()
+        elif how == "emptied":
+            record_file.write_text("")
+        else:
+            record_file.write_text(
+                json.dumps({k: v for k, v in json.loads(record_file.read_text()).items() if k != "lr"})
+            )
+        code, message = helpers.run_cli(sft, sft_args(rows, out, "--steps", "2", "--lr", "1e-2", "--seed", "5"), capsys)
+        assert code == 2 and "holds a run started with other options (--lr 0.001 -> 0.01, --seed 1 -> 5)" in message
+    run_sft(rows, tmp_path / "deleted", "--steps", "2", "--save_every", "1")  # the recorded options: written again
+    assert any(
+        w.endswith("config.json is missing; it is written again from the record of options in the checkpoint of step 2")
+        for w in warnings_in(capsys.readouterr().err)
+    )
+    assert json.loads((tmp_path / "deleted" / "config.json").read_text()) == json.loads(
+        (first / "config.json").read_text()
+    )
+
+
+def test_an_option_the_record_lacks_compares_against_its_default_and_joins_the_record(tmp_path):
+    saved = {"lr": 1.0, "seed": 1}  # the record of a run started before --judge existed
+    defaults = {"lr": 3e-4, "seed": 0, "judge": ""}
+    record = options_record(tmp_path, {"lr": 1.0, "seed": 1, "judge": ""}, 2, False, saved, defaults)
+    assert record == {"lr": 1.0, "seed": 1, "judge": ""}
+    with pytest.raises(ConfigError, match=r"\(--judge  -> rm/hf\)"):
+        options_record(tmp_path, {"lr": 1.0, "seed": 1, "judge": "rm/hf"}, 2, False, saved, defaults)
+
+
+def test_config_json_is_written_atomically_and_only_when_it_changes(tmp_path):
+    write_record(tmp_path, {"lr": 1.0})
+    inode = (tmp_path / "config.json").stat().st_ino
+    write_record(tmp_path, {"lr": 1.0})  # the same record: the file is left alone
+    assert (tmp_path / "config.json").stat().st_ino == inode
+    write_record(tmp_path, {"lr": 1.0, "option_changes": [{"step": 2, "options": {"steps": [2, 3]}}]})
+    assert (tmp_path / "config.json").stat().st_ino != inode  # a new file renamed over the old, never cut in place
+    assert json.loads((tmp_path / "config.json").read_text())["option_changes"][0]["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
 
 # ----------------------------------------------------------------------------------------------------

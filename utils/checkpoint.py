@@ -141,13 +141,15 @@ def save_checkpoint(
     rank: int = 0,
     best: dict | None = None,
     frozen: dict[str, nn.Module] | None = None,
+    options: dict | None = None,
 ) -> Path:
     """Save a resumable checkpoint (a collective: every rank writes its own shards). `meta` identifies what was
     trained (stage, model config) so a wrong checkpoint is refused at load; `extra` holds loop state (data position,
     metrics); `frozen` names models without an optimizer whose weights change during the run (GRPO's refreshed
     reference), saved sharded beside the model. `best`: this checkpoint is the new best by a validation metric; the
-    record (metric, mode, value) goes to best.json. A write that fails on any rank raises CheckpointWriteError on
-    every rank, after the temporary folder is removed."""
+    record (metric, mode, value) goes to best.json. `options`: the run's record of options (utils.rundir), kept in
+    meta.json: a resume checks its options against the checkpoint's own copy. A write that fails on any rank raises
+    CheckpointWriteError on every rank, after the temporary folder is removed."""
     ckpt_root = Path(run_dir) / "checkpoints"
     final = ckpt_root / f"step_{step:08d}"
     tmp = ckpt_root / f".step_{step:08d}.tmp"
@@ -193,7 +195,10 @@ def save_checkpoint(
                 "digests": DIGESTS,  # the format: this checkpoint records digests, without the file it is damaged
             }
             _save_file(state, tmp / "state.pt")
-            write_text_atomic(tmp / "meta.json", json.dumps({**meta, "step": step, "digests": DIGESTS}))
+            write_text_atomic(
+                tmp / "meta.json",
+                json.dumps({**meta, "step": step, "digests": DIGESTS, "options": options}, default=str),
+            )
             files = {k: v for d in all_digests for k, v in d.items()} | _digests(tmp, ["state.pt", "meta.json"])
             files = dict(sorted(files.items()))
             write_text_atomic(tmp / DIGESTS, json.dumps({"files": files, "sha256": _listing_digest(files)}, indent=1))
@@ -402,6 +407,11 @@ def _read_meta(path: Path) -> dict:
         return json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {file} ({e})") from None
+
+
+def read_options(path: Path) -> dict | None:
+    """The record of options the checkpoint at `path` was saved with (see save_checkpoint), None when it holds none."""
+    return _read_meta(path).get("options")
 
 
 def _load_state(path: Path) -> dict:

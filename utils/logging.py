@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from utils.rundir import drop_rows_after
+from utils.rundir import drop_rows_after, write_record
 
 
 class Logger:
@@ -28,6 +28,7 @@ class Logger:
         resume_step: int | None = None,
         group: str = "",
         tags: str = "",
+        record: bool = True,
     ):
         """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline; disabled,
         with one line saying so, when wandb is not installed).
@@ -37,8 +38,9 @@ class Logger:
         one uninterrupted run: every line with a later step, and every line of that step after its first (the
         one logged before the checkpoint was saved). A fresh start empties them. None appends to what is there.
 
-        group, tags: the wandb group and comma-separated tags (empty: none). The config is also written to
-        config.json in the run directory, which evaluation/compare.py reads."""
+        group, tags: the wandb group and comma-separated tags (empty: none). With `record`, the config is also the
+        run's record of options, config.json in the run directory (utils.rundir.write_record), which
+        evaluation/compare.py reads."""
         self.enabled = enabled
         self.run = None
         self.file = None
@@ -53,7 +55,8 @@ class Logger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._truncate(self.run_dir / "metrics.jsonl")
         self.file = open(self.run_dir / "metrics.jsonl", "a")
-        (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str) + "\n")
+        if record:
+            write_record(self.run_dir, config)
         if mode == "auto" and importlib.util.find_spec("wandb") is None:
             say("wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only")
             mode = "disabled"

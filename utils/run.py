@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from utils.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from utils.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, read_options, save_checkpoint
 from utils.config import ConfigError, RunConfig, config_to_dict
 from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
 from utils.fsdp import export_model, resolve_dtype
@@ -138,7 +138,9 @@ def start_run(cfg: RunConfig, meta: dict) -> Run:
     checkpoint = find_checkpoint(run_dir, cfg.resume_from, meta)
     record = config_to_dict(cfg)
     if checkpoint is not None and checkpoint.parent.parent.resolve() == run_dir.resolve():  # its own: a resume
-        record = options_record(run_dir, record, int(checkpoint.name.split("_")[-1]), cfg.resume_changes == "allow")
+        step, allow = int(checkpoint.name.split("_")[-1]), cfg.resume_changes == "allow"
+        defaults = config_to_dict(type(cfg)())  # what an option the record lacks was, before it could be set
+        record = options_record(run_dir, record, step, allow, read_options(checkpoint), defaults)
     torch.manual_seed(cfg.seed)
     guard = NonFiniteGuard(meta["stage"], cfg.on_nonfinite, info.device)
     return Run(info, run_dir, meta, checkpoint, resolve_dtype(cfg.dtype, info.device), guard, record=record)
@@ -261,6 +263,7 @@ def end_of_step(
             rank=run.rank,
             best=run.best if improved else None,
             frozen=frozen,
+            options=run.record or config_to_dict(cfg),
         )
     return stopping
 

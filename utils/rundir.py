@@ -12,8 +12,9 @@ dies, whatever kills it), and holding the holder's pid, host and start time for 
 A lock file that names a holder but is not locked was left by a run that was killed: it is taken over with one
 warning line. flock works across machines on NFS (Linux 2.6.12 and later) and Lustre mounted with -o flock.
 
-config.json (what evaluation/compare.py groups runs by) holds the options the run was started with, written once;
-every later change is appended to its "option_changes" list as {"step", "options": {name: [old, new]}}: free options
+config.json (what evaluation/compare.py groups runs by) holds the options the run was started with, written
+atomically and only when it changes, with a copy in every checkpoint that a resume checks against; every later
+change is appended to its "option_changes" list as {"step", "options": {name: [old, new]}}: free options
 (FREE_OPTIONS: the length of the run, evaluation, logging and checkpoint cadence, memory savers) without asking,
 the others only with --resume_changes allow; where the run is and how it was started (NOT_RECORDED: --out_dir,
 --resume, --resume_from, --resume_changes) are neither compared nor recorded.
@@ -260,23 +261,51 @@ def _same(a, b) -> bool:
     return json.dumps(a, default=str, sort_keys=True) == json.dumps(b, default=str, sort_keys=True)
 
 
-def options_record(run_dir: str | Path, options: dict, step: int, allow: bool) -> dict:
-    """The record (config.json's content) of a run resumed from its own checkpoint at `step`: the options it was
-    started with, and its list of changes. Options that differ from the recorded ones (started with, after the
-    changes so far) are appended with the step; a change outside FREE_OPTIONS is a ConfigError listing each
-    (old -> new) unless `allow`. With nothing recorded (a run from before config.json), `options`."""
-    file = Path(run_dir) / RECORD
+def _read_record(file: Path) -> tuple[dict | None, str]:
+    """(config.json's record, "") or (None, what is wrong with the file)."""
     try:
         record = json.loads(file.read_text())
         if not isinstance(record, dict):
             raise ValueError("not a JSON object")
+        return record, ""
     except FileNotFoundError:
-        return options
+        return None, "is missing"
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        warn(f"{file} cannot be read ({type(e).__name__}: {e}); it is rewritten with this run's options")
+        return None, f"cannot be read ({type(e).__name__}: {e})"
+
+
+def options_record(
+    run_dir: str | Path, options: dict, step: int, allow: bool, saved: dict | None = None, defaults: dict | None = None
+) -> dict:
+    """The record (what config.json holds) of a run resumed from its own checkpoint at `step`: the options it was
+    started with, and its list of changes. The checkpoint's own copy (`saved`, see utils.checkpoint.save_checkpoint)
+    is the record compared against, so a config.json deleted, emptied or edited cannot let a change through (a
+    config.json that is missing or unreadable is named in a warning and written again from it); a checkpoint without
+    one is compared against config.json. Options that differ from the recorded ones (started with, after the changes
+    so far) are appended with the step; a change outside FREE_OPTIONS is a ConfigError listing each (old -> new)
+    unless `allow`. An option the record lacks (added to the code after the run started) compares against its value
+    in `defaults` and joins the record with it. With no record at all, `options`, with a warning."""
+    file = Path(run_dir) / RECORD
+    on_disk, problem = _read_record(file)
+    if saved is not None:
+        record = saved
+        if on_disk is None:
+            warn(f"{file} {problem}; it is written again from the record of options in the checkpoint of step {step}")
+    elif on_disk is not None:
+        record = on_disk
+    else:
+        warn(
+            f"{file} {problem} and the checkpoint of step {step} holds no record of options: this run's options are "
+            f"recorded as the run's, unchecked"
+        )
         return options
-    current = {k: v for k, v in record.items() if k != RESUME_CHANGES}
-    for change in record.get(RESUME_CHANGES, []):
+    defaults = defaults or {}
+    lacking = {k: defaults[k] for k in options if k not in record and k in defaults and k not in NOT_RECORDED}
+    history = record.get(RESUME_CHANGES, [])
+    current = {k: v for k, v in record.items() if k != RESUME_CHANGES} | lacking
+    record = {**current, RESUME_CHANGES: history} if history else current
+    current = dict(current)  # the options in force at `step`: started with, then each change
+    for change in history:
         current |= {k: new for k, (_, new) in change["options"].items()}
     changed = {
         k: [current[k], v]
@@ -301,6 +330,19 @@ def options_record(run_dir: str | Path, options: dict, step: int, allow: bool) -
                 + f"), recorded in {file}"
             )
     return json.loads(json.dumps(record, default=str))
+
+
+def write_record(run_dir: str | Path, record: dict) -> None:
+    """Write config.json (the run's record of options) atomically, and only when its content changes: a run killed
+    while writing it leaves the previous record whole."""
+    file = Path(run_dir) / RECORD
+    text = json.dumps(record, indent=1, default=str) + "\n"
+    try:
+        if file.read_text() == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    write_text_atomic(file, text)
 
 
 def drop_rows_after(path: Path, resume_step: int, loud: bool = True) -> None:

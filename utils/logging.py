@@ -331,8 +331,19 @@ HEADLINES = {
     ),
 }
 """The metrics each stage's terminal table shows (those it logged); summary.json holds every evaluation metric."""
-LOWER_IS_BETTER = ("loss", "kl")
-"""Evaluation metrics whose name ends in one of these are best at their minimum, every other one at its maximum."""
+LOWER_IS_BETTER = ("loss", "kl", "length", "grad_norm", "deviation", "gap", "seconds")
+"""Metrics whose last name part ends in one of these (losses, KL, lengths, gradient norms, ratio deviations, log-prob
+gaps, times) are best at their minimum; counts (n_...) and interval bounds (..._ci_...) have no best; every other
+metric (rewards, accuracies, win rates, rates, means of rewards) is best at its maximum."""
+
+
+def metric_direction(metric: str) -> str | None:
+    """ "min", "max" or None (no best): the direction in which `metric` improves, by LOWER_IS_BETTER. The one rule
+    for summary.json's best values and evaluation/compare.py's."""
+    name = metric.split("/")[-1]
+    if name.startswith("n_") or "_ci_" in name:
+        return None
+    return "min" if name.endswith(LOWER_IS_BETTER) else "max"
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -348,15 +359,15 @@ def read_rows(path: Path) -> list[dict]:
 
 def metric_summary(rows: list[dict], key: str) -> dict | None:
     """Final and best value of `key` with their steps over metrics rows (the last row at a step wins); best is the
-    minimum for names ending in LOWER_IS_BETTER, else the maximum; counts and interval bounds have no best."""
+    minimum or the maximum as metric_direction says; counts and interval bounds have no best."""
     by_step = {int(r["step"]): r[key] for r in rows if isinstance(r.get(key), (int, float))}
     if not by_step:
         return None
     steps = sorted(by_step)
     out = {"final": by_step[steps[-1]], "final_step": steps[-1]}
-    name = key.split("/")[-1]
-    if not (name.startswith("n_") or "_ci_" in name):
-        lower = name.endswith(LOWER_IS_BETTER)
+    direction = metric_direction(key)
+    if direction is not None:
+        lower = direction == "min"
         best = (min if lower else max)(steps, key=lambda s: (by_step[s], -s) if not lower else (by_step[s], s))
         out.update(best=by_step[best], best_step=best, mode="min" if lower else "max")
     return out

@@ -47,7 +47,7 @@ from utils.dist import all_reduce_sum
 from utils.fsdp import gathered_params, resolve_dtype, shard_model
 from utils.guard import exit_on_error
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
-from utils.run import Run, end_of_step, epoch_steps, finish, resume, start_run
+from utils.run import Run, check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -267,7 +267,9 @@ def main(cfg: Config) -> dict:
         samples = SampleLog(rows, "chosen", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed)
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
         val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, prefix_sharing=cfg.prefix_sharing)
-        run.logger.log({f"val/{k}": v for k, v in val.items()} | (judge.evaluate(policy, "val/") if judge else {}), 0)
+        val = {f"val/{k}": v for k, v in val.items()} | (judge.evaluate(policy, "val/") if judge else {})
+        check_best_metric(cfg, val)  # before the first training step
+        run.logger.log(val, 0)
         if samples is not None:
             samples.log(run.logger, policy, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)

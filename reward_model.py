@@ -45,7 +45,7 @@ from utils.fsdp import gathered_params, shard_model
 from utils.guard import check_rewards, exit_on_error
 from utils.logging import track
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
-from utils.run import end_of_step, epoch_steps, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -256,7 +256,9 @@ def main(cfg: Config) -> dict:
     model.train()
     if data.val_set is not None and step == 0 and cfg.eval_every > 0:
         val = evaluate_reward_model(model, data.val_set, device, prefix_sharing=cfg.prefix_sharing)
-        run.logger.log({f"val/{k}": v for k, v in val.items()}, step=0)
+        val = {f"val/{k}": v for k, v in val.items()}
+        check_best_metric(cfg, val)  # before the first training step
+        run.logger.log(val, step=0)
     metrics, stopping = {}, False
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
         while step < total_steps and not stopping:

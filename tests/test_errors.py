@@ -561,6 +561,42 @@ CASES = [
         ["--reference", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"],
     ),
     (
+        "judge_without_validation",
+        "sft",
+        lambda f, out: ["--judge", str(f["constant_rm"])],
+        ["--judge scores the policy at each validation, and --val_data '' with --eval_every", "runs none"],
+    ),
+    (
+        "judge_without_validation_in_dpo",
+        "dpo",
+        lambda f, out: ["--judge", str(f["constant_rm"])],
+        ["--judge scores the policy at each validation, and --val_data '' with --eval_every", "runs none"],
+    ),
+    (
+        "judge_without_summary_data",
+        "sft",
+        lambda f, out: ["--judge", str(f["constant_rm"]), "--val_data", str(f["sft"]), "--summary_data", ""],
+        ["--judge scores summaries of --summary_data's posts, and --summary_data is empty"],
+    ),
+    (
+        "best_metric_not_logged",
+        "sft",
+        lambda f, out: ["--val_data", str(f["sft"]), "--best_metric", "val/los"],
+        ["--best_metric val/los is not logged by this stage; its val/ metrics are ['val/loss']"],
+    ),
+    (
+        "best_metric_not_logged_in_dpo",
+        "dpo",
+        lambda f, out: ["--val_data", str(f["pref"]), "--eval_every", "1", "--best_metric", "val/acc"],
+        ["--best_metric val/acc is not logged by this stage; its val/ metrics are ['val/accuracy'"],
+    ),
+    (
+        "best_metric_not_logged_in_reward_model",
+        "reward_model",
+        lambda f, out: ["--val_data", str(f["pref"]), "--eval_every", "1", "--best_metric", "val/acc"],
+        ["--best_metric val/acc is not logged by this stage; its val/ metrics are ['val/accuracy'"],
+    ),
+    (
         "reward_model_without_normalisation",
         "grpo",
         lambda f, out: ["--reward_model", str(f["rm_no_norm"]), "--reward_random_init", "false"],
@@ -700,6 +736,33 @@ def test_eval_preferences_writes_into_a_run_folder_under_its_lock_and_leaves_its
     eval_preferences.main(parse_config(eval_preferences.Config, args))
     assert (run / "config.json").read_text() == '{"lr": 1.0}\n'
     assert (run / "preference_eval.json").is_file() and (run / ".lock").read_text() == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["sft", "dpo"])
+def test_every_evaluation_option_combination_fails_at_start_or_runs_to_its_export(script, inputs, tmp_path, capsys):
+    # validation data or none, a judge or none, evaluations or none: each either stops before training (exit 2,
+    # nothing written) or trains, evaluates what it promised and exports; never a stop at the first evaluation
+    import itertools
+
+    judge = ["--summary_data", str(inputs["sft"]), "--summary_rows", "2", "--max_new_tokens", "4"]
+    data = inputs["sft"] if script == "sft" else inputs["pref"]
+    for i, (val, judged, every) in enumerate(itertools.product(("", str(data)), (False, True), ("-1", "1"))):
+        out = tmp_path / f"run{i}"
+        args = base_args(script, inputs, out) + ["--val_data", val, "--eval_every", every, "--steps", "2"]
+        args += ["--judge", str(inputs["constant_rm"]), *judge] if judged else []
+        with pytest.raises(SystemExit) as info:
+            with helpers.exit_on_error():
+                SCRIPTS[script].main(parse_config(SCRIPTS[script].Config, args))
+                raise SystemExit(0)
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").is_file() else []
+        evaluated = {k for r in rows for k in r if k.startswith("val/")}
+        if info.value.code == 2:
+            assert not (out / "checkpoints").exists() and judged, (val, judged, every)
+        else:
+            assert info.value.code == 0 and (out / "hf").is_dir(), (val, judged, every, info.value.code)
+            assert ("val/win_rate" in evaluated) == judged and bool(evaluated) == bool(val and every == "1")
+        capsys.readouterr()
 
 
 def test_every_option_that_names_a_model_has_its_kind_checked_in_every_script():

@@ -191,6 +191,13 @@ def update_best(best: dict | None, metrics: dict, metric: str, mode: str, step: 
     return {"metric": metric, "mode": mode, "value": value, "step": step}, True
 
 
+def check_best_metric(cfg: RunConfig, evaluated: dict) -> None:
+    """--best_metric against the metrics an evaluation logs (`evaluated`: names, values unused), before any training
+    step: ConfigError when that evaluation logs metrics of its group but not it (update_best's check, which would
+    otherwise stop the run at its first evaluation, before that step's checkpoint)."""
+    update_best(None, evaluated, cfg.best_metric, cfg.best_mode, 0)
+
+
 def resume(
     run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_steps: int, frozen: dict | None = None
 ) -> int:

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -359,6 +360,69 @@ def test_a_full_disk_stops_the_save_in_one_line_and_leaves_the_earlier_checkpoin
     assert checkpoint_problem(out / "checkpoints" / "step_00000001") is None
     resumed = run_sft(rows, out, "--steps", "2")  # space again: the same command continues
     assert [m["step"] for m in resumed] == [1, 2]
+
+
+class _FullDiskFile:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+@pytest.mark.parametrize("where", ["export", "metrics.jsonl", "samples.jsonl", "summary.json"])
+def test_a_full_disk_while_writing_the_run_folder_stops_in_one_line_with_exit_4(
+    rows, tmp_path, capsys, monkeypatch, where
+):
+    import builtins
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from utils import logging as run_logging
+
+    out = tmp_path / "run"
+    evaluated = ("--steps", "1", "--val_data", str(rows), "--val_rows", "4", "--eval_samples", "2")
+    args = sft_args(rows, out, *evaluated)
+    with monkeypatch.context() as patch:
+        if where == "export":  # what safetensors' writer raises on a full disk
+
+            def full_disk_save_file(*args, **kwargs):
+                raise SafetensorError(
+                    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                    'space left on device" })'
+                )
+
+            patch.setattr(safetensors.torch, "save_file", full_disk_save_file)
+        elif where == "summary.json":
+            patch.setattr(run_logging, "write_text_atomic", _no_space)
+        else:
+
+            def full_open(path, mode="r", *a, **k):
+                file = builtins.open(path, mode, *a, **k)
+                return _FullDiskFile(file) if Path(path).name == where else file
+
+            patch.setattr(run_logging, "open", full_open, raising=False)
+        code, message = helpers.run_cli(sft, args, capsys)
+    assert code == 4, message
+    what = f"the export {out / 'hf'}" if where == "export" else str(out / where)
+    assert message.startswith(f"error: cannot write {what}: no space left on device; "), message
+    assert not (out / "hf.tmp").exists() and not list(out.glob("*.tmp"))
+    if where in ("export", "summary.json"):  # the checkpoint of the last step is written: a rerun exports
+        assert checkpoint_step(out) == 1
+    run_sft(rows, out, *evaluated)  # space again: the same command finishes the run
+    assert (out / "hf" / "model.safetensors").is_file() and (out / "summary.json").is_file()
 
 
 # ----------------------------------------------------------------------------------------------------

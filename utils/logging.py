@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from utils.rundir import drop_rows_after, write_record
+from utils.rundir import RunWriteError, drop_rows_after, stop_on_write_failure, write_record, write_text_atomic
 
 
 class Logger:
@@ -49,6 +49,7 @@ class Logger:
         self.offline = False
         self.started = time.perf_counter()
         self.logged = 0  # rows this process logged (0: a rerun of a finished run)
+        self.write_failure: RunWriteError | None = None  # a table's failed write, raised by the next log()
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -87,12 +88,18 @@ class Logger:
         return f"wandb: offline run in {folder}; upload it with: wandb sync {folder}"
 
     def log(self, metrics: dict, step: int) -> None:
+        """Append a row to metrics.jsonl (and wandb). A write that fails here or in a table since the last row raises
+        utils.rundir.RunWriteError (exit code 4, one line): the training scripts call this inside an agreement over
+        ranks (utils.run.end_of_step), so every rank stops together."""
         if not self.enabled:
             return
+        if self.write_failure is not None:
+            raise self.write_failure
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
         self.logged += 1
-        self.file.write(json.dumps({"step": step, **{k: v for k, v in clean.items() if _jsonable(v)}}) + "\n")
-        self.file.flush()
+        with stop_on_write_failure(str(self.run_dir / "metrics.jsonl"), self.run_dir):
+            self.file.write(json.dumps({"step": step, **{k: v for k, v in clean.items() if _jsonable(v)}}) + "\n")
+            self.file.flush()
         if self.run is not None:
             self.run.log(clean, step=step)
 
@@ -103,8 +110,12 @@ class Logger:
         if key not in self.tables_opened:
             self.tables_opened.add(key)
             self._truncate(path)
-        with open(path, "a") as f:
-            f.write(json.dumps({"step": step, "columns": columns, "rows": rows}) + "\n")
+        try:  # on rank 0 alone, inside an evaluation: a failure waits for the next log(), which every rank agrees on
+            with stop_on_write_failure(str(path), self.run_dir), open(path, "a") as f:
+                f.write(json.dumps({"step": step, "columns": columns, "rows": rows}) + "\n")
+        except RunWriteError as e:
+            self.write_failure = self.write_failure or e
+            return
         if self.run is not None:
             import wandb
 
@@ -448,6 +459,7 @@ def report_summary(run_dir: str | Path, stage: str, wall_seconds: float, new_ste
         summary = json.loads(path.read_text())
     else:
         summary = run_summary(run_dir, stage, wall_seconds)
-        path.write_text(json.dumps(summary, indent=1) + "\n")
+        with stop_on_write_failure(str(path), run_dir):
+            write_text_atomic(path, json.dumps(summary, indent=1) + "\n")
     tell(format_summary(summary) + f"\n  summary: {path}")
     return summary

@@ -32,7 +32,7 @@ import torch
 from utils.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, read_options, save_checkpoint
 from utils.config import ConfigError, RunConfig, config_to_dict
 from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
-from utils.fsdp import export_model, resolve_dtype
+from utils.fsdp import full_model_state, resolve_dtype
 from utils.guard import NonFiniteGuard, StopSignal, all_ranks_agree
 from utils.logging import Logger, progress, report_summary, step_postfix, tell
 from utils.rundir import (
@@ -43,6 +43,7 @@ from utils.rundir import (
     options_record,
     refuse_start_over,
     release_run_dir,
+    stop_on_write_failure,
     warn,
 )
 
@@ -250,7 +251,8 @@ def end_of_step(
     rank, only when saving: it may be a collective). `frozen`: models without an optimizer whose weights the run
     changes (GRPO's refreshed reference), saved sharded with the model. Returns True when the run must stop (a signal
     came)."""
-    run.logger.log(metrics, step)
+    with all_ranks_agree("writing metrics.jsonl", run.device):  # rank 0 writes: a full disk stops every rank
+        run.logger.log(metrics, step)
     run.bar.set_postfix(step_postfix(metrics), refresh=False)
     run.bar.update(1)
     metric = cfg.best_metric if best_metric is None else best_metric
@@ -278,16 +280,22 @@ def end_of_step(
 def finish(run: Run, model, step: int, metrics: dict, stopped: bool, export: Callable[[dict], None]) -> None:
     """After the loop: a stopped run says where its checkpoint is; a finished one gathers the full weights and hands
     them to `export` on rank 0 (model.weights.save_export: the Hugging Face-format folder) and writes summary.json with
-    its table on the terminal (utils/logging.report_summary; a rerun of a finished run prints the one written). Then
-    the logger closes and the process group is torn down."""
+    its table on the terminal (utils/logging.report_summary; a rerun of a finished run prints the one written); a
+    failed write of either stops every rank with one line, exit code 4, and no hf.tmp left. Then the logger closes
+    and the process group is torn down."""
     run.bar.close()
     if stopped:
         run.stop.report(step, run.dir / "checkpoints", run.rank)
     else:
-        export_model(model, export, run.rank)
-        run.say(f"exported {run.dir / 'hf'}")
-        if run.is_main:
-            report_summary(run.dir, run.meta["stage"], time.perf_counter() - run.logger.started, run.logger.logged > 0)
+        # rank 0 writes the export and summary.json; every rank waits, and a failed write (exit 4) stops every rank
+        with all_ranks_agree("the export", run.device):
+            state = full_model_state(model)
+            if run.is_main:
+                with stop_on_write_failure(f"the export {run.dir / 'hf'}", run.dir, leftover=run.dir / "hf.tmp"):
+                    export(state)
+                run.say(f"exported {run.dir / 'hf'}")
+                wall_seconds = time.perf_counter() - run.logger.started
+                report_summary(run.dir, run.meta["stage"], wall_seconds, run.logger.logged > 0)
     run.logger.finish()
     if run.is_main:
         release_run_dir(run.dir)

@@ -27,10 +27,12 @@ import atexit
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
@@ -166,6 +168,8 @@ def os_error_behind(e: BaseException) -> OSError | None:
             cause = next((o for o in map(os_error_behind, causes) if isinstance(o, OSError)), None)
             if cause is not None:
                 return cause
+        if code := re.search(r"Os \{ code: (\d+)", str(e)):  # safetensors' Rust writer: "IoError(Os { code: 28, ..."
+            return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
         e = e.__cause__ or e.__context__
     return None
 
@@ -192,6 +196,32 @@ def describe_write_failure(e: BaseException, folder: Path, needed: int | None = 
     sizes = [f"it needs about {needed:,} bytes"] if needed is not None else []
     sizes += [f"{free:,} are free there"] if free is not None else []
     return "; ".join([why, ", ".join(sizes)] if sizes else [why])
+
+
+class RunWriteError(RuntimeError):
+    """A file of the run directory that could not be written (a full disk, or another OS error); exit code 4."""
+
+    exit_code = 4
+
+
+@contextmanager
+def stop_on_write_failure(what: str, folder: str | Path, leftover: Path | None = None):
+    """Around a write into the run directory: an OS error (or one a writer wraps: safetensors, torch.save) becomes
+    RunWriteError, one line naming `what`, the error and the bytes free in `folder`, after `leftover` (a temporary
+    folder or file the write leaves) is removed. Any other exception passes unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if os_error_behind(e) is None:
+            raise
+        if leftover is not None and leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        elif leftover is not None:
+            leftover.unlink(missing_ok=True)
+        raise RunWriteError(
+            f"cannot write {what}: {describe_write_failure(e, Path(folder))}; what was written before is intact: free "
+            f"space there (or use another --out_dir) and rerun the same command to continue from the newest checkpoint"
+        ) from None
 
 
 def _holder(text: str) -> str:

@@ -331,7 +331,7 @@ def score_rewards(
         check_rewards(scores.raw, "grpo", step, prompts.ids.device)
         penalized = penalize_missing_end(scores.raw, samples.has_end, cfg.missing_end_penalty)
         scores.values[:, spec.rm_column] = reward_model.normalize(penalized).double()
-    warn_constant_sources(spec, scores.values, scores.applies, step + 1)
+    warn_constant_sources(spec, scores.values, scores.applies, step)
     x = normalize_sources(scores.values, scores.applies, spec.normalize_S, all_reduce_sum)  # (N, S)
     scores.total = combine_sources(x, spec.weights_S).float()  # (N,)
     return scores

@@ -33,7 +33,7 @@ from model.heads import RewardModel
 from model.weights import save_hf
 from tests import helpers
 from tests.conftest import ROOT, checkpoint_step, free_port, run_script
-from utils.checkpoint import latest_checkpoint, read_tensors, save_checkpoint
+from utils.checkpoint import newest_intact, read_tensors, save_checkpoint
 from utils.config import config_to_dict, parse_config
 from utils.optim import build_optimizer, build_scheduler
 
@@ -497,13 +497,13 @@ CASES = [
     (
         "policy_as_judge",
         "sft",
-        lambda f, out: ["--judge", str(f["policy"])],
+        lambda f, out: ["--judge", str(f["policy"]), "--val_data", str(f["sft"])],
         ["--judge", "policy is a policy (a GPT-2 language model), not a reward model"],
     ),
     (
         "policy_as_judge_of_dpo",
         "dpo",
-        lambda f, out: ["--judge", str(f["policy"])],
+        lambda f, out: ["--judge", str(f["policy"]), "--val_data", str(f["pref"])],
         ["--judge", "policy is a policy (a GPT-2 language model), not a reward model"],
     ),
     (
@@ -515,7 +515,7 @@ CASES = [
     (
         "missing_judge_folder",
         "sft",
-        lambda f, out: ["--judge", str(out / "rm" / "hf")],
+        lambda f, out: ["--judge", str(out / "rm" / "hf"), "--val_data", str(f["sft"])],
         ["--judge: model folder", "rm/hf does not exist"],
     ),
     (
@@ -804,7 +804,7 @@ def test_nonfinite_loss_stops_before_the_optimizer_step_and_saves_nothing(inputs
     assert code == 3
     assert "sft: non-finite train/loss and train/grad_norm at step 1 (train/loss=nan" in message
     assert "stopped before the optimizer step" in message
-    assert latest_checkpoint(out) is None and not (out / "hf").exists()
+    assert newest_intact(out) is None and not (out / "hf").exists()
 
 
 def test_nonfinite_mid_run_leaves_the_last_good_checkpoint(inputs, tmp_path, capsys):
@@ -815,7 +815,7 @@ def test_nonfinite_mid_run_leaves_the_last_good_checkpoint(inputs, tmp_path, cap
     failed = int(re.search(r"at step (\d+)", message).group(1))
     assert code == 3 and failed >= 2, message
     assert checkpoint_step(out) == failed - 1  # nothing saved at or after the failing step
-    assert all(torch.isfinite(v).all() for v in read_tensors(latest_checkpoint(out)).values())
+    assert all(torch.isfinite(v).all() for v in read_tensors(newest_intact(out)).values())
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["step"] for m in lines] == list(range(1, failed))
 
@@ -840,7 +840,7 @@ def test_skip_drops_nonfinite_steps_without_stepping(inputs, tmp_path, capsys):
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["train/skipped"] for m in lines] == [1.0, 1.0]
     assert metrics["train/lr"] == pytest.approx(sft.Config.lr / sft.Config.warmup_steps)  # the schedule never moved
-    ckpt = latest_checkpoint(out)
+    ckpt = newest_intact(out)
     # no gradient ever reached AdamW's moments (saving initialises them with zeros) and no weight moved
     assert all(not s["exp_avg"].any() for s in read_tensors(ckpt, "optimizer")["state"].values())
     start = load_file(str(inputs["nan_policy"] / "model.safetensors"))
@@ -861,7 +861,7 @@ def test_reward_model_nan_or_constant_is_caught_at_rollout(rm, fragment, inputs,
     code, message = run_cli("grpo", args, capsys)
     log_case(f"reward_model_{rm.split('_')[0]}", "grpo", message, code, inputs)
     assert code == 3 and fragment in message, message
-    assert latest_checkpoint(out) is None
+    assert newest_intact(out) is None
 
 
 def test_grpo_step_skips_a_nonfinite_update_and_leaves_weights_and_schedule_alone():

@@ -118,7 +118,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
     import torch
 
     from utils import checkpoint
-    from utils.checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+    from utils.checkpoint import find_checkpoint, load_checkpoint, newest_intact, save_checkpoint
 
     model, optimizer, scheduler, meta = tiny_training_state()
     save_checkpoint(tmp_path, 1, model, optimizer, scheduler, meta, extra={"loader": {"epoch": 0}})
@@ -128,17 +128,17 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
         path.write_bytes(b"\x80\x02half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "_save_file", dies_half_way)
+    monkeypatch.setattr(checkpoint, "save_torch_synced", dies_half_way)
     with torch.no_grad():
         model.transformer.wte.weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 2, model, optimizer, scheduler, meta)
     monkeypatch.undo()
     assert (tmp_path / "checkpoints" / ".step_00000002.tmp").is_dir()  # the debris, never renamed
-    assert latest_checkpoint(tmp_path).name == "step_00000001"
+    assert newest_intact(tmp_path).name == "step_00000001"
     assert find_checkpoint(tmp_path, "", meta) == tmp_path / "checkpoints" / "step_00000001"
     fresh, fresh_optimizer, fresh_scheduler, _ = tiny_training_state(seed=1)
-    state = load_checkpoint(latest_checkpoint(tmp_path), fresh, fresh_optimizer, fresh_scheduler, meta)
+    state = load_checkpoint(newest_intact(tmp_path), fresh, fresh_optimizer, fresh_scheduler, meta)
     assert state["step"] == 1 and state["extra"] == {"loader": {"epoch": 0}}
     assert all(torch.equal(v, expected[k]) for k, v in fresh.state_dict().items())
     save_checkpoint(tmp_path, 3, model, optimizer, scheduler, meta)
@@ -175,8 +175,9 @@ def test_a_checkpoint_of_an_older_format_is_refused_with_one_line(tmp_path):
 
 
 def test_pruning_keeps_the_last_n_and_the_best_and_a_broken_pointer_falls_back(tmp_path, capsys):
-    from utils.checkpoint import latest_checkpoint, read_best, save_checkpoint
+    from utils.checkpoint import newest_intact, save_checkpoint
     from utils.run import update_best
+    from utils.rundir import read_best
 
     model, optimizer, scheduler, meta = tiny_training_state()
     best = None
@@ -199,8 +200,8 @@ def test_pruning_keeps_the_last_n_and_the_best_and_a_broken_pointer_falls_back(t
     ):
         update_best(best, {"val/loss": 1.0}, "val/los", "min", 6)
     (tmp_path / "checkpoints" / "latest").write_text("step_00000009")  # names a folder deleted by hand
-    assert latest_checkpoint(tmp_path).name == "step_00000005"
-    assert "names 'step_00000009', which is missing or incomplete" in capsys.readouterr().err
+    assert newest_intact(tmp_path).name == "step_00000005"
+    assert "names 'step_00000009', which is missing; looking for the newest checkpoint" in capsys.readouterr().err
 
 
 def test_resumed_logger_drops_what_the_killed_run_logged_after_its_checkpoint(tmp_path):

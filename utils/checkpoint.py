@@ -6,34 +6,27 @@ Layout under a run directory:
                                           rank writes its own shards (__RANK_N.distcp), rank 0 the .metadata index
     checkpoints/step_00000100/state.pt    step, stage and model config, scheduler, data position and loop state,
                                           every rank's RNG state (small; rank 0)
-    checkpoints/step_00000100/meta.json   stage and model config (read before any model is built), step
+    checkpoints/step_00000100/meta.json   stage and model config, step and the run's options (read first)
     checkpoints/step_00000100/digests.json  size and SHA-256 of every other file of the checkpoint, taken when it was
                                           written and checked before a resume reads anything
     checkpoints/latest                    name of the newest complete checkpoint
     checkpoints/best.json                 the checkpoint with the best validation metric: name, metric, value
 
-Every rank writes only the shards it holds (no rank gathers the full model), into a temporary folder whose files
-are flushed to disk before it is renamed: a process killed during a save leaves the previous checkpoint and `latest`
-intact. DCP records every tensor's global shape and the slice each file holds, so a run resumes on another number of
-ranks. With LoRA the model state holds the frozen base weights and the adapters. Pruning keeps the newest
-`keep_last` checkpoints and the best one.
-
-A resume checks every file against digests.json first (each rank hashes a share of the files): a damaged checkpoint
-is named in one warning line and the next older one is tried (one line and a stop when none is intact). A save that
-cannot write (a full disk, any OS error) removes its temporary folder and stops every rank with one line naming the
-folder, the error and the bytes it needs. A checkpoint of an older format of this project is refused with one line.
-docs/distributed.md describes the format and its guarantees.
+Every rank writes only the shards it holds into a temporary folder, flushed to disk before it is renamed: a process
+killed during a save leaves the previous checkpoint and `latest` intact; a save that cannot write (a full disk)
+removes it and stops every rank with one line. DCP records every tensor's global shape, so a run resumes on another
+number of ranks. A resume checks every file against digests.json first (the ranks hash a share each): a damaged
+checkpoint is named in one warning line and the next older one is tried. A checkpoint of an older format of this
+project is refused with one line. docs/distributed.md and docs/errors.md describe the format and its guarantees.
 """
 
 import hashlib
 import json
 import os
-import random
 import shutil
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -49,8 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.utils._pytree import tree_leaves
 
-from utils.dist import barrier, broadcast_object, gather_objects, rank_and_world, rng_state, set_rng_state, stream_seed
-from utils.rundir import describe_write_failure, warn, write_text_atomic
+from utils.dist import barrier, broadcast_object, gather_objects, rank_and_world, reseed, rng_state, set_rng_state
+from utils.rundir import RunWriteError, describe_write_failure, read_best, save_torch_synced, warn, write_text_atomic
 
 SHARDED = "sharded"  # the DCP folder inside a checkpoint
 DIGESTS = "digests.json"  # {file relative to the checkpoint: {"bytes", "sha256"}} of every other file in it
@@ -62,32 +55,13 @@ class CheckpointError(RuntimeError):
     exit_code = 2
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(RunWriteError):
     """A checkpoint that could not be written (a full disk, or another OS error); the message names the folder."""
-
-    exit_code = 4
 
 
 def _step_folders(ckpt_root: Path) -> list[Path]:
     """Complete checkpoints (a state.pt inside), oldest first."""
     return sorted(p for p in ckpt_root.glob("step_*") if (p / "state.pt").is_file())
-
-
-def read_best(run_dir: str | Path) -> dict | None:
-    """The best-checkpoint record {"checkpoint", "step", "metric", "mode", "value"}, or None."""
-    file = Path(run_dir) / "checkpoints" / "best.json"
-    try:
-        return json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _save_file(obj, path: Path) -> None:
-    """torch.save, flushed to disk before returning."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _sha256(file: Path) -> str:
@@ -192,9 +166,8 @@ def save_checkpoint(
                 "rng": rngs,
                 "extra": extra or {},
                 "frozen": sorted(frozen or {}),
-                "digests": DIGESTS,  # the format: this checkpoint records digests, without the file it is damaged
             }
-            _save_file(state, tmp / "state.pt")
+            save_torch_synced(state, tmp / "state.pt")
             write_text_atomic(
                 tmp / "meta.json",
                 json.dumps({**meta, "step": step, "digests": DIGESTS, "options": options}, default=str),
@@ -213,14 +186,9 @@ def save_checkpoint(
     _agree_on_write(error, tmp, final, rank)
     if rank == 0:
         # prune: the newest keep_last, the best, and nothing half-written by a killed save
-        record = read_best(run_dir)
-        keep = {record["checkpoint"]} if record else set()
-        complete = _step_folders(ckpt_root)
-        keep |= {p.name for p in complete[-max(1, keep_last) :]}
-        for p in complete:
-            if p.name not in keep:
-                shutil.rmtree(p, ignore_errors=True)
-        for p in ckpt_root.glob(".step_*.tmp"):
+        record, complete = read_best(run_dir), _step_folders(ckpt_root)
+        keep = {p.name for p in complete[-max(1, keep_last) :]} | ({record["checkpoint"]} if record else set())
+        for p in [p for p in complete if p.name not in keep] + list(ckpt_root.glob(".step_*.tmp")):
             shutil.rmtree(p, ignore_errors=True)
     barrier()
     return final
@@ -238,46 +206,23 @@ def _read_pointer(ckpt_root: Path) -> str | None:
         return ""
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint `latest` names; when that is missing or incomplete (a folder deleted by hand), the newest
-    complete one, with a warning; None when there is none. Checks no file's contents (see newest_intact)."""
-    ckpt_root = Path(run_dir) / "checkpoints"
-    name = _read_pointer(ckpt_root)
-    if name:
-        path = ckpt_root / name
-        if (path / "state.pt").is_file():
-            return path
-    complete = _step_folders(ckpt_root) if ckpt_root.is_dir() else []
-    if complete and name:
-        warn(f"{ckpt_root / 'latest'} names {name!r}, which is missing or incomplete; using {complete[-1]}")
-    return complete[-1] if complete else None
-
-
-def _older_format(path: Path) -> str | None:
-    """One line when the checkpoint at `path` is of an older format of this project (state.pt without a
-    digests.json, and a meta.json that is missing or does not name one), else None. A checkpoint whose meta.json
-    names digests.json, or that cannot say, is of this format (checkpoint_problem then finds what is missing)."""
-    if not (path / "state.pt").is_file() or (path / DIGESTS).is_file():
-        return None
-    try:
-        older = "digests" not in json.loads((path / "meta.json").read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        older = True
-    except (OSError, ValueError, TypeError):  # unreadable: a damaged checkpoint of this format
-        older = False
-    return (
-        f"checkpoint {path} is from an older checkpoint format of this project (no {DIGESTS}) and cannot be "
-        f"loaded; move it away (or use another --out_dir) to start the run over"
-        if older
-        else None
-    )
-
-
 def check_format(path: Path, rank: int = 0) -> None:
-    """CheckpointError (every rank, a collective: rank 0 reads) when the checkpoint is of an older format."""
-    older = broadcast_object(_older_format(path) if rank == 0 else None)
-    if older is not None:
-        raise CheckpointError(older)
+    """CheckpointError when the checkpoint at `path` is of an older format of this project: a state.pt without a
+    digests.json, and a meta.json that is missing or names none (a collective: rank 0 reads). One whose meta.json
+    names digests.json, or cannot be read, is of this format: checkpoint_problem finds what is wrong with it."""
+    older = False
+    if rank == 0 and (path / "state.pt").is_file() and not (path / DIGESTS).is_file():
+        try:
+            older = "digests" not in json.loads((path / "meta.json").read_bytes().decode("utf-8"))
+        except FileNotFoundError:
+            older = True
+        except (OSError, ValueError, TypeError):  # unreadable: a damaged checkpoint of this format
+            pass
+    if broadcast_object(older):
+        raise CheckpointError(
+            f"checkpoint {path} is from an older checkpoint format of this project (no {DIGESTS}) and cannot be "
+            f"loaded; move it away (or use another --out_dir) to start the run over"
+        )
 
 
 def _read_digests(path: Path) -> tuple[dict, str | None]:
@@ -288,6 +233,8 @@ def _read_digests(path: Path) -> tuple[dict, str | None]:
         record = json.loads((path / DIGESTS).read_bytes().decode("utf-8"))
         if _listing_digest(record["files"]) != record["sha256"]:
             return {}, f"{path / DIGESTS} was altered (its list does not match its own SHA-256)"
+        if not all({"bytes", "sha256"} <= set(entry) for entry in record["files"].values()):
+            raise ValueError("an entry lacks its bytes or sha256")
         return record["files"], None
     except FileNotFoundError:
         return {}, f"{path / DIGESTS} is missing"
@@ -295,21 +242,14 @@ def _read_digests(path: Path) -> tuple[dict, str | None]:
         return {}, f"{path / DIGESTS} cannot be read ({type(e).__name__}: {e})"
 
 
-def _file_size(file: Path) -> int | None:
-    """The size this rank's view of the file system gives `file`; None when it sees no such file."""
-    try:
-        return file.stat().st_size
-    except FileNotFoundError:
-        return None
-
-
 def _size_problem(file: Path, want: int) -> str | None:
+    """What this rank's view of the file system says is wrong with `file`'s size; None when it is as written."""
     try:
-        size = _file_size(file)
+        size = file.stat().st_size
+    except FileNotFoundError:
+        return f"{file} is missing"
     except OSError as e:
         return f"{file} cannot be checked ({type(e).__name__}: {e})"
-    if size is None:
-        return f"{file} is missing"
     return f"{file} has {size:,} bytes, {want:,} were written" if size != want else None
 
 
@@ -330,16 +270,9 @@ def checkpoint_problem(path: str | Path, rank: int = 0, world: int = 1) -> str |
                 f"the ranks see checkpoint {path} differently ({sees}): --out_dir must show every node the same "
                 f"files (a shared file system whose caches have settled); rerun when they agree"
             )
-    problems_here = {}  # of the files this rank hashed
-    for name in names[rank::world]:
-        file = path / name
-        try:
-            if views[0][name] is None and _sha256(file) != recorded[name]["sha256"]:
-                problems_here[name] = (
-                    f"{file} was altered (its SHA-256 differs from the one recorded when it was written)"
-                )
-        except (OSError, KeyError, TypeError) as e:
-            problems_here[name] = f"{file} cannot be checked ({type(e).__name__}: {e})"
+    altered = "was altered (its SHA-256 differs from the one recorded when it was written)"
+    hashed_here = [n for n in names[rank::world] if views[0][n] is None]  # files r, r + world, ... seen whole
+    problems_here = {n: f"{path / n} {altered}" for n in hashed_here if _sha256(path / n) != recorded[n]["sha256"]}
     problems = {k: v for d in gather_objects(problems_here) for k, v in d.items()}
     problems |= {name: views[0][name] for name in names if views[0][name] is not None}
     if problem is None and problems:
@@ -381,24 +314,19 @@ def newest_intact(run_dir: str | Path, rank: int = 0, world: int = 1) -> Path | 
     return None
 
 
-def _describe_mismatch(key: str, got, want) -> str:
-    if isinstance(got, dict) and isinstance(want, dict):
-        keys = [k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k)]
-        return (
-            ", ".join(f"{k}={got.get(k)!r}" for k in keys)
-            + " but this run's model has "
-            + ", ".join(f"{k}={want.get(k)!r}" for k in keys)
-        )
-    return f"{key}={got!r} but this run expects {key}={want!r}"
-
-
 def check_meta(path: Path, saved: dict, meta: dict) -> None:
-    """CheckpointError unless the checkpoint's meta (stage, model config) equals this run's."""
+    """CheckpointError unless the checkpoint's meta (stage, model config) equals this run's, naming what differs."""
     for key, want in meta.items():
-        got = saved.get(key)
-        if got != want:
-            what = "was written by another stage" if key == "stage" else "holds another model"
-            raise CheckpointError(f"checkpoint {path} {what}: {_describe_mismatch(key, got, want)}")
+        if (got := saved.get(key)) == want:
+            continue
+        what = "was written by another stage" if key == "stage" else "holds another model"
+        if isinstance(got, dict) and isinstance(want, dict):
+            keys = [k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k)]
+            mismatch = ", ".join(f"{k}={got.get(k)!r}" for k in keys) + " but this run's model has "
+            mismatch += ", ".join(f"{k}={want.get(k)!r}" for k in keys)
+        else:
+            mismatch = f"{key}={got!r} but this run expects {key}={want!r}"
+        raise CheckpointError(f"checkpoint {path} {what}: {mismatch}")
 
 
 def _read_meta(path: Path) -> dict:
@@ -444,9 +372,7 @@ def find_checkpoint(run_dir: str | Path, resume_from: str, meta: dict) -> Path |
             problem = checkpoint_problem(path, rank, world)
             if problem is not None:
                 raise CheckpointError(f"--resume_from {resume_from}: checkpoint is damaged: {problem}")
-        elif (source / "checkpoints").is_dir() and latest_checkpoint(source) is not None:
-            path = newest_intact(source, rank, world)
-        else:
+        elif (path := newest_intact(source, rank, world)) is None:
             raise CheckpointError(
                 f"--resume_from {resume_from}: no checkpoint there (expected a checkpoint folder holding state.pt, "
                 f"or a run directory with checkpoints/)"
@@ -506,9 +432,7 @@ def load_checkpoint(
             f"after it are reseeded from --seed {seed}, the step and the rank, so the run does not repeat bit for bit "
             f"one that kept {len(rngs)}"
         )
-        random.seed(stream_seed(seed, state["step"], rank, "resume", "python"))
-        np.random.seed(stream_seed(seed, state["step"], rank, "resume", "numpy") % 2**32)
-        torch.manual_seed(stream_seed(seed, state["step"], rank, "resume"))
+        reseed(seed, state["step"], rank, "resume")
     return {"step": state["step"], "extra": state["extra"]}
 
 
@@ -516,8 +440,7 @@ def read_tensors(path: str | Path, part: str = "model") -> dict[str, torch.Tenso
     """Full (unsharded) tensors of one part of a checkpoint ("model", "optimizer" or a frozen model's name), read in
     this process alone (no process group): for inspecting a checkpoint, not for resuming."""
     path = Path(path)
-    if (older := _older_format(path)) is not None:
-        raise CheckpointError(older)
+    check_format(path)
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent here
         warnings.simplefilter("ignore", UserWarning)
         return _load_state_dict_from_keys({part}, checkpoint_id=path / SHARDED)[part]

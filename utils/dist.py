@@ -204,3 +204,10 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def reseed(*parts) -> None:
+    """Seed the global random streams (torch, CUDA included; numpy; `random`) from stream_seed(*parts, ...)."""
+    random.seed(stream_seed(*parts, "python"))
+    np.random.seed(stream_seed(*parts, "numpy") % 2**32)
+    torch.manual_seed(stream_seed(*parts))

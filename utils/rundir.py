@@ -35,6 +35,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 from utils.config import ConfigError
@@ -154,6 +155,22 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def read_best(run_dir: str | Path) -> dict | None:
+    """The best-checkpoint record checkpoints/best.json: {"checkpoint", "step", "metric", "mode", "value"}, or None."""
+    try:
+        return json.loads((Path(run_dir) / "checkpoints" / "best.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def save_torch_synced(obj, path: Path) -> None:
+    """torch.save, flushed to disk before returning."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def os_error_behind(e: BaseException) -> OSError | None:

@@ -24,7 +24,7 @@ from data.tldr import collate_sft  # noqa: E402
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.weights import freeze  # noqa: E402
 from sft import accumulate_gradients  # noqa: E402
-from utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from utils.checkpoint import load_checkpoint, newest_intact, save_checkpoint  # noqa: E402
 from utils.dist import cleanup_distributed, gather_objects, setup_distributed  # noqa: E402
 from utils.fsdp import shard_model  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
@@ -58,7 +58,7 @@ def main(mode: str, run_dir: str, out: str, seed: str = "0"):
     result, step = {}, 0
     if mode == "resume":
         step = load_checkpoint(
-            latest_checkpoint(run_dir),
+            newest_intact(run_dir, info.rank, info.world_size),
             model,
             optimizer,
             scheduler,

@@ -23,9 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.lora import LoRAConfig, adapters_disabled, apply_lora, lora_scalings, merge_adapters_, merged_state_dict  # noqa: E402
 from model.weights import save_export  # noqa: E402
-from utils.fsdp import export_model, full_model_state  # noqa: E402
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402
-from utils.fsdp import shard_model  # noqa: E402
+from utils.fsdp import (  # noqa: E402
+    export_model,
+    full_model_state,
+    shard_model,  # noqa: E402
+)
 from utils.optim import build_optimizer  # noqa: E402
 
 CFG = GPTConfig(vocab_size=512, n_positions=64, n_layer=2, n_head=2, n_embd=32)

@@ -33,8 +33,10 @@ def main(run_dir: str, out: str, case: str):
     if info.rank == 1 and case == "pointer":
         checkpoint._read_pointer = lambda ckpt_root: "step_00000001"
     if info.rank == 1 and case == "view":
-        real_size = checkpoint._file_size
-        checkpoint._file_size = lambda file: None if file.name == "__1_0.distcp" else real_size(file)
+        real = checkpoint._size_problem
+        checkpoint._size_problem = lambda file, want: (
+            f"{file} is missing" if file.name == "__1_0.distcp" else real(file, want)
+        )
     try:
         result = newest_intact(run_dir, info.rank, info.world_size).name
     except CheckpointError as e:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from utils.rundir import check_run_dir, check_shared_dir  # noqa: E402
 from utils.config import ConfigError  # noqa: E402
 from utils.dist import cleanup_distributed, setup_distributed  # noqa: E402
+from utils.rundir import check_run_dir, check_shared_dir  # noqa: E402
 
 
 def main(base: str, out: str, mode: str):

@@ -16,22 +16,14 @@ from functools import partial
 
 import torch
 
-from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, eval_slice, load_rows
+from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, load_rows, real_rows, validation_batches
 from data.tokenizer import get_tokenizer
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.losses import sft_loss_sum
-from utils.config import (
-    ConfigError,
-    DataConfig,
-    OptimConfig,
-    RunConfig,
-    accumulation_steps,
-    fit_context,
-    parse_config,
-)
+from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config
 from utils.dist import all_reduce_sum, stream
 from utils.fsdp import shard_model
 from utils.guard import exit_on_error
@@ -171,25 +163,6 @@ def accumulate_gradients(
     return float(all_reduce_sum(sum(sums, torch.zeros((), device=device))) / n_tokens)
 
 
-def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size: int) -> list[dict]:
-    """This rank's micro-batches of a disjoint slice of the validation rows, in fixed order. Every rank gets the same
-    number of batches (data.tldr.eval_slice): a rank short of rows fills its last batch with copies of row 0 whose
-    response mask is all False, so they count for no token and no loss, whatever the number of rows."""
-    index = eval_slice(len(val), rank, world)
-    batches = []
-    for start in range(0, len(index), micro_batch_size):
-        rows = index[start : start + micro_batch_size]
-        batch = collate_sft([val.prompts[max(i, 0)] for i in rows], [val.responses[max(i, 0)] for i in rows])
-        batch["response_mask"] &= torch.tensor([i >= 0 for i in rows])[:, None]  # (B, R): padding rows weigh 0
-        batches.append(batch)
-    return batches
-
-
-def real_rows(batch: dict) -> int:
-    """Rows of a validation batch that are not padding (validation_batches)."""
-    return int(batch["response_mask"].any(1).sum())
-
-
 @torch.no_grad()
 def evaluate(model, loader_batches: list[dict], device, rows: int = 0) -> float:
     """Token-averaged validation NLL over all ranks (a collective: every rank holds as many batches, see
@@ -220,10 +193,7 @@ def main(cfg: Config) -> dict:
         train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]"
     )
 
-    def collate(ds):
-        return lambda idx: collate_sft([ds.prompts[i] for i in idx], [ds.responses[i] for i in idx])
-
-    loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, collate(train))
+    loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, train.collate)
     val_batches, samples = [], None
     if cfg.val_data and cfg.eval_every >= 0:
         val_rows = load_rows(cfg.val_data, cfg.val_split, SFT_COLUMNS)

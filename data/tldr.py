@@ -301,7 +301,7 @@ def _encode_prompts(tok: tiktoken.Encoding, texts: list[str], max_len: int, name
     # then the rows that are too long get truncated.
     all_ids = tok.encode_ordinary_batch(texts)
     out = []
-    for i, (text, ids) in enumerate(zip(texts, all_ids)):
+    for i, (text, ids) in enumerate(zip(texts, all_ids, strict=True)):
         try:
             out.append(_fit_prompt(tok, text, ids, max_len))
         except DataError as e:
@@ -360,6 +360,10 @@ class SFTDataset:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def collate(self, index: list[int]) -> dict:
+        """collate_sft's batch of rows `index` (a ShardedLoader's collate)."""
+        return collate_sft([self.prompts[i] for i in index], [self.responses[i] for i in index])
 
 
 class PreferenceDataset:
@@ -444,6 +448,25 @@ def eval_slice(n: int, rank: int, world: int) -> list[int]:
     return mine + [-1] * (-(-n // world) - len(mine))
 
 
+def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size: int) -> list[dict]:
+    """This rank's micro-batches of a disjoint slice of the validation rows, in fixed order. Every rank gets the same
+    number of batches (data.tldr.eval_slice): a rank short of rows fills its last batch with copies of row 0 whose
+    response mask is all False, so they count for no token and no loss, whatever the number of rows."""
+    index = eval_slice(len(val), rank, world)
+    batches = []
+    for start in range(0, len(index), micro_batch_size):
+        rows = index[start : start + micro_batch_size]
+        batch = collate_sft([val.prompts[max(i, 0)] for i in rows], [val.responses[max(i, 0)] for i in rows])
+        batch["response_mask"] &= torch.tensor([i >= 0 for i in rows])[:, None]  # (B, R): padding rows weigh 0
+        batches.append(batch)
+    return batches
+
+
+def real_rows(batch: dict) -> int:
+    """Rows of a validation batch that are not padding (validation_batches)."""
+    return int(batch["response_mask"].any(1).sum())
+
+
 def prompt_response_rows(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
 ) -> dict:
@@ -476,8 +499,8 @@ def decode_responses(
 ) -> list[str]:
     """Response texts as generated: up to and including the first end token; a stop at EOS reads as "\n"."""
     texts = []
-    for ids, mask, ended in zip(response_ids.tolist(), response_mask.tolist(), has_end.tolist()):
-        ids = [t for t, m in zip(ids, mask) if m]
+    for ids, mask, ended in zip(response_ids.tolist(), response_mask.tolist(), has_end.tolist(), strict=True):
+        ids = [t for t, m in zip(ids, mask, strict=True) if m]
         if ended and ids[-1] != END_ID:
             ids = ids[:-1] + [END_ID]
         texts.append(tok.decode(ids))

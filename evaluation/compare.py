@@ -33,11 +33,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from utils.logging import metric_direction  # noqa: E402
+# metrics logged at evaluations only: drawn as points, never smoothed across evaluations
+from utils.logging import EVALUATION_PREFIXES, metric_direction  # noqa: E402
 from utils.rundir import FREE_OPTIONS, NOT_RECORDED, RESUME_CHANGES  # noqa: E402
 
-EVALUATION_PREFIXES = ("val/", "eval/")
-"""Metrics logged at evaluations only: drawn as points, never smoothed across evaluations."""
 DEFAULT_METRICS = (
     "eval/reward",
     "eval/win_rate",
@@ -128,7 +127,7 @@ def group_runs(runs: list[RunMetrics], ignored: frozenset[str] = IGNORED) -> lis
     labels = [{k: first.get(k, []) for k in differing} for first in firsts]
     if len(groups) > 1 and len({json.dumps(x) for x in labels}) < len(labels):
         labels = [{"run": str(members[0].dir)} for members in groups.values()]
-    return list(zip(labels, groups.values()))
+    return list(zip(labels, groups.values(), strict=True))
 
 
 def mean_spread(values: list[float]) -> tuple[float, float]:
@@ -215,7 +214,7 @@ def figure(groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], x: s
             curve = mean_curve(members, metric)
             if not curve:
                 continue
-            steps, values = zip(*curve)
+            steps, values = zip(*curve, strict=True)
             axes[row][0].plot(steps, moving_average(list(values), window), color=color, label=name, **style)
             if x and metric != x:
                 along = dict(mean_curve(members, x))

@@ -22,6 +22,8 @@ from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_sl
 from model.gpt2 import SharedPrefix
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.stats import preference_summary
+from rollouts.models import sharded_module
+from utils.fsdp import gathered_params
 from utils.logging import track
 
 # (label, key prefix of the accuracy fields, field holding the number of pairs) of each reported subset
@@ -202,6 +204,16 @@ def evaluate_reward_model(
     model.train(was[0])
     c, r = gather_pair_scores(index, c, r, eval_set.n_pairs)
     return preference_summary(c, r, eval_set.chosen_longer, n_resamples, seed=seed)
+
+
+@torch.no_grad()  # the reference is frozen: no graph, no gradient
+def reference_logps(reference, micro_batches: list[dict], device, prefix_sharing: bool = True) -> list[torch.Tensor]:
+    """The frozen reference's summed response log-probs (2B,) of every micro-batch of a step, its FSDP units gathered
+    once for all of them (with --frozen_cpu_offload: one host-to-device copy per step, not per micro-batch). Run
+    before the policy's micro-batches: with LoRA the reference is the policy's own FSDP modules (adapters off), whose
+    no-grad forward should not sit between the policy's forward and its backward."""
+    with gathered_params(sharded_module(reference)):
+        return [response_logprobs(reference, batch, device, prefix_sharing) for batch in micro_batches]
 
 
 def policy_logps(

@@ -9,11 +9,12 @@ Without it they are copied to every sample (KVCache.repeat_interleave), the refe
 
 The token distribution is processed in a fixed order: logits in fp32, divided by the temperature, then top-k,
 then top-p (nucleus) masking (rlhf/logprobs.py's `process_logits`). `processed_logprobs` here (and rlhf/logprobs.py's
-chunked pass, which grpo.py's update uses) applies exactly the same processing to training-time logits, so the log-probs of a GRPO ratio and KL
-describe the distribution the tokens were drawn from.
+chunked pass, which grpo.py's update uses) applies exactly the same processing to training-time logits, so the
+log-probs of a GRPO ratio and KL describe the distribution the tokens were drawn from.
 
 Decoding stops per row at the first end token ("\\n", id 198) or EOS (50256); later positions are padding.
-Under FSDP, wrap the call in `utils.fsdp.gathered_params(model)` so parameters are gathered once per call.
+The project samples through rollouts.sampling.sample_responses, which under FSDP gathers the parameters once for all
+its calls (`utils.fsdp.gathered_params`).
 
 Host work per token. On a GPU a small model's decode step is bound by the host dispatching its ops, not by the GPU,
 so the loop dispatches few: positions, masks and constants are built once per call, the stop test and the masks
@@ -49,7 +50,7 @@ def processed_logprobs(
 ) -> torch.Tensor:
     """log p(target) (B, T) in fp32 under the same processing the sampler used. The plain whole-tensor form;
     grpo.py's reference and update use rlhf/logprobs.py, the same numbers in chunks with the entropy beside them
-    (model/ may not import rlhf/; tests/test_logprobs.py checks the two agree)."""
+    (tests/test_logprobs.py checks the two agree)."""
     logp = process_logits(logits_BTV, temperature, top_k, top_p).log_softmax(-1)
     return torch.gather(logp, -1, targets_BT.unsqueeze(-1)).squeeze(-1)
 

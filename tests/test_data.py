@@ -171,7 +171,7 @@ def test_real_rows_encode_with_header_and_suffix(tok, max_prompt_len):
     n_truncated = 0
     for texts, prompts in [([r["prompt"] for r in sft_rows], sft.prompts),
                            ([r["prompt"] for r in pref_rows], pref.prompts)]:  # fmt: skip
-        for text, ids in zip(texts, prompts):
+        for text, ids in zip(texts, prompts, strict=True):
             assert len(ids) <= max_prompt_len
             assert ids[:5] == SUBREDDIT_IDS and ids[-4:] == TLDR_IDS
             decoded = tok.decode(ids)
@@ -193,7 +193,7 @@ def test_real_rows_encode_with_header_and_suffix(tok, max_prompt_len):
     for texts, responses in [([r["completion"] for r in sft_rows], sft.responses),
                              ([r["chosen"] for r in pref_rows], pref.chosen),
                              ([r["rejected"] for r in pref_rows], pref.rejected)]:  # fmt: skip
-        for text, ids in zip(texts, responses):
+        for text, ids in zip(texts, responses, strict=True):
             assert 2 <= len(ids) <= max_response_len
             assert ids[-1] == END_ID and ids.count(END_ID) == 1
             cleaned = text.replace("\n", " ").rstrip()

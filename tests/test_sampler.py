@@ -68,7 +68,7 @@ def test_stops_at_end_token_and_pads_after_it():
     model, prompts, ids, mask = model_and_prompts()
     out = generate(model, ids, mask, num_samples=8, max_new_tokens=12, generator=torch.Generator().manual_seed(0))
     assert out.has_end.any() and (~out.has_end).any()  # the test sees both kinds of rows
-    for row, m, ended in zip(out.response_ids, out.response_mask, out.has_end):
+    for row, m, ended in zip(out.response_ids, out.response_mask, out.has_end, strict=True):
         stops = row == END_ID
         n_real = int(m.sum())
         assert m[:n_real].all() and not m[n_real:].any()  # mask is a prefix

@@ -36,7 +36,7 @@ def test_all_prompt_positions_drawn_gives_the_exact_weighted_lm_loss():
     got = weighted_nll_sum(model, batch, w, 100, torch.Generator().manual_seed(0), "cpu")
     # independent: each row alone, unpadded, a plain next-token loss
     want = 0.0
-    for p, r in zip(prompts, responses):
+    for p, r in zip(prompts, responses, strict=True):
         ids = torch.tensor([p + r])
         logits = model(ids, torch.arange(ids.shape[1])[None])[0, :-1]
         nll = F.cross_entropy(logits, ids[0, 1:], reduction="none")

@@ -118,7 +118,7 @@ def all_reduce_mean_dict(metrics: dict[str, float], device: torch.device) -> dic
     keys = sorted(metrics)
     t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
     t = all_reduce_sum(t) / (dist.get_world_size() if dist.is_initialized() else 1)
-    return dict(zip(keys, t.tolist()))
+    return dict(zip(keys, t.tolist(), strict=True))
 
 
 def all_reduce_named(sums: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
@@ -126,7 +126,7 @@ def all_reduce_named(sums: list[dict[str, torch.Tensor]]) -> list[dict[str, floa
     its dicts with the same keys), never by position in a list."""
     names = list(sums[0])
     table = all_reduce_sum(torch.stack([torch.stack([s[k] for k in names]) for s in sums])).tolist()
-    return [dict(zip(names, row)) for row in table]
+    return [dict(zip(names, row, strict=True)) for row in table]
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -57,10 +57,10 @@ def shard_model(
 
     Blocks reshard after forward (their weights are gathered again in backward, one block at a time). The root of a
     model that trains stays gathered from forward to backward: its backward starts with the tied head, which needs
-    the weights forward just used, so resharding them would cost a second all-gather of the largest unit (39M of
-    GPT-2's 124M parameters) in every micro-batch for nothing. Backward reshards it. The root of a frozen model
-    (no parameter requires a gradient: no backward comes to reshard it) reshards after forward, so it does not stay
-    gathered, or on the GPU under cpu_offload, between uses.
+    the weights forward just used, so resharding them would cost a second all-gather of the largest unit (the
+    vocabulary x n_embd tied embedding and head) in every micro-batch for nothing. Backward reshards it. The root of a
+    frozen model (no parameter requires a gradient: no backward comes to reshard it) reshards after forward, so it
+    does not stay gathered, or on the GPU under cpu_offload, between uses.
     """
     mp = (
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -156,7 +156,7 @@ def gathered_params(model: nn.Module):
     try:
         yield model
     finally:
-        for m, setting in zip(units, previous):
+        for m, setting in zip(units, previous, strict=True):
             m.reshard()
             m.set_reshard_after_forward(setting, recurse=False)
             setattr(m, RESHARD_ATTR, setting)

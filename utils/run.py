@@ -63,8 +63,9 @@ class Run:
     logger: Logger | None = None
     bar: object = None
     best: dict | None = None
-    extra: dict = field(default_factory=dict)
-    """The resumed checkpoint's loop state (data position, best, a refreshed reference, ...); empty on a fresh start."""
+    loop_state: dict = field(default_factory=dict)
+    """The resumed checkpoint's loop state (data position, best, what end_of_step's loop_state_fn added); empty on a
+    fresh start."""
     init_rng: torch.Tensor | None = None
     """The global CPU RNG state every rank shared when resume() was called (after the models were built from the
     common seed), before it was made per-rank: a model built later from random weights (reward_model.py's
@@ -203,9 +204,9 @@ def resume(
     run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_steps: int, frozen: dict | None = None
 ) -> int:
     """Seed the global RNG per rank, restore the checkpoint start_run found, if any (weights, optimizer, schedule, every
-    rank's RNG, data position, best evaluation so far; its loop state in run.extra; the `frozen` models it holds, see
-    end_of_step), then open the logger and the progress bar at that step. Returns the step to continue from (0 on a
-    fresh start)."""
+    rank's RNG, data position, best evaluation so far; its loop state in run.loop_state; the `frozen` models it holds,
+    see end_of_step), then open the logger and the progress bar at that step. Returns the step to continue from (0 on
+    a fresh start)."""
     step = 0
     run.init_rng = torch.get_rng_state()
     torch.manual_seed(stream_seed(cfg.seed, step, run.rank, "global"))  # per rank; a checkpoint's own state replaces it
@@ -213,9 +214,9 @@ def resume(
         state = load_checkpoint(
             run.checkpoint, model, optimizer, scheduler, run.meta, run.rank, frozen=frozen, seed=cfg.seed
         )
-        step, run.extra = state["step"], state["extra"]
-        run.best = run.extra.get("best")
-        restore_loader(loader, run.checkpoint, run.extra)
+        step, run.loop_state = state["step"], state["extra"]
+        run.best = run.loop_state.get("best")
+        restore_loader(loader, run.checkpoint, run.loop_state)
         run.say(f"resumed from {run.checkpoint} at step {step}")
     run.logger = Logger(
         run.dir,
@@ -243,14 +244,14 @@ def end_of_step(
     scheduler,
     loader,
     best_metric: str | None = None,
-    extra: Callable[[], dict] | None = None,
+    loop_state_fn: Callable[[], dict] | None = None,
     frozen: dict | None = None,
 ) -> bool:
     """Log the step's metrics, keep the best by --best_metric (or `best_metric`), and save a checkpoint on schedule,
-    at the end, at a new best, or when a signal came. `extra()` adds loop state to the checkpoint (called on every
-    rank, only when saving: it may be a collective). `frozen`: models without an optimizer whose weights the run
-    changes (GRPO's refreshed reference), saved sharded with the model. Returns True when the run must stop (a signal
-    came)."""
+    at the end, at a new best, or when a signal came. `loop_state_fn()` adds loop state to the checkpoint (called on
+    every rank, only when saving: it may be a collective; resume() gives it back in run.loop_state). `frozen`: models
+    without an optimizer whose weights the run changes (GRPO's refreshed reference), saved sharded with the model.
+    Returns True when the run must stop (a signal came)."""
     with all_ranks_agree("writing metrics.jsonl", run.device):  # rank 0 writes: a full disk stops every rank
         run.logger.log(metrics, step)
     run.bar.set_postfix(step_postfix(metrics), refresh=False)
@@ -259,7 +260,7 @@ def end_of_step(
     run.best, improved = update_best(run.best, metrics, metric, cfg.best_mode, step)
     stopping = run.stop.requested(run.device)
     if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-        state = {"loader": loader.state_dict(), "best": run.best, **(extra() if extra else {})}
+        state = {"loader": loader.state_dict(), "best": run.best, **(loop_state_fn() if loop_state_fn else {})}
         save_checkpoint(
             run.dir,
             step,

@@ -597,6 +597,12 @@ CASES = [
         ["--best_metric val/acc is not logged by this stage; its val/ metrics are ['val/accuracy'"],
     ),
     (
+        "best_metric_not_logged_in_grpo",
+        "grpo",
+        lambda f, out: ["--pref_data", str(f["pref"]), "--eval_every", "1", "--best_metric", "eval/pref_acc"],
+        ["--best_metric eval/pref_acc is not logged by this stage; its eval/ metrics are ["],
+    ),
+    (
         "reward_model_without_normalisation",
         "grpo",
         lambda f, out: ["--reward_model", str(f["rm_no_norm"]), "--reward_random_init", "false"],
@@ -763,6 +769,19 @@ def test_every_evaluation_option_combination_fails_at_start_or_runs_to_its_expor
             assert info.value.code == 0 and (out / "hf").is_dir(), (val, judged, every, info.value.code)
             assert ("val/win_rate" in evaluated) == judged and bool(evaluated) == bool(val and every == "1")
         capsys.readouterr()
+
+
+def test_a_best_metric_no_evaluation_logs_stops_before_the_first_training_step(inputs, tmp_path, capsys):
+    # not at the first evaluation after training, which left no checkpoint of the steps it trained
+    for case, script, extra, _ in [c for c in CASES if c[0].startswith("best_metric_not_logged")]:
+        out = tmp_path / case
+        code, message = run_cli(script, base_args(script, inputs, out) + extra(inputs, out) + ["--steps", "2"], capsys)
+        logged = (
+            [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+            if (out / "metrics.jsonl").exists()
+            else []
+        )
+        assert code == 2 and all(step == 0 for step in logged), (case, logged, message)
 
 
 def test_every_option_that_names_a_model_has_its_kind_checked_in_every_script():

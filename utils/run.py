@@ -193,11 +193,12 @@ def update_best(best: dict | None, metrics: dict, metric: str, mode: str, step: 
     return {"metric": metric, "mode": mode, "value": value, "step": step}, True
 
 
-def check_best_metric(cfg: RunConfig, evaluated: dict) -> None:
-    """--best_metric against the metrics an evaluation logs (`evaluated`: names, values unused), before any training
-    step: ConfigError when that evaluation logs metrics of its group but not it (update_best's check, which would
-    otherwise stop the run at its first evaluation, before that step's checkpoint)."""
-    update_best(None, evaluated, cfg.best_metric, cfg.best_mode, 0)
+def check_best_metric(cfg: RunConfig, evaluated: dict, best_metric: str | None = None) -> None:
+    """--best_metric (or `best_metric`, as end_of_step takes it) against the metrics an evaluation logs (`evaluated`:
+    names, values unused), before any training step: ConfigError when that evaluation logs metrics of its group but
+    not it (update_best's check, which would otherwise stop the run at its first evaluation, before that step's
+    checkpoint)."""
+    update_best(None, evaluated, cfg.best_metric if best_metric is None else best_metric, cfg.best_mode, 0)
 
 
 def resume(

@@ -153,7 +153,7 @@ def main(cfg: Config) -> dict:
     total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. model, FSDP, optimizer. Training changes the rewards, so a loaded normalisation no longer holds.
-    model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling)
+    model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling, new_head=True)  # a policy: a new head
     model.gain.fill_(1.0)
     model.bias.fill_(0.0)
     shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing)

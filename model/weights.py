@@ -267,14 +267,22 @@ def build_policy(name_or_path: str, random_init: bool = False) -> GPT2LMHeadMode
     return model
 
 
-def build_reward_model(name_or_path: str, random_init: bool = False, pooling: str = "") -> RewardModel:
-    """A reward model: from a policy folder (new head) or a reward-model folder (its head, gain/bias and pooling);
-    `pooling` as resolve_pooling takes it."""
+def build_reward_model(
+    name_or_path: str, random_init: bool = False, pooling: str = "", new_head: bool = False
+) -> RewardModel:
+    """A reward model: from a reward-model folder (its head, gain/bias and pooling) or, with `new_head` (reward_model.py
+    starting from a policy), a policy folder with a new head; `pooling` as resolve_pooling takes it. A policy folder
+    without `new_head` is a ModelLoadError: its head would be random, and every score it gives meaningless."""
     pooling = resolve_pooling(name_or_path, pooling, random_init)
     if random_init:
         if name_or_path not in PRESETS:
             raise ModelLoadError(f"--random_init needs a preset name ({', '.join(PRESETS)}), got '{name_or_path}'")
         return RewardModel(PRESETS[name_or_path], pooling)
+    if not new_head and model_kind(name_or_path, _resolve_files(name_or_path)[0]) != "reward_model":
+        raise ModelLoadError(
+            f"{name_or_path} is a policy (a GPT-2 language model), not a reward model: its scalar head would be "
+            f"random; give reward_model.py's export (its hf/ folder)"
+        )
     model = RewardModel(load_config(name_or_path), pooling)
     _load_into(model, name_or_path, strict_head=False)
     norm = Path(name_or_path) / NORMALIZATION

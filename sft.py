@@ -213,12 +213,10 @@ def main(cfg: Config) -> dict:
         apply_lora(model, cfg)
     run.say(f"sft: {trainable_summary(model)}")
     shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing).to(device)
-    judge, judge_metrics = None, set()  # --judge: its reward model and posts, for the win rate at every evaluation
+    judge = None  # --judge: its reward model and posts, for the win rate at every evaluation
     if cfg.judge:
         judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed)
-        judge_metrics = Judge.metric_names("val/")
-    # what every evaluation logs, to check --best_metric against before training
-    check_best_metric(cfg, dict.fromkeys(({"val/loss"} if val_batches else set()) | judge_metrics, 0.0))
+    check_best_metric(cfg, ({"val/loss"} if val_batches else set()) | (judge.metric_names("val/") if judge else set()))
     optimizer, scheduler = build_optimization(model, cfg, total_steps)
 
     # 4. resume: weights, optimizer, schedule, every rank's RNG, data position, best validation so far

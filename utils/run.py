@@ -23,7 +23,7 @@ no two ranks draw the same masks (a resumed run restores each rank's own RNG sta
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,12 +193,13 @@ def update_best(best: dict | None, metrics: dict, metric: str, mode: str, step: 
     return {"metric": metric, "mode": mode, "value": value, "step": step}, True
 
 
-def check_best_metric(cfg: RunConfig, evaluated: dict, best_metric: str | None = None) -> None:
-    """--best_metric (or `best_metric`, as end_of_step takes it) against the metrics an evaluation logs (`evaluated`:
-    names, values unused), before any training step: ConfigError when that evaluation logs metrics of its group but
-    not it (update_best's check, which would otherwise stop the run at its first evaluation, before that step's
-    checkpoint)."""
-    update_best(None, evaluated, cfg.best_metric if best_metric is None else best_metric, cfg.best_mode, 0)
+def check_best_metric(cfg: RunConfig, evaluated: Iterable[str], best_metric: str | None = None) -> None:
+    """--best_metric (or `best_metric`, as end_of_step takes it) against the names of the metrics an evaluation logs
+    (`evaluated`; a dict of metrics gives its names), before any training step: ConfigError when that evaluation logs
+    metrics of its group but not it (update_best's check, which would otherwise stop the run at its first
+    evaluation, before that step's checkpoint)."""
+    metric = cfg.best_metric if best_metric is None else best_metric
+    update_best(None, dict.fromkeys(evaluated, 0.0), metric, cfg.best_mode, 0)
 
 
 def resume(

@@ -37,7 +37,7 @@ from utils.config import ConfigError, OptimConfig, RunConfig, accumulation_steps
 from utils.dist import all_reduce_sum
 from utils.guard import exit_on_error
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
-from utils.run import end_of_step, epoch_steps, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -221,7 +221,9 @@ def main(cfg: Config) -> dict:
         rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)[: cfg.eval_samples]
         samples = SampleLog(rows, "chosen", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed)
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
-        run.logger.log(validate(policy, ref_val, data.val_set, cfg, device, judge, samples, run.logger, 0), 0)
+        val = validate(policy, ref_val, data.val_set, cfg, device, judge, samples, run.logger, 0)
+        check_best_metric(cfg, val)  # before the first training step
+        run.logger.log(val, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)
     policy.train()
     metrics, stopping = {}, False

@@ -68,7 +68,7 @@ from utils.dist import all_reduce_sum, rank_and_world, stream
 from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
 from utils.logging import StageTimer, perf_metrics
 from utils.optim import build_optimizer, build_scheduler
-from utils.run import end_of_step, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, finish, resume, start_run
 
 TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: the embedded task's gold reward
 
@@ -197,7 +197,7 @@ def score_rewards(
         check_rewards(scores.raw, "grpo", step, prompts.ids.device)
         penalized = penalize_missing_end(scores.raw, samples.has_end, cfg.missing_end_penalty)
         scores.values[:, spec.rm_column] = reward_model.normalize(penalized).double()
-    warn_constant_sources(spec, scores.values, scores.applies, step + 1)
+    warn_constant_sources(spec, scores.values, scores.applies, step)
     x = normalize_sources(scores.values, scores.applies, spec.normalize_S, all_reduce_sum)  # (N, S)
     scores.total = combine_sources(x, spec.weights_S).float()  # (N,)
     return scores
@@ -348,7 +348,9 @@ def main(cfg: Config) -> dict:
     )
     ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
     if step == 0 and cfg.eval_every > 0:
-        run.logger.log(evaluate(models, spec, val, pref, ref_pref, cfg, 0, device), 0)
+        evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device)
+        check_best_metric(cfg, evaluated, keep["best_metric"])  # before the first training step
+        run.logger.log(evaluated, 0)
     batches_iter, metrics, stopping = iter(loader), {}, False
     models.policy.train()
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0

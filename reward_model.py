@@ -42,7 +42,7 @@ from utils.dist import all_reduce_sum
 from utils.fsdp import shard_model
 from utils.guard import exit_on_error
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
-from utils.run import end_of_step, epoch_steps, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -153,7 +153,7 @@ def main(cfg: Config) -> dict:
     total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. model, FSDP, optimizer. Training changes the rewards, so a loaded normalisation no longer holds.
-    model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling)
+    model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling, new_head=True)  # a policy: a new head
     model.gain.fill_(1.0)
     model.bias.fill_(0.0)
     shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing, compile_blocks=cfg.compile)
@@ -167,7 +167,9 @@ def main(cfg: Config) -> dict:
     model.train()
     if data.val_set is not None and step == 0 and cfg.eval_every > 0:
         val = evaluate_reward_model(model, data.val_set, device, prefix_sharing=cfg.prefix_sharing)
-        run.logger.log({f"val/{k}": v for k, v in val.items()}, step=0)
+        val = {f"val/{k}": v for k, v in val.items()}
+        check_best_metric(cfg, val)  # before the first training step
+        run.logger.log(val, step=0)
     metrics, stopping = {}, False
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
         while step < total_steps and not stopping:

@@ -29,7 +29,7 @@ from utils.fsdp import shard_model
 from utils.guard import exit_on_error
 from utils.logging import track
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
-from utils.run import end_of_step, epoch_steps, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -218,6 +218,7 @@ def main(cfg: Config) -> dict:
     judge = None  # --judge: its reward model and posts, for the win rate at every evaluation
     if cfg.judge:
         judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed)
+    check_best_metric(cfg, ({"val/loss"} if val_batches else set()) | (judge.metric_names("val/") if judge else set()))
     optimizer, scheduler = build_optimization(model, cfg, total_steps)
 
     # 4. resume: weights, optimizer, schedule, every rank's RNG, data position, best validation so far

@@ -129,9 +129,17 @@ def _read_json_records(file: Path) -> list[dict]:
     """A JSON array of objects, or one JSON object per line (the format of both .json and .jsonl)."""
     where = str(file)
     try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{where}: cannot read it as UTF-8 text ({type(e).__name__}: {e})") from None
+        raw = file.read_bytes()
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise DataError(f"{where}: cannot read it ({type(e).__name__}: {e})") from None
+    except UnicodeDecodeError as e:  # named by its row (non-blank lines before it) and line, as a JSON error is
+        lines = raw[: e.start].split(b"\n")
+        row = sum(1 for line in lines[:-1] if line.strip())
+        raise DataError(
+            f"{where}: row {row} (line {len(lines)}) is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+            f"{len(lines[-1]) + 1}); save the file as UTF-8"
+        ) from None
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)

@@ -168,6 +168,16 @@ class JudgeConfig:
     """Tokens of each judged summary at most, the end token included (the reference summaries are cut alike)."""
 
     def validate_judge(self) -> None:
+        """The --judge options, and that a judge has something to judge at an evaluation that runs: --summary_data,
+        and in a training stage its validation (--val_data, --eval_every >= 0), the same in every script."""
+        if self.judge and not self.summary_data:
+            raise ConfigError("--judge scores summaries of --summary_data's posts, and --summary_data is empty")
+        if self.judge and hasattr(self, "eval_every") and (not getattr(self, "val_data", "") or self.eval_every < 0):
+            raise ConfigError(
+                f"--judge scores the policy at each validation, and --val_data {getattr(self, 'val_data', '')!r} "
+                f"with --eval_every {self.eval_every} runs none: give --val_data and --eval_every >= 0, or leave "
+                f"--judge empty"
+            )
         if self.summary_rows < 0:
             raise ConfigError(f"--summary_rows must be >= 0, got {self.summary_rows}")
         if self.max_new_tokens <= 0:
@@ -175,10 +185,21 @@ class JudgeConfig:
 
     def judge_limits(self, policy_cfg) -> list[tuple]:
         """utils.config.fit_context's limits of the judged summaries: prompt + max_new_tokens in the policy and the
-        judge (none without --judge)."""
+        judge (none without --judge). Checks that --judge is a reward model (model.weights.model_config)."""
         if not self.judge:
             return []
-        return [(policy_cfg, "max_new_tokens", "policy"), (model_config(self.judge), "max_new_tokens", "judge")]
+        # the win rate compares two rewards of one model: its gain and bias cancel, so it need not hold them
+        judge_cfg = model_config(self.judge, kind="reward_model", option="--judge", normalized=False)
+        return [(policy_cfg, "max_new_tokens", "policy"), (judge_cfg, "max_new_tokens", "judge")]
+
+
+JUDGE_METRICS = {  # summary_win_rate's result -> the metric a training stage logs it as (after its prefix)
+    "summary_win_rate": "win_rate",
+    "summary_win_rate_ci_low": "win_rate_ci_low",
+    "summary_win_rate_ci_high": "win_rate_ci_high",
+    "summary_reward_mean": "summary_reward",
+    "summary_reference_reward_mean": "reference_reward",
+}
 
 
 class Judge:
@@ -204,11 +225,9 @@ class Judge:
             self.micro_batch_size,
             seed=self.seed,
         )
-        names = {
-            "summary_win_rate": "win_rate",
-            "summary_win_rate_ci_low": "win_rate_ci_low",
-            "summary_win_rate_ci_high": "win_rate_ci_high",
-            "summary_reward_mean": "summary_reward",
-            "summary_reference_reward_mean": "reference_reward",
-        }
-        return {prefix + name: out[key] for key, name in names.items()}
+        return {prefix + name: out[key] for key, name in JUDGE_METRICS.items()}
+
+    @staticmethod
+    def metric_names(prefix: str) -> set[str]:
+        """The metrics evaluate() logs under `prefix`."""
+        return {prefix + name for name in JUDGE_METRICS.values()}

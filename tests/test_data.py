@@ -339,6 +339,16 @@ def test_bad_rows_name_file_row_and_column(tmp_path, rows, match):
     assert isinstance(info.value, ValueError)
 
 
+def test_a_byte_that_is_not_utf8_is_named_by_its_row_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(
+        (json.dumps(GOOD) + "\n\n").encode() + '{"prompt": "caf\u00e9", "completion": "x"}\n'.encode("latin-1")
+    )
+    with pytest.raises(DataError) as info:
+        load_rows(str(path), "train", SFT_COLUMNS)
+    assert str(info.value).startswith(f"{path}: row 1 (line 3) is not UTF-8 text (byte 0xe9 at column 16)"), info.value
+
+
 def test_bad_json_line_and_missing_file(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text(json.dumps(GOOD) + "\n\n" + '{"prompt": \n', encoding="utf-8")

@@ -152,6 +152,37 @@ def test_sharded_checkpoint_resumes_exactly_on_two_processes_and_on_one(tmp_path
         )
 
 
+def test_a_resume_on_another_world_size_reseeds_every_random_stream_from_the_seed(tmp_path):
+    # saved by 2 processes, resumed on 1: the per-rank RNG states cannot be restored, so torch, numpy and `random`
+    # are reseeded from --seed, the step and the rank: the same seed draws the same numbers, another seed others
+    run_script(["tests/scripts/ckpt_dist.py", "save", str(tmp_path / "run"), str(tmp_path / "save.pt")], nproc=2)
+    draws, stderr = {}, {}
+    for seed, out in (("1", "a"), ("1", "b"), ("2", "c")):
+        done = run_script(["tests/scripts/ckpt_dist.py", "resume", str(tmp_path / "run"), str(tmp_path / out), seed])
+        draws[out], stderr[out] = torch.load(tmp_path / out)["draws"][0], done.stderr
+    assert draws["a"] == draws["b"]
+    assert all(draws["a"][i] != draws["c"][i] for i in range(3)), draws  # torch, numpy and random each differ
+    assert (
+        "was written by 2 processes and resumes on 1: the random streams after it are reseeded from --seed 2"
+        in (stderr["c"])
+    )
+
+
+def test_rank_0_chooses_the_checkpoint_and_ranks_that_see_it_differently_stop(tmp_path):
+    # rank 1 reads another `latest` (an NFS attribute cache): rank 0's choice holds on both; rank 1 sees the newest
+    # checkpoint's shard missing while rank 0 sees it whole: both stop with the same line naming the file and ranks
+    for case in ("pointer", "view"):
+        out = tmp_path / f"{case}.txt"
+        run_script(["tests/scripts/resume_views.py", str(tmp_path / case), str(out), case], nproc=2)
+        results = [out.with_name(f"{out.name}.{rank}").read_text() for rank in (0, 1)]
+        if case == "pointer":
+            assert results == ["step_00000002", "step_00000002"], results
+        else:
+            assert results[0] == results[1], results
+            assert results[0].startswith("error: the ranks see checkpoint"), results[0]
+            assert "rank 0: as written; rank 1: " in results[0] and "is missing" in results[0], results[0]
+
+
 def test_dist_timeout_reaches_the_process_group(tmp_path):
     # rank 1 is busy for 8 s; under a 3 s timeout rank 0's barrier fails after 3 s (torch's gloo default: 30 minutes)
     out = tmp_path / "timeout.json"

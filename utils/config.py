@@ -165,7 +165,8 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
         description=description,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         valid=[f.name for f in fields],
-    )
+        usage="%(prog)s [--OPTION VALUE ...] (every option below, grouped by what it sets)",  # argparse's own lists
+    )  # every option: dozens of lines above the first group
     order = list(SECTIONS) + sorted({sections.get(f.name, OTHER) for f in fields} - set(SECTIONS) - {OTHER}) + [OTHER]
     groups = {}
     for f in sorted(fields, key=lambda f: (order.index(sections.get(f.name, OTHER)), f.name not in own)):

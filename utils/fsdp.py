@@ -3,11 +3,13 @@ any value or reward head) in the root unit, as torchtitan does. The model code h
 sharding is applied to a built model.
 """
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -181,3 +183,18 @@ def copy_params_(src: nn.Module, dst: nn.Module) -> None:
             raise RuntimeError(f"parameter {dst_name} does not match {name}")
         local = p.to_local() if hasattr(p, "to_local") else p
         (q.to_local() if hasattr(q, "to_local") else q).copy_(local)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded model state on the CPU (a collective: every rank must call it)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def export_model(model: nn.Module, write: Callable[[dict[str, torch.Tensor]], None], rank: int = 0) -> None:
+    """Gather the full weights (a collective) and hand them to `write` on rank 0 (model.weights.save_export writes a
+    Hugging Face-format folder, LoRA adapters merged); every rank waits until it has written."""
+    state = full_model_state(model)
+    if rank == 0:
+        write(state)
+    if dist.is_initialized():
+        dist.barrier()

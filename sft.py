@@ -190,10 +190,8 @@ def main(cfg: Config) -> dict:
 
     # 2. data: tokenize, shard per rank, shuffle per epoch
     tok = get_tokenizer()
-    train_rows = load_rows(cfg.train_data, cfg.train_split, SFT_COLUMNS)
-    train = SFTDataset(
-        train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]"
-    )
+    train_rows, name = load_rows(cfg.train_data, cfg.train_split, SFT_COLUMNS), f"{cfg.train_data}[{cfg.train_split}]"
+    train = SFTDataset(train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=name)
     lengths = train.lengths() if cfg.group_by_length else None  # each step's rows sorted by length, dealt out
     loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, train.collate, lengths)
     val_batches, samples = [], None

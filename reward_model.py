@@ -156,7 +156,7 @@ def main(cfg: Config) -> dict:
     model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling, new_head=True)  # a policy: a new head
     model.gain.fill_(1.0)
     model.bias.fill_(0.0)
-    shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing)
+    shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing, compile_blocks=cfg.compile)
     model.to(device)
     optimizer, scheduler = build_optimization(model, cfg, total_steps)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_slice
+from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_slice, shortest
 from model.gpt2 import SharedPrefix
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.stats import preference_summary
@@ -121,18 +121,22 @@ def build_eval_set(
     rank: int,
     world: int,
     name: str = "preference",
+    by_length: bool = True,
 ) -> EvalSet:
-    """Tokenize preference rows and cut this rank's slice (pairs rank, rank + world, ...) into micro-batches."""
+    """Tokenize preference rows and cut this rank's slice (pairs rank, rank + world, ...; dealt out longest first
+    with `by_length`, data.tldr.eval_slice) into micro-batches."""
     n = len(rows)
     data = PreferenceDataset(rows, tok, max_prompt_len, max_response_len, name=name)
     # Lengths of the whole responses (not the truncated ones), so the split does not depend on max_response_len.
     chosen_len = torch.tensor([len(encode_response(tok, r["chosen"], 1 << 30)) for r in rows])
     rejected_len = torch.tensor([len(encode_response(tok, r["rejected"], 1 << 30)) for r in rows])
-    mine = eval_slice(n, rank, world)
+    lengths = data.lengths()
+    mine = eval_slice(n, rank, world, lengths if by_length else None)
+    filler = shortest(mine, lengths)  # computed in place of the padding pairs (-1), with weight 0
     batches = []
     for start in range(0, len(mine), micro_batch_size):
         index = mine[start : start + micro_batch_size]
-        rows_idx = [i if i >= 0 else 0 for i in index]
+        rows_idx = [i if i >= 0 else filler for i in index]
         batch = collate_pairs(
             [data.prompts[i] for i in rows_idx],
             [data.chosen[i] for i in rows_idx],

@@ -38,7 +38,7 @@ def build_models(cfg, sources: list[RewardSource], dtype, device) -> Models:
         apply_lora(policy, cfg)
     uses_rm = any(s.fn is None for s in sources)
     reward_model = freeze(build_reward_model(cfg.reward_model, cfg.reward_random_init)) if uses_rm else None
-    shard_model(policy, dtype, activation_checkpointing=cfg.activation_checkpointing)
+    shard_model(policy, dtype, activation_checkpointing=cfg.activation_checkpointing, compile_blocks=cfg.compile)
     policy.to(device)
     for frozen in (reference, reward_model):
         if frozen is not None:

@@ -251,3 +251,18 @@ def test_sft_validation_with_uneven_rows_finishes_and_matches_one_process(tmp_pa
         losses[nproc] = read_metrics(tmp_path / f"run{nproc}")[-1]["val/loss"]
     assert losses[1] > 5.0  # a random tiny model over a 50k vocabulary
     assert abs(losses[2] - losses[1]) < 1e-5 * losses[1], losses
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_fsdp2_equal_eager_without_graph_breaks(tmp_path):
+    """--compile's per-block compilation (shard_model(compile_blocks=True), fullgraph) on 2 gloo processes: losses
+    and gradients of padded and packed preference rows as the eager model's (1e-5 of each gradient's scale), graphs
+    captured (so the compiled code ran) and no graph break (tests/scripts/compiled_blocks.py; dynamo's aot_eager
+    backend: forward and backward captured, no code generated)."""
+    out = tmp_path / "record.pt"
+    run_script(["tests/scripts/compiled_blocks.py", str(out)], nproc=2)
+    record = torch.load(out)
+    for shared in (True, False):
+        assert record["loss"][("compiled", shared)] == pytest.approx(record["loss"][("eager", shared)], rel=1e-5)
+    assert record["grad_gap"] <= 1e-5
+    assert record["graphs"] > 0 and record["graph_breaks"] == 0

@@ -101,11 +101,17 @@ def test_standardizing_gain_bias_gives_mean_0_std_1():
 def test_eval_set_slices_are_disjoint_equal_sized_and_gather_in_order(tmp_path):
     rows = load_rows(str(write_pref_rows(tmp_path / "p.jsonl", n=7)), "validation", PREF_COLUMNS)
     tok = get_tokenizer()
-    sets = [build_eval_set(rows, tok, 64, 16, 3, rank, 2) for rank in range(2)]
+    sets = [build_eval_set(rows, tok, 64, 16, 3, rank, 2, by_length=False) for rank in range(2)]
     # rank 0: pairs 0 2 4 6; rank 1: 1 3 5 and one padding pair; the same number of forward passes each
     assert [len(s.batches) for s in sets] == [2, 2]
     index = [torch.cat([b["pair_index"] for b in s.batches]).tolist() for s in sets]
     assert index == [[0, 2, 4, 6], [1, 3, 5, -1]]
+    # by length (the default): the same pairs dealt out longest first
+    grouped = [build_eval_set(rows, tok, 64, 16, 3, rank, 2) for rank in range(2)]
+    index = [torch.cat([b["pair_index"] for b in s.batches]).tolist() for s in grouped]
+    assert sorted(index[0] + index[1]) == [-1, 0, 1, 2, 3, 4, 5, 6] and index[1][-1] == -1
+    width = [b["input_ids"].shape[1] for s in grouped for b in s.batches]
+    assert width[0] >= width[1] and width[2] >= width[3]  # each rank's first batch holds its longest pairs
     # a single process "gathers" its own rows: padding dropped, sorted back into pair order
     idx = torch.tensor([3, -1, 0, 2, 1])
     c, r = gather_pair_scores(idx, idx.double() * 10, -idx.double(), 4)

@@ -319,8 +319,9 @@ class DecodeConfig:
     # --- sampling
     compile: bool = False
     """Compile the sampler's decode step with torch.compile (model/sampler.py: CUDA graphs on a GPU, inductor on a
-    CPU), once per run; the same tokens and log-probs as eager up to float rounding. The first calls pay the
-    compilation (tens of seconds); docs/benchmarks.md has the figures with and without."""
+    CPU), once per shape, and each transformer block of the trained model's forward (utils/fsdp.py); the same
+    tokens, log-probs and gradients as eager up to float rounding. The first calls pay the compilation (tens of
+    seconds); docs/benchmarks.md has the figures with and without."""
 
 
 # Metric groups whose values each rank measures for itself (wall-clock seconds and rates): every other logged metric

@@ -45,6 +45,8 @@ def shard_model(
     cpu_offload: bool = False,
     activation_checkpointing: bool = False,
     mesh: DeviceMesh | None = None,
+    compile_blocks: bool = False,
+    compile_backend: str = "inductor",
 ) -> nn.Module:
     """Shard `model` in place over `mesh` (default: run_mesh(), every rank of the default process group on the run's
     device type) and return it.
@@ -61,6 +63,10 @@ def shard_model(
     vocabulary x n_embd tied embedding and head) in every micro-batch for nothing. Backward reshards it. The root of a
     frozen model (no parameter requires a gradient: no backward comes to reshard it) reshards after forward, so it
     does not stay gathered, or on the GPU under cpu_offload, between uses.
+
+    compile_blocks (--compile): each unit's math (its `_forward`, without a KV cache) runs under torch.compile with
+    fullgraph=True, torchtitan's per-block pattern: one graph per block shape, FSDP's gathers and reduce-scatters
+    outside it (they run in the unit's hooks, around `forward`), so compiling changes no collective.
     """
     mp = (
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -75,6 +81,8 @@ def shard_model(
     for m in model.modules():
         if getattr(type(m), "fsdp_unit", False):
             m.activation_checkpointing = activation_checkpointing
+            if compile_blocks:
+                m.compiled_forward = torch.compile(m._forward, fullgraph=True, backend=compile_backend)
             fully_shard(m, reshard_after_forward=True, **kwargs)
             setattr(m, RESHARD_ATTR, True)
     trains = any(p.requires_grad for p in model.parameters())

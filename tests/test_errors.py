@@ -344,8 +344,8 @@ CASES = [
         "sft",
         lambda f, out: ["--max_prompt_len", "500"],
         [
-            "--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions; the largest --max_prompt_len "
-            "that fits is 496"
+            "--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions; "
+            "the largest --max_prompt_len that fits is 496"
         ],
     ),
     (
@@ -379,7 +379,8 @@ CASES = [
         "sft",
         lambda f, out: ["--model", "small", "--resume_from", str(f["ckpt"])],
         [
-            "holds another model: n_embd=64, n_head=2, n_layer=2 but this run's model has n_embd=128, n_head=4, n_layer=4"
+            "holds another model: n_embd=64, n_head=2, n_layer=2 "
+            "but this run's model has n_embd=128, n_head=4, n_layer=4"
         ],
     ),
     (
@@ -635,7 +636,8 @@ CASES = [
         "sft",
         lambda f, out: ["--train_data", str(f["pref"])],
         [
-            "missing column(s) ['completion']: expected ['prompt', 'completion'], columns of row 0: ['prompt', 'chosen', 'rejected']"
+            "missing column(s) ['completion']: expected ['prompt', 'completion'], "
+            "columns of row 0: ['prompt', 'chosen', 'rejected']"
         ],
     ),
     (
@@ -675,7 +677,8 @@ CASES = [
         "reward_model",
         lambda f, out: ["--train_data", "trl-lib/tldr-preference"],
         [
-            "could not load hub dataset 'trl-lib/tldr-preference' split 'train': no network (cannot connect to 127.0.0.1:9",
+            "could not load hub dataset 'trl-lib/tldr-preference' split 'train': "
+            "no network (cannot connect to 127.0.0.1:9",
             "Pass a local .jsonl/.json/.parquet file",
         ],
     ),

@@ -77,7 +77,7 @@ def _class_fields(cls):
         except (OSError, TypeError):
             continue
         lines, body = source.splitlines(), ast.parse(source).body[0].body
-        for node, nxt in zip(body, body[1:] + [None]):
+        for node, nxt in zip(body, body[1:] + [None], strict=True):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 yield node.target.id, node, nxt, lines
 

@@ -67,26 +67,25 @@ def sample_summaries(
     temperature 1. A summary ends with "\n" exactly when the policy stopped by itself (EOS counts as "\n")."""
     from data.tldr import PROMPT_COLUMNS, PromptDataset, load_rows, pad_prompts
     from data.tokenizer import get_tokenizer
-    from model.sampler import END_ID, generate
+    from model.sampler import END_ID
     from model.weights import build_policy
+    from rollouts.sampling import sample_responses
 
     tok = get_tokenizer()
     rows = load_rows(str(prompts_file), "train", PROMPT_COLUMNS)[:n_prompts]
     ds = PromptDataset(rows, tok, 256)
-    model = build_policy(str(policy_dir)).eval()
-    g = torch.Generator().manual_seed(seed)
-    result = []
-    for i in range(0, len(ds), 32):
-        ids, mask = pad_prompts(ds.prompts[i : i + 32])
-        out = generate(model, ids, mask, samples, max_new_tokens, generator=g)
-        texts = []
-        for n in range(out.response_ids.shape[0]):
-            resp = out.response_ids[n][out.response_mask[n]].tolist()
-            if out.has_end[n] and resp[-1] != END_ID:
-                resp = resp[:-1] + [END_ID]
-            texts.append(tok.decode(resp))
-        result += [(ds.texts[i + b], texts[b * samples : (b + 1) * samples]) for b in range(len(texts) // samples)]
-    return result
+    model = build_policy(str(policy_dir))
+    ids, mask = pad_prompts(ds.prompts)  # (B, P) left-padded; each call of 32 prompts is cut to its own padding
+    out = sample_responses(
+        model, ids, mask, samples, max_new_tokens, prompts_per_call=32, generator=torch.Generator().manual_seed(seed)
+    )
+    texts = []
+    for n in range(out.response_ids.shape[0]):
+        resp = out.response_ids[n][out.response_mask[n]].tolist()
+        if out.has_end[n] and resp[-1] != END_ID:
+            resp = resp[:-1] + [END_ID]
+        texts.append(tok.decode(resp))
+    return [(ds.texts[b], texts[b * samples : (b + 1) * samples]) for b in range(len(ds))]
 
 
 def gold_of_samples(
@@ -111,7 +110,7 @@ def score_margins(score, triples: list[tuple[list[int], list[int], list[int]]]) 
 
     margins = []
     for i in range(0, len(triples), 32):
-        batch = collate_pairs(*zip(*triples[i : i + 32]))
+        batch = collate_pairs(*zip(*triples[i : i + 32], strict=True))
         r = score(batch)
         margins.append(r[: batch["n_pairs"]] - r[batch["n_pairs"] :])
     return torch.cat(margins)
@@ -451,11 +450,11 @@ FRONTIER_SELECTIONS = ("rso", "uniform")
 
 def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
     """Every run of the frontier's grids (--frontier_grpo_betas with RSO, the first of them with uniform selection,
-    --frontier_dpo_betas; --frontier_seeds seeds each) from the SFT policy and reward model in --out, each measured at every evaluation on the
-    first --frontier_prompts held-out posts (dpo.py / grpo.py --frontier_prompts: KL to the SFT policy, gold and proxy
-    reward of --frontier_samples temperature-1 samples per post); best-of-n from the SFT policy on the same posts;
-    then frontier.md (the table), frontier.json (every point) and assets/frontier.png, rewritten after every run so
-    that a run cut short keeps what it measured. Returns the table (markdown)."""
+    --frontier_dpo_betas; --frontier_seeds seeds each) from the SFT policy and reward model in --out, each measured
+    at every evaluation on the first --frontier_prompts held-out posts (dpo.py / grpo.py --frontier_prompts: KL to
+    the SFT policy, gold and proxy reward of --frontier_samples temperature-1 samples per post); best-of-n from the
+    SFT policy on the same posts; then frontier.md (the table), frontier.json (every point) and assets/frontier.png,
+    rewritten after every run so that a run cut short keeps what it measured. Returns the table (markdown)."""
     from data.synthetic import gold_reward
     from data.tokenizer import get_tokenizer
     from evaluation.frontier import best_of_n, frontier_points, frontier_table, load_frontier_prompts, plot_frontier
@@ -546,7 +545,47 @@ def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
     return record()
 
 
-def main() -> None:
+def summarize(out: Path, paths: dict, pairs: dict, args: argparse.Namespace, t0: float) -> None:
+    """Stage 7: what each stage learned, as summary.json, a table on the terminal, the pipeline diagram and the demo's
+    curves."""
+
+    # gold reward of sampled summaries on held-out prompts (all 200 SFT validation posts x 8 samples: the standard
+    # error of a stage's mean items invented is ~0.01), preference accuracy
+    def gold(stage: str) -> dict:
+        return gold_of_samples(out / stage / "hf", paths["sft_validation"], 200, 8, 24, args.seed)
+
+    def last(stage: str, key: str) -> float:
+        rows = [json.loads(line) for line in open(out / stage / "metrics.jsonl")]
+        return [r[key] for r in rows if key in r][-1]
+
+    grpo_rows = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
+    tail = [r for r in grpo_rows if "train/kl" in r][-5:]  # the last five steps
+    golds = {stage: gold(stage) for stage in ("sft", "dpo", "grpo")}
+    summary = {
+        "rm_accuracy": last("rm", "val/accuracy"),
+        **reward_probes(out, pairs["validation"], paths["sft_validation"], args.seed),
+        "dpo_accuracy": last("dpo", "val/accuracy"),
+        **{f"{stage}_{name}": value for stage, parts in golds.items() for name, value in parts.items()},
+        "grpo_kl": sum(r["train/kl"] for r in tail) / len(tail),
+        "grpo_proxy_reward": sum(r["reward/mean"] for r in tail) / len(tail),
+        "grpo_pref_accuracy": last("grpo", "eval/pref_accuracy"),
+        "seconds": time.time() - t0,
+    }
+    from evaluation.plots import demo_curves, pipeline_diagram
+
+    assets = Path(args.assets)
+    assets.mkdir(parents=True, exist_ok=True)
+    pipeline_diagram(assets / "pipeline.png")
+    demo_curves(out, assets / "demo_curves.png")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("\n| metric | value |\n|---|---|")
+    for k, v in summary.items():
+        print(f"| {k} | {v:.4f} |")
+    print(f"\nwrote {out / 'summary.json'}, {assets / 'pipeline.png'}, {assets / 'demo_curves.png'}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's command line."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -654,7 +693,11 @@ def main() -> None:
         "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
         "one that is redone is redone too)",
     )
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     from utils.host import keep_freed_memory
 
     keep_freed_memory()  # the demo's own sampling and scoring run here, on the CPU (utils/host.py)
@@ -682,7 +725,8 @@ def main() -> None:
     if args.ablation_seeds > 0:
         text = ablation(out, paths, pairs, args)
         print(
-            f"\n{text}\n\nwrote {out / 'ablation.md'} and {Path(args.assets) / 'ablation.png'} ({time.time() - t0:.0f} s)"
+            f"\n{text}\n\nwrote {out / 'ablation.md'} and {Path(args.assets) / 'ablation.png'} "
+            f"({time.time() - t0:.0f} s)"
         )
         return
 
@@ -696,39 +740,8 @@ def main() -> None:
         args.nproc,
     )
 
-    # 7. what each stage learned: gold reward of sampled summaries on held-out prompts (all 200 SFT validation posts x
-    #    8 samples: the standard error of a stage's mean items invented is ~0.01), preference accuracy
-    def gold(stage: str) -> dict:
-        return gold_of_samples(out / stage / "hf", paths["sft_validation"], 200, 8, 24, args.seed)
-
-    def last(stage: str, key: str) -> float:
-        rows = [json.loads(line) for line in open(out / stage / "metrics.jsonl")]
-        return [r[key] for r in rows if key in r][-1]
-
-    grpo_rows = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
-    tail = [r for r in grpo_rows if "train/kl" in r][-5:]  # the last five steps
-    golds = {stage: gold(stage) for stage in ("sft", "dpo", "grpo")}
-    summary = {
-        "rm_accuracy": last("rm", "val/accuracy"),
-        **reward_probes(out, pairs["validation"], paths["sft_validation"], args.seed),
-        "dpo_accuracy": last("dpo", "val/accuracy"),
-        **{f"{stage}_{name}": value for stage, parts in golds.items() for name, value in parts.items()},
-        "grpo_kl": sum(r["train/kl"] for r in tail) / len(tail),
-        "grpo_proxy_reward": sum(r["reward/mean"] for r in tail) / len(tail),
-        "grpo_pref_accuracy": last("grpo", "eval/pref_accuracy"),
-        "seconds": time.time() - t0,
-    }
-    from evaluation.plots import demo_curves, pipeline_diagram
-
-    assets = Path(args.assets)
-    assets.mkdir(parents=True, exist_ok=True)
-    pipeline_diagram(assets / "pipeline.png")
-    demo_curves(out, assets / "demo_curves.png")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("\n| metric | value |\n|---|---|")
-    for k, v in summary.items():
-        print(f"| {k} | {v:.4f} |")
-    print(f"\nwrote {out / 'summary.json'}, {assets / 'pipeline.png'}, {assets / 'demo_curves.png'}")
+    # 7. what each stage learned
+    summarize(out, paths, pairs, args, t0)
 
 
 if __name__ == "__main__":

@@ -16,39 +16,29 @@ reward accuracy (beta * log pi/pi_ref of chosen above rejected; ties count half)
 rewards, and the validation preference accuracy with its bootstrap interval.
 """
 
-import copy
 import functools
 import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn as nn
 
 from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import Frontier, FrontierConfig
 from evaluation.pairs import PairConfig, load_pairs
-from evaluation.preference import evaluate_policy, policy_logps, response_logprobs
+from evaluation.preference import evaluate_policy, policy_logps, reference_logps, response_logprobs
 from evaluation.samples import Judge, JudgeConfig, SampleLog
-from model.lora import AdaptersOff, LoRAConfig, apply_lora, trainable_summary
-from model.weights import build_policy, model_config, save_export
+from model.lora import LoRAConfig
+from model.weights import model_config, save_export
 from rlhf.losses import dpo_loss, ipo_loss
 from rlhf.stats import pair_outcomes
-from rollouts.models import sharded_module
-from utils.config import (
-    ConfigError,
-    OptimConfig,
-    RunConfig,
-    accumulation_steps,
-    fit_context,
-    parse_config,
-)
+from rollouts.models import build_policy_and_reference
+from utils.config import ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config
 from utils.dist import all_reduce_sum
-from utils.fsdp import gathered_params, resolve_dtype, shard_model
 from utils.guard import exit_on_error
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
-from utils.run import Run, end_of_step, epoch_steps, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -117,16 +107,6 @@ def preference_loss_fn(cfg: Config):
     return functools.partial(dpo_loss, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
 
 
-@torch.no_grad()  # the reference is frozen: no graph, no gradient
-def reference_logps(reference, micro_batches: list[dict], device, prefix_sharing: bool = True) -> list[torch.Tensor]:
-    """The frozen reference's summed response log-probs (2B,) of every micro-batch of a step, its FSDP units gathered
-    once for all of them (with --frozen_cpu_offload: one host-to-device copy per step, not per micro-batch). Run
-    before the policy's micro-batches: with LoRA the reference is the policy's own FSDP modules (adapters off), whose
-    no-grad forward should not sit between the policy's forward and its backward."""
-    with gathered_params(sharded_module(reference)):
-        return [response_logprobs(reference, batch, device, prefix_sharing) for batch in micro_batches]
-
-
 def pair_losses(
     policy,
     reference,
@@ -151,16 +131,9 @@ def pair_losses(
     with torch.no_grad():
         reward_chosen = beta * (policy_chosen - ref_chosen).double()  # (B,)
         reward_rejected = beta * (policy_rejected - ref_rejected).double()
-        stats = torch.stack(
-            [
-                losses.double().sum(),
-                pair_outcomes(reward_chosen, reward_rejected).sum(),
-                reward_chosen.sum(),
-                reward_rejected.sum(),
-                policy_chosen.double().sum(),
-                policy_rejected.double().sum(),
-            ]
-        )
+        outcomes = pair_outcomes(reward_chosen, reward_rejected)  # (B,) 1, 1/2 or 0
+        parts = (losses, outcomes, reward_chosen, reward_rejected, policy_chosen, policy_rejected)  # (B,) each
+        stats = torch.stack([t.double().sum() for t in parts])  # (6,)
     return losses, stats
 
 
@@ -187,7 +160,7 @@ def accumulate_gradients(
         losses, stats = pair_losses(policy, reference, batch, loss_fn, beta, device, prefix_sharing, ref)
         return losses.sum(), stats
 
-    stats = accumulate_micro_batches(policy, list(zip(micro_batches, ref_logps)), loss_of, world, n_pairs)
+    stats = accumulate_micro_batches(policy, list(zip(micro_batches, ref_logps, strict=True)), loss_of, world, n_pairs)
     sums = sum(stats, torch.zeros(6, dtype=torch.float64, device=device))
     loss, accuracy, chosen, rejected, logp_chosen, logp_rejected = (all_reduce_sum(sums) / n_pairs).tolist()
     return {
@@ -201,32 +174,15 @@ def accumulate_gradients(
     }
 
 
-def build_models(cfg: Config, run: Run) -> tuple[nn.Module, nn.Module]:
-    """The policy (with LoRA: frozen, plus trainable adapters) and its frozen reference, both FSDP-sharded on the
-    run's device. The reference is --reference, or the starting policy copied before sharding (so a random init is
-    shared), or with LoRA the policy itself with its adapters off (no copy)."""
-    policy = build_policy(cfg.model, cfg.random_init)
-    if cfg.reference:
-        reference = build_policy(cfg.reference)
-    elif cfg.lora_enabled:
-        reference = None  # AdaptersOff(policy), once the policy is sharded
-    else:
-        reference = copy.deepcopy(policy)
-    if cfg.lora_enabled:
-        apply_lora(policy, cfg)
-    run.say(f"dpo: {trainable_summary(policy)}")
-    if reference is not None:
-        reference.requires_grad_(False)
-        reference.eval()
-        ref_dtype = run.dtype if cfg.reference_dtype == "auto" else resolve_dtype(cfg.reference_dtype, run.device)
-        if ref_dtype is not None:
-            reference.to(ref_dtype)  # stored in bf16, not only computed in it: half the memory
-        shard_model(reference, None, cpu_offload=cfg.frozen_cpu_offload)
-        if not cfg.frozen_cpu_offload:
-            reference.to(run.device)
-    shard_model(policy, run.dtype, activation_checkpointing=cfg.activation_checkpointing)
-    policy.to(run.device)
-    return policy, AdaptersOff(policy) if reference is None else reference
+def validate(policy, ref_val, val_set, cfg: Config, device, judge, samples, logger, step: int) -> dict:
+    """Validation at step `step` (a collective): the implicit reward's preference accuracy with its bootstrap interval
+    (against the reference's log-probs `ref_val`), with --judge the win rate of the greedy summaries; the table of
+    sample summaries is logged."""
+    val = evaluate_policy(policy, ref_val, val_set, cfg.beta, device, prefix_sharing=cfg.prefix_sharing)
+    out = {f"val/{k}": v for k, v in val.items()} | (judge.evaluate(policy, "val/") if judge is not None else {})
+    if samples is not None:
+        samples.log(logger, policy, step)
+    return out
 
 
 def main(cfg: Config) -> dict:
@@ -235,9 +191,8 @@ def main(cfg: Config) -> dict:
     model_cfg = model_config(cfg.model, cfg.random_init, kind="policy")
     limits = [(model_cfg, "max_response_len", "policy")]
     if cfg.reference:
-        limits.append(
-            (model_config(cfg.reference, kind="policy", option="--reference"), "max_response_len", "reference")
-        )
+        reference_cfg = model_config(cfg.reference, kind="policy", option="--reference")
+        limits.append((reference_cfg, "max_response_len", "reference"))
     fit_context(cfg, *limits, *cfg.judge_limits(model_cfg))
     run = start_run(cfg, {"stage": "dpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     world, device = run.world, run.device
@@ -248,8 +203,8 @@ def main(cfg: Config) -> dict:
     data = load_pairs(cfg, tok, run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
     total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
-    # 3. policy and frozen reference (build_models), optimizer over the policy's trainable parameters
-    policy, reference = build_models(cfg, run)
+    # 3. policy and frozen reference (rollouts.models), optimizer over the policy's trainable parameters
+    policy, reference = build_policy_and_reference(cfg, run)
     optimizer, scheduler = build_optimization(policy, cfg, total_steps)
     loss_fn = preference_loss_fn(cfg)
     judge = None  # --judge: its reward model and posts, for the win rate at every evaluation
@@ -277,12 +232,9 @@ def main(cfg: Config) -> dict:
     if first and ref_val is None:
         run.logger.log(first, 0)
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
-        val = evaluate_policy(policy, ref_val, data.val_set, cfg.beta, device, prefix_sharing=cfg.prefix_sharing)
-        run.logger.log(
-            {f"val/{k}": v for k, v in val.items()} | (judge.evaluate(policy, "val/") if judge else {}) | first, 0
-        )
-        if samples is not None:
-            samples.log(run.logger, policy, 0)
+        val = validate(policy, ref_val, data.val_set, cfg, device, judge, samples, run.logger, 0)
+        check_best_metric(cfg, val)  # before the first training step
+        run.logger.log(val | first, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)
     policy.train()
     metrics, stopping = {}, False
@@ -302,14 +254,7 @@ def main(cfg: Config) -> dict:
             #    (on schedule, at the end, at a new best, or when a signal came)
             metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
             if ref_val is not None and cfg.eval_due(step, total_steps):
-                val = evaluate_policy(
-                    policy, ref_val, data.val_set, cfg.beta, device, prefix_sharing=cfg.prefix_sharing
-                )
-                metrics.update({f"val/{k}": v for k, v in val.items()})
-                if judge is not None:
-                    metrics.update(judge.evaluate(policy, "val/"))
-                if samples is not None:
-                    samples.log(run.logger, policy, step)
+                metrics.update(validate(policy, ref_val, data.val_set, cfg, device, judge, samples, run.logger, step))
             if frontier is not None and cfg.eval_due(step, total_steps):
                 metrics.update(frontier.evaluate(policy, reference, step))
             stopping = end_of_step(run, cfg, step, total_steps, metrics, policy, optimizer, scheduler, data.loader)

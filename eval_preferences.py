@@ -24,8 +24,9 @@ from model.weights import build_policy, build_reward_model, model_config
 from utils.config import ConfigError, config_to_dict, fit_context, parse_config
 from utils.dist import cleanup_distributed, setup_distributed
 from utils.fsdp import resolve_dtype, shard_model
-from utils.guard import exit_on_error
+from utils.guard import all_ranks_agree, exit_on_error
 from utils.logging import Logger
+from utils.rundir import check_run_dir, lock_run_dir, release_run_dir
 
 
 @dataclass
@@ -61,7 +62,8 @@ class Config(JudgeConfig):  # --judge (with --policy): the win rate against refe
     """Seed of the bootstrap."""
     # --- run
     out_dir: str = ""
-    """When set: write preference_eval.json and metrics.jsonl there and log to wandb (see --wandb_mode)."""
+    """When set: write preference_eval.json and metrics.jsonl there and log to wandb (see --wandb_mode); a training
+    run's folder is written under its lock (refused while the run holds it), its config.json left alone."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """auto (cuda when available), cuda or cpu."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
@@ -109,6 +111,10 @@ def main(cfg: Config) -> dict:
             model_cfg = model_config(name, kind=kind, option="--" + what.replace(" ", "_"), normalized=False)
             limits.append((model_cfg, "max_response_len", what))
     fit_context(cfg, *limits, *cfg.judge_limits(model_config(cfg.policy) if cfg.policy else None))
+    with all_ranks_agree("the run directory's checks", device):  # one writer at a time, as in training
+        if cfg.out_dir and rank == 0:
+            check_run_dir(cfg.out_dir)
+            lock_run_dir(cfg.out_dir)
 
     # 2. data: this rank's disjoint slice of the pairs
     rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)
@@ -160,13 +166,16 @@ def main(cfg: Config) -> dict:
                 f"{results['summary_reward_mean']:.4f} (references {results['summary_reference_reward_mean']:.4f})"
             )
     if cfg.out_dir:
-        logger = Logger(cfg.out_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0)
+        logger = Logger(
+            cfg.out_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0, record=False
+        )
         log_results(logger, results, step=0, prefix="eval/")
         logger.finish()
         if rank == 0:
             (Path(cfg.out_dir) / "preference_eval.json").write_text(
                 json.dumps({"config": config_to_dict(cfg), "results": results}, indent=2)
             )
+            release_run_dir(cfg.out_dir)
     cleanup_distributed()
     return results
 

@@ -15,22 +15,20 @@ training prompts have mean 0 and standard deviation 1 (GRPO reads normalised rew
 model as the RewardModel's gain/bias buffers and in hf/reward_normalization.json.
 """
 
-import math
-import random
 import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from data.tldr import PromptDataset, pad_prompts
+from data.tldr import PromptDataset
 from data.tokenizer import get_tokenizer
 from evaluation.pairs import PairConfig, load_pairs
 from evaluation.preference import evaluate_reward_model, reward_scores
-from model.sampler import generate
 from model.weights import build_policy, build_reward_model, model_config, resolve_pooling, save_export
 from rlhf.losses import bradley_terry_loss
-from rlhf.stats import pair_outcomes, standardizing_gain_bias
+from rlhf.stats import pair_outcomes
+from rollouts.normalization import fit_normalization, normalization_prompts
 from utils.config import (
     ConfigError,
     DecodeConfig,
@@ -40,12 +38,11 @@ from utils.config import (
     fit_context,
     parse_config,
 )
-from utils.dist import all_reduce_sum, stream
-from utils.fsdp import gathered_params, shard_model
-from utils.guard import check_rewards, exit_on_error
-from utils.logging import track
+from utils.dist import all_reduce_sum
+from utils.fsdp import shard_model
+from utils.guard import exit_on_error
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
-from utils.run import end_of_step, epoch_steps, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -133,92 +130,6 @@ def accumulate_gradients(
     }
 
 
-def normalization_prompts(rows: list[dict[str, str]], n: int, seed: int) -> list[dict[str, str]]:
-    """n distinct training prompts (the preference data repeats a post once per comparison), in seeded order."""
-    prompts = sorted({row["prompt"] for row in rows})
-    random.Random(seed).shuffle(prompts)
-    return [{"prompt": p} for p in prompts[:n]]
-
-
-@torch.no_grad()
-def fit_normalization(
-    reward_model, policy, prompts: list[list[int]], cfg: Config, rank: int, world: int, device, step: int = 0
-) -> dict:
-    """Sample cfg.norm_samples_per_prompt responses per prompt from `policy`, score them with `reward_model`,
-    and set its gain and bias so those rewards have mean 0 and (population) std 1 over all ranks. Rewards that
-    are NaN or all equal stop the run (a gain cannot be fitted; `step` is named in the message).
-
-    Rank r takes a contiguous slice of the prompts, padded with copies of prompt 0 (whose rewards are not
-    counted) so every rank runs the same number of FSDP forward passes."""
-    G = cfg.norm_samples_per_prompt
-    per_rank = math.ceil(len(prompts) / world)
-    mine = list(range(rank * per_rank, (rank + 1) * per_rank))
-    generator = stream(cfg.seed, step, rank, "normalization", device=device)  # the one per-rank stream scheme
-    reward_model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # count, sum, sum of squares, responses with an end
-    counted = []  # this rank's rewards of real prompts, for the NaN / constant check
-    for start in track(
-        range(0, per_rank, cfg.norm_batch_size),
-        "normalisation samples",
-        len(prompts),
-        lambda start: len(mine[start : start + cfg.norm_batch_size]),
-        unit="prompts",
-    ):
-        index = mine[start : start + cfg.norm_batch_size]
-        valid = torch.tensor([i < len(prompts) for i in index], device=device).repeat_interleave(G)  # (N,)
-        prompt_ids, prompt_mask = pad_prompts([prompts[i if i < len(prompts) else 0] for i in index])  # (B, P)
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        # 1. sample: rows b*G .. b*G+G-1 belong to prompt b
-        with gathered_params(policy):
-            out = generate(
-                policy,
-                prompt_ids,
-                prompt_mask,
-                G,
-                cfg.max_response_len,
-                temperature=cfg.norm_temperature,
-                generator=generator,
-                compile=cfg.compile,
-            )
-        # 2. score prompt + response (read at the last real token, the end token when there is one, or summed over
-        #    the response: the model's pooling); the responses start at column P
-        input_ids = torch.cat([prompt_ids.repeat_interleave(G, 0), out.response_ids], dim=1)  # (N, P+R)
-        attention_mask = torch.cat([prompt_mask.repeat_interleave(G, 0), out.response_mask], dim=1)  # (N, P+R)
-        position_ids = (attention_mask.long().cumsum(1) - 1) * attention_mask  # (N, P+R)
-        rows = 2 * cfg.micro_batch_size
-        rewards = torch.cat(
-            [
-                reward_model(
-                    input_ids[i : i + rows],
-                    position_ids[i : i + rows],
-                    attention_mask[i : i + rows],
-                    prompt_len=prompt_ids.shape[1],
-                )
-                for i in range(0, input_ids.shape[0], rows)
-            ]
-        ).double()  # (N,)
-        v = valid.double()
-        counted.append(rewards[valid])
-        sums += torch.stack(
-            [v.sum(), (rewards * v).sum(), (rewards * rewards * v).sum(), (out.has_end.double() * v).sum()]
-        )
-    check_rewards(torch.cat(counted), "reward_model (normalisation samples)", step, device)
-    count, total, total_sq, n_end = all_reduce_sum(sums).tolist()
-    gain, bias = standardizing_gain_bias(count, total, total_sq)
-    reward_model.gain.fill_(gain)
-    reward_model.bias.fill_(bias)
-    reward_model.train()
-    mean = total / count
-    return {
-        "norm/raw_mean": mean,
-        "norm/raw_std": math.sqrt(max(total_sq / count - mean * mean, 0.0)),
-        "norm/samples": count,
-        "norm/end_rate": n_end / count,
-        "norm/gain": gain,
-        "norm/bias": bias,
-    }
-
-
 def main(cfg: Config) -> dict:
     # 1. distributed set-up and every check that needs no data and no weights: sizes, the models' configs (the
     #    normalisation's SFT policy too, so a wrong folder fails now and not after training), the run directory and
@@ -242,10 +153,10 @@ def main(cfg: Config) -> dict:
     total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
     # 3. model, FSDP, optimizer. Training changes the rewards, so a loaded normalisation no longer holds.
-    model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling)
+    model = build_reward_model(cfg.model, cfg.random_init, cfg.pooling, new_head=True)  # a policy: a new head
     model.gain.fill_(1.0)
     model.bias.fill_(0.0)
-    shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing)
+    shard_model(model, run.dtype, activation_checkpointing=cfg.activation_checkpointing, compile_blocks=cfg.compile)
     model.to(device)
     optimizer, scheduler = build_optimization(model, cfg, total_steps)
 
@@ -256,7 +167,9 @@ def main(cfg: Config) -> dict:
     model.train()
     if data.val_set is not None and step == 0 and cfg.eval_every > 0:
         val = evaluate_reward_model(model, data.val_set, device, prefix_sharing=cfg.prefix_sharing)
-        run.logger.log({f"val/{k}": v for k, v in val.items()}, step=0)
+        val = {f"val/{k}": v for k, v in val.items()}
+        check_best_metric(cfg, val)  # before the first training step
+        run.logger.log(val, step=0)
     metrics, stopping = {}, False
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
         while step < total_steps and not stopping:

@@ -30,11 +30,13 @@ from utils.host import keep_freed_memory
 
 @dataclass
 class Config:
+    # --- models
     policy: str = "runs/grpo/hf"
     """Policy to sample from: a Hugging Face-format folder (any stage's hf/), a hub name, or with --random_init a
     preset (tiny, small, ...)."""
     random_init: bool = False
     """A random GPT-2 of the preset named by --policy (smoke tests)."""
+    # --- data
     data: str = ""
     """Prompts: a .jsonl/.parquet file, a folder or a hub dataset with a prompt column; empty: --post or stdin."""
     split: str = "validation"
@@ -47,6 +49,7 @@ class Config:
     """Subreddit of --post (without r/), written into its prompt; empty: none."""
     title: str = ""
     """Title of --post, written into its prompt; empty: none."""
+    # --- sampling
     num_samples: int = 1
     """Summaries per prompt."""
     temperature: float = 0.7
@@ -59,10 +62,13 @@ class Config:
     """Summary tokens at most, the end token included."""
     max_prompt_len: int = 512
     """Prompt tokens kept (the end of a longer post is cut); lowered to what the policy's positions hold."""
+    # --- models
     reward_model: str = ""
     """Score every summary with this reward model (reward_model.py's hf/ folder); empty: no score."""
+    # --- evaluation and logging
     jsonl: bool = False
     """One JSON object per summary instead of the readable listing."""
+    # --- run
     seed: int = 0
     """Seed of the sampling."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -110,9 +116,10 @@ def main(cfg: Config, stdin=None, out=None) -> list[dict]:
     if not cuda:
         keep_freed_memory()  # utils/host.py
     dtype = resolve_dtype(cfg.dtype, device)
-    limits = [(model_config(cfg.policy, cfg.random_init), "max_new_tokens", "policy")]
-    if cfg.reward_model:
-        limits.append((model_config(cfg.reward_model), "max_new_tokens", "reward model"))
+    limits = [(model_config(cfg.policy, cfg.random_init, kind="policy", option="--policy"), "max_new_tokens", "policy")]
+    if cfg.reward_model:  # its rewards are reported normalized: it must hold its gain and bias
+        rm_cfg = model_config(cfg.reward_model, kind="reward_model", option="--reward_model")
+        limits.append((rm_cfg, "max_new_tokens", "reward model"))
     fit_context(cfg, *limits)
     tok = get_tokenizer()
     rows = prompt_rows(cfg, stdin)

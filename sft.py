@@ -16,28 +16,20 @@ from functools import partial
 
 import torch
 
-from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, collate_sft, eval_slice, load_rows
+from data.tldr import SFT_COLUMNS, SFTDataset, ShardedLoader, load_rows, real_rows, validation_batches
 from data.tokenizer import get_tokenizer
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.losses import sft_loss_sum
-from utils.config import (
-    ConfigError,
-    DataConfig,
-    OptimConfig,
-    RunConfig,
-    accumulation_steps,
-    fit_context,
-    parse_config,
-)
-from utils.dist import all_reduce_sum, stream
+from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config
+from utils.dist import all_reduce_sum, stream, stream_seed
 from utils.fsdp import shard_model
 from utils.guard import exit_on_error
 from utils.logging import track
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
-from utils.run import end_of_step, epoch_steps, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
 
 
 @dataclass
@@ -56,6 +48,9 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, JudgeConfig):  # sh
     """Global batch size (rows per optimizer step, over all ranks)."""
     micro_batch_size: int = 8
     """Rows per forward/backward on each rank; batch_size / (micro_batch_size * world) accumulation steps."""
+    group_by_length: bool = True
+    """Each step's rows (all ranks) sorted by length and dealt out as micro-batches, validation rows too: less padding
+    computed, the same gradient up to float summation order. false: each rank's own slice, in loader order."""
     # --- objective
     prompt_loss_weight: float = 0.0
     """Weight of the next-token loss on prompt tokens, relative to response tokens. 0 (the default) trains on the
@@ -111,31 +106,30 @@ def prompt_targets(batch: dict) -> torch.Tensor:
 
 
 def weighted_nll_sum(
-    model, batch: dict, prompt_weight: float, prompt_positions: int, generator: torch.Generator | None, device
+    model, batch: dict, prompt_weight: float, prompt_positions: int, draw_seed: int | None, device
 ) -> torch.Tensor:
     """Response NLL + prompt_weight * (an unbiased estimate of the) prompt NLL, summed over one micro-batch.
 
     The prompt term draws `prompt_positions` prompt targets per row uniformly without replacement and scales
     each by (the row's prompt targets / the number drawn), so its expectation is the NLL summed over every prompt
-    token, at a fraction of the cost of a 50k-way softmax at every position. With prompt_weight 0 it is the
-    response NLL alone."""
+    token, at a fraction of the cost of a 50k-way softmax at every position. A row's draw depends on `draw_seed` and
+    its example index (batch["example"]) only, not on where it is computed. prompt_weight 0: the response NLL."""
     if prompt_weight == 0:
         return response_nll_sum(model, batch, device)[0]
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
     valid = prompt_targets(batch)  # (B, P-1): column j+1 is a prompt target predicted at column j
-    B = valid.shape[0]
-    K = min(prompt_positions, P - 1)
-    scores = torch.rand(valid.shape, generator=generator).masked_fill(~valid, -1.0)
+    B, K = valid.shape[0], min(prompt_positions, P - 1)
+    scores = torch.full(valid.shape, -1.0)  # (B, P-1): a random score per prompt target, the top K drawn
+    for row, example in enumerate(batch["example"].tolist()):
+        scores[row, valid[row]] = torch.rand(int(valid[row].sum()), generator=stream(draw_seed, example))
     chosen = scores.topk(K, dim=1).indices  # (B, K) predictor columns
     drawn = valid.gather(1, chosen)  # (B, K) False where a row has fewer than K prompt targets
     scale = valid.sum(1, keepdim=True) / drawn.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
     columns = torch.cat([chosen, torch.arange(P - 1, P + R - 1).expand(B, R)], dim=1)  # (B, K+R) predictor columns
-    input_ids = batch["input_ids"]
-    targets = input_ids.gather(1, columns + 1)
-    weight = torch.cat([prompt_weight * scale * drawn, batch["response_mask"].float()], dim=1)  # (B, K+R)
-    weight = weight.to(device)
+    targets = batch["input_ids"].gather(1, columns + 1)
+    weight = torch.cat([prompt_weight * scale * drawn, batch["response_mask"].float()], dim=1).to(device)  # (B, K+R)
     logp, _ = model(
-        input_ids.to(device),
+        batch["input_ids"].to(device),
         batch["position_ids"].to(device),
         batch["attention_mask"].to(device),
         logits_slice=columns.to(device),
@@ -151,7 +145,7 @@ def accumulate_gradients(
     device,
     prompt_weight: float = 0.0,
     prompt_positions: int = 0,
-    generator: torch.Generator | None = None,
+    draw_seed: int | None = None,
 ) -> float:
     """Forward and backward over this rank's micro-batches of one optimizer step; returns the global loss.
 
@@ -164,30 +158,11 @@ def accumulate_gradients(
     n_tokens = all_reduce_sum(n_tokens.to(device))
 
     def loss_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        s = weighted_nll_sum(model, batch, prompt_weight, prompt_positions, generator, device)
+        s = weighted_nll_sum(model, batch, prompt_weight, prompt_positions, draw_seed, device)
         return s, s.detach().float()
 
     sums = accumulate_micro_batches(model, micro_batches, loss_of, world, n_tokens)
     return float(all_reduce_sum(sum(sums, torch.zeros((), device=device))) / n_tokens)
-
-
-def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size: int) -> list[dict]:
-    """This rank's micro-batches of a disjoint slice of the validation rows, in fixed order. Every rank gets the same
-    number of batches (data.tldr.eval_slice): a rank short of rows fills its last batch with copies of row 0 whose
-    response mask is all False, so they count for no token and no loss, whatever the number of rows."""
-    index = eval_slice(len(val), rank, world)
-    batches = []
-    for start in range(0, len(index), micro_batch_size):
-        rows = index[start : start + micro_batch_size]
-        batch = collate_sft([val.prompts[max(i, 0)] for i in rows], [val.responses[max(i, 0)] for i in rows])
-        batch["response_mask"] &= torch.tensor([i >= 0 for i in rows])[:, None]  # (B, R): padding rows weigh 0
-        batches.append(batch)
-    return batches
-
-
-def real_rows(batch: dict) -> int:
-    """Rows of a validation batch that are not padding (validation_batches)."""
-    return int(batch["response_mask"].any(1).sum())
 
 
 @torch.no_grad()
@@ -215,15 +190,10 @@ def main(cfg: Config) -> dict:
 
     # 2. data: tokenize, shard per rank, shuffle per epoch
     tok = get_tokenizer()
-    train_rows = load_rows(cfg.train_data, cfg.train_split, SFT_COLUMNS)
-    train = SFTDataset(
-        train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.train_data}[{cfg.train_split}]"
-    )
-
-    def collate(ds):
-        return lambda idx: collate_sft([ds.prompts[i] for i in idx], [ds.responses[i] for i in idx])
-
-    loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, collate(train))
+    train_rows, name = load_rows(cfg.train_data, cfg.train_split, SFT_COLUMNS), f"{cfg.train_data}[{cfg.train_split}]"
+    train = SFTDataset(train_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=name)
+    lengths = train.lengths() if cfg.group_by_length else None  # each step's rows sorted by length, dealt out
+    loader = ShardedLoader(len(train), cfg.micro_batch_size, rank, world, cfg.seed, train.collate, lengths)
     val_batches, samples = [], None
     if cfg.val_data and cfg.eval_every >= 0:
         val_rows = load_rows(cfg.val_data, cfg.val_split, SFT_COLUMNS)
@@ -231,7 +201,7 @@ def main(cfg: Config) -> dict:
         val = SFTDataset(
             val_rows, tok, cfg.max_prompt_len, cfg.max_response_len, name=f"{cfg.val_data}[{cfg.val_split}]"
         )
-        val_batches = validation_batches(val, rank, world, cfg.micro_batch_size)
+        val_batches = validation_batches(val, rank, world, cfg.micro_batch_size, cfg.group_by_length)
         samples = SampleLog(
             val_rows[: cfg.eval_samples], "completion", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed
         )
@@ -246,12 +216,12 @@ def main(cfg: Config) -> dict:
     judge = None  # --judge: its reward model and posts, for the win rate at every evaluation
     if cfg.judge:
         judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed)
+    check_best_metric(cfg, ({"val/loss"} if val_batches else set()) | (judge.metric_names("val/") if judge else set()))
     optimizer, scheduler = build_optimization(model, cfg, total_steps)
 
     # 4. resume: weights, optimizer, schedule, every rank's RNG, data position, best validation so far
     step = resume(run, cfg, model, optimizer, scheduler, loader, total_steps)
     run.say(f"sft: {len(train)} rows, world {world}, {accum} accumulation steps, {total_steps} steps")
-    batches = iter(loader)
     model.train()
     metrics, stopping = {}, False
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
@@ -259,10 +229,10 @@ def main(cfg: Config) -> dict:
             t0 = time.perf_counter()
             # 5. one optimizer step: the loss is normalised by the global count of response tokens; a non-finite
             #    loss or gradient norm stops the run, or skips the step (--on_nonfinite)
-            micro = [next(batches) for _ in range(accum)]
-            prompt_gen = stream(cfg.seed, step, rank, "prompt_positions")  # rebuilt from the step: resumes exactly
+            micro = loader.next_step(accum)
+            draw_seed = stream_seed(cfg.seed, step, "prompt_positions")  # from the step: resumes exactly
             loss = accumulate_gradients(
-                model, micro, world, device, cfg.prompt_loss_weight, cfg.prompt_loss_positions, prompt_gen
+                model, micro, world, device, cfg.prompt_loss_weight, cfg.prompt_loss_positions, draw_seed
             )
             metrics = {"train/loss": loss}
             guarded_step(model, optimizer, scheduler, run.guard, step + 1, metrics, cfg.grad_clip)

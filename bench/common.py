@@ -167,7 +167,7 @@ def measure_interleaved(
 
 def median_ratio(a: Timing, b: Timing) -> float:
     """Median over repeats of b's time / a's time: how many times faster a is than b (interleaved runs)."""
-    return statistics.median(tb / ta for ta, tb in zip(a.times, b.times))
+    return statistics.median(tb / ta for ta, tb in zip(a.times, b.times, strict=True))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -217,7 +217,7 @@ def build(bcfg: GRPOBenchConfig, device: torch.device) -> StepInputs:
     optimizer = build_optimizer(models.policy, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, 1000, cfg.min_lr_ratio)
     ids, mask = random_prompts(bcfg.prompts, bcfg.prompt_len, bcfg.min_prompt_len, models.policy.cfg.vocab_size, seed=0)
-    texts = [tok.decode(i[m].tolist()) if tok else "" for i, m in zip(ids, mask)]
+    texts = [tok.decode(i[m].tolist()) if tok else "" for i, m in zip(ids, mask, strict=True)]
     prompts = PromptSet(
         ids.to(device),
         mask.to(device),
@@ -274,7 +274,7 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
         world,
         torch.finfo(dtype or torch.float32).bits // 8,
     )
-    del s
+    s = None  # drops the models and optimizer (one_step's closure holds the name, not them)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {

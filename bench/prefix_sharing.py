@@ -8,8 +8,9 @@ against every sample carrying its own copy, interleaved in one run, per stage.
 The prompts are real TL;DR prompts from ../shared/data (tldr-validation-sample.jsonl, the first --prompts rows, cut
 at 512 tokens as grpo.py cuts them), so the prompt lengths are TL;DR's; 53 new tokens, G = 16 samples per prompt,
 RSO keeps K = 8 (on GPU the reference configuration, 256 prompts x 64 samples -> 8); policy, reference and reward
-model are randomly initialised GPT-2s of --preset (fp32 on CPU, bf16 on GPU). Each repeat runs grpo.train_step once shared and once unshared at the same step index (the same sampling
-stream) with the learning rate at a negligible 1e-12, so both see the same weights and sample the same responses;
+model are randomly initialised GPT-2s of --preset (fp32 on CPU, bf16 on GPU). Each repeat runs grpo.train_step
+once shared and once unshared at the same step index (the same sampling stream) with the learning rate at a
+negligible 1e-12, so both see the same weights and sample the same responses;
 the two modes alternate so that a change in the machine's load hits both alike.
 
 Figures per mode (median over repeats, no warm-up step; ratio = unshared / shared):

@@ -1,7 +1,7 @@
 """Every benchmark in one command; prints a table at the end and writes the figures as JSON.
 
     python -m bench.run_all                          # the device present (cuda if available, else cpu)
-    python -m bench.run_all --quick                  # smaller configurations: a smoke test, under ~2 minutes on 2 CPU cores
+    python -m bench.run_all --quick                  # smaller configurations: a smoke test
     python -m bench.run_all --device cpu --out runs/bench/cpu.json
     python -m bench.run_all --only sampler grpo      # a subset
     bash bench/gpu_all.sh OUT_DIR                    # on a GPU machine: GPU tests + this, logs in OUT_DIR
@@ -11,7 +11,7 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     train    bench/train.py      SFT, reward-model and DPO optimizer steps: tokens/s, TFLOP/s, MFU on GPU
     grpo     bench/grpo_step.py  one GRPO step: time and share per stage, tokens/s, peak memory
     trl      bench/trl_grpo.py   TRL's GRPOTrainer vs our step on the same configuration (or why it was not run)
-    prefix_sharing  bench/prefix_sharing.py  GRPO step on TL;DR prompts, prefix sharing on vs off, interleaved, per stage
+    prefix_sharing  bench/prefix_sharing.py  GRPO step on TL;DR prompts, prefix sharing on vs off, per stage
     compile  bench/compiled.py   --compile vs eager: sampler tokens/s, a GRPO step, compile time (named only)
 
 Every timed figure is the median of repeats after untimed warm-up runs. A figure that could not be measured is

@@ -222,13 +222,17 @@ def decode_stages(model, N: int, P: int, steps: int, device: torch.device, seed:
     stop = torch.tensor((END_ID, EOS_ID), device=device)
     work = probs_work(N, model.cfg.vocab_size, device=device)  # generate's, kept for the whole call
     for t in range(steps):
-        h = stage("body", lambda: model.transformer(tok[:, None], (next_pos + t)[:, None], None, kv_cache=cache))
-        logits = stage("LM head", lambda: model.lm_head(h[:, -1]))
-        logp = stage("process_logits + log_softmax", lambda: process_logits(logits).log_softmax(-1))
-        tok = stage("sample_tokens", lambda: sample_tokens(logp, g, work=work))
+        # each lambda runs at once inside stage(): the loop variables are bound by default arguments all the same
+        h = stage(
+            "body",
+            lambda tok=tok, t=t: model.transformer(tok[:, None], (next_pos + t)[:, None], None, kv_cache=cache),
+        )
+        logits = stage("LM head", lambda h=h: model.lm_head(h[:, -1]))
+        logp = stage("process_logits + log_softmax", lambda logits=logits: process_logits(logits).log_softmax(-1))
+        tok = stage("sample_tokens", lambda logp=logp: sample_tokens(logp, g, work=work))
         stage(
             "bookkeeping",
-            lambda: (
+            lambda logp=logp, tok=tok: (
                 torch.where(~done, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0),
                 done | torch.isin(tok, stop),
                 bool(done.all()),
@@ -434,8 +438,8 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
             for N in cfg.rows:
                 ids, mask = (t.to(device) for t in random_prompts(N, P, cfg.min_prompt_len, c.vocab_size, seed=7 + N))
                 calls = {
-                    "full": lambda: run_ours(ours, ids, mask, 1, R, seed=3),
-                    "prefill": lambda: run_ours(ours, ids, mask, 1, 1, seed=3),
+                    "full": lambda i=ids, m=mask: run_ours(ours, i, m, 1, R, seed=3),
+                    "prefill": lambda i=ids, m=mask: run_ours(ours, i, m, 1, 1, seed=3),
                 }
                 calls["full"]()
                 t = measure_interleaved(calls, device, cfg.repeats)
@@ -458,7 +462,7 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
                     )
                 )
                 print(f"  decode bound N={N}: {decode_rate:,.0f} tok/s of {bound:,.0f}", flush=True)
-    del ours, hf
+    ours = hf = None  # frees the models (the timing lambdas hold the names, not them)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows

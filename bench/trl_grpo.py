@@ -24,6 +24,7 @@ memory peak are kept apart from the other benchmarks. When trl, datasets or acce
 import argparse
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -160,7 +161,7 @@ def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
     prompt_ids, prompt_mask = random_prompts(
         bcfg.prompts, bcfg.prompt_len, bcfg.min_prompt_len, policy.cfg.vocab_size, seed=0
     )
-    texts = [ids_to_text(ids[mask].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
+    texts = [ids_to_text(ids[mask].tolist()) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
     assert [len(tok(t)["input_ids"]) for t in texts] == prompt_mask.sum(1).tolist(), "stand-in tokenizer lost ids"
     steps = bcfg.warmup + bcfg.repeats
     dataset = datasets.Dataset.from_dict({"prompt": texts * steps})  # the same prompts every step, as ours
@@ -223,7 +224,7 @@ def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
     ends.append(time.perf_counter())  # before the first step (the warm-up step includes the set-up of train())
     trainer.train()
     peak, peak_what = common.peak_memory(device, was_reset[0])
-    step_seconds = [b - a for a, b in zip(ends, ends[1:])][bcfg.warmup :]
+    step_seconds = [b - a for a, b in itertools.pairwise(ends)][bcfg.warmup :]
     lengths = [log["completions/mean_length"] for log in logged if "completions/mean_length" in log]
     out_file.write_text(
         json.dumps(

@@ -325,7 +325,7 @@ def mean_gold_reward(prompts: Sequence[str], summaries: Sequence[str]) -> float:
     """Mean gold reward over paired prompts and summaries."""
     if len(prompts) != len(summaries) or not prompts:
         raise ValueError(f"need equal, non-zero lengths, got {len(prompts)} and {len(summaries)}")
-    return sum(gold_reward(p, s) for p, s in zip(prompts, summaries)) / len(prompts)
+    return sum(gold_reward(p, s) for p, s in zip(prompts, summaries, strict=True)) / len(prompts)
 
 
 def gold_pairs(prompt: str, summaries: Sequence[str]) -> list[tuple[str, str]]:
@@ -381,7 +381,8 @@ def label_pairs(
     itself with one key item swapped for an invented one (swap_key_item, drawn from `swap_rng`; the original is
     better), right after that pair: two summaries that differ in one word, so what separates them is whether the word
     is in the post. Swap pairs carry no label noise: the noise stands for labellers disagreeing on close calls, and a
-    wrong name is not one (with 10% noise on them the demo's reward model checks items less well: docs/results.md). Rows: prompt, chosen, rejected (without END, which the loaders append) and swap (bool)."""
+    wrong name is not one (with 10% noise on them the demo's reward model checks items less well: docs/results.md).
+    Rows: prompt, chosen, rejected (without END, which the loaders append) and swap (bool)."""
     rows = []
     for chosen, rejected in gold_pairs(prompt, summaries):
         if rng.random() < label_noise:
@@ -536,7 +537,9 @@ def task_stats(paths: dict[str, Path]) -> dict[str, float]:
         gold_rejected = [gold_reward(r["prompt"], r["rejected"] + END) for r in pref]
         stats[f"preference_{split}_chosen_gold"] = sum(gold_chosen) / len(prompts)
         stats[f"preference_{split}_rejected_gold"] = sum(gold_rejected) / len(prompts)
-        stats[f"preference_{split}_label_noise"] = sum(c < r for c, r in zip(gold_chosen, gold_rejected)) / len(prompts)
+        stats[f"preference_{split}_label_noise"] = sum(
+            c < r for c, r in zip(gold_chosen, gold_rejected, strict=True)
+        ) / len(prompts)
     return stats
 
 

@@ -129,9 +129,17 @@ def _read_json_records(file: Path) -> list[dict]:
     """A JSON array of objects, or one JSON object per line (the format of both .json and .jsonl)."""
     where = str(file)
     try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{where}: cannot read it as UTF-8 text ({type(e).__name__}: {e})") from None
+        raw = file.read_bytes()
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise DataError(f"{where}: cannot read it ({type(e).__name__}: {e})") from None
+    except UnicodeDecodeError as e:  # named by its row (non-blank lines before it) and line, as a JSON error is
+        lines = raw[: e.start].split(b"\n")
+        row = sum(1 for line in lines[:-1] if line.strip())
+        raise DataError(
+            f"{where}: row {row} (line {len(lines)}) is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+            f"{len(lines[-1]) + 1}); save the file as UTF-8"
+        ) from None
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)
@@ -293,7 +301,7 @@ def _encode_prompts(tok: tiktoken.Encoding, texts: list[str], max_len: int, name
     # then the rows that are too long get truncated.
     all_ids = tok.encode_ordinary_batch(texts)
     out = []
-    for i, (text, ids) in enumerate(zip(texts, all_ids)):
+    for i, (text, ids) in enumerate(zip(texts, all_ids, strict=True)):
         try:
             out.append(_fit_prompt(tok, text, ids, max_len))
         except DataError as e:
@@ -353,6 +361,15 @@ class SFTDataset:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def lengths(self) -> list[int]:
+        """Tokens per row (prompt + response), the width a row needs in a micro-batch."""
+        return [len(p) + len(r) for p, r in zip(self.prompts, self.responses, strict=True)]
+
+    def collate(self, index: list[int]) -> dict:
+        """collate_sft's batch of rows `index` (a ShardedLoader's collate), with each row's example index (SFT's
+        prompt-loss draw is keyed by it)."""
+        return collate_sft([self.prompts[i] for i in index], [self.responses[i] for i in index], example=index)
+
 
 class PreferenceDataset:
     """Pre-tokenized (prompt, chosen, rejected) rows: `.prompts`, `.chosen`, `.rejected`."""
@@ -376,6 +393,10 @@ class PreferenceDataset:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def lengths(self) -> list[int]:
+        """Tokens per pair as a micro-batch lays it out: the prompt and the longer of its two responses."""
+        return [len(p) + max(len(c), len(r)) for p, c, r in zip(self.prompts, self.chosen, self.rejected, strict=True)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -402,12 +423,18 @@ def pad_prompts(prompts: Sequence[list[int]], pad_id: int = PAD_ID) -> tuple[tor
     return prompt_ids, prompt_mask
 
 
-def collate_sft(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int = PAD_ID) -> dict:
+def collate_sft(
+    prompts: Sequence[list[int]],
+    responses: Sequence[list[int]],
+    pad_id: int = PAD_ID,
+    example: Sequence[int] | None = None,
+) -> dict:
     """One batch of prompt + response rows (see the module docstring for the layout).
 
     Returns input_ids (B, P+R) long, attention_mask (B, P+R) bool (True on real tokens),
     position_ids (B, P+R) long, response_ids (B, R) long, response_mask (B, R) bool and
-    prompt_len = P (int): response token j of every row sits at column P + j.
+    prompt_len = P (int): response token j of every row sits at column P + j; with `example`, also example (B,)
+    long, each row's index in its dataset.
     """
     if len(prompts) != len(responses):
         raise ValueError(f"collate_sft: {len(prompts)} prompts but {len(responses)} responses")
@@ -423,17 +450,52 @@ def collate_sft(prompts: Sequence[list[int]], responses: Sequence[list[int]], pa
         response_mask[i, : len(r)] = True
     # GPT-2 has learned absolute positions: a left-padded row must still see position 0 at its first real token, or
     # its logits differ from the same row unpadded (prompt_response_rows counts positions over real tokens only)
-    return prompt_response_rows(prompt_ids, prompt_mask, response_ids, response_mask)
+    batch = prompt_response_rows(prompt_ids, prompt_mask, response_ids, response_mask)
+    if example is not None:
+        batch["example"] = torch.tensor(example, dtype=torch.long)
+    return batch
 
 
-def eval_slice(n: int, rank: int, world: int) -> list[int]:
+def eval_slice(n: int, rank: int, world: int, lengths: Sequence[int] | None = None) -> list[int]:
     """This rank's rows of an n-row evaluation set (rank, rank + world, ...), padded with -1 up to ceil(n / world).
+    With `lengths`, the rows are dealt out longest first (a stable sort), so consecutive rows of a slice, cut into
+    micro-batches, have similar lengths and little padding; every rank's batch i holds rows of similar length.
 
     Every rank then runs the same number of forward passes over the same number of micro-batches: under FSDP each
     forward all-gathers parameters and the evaluation ends in an all-reduce, so a rank with one batch fewer would
     leave the others waiting in a collective for ever. Padding rows (-1) are real rows computed with weight 0."""
-    mine = list(range(rank, n, world))
+    order = sorted(range(n), key=lambda i: -lengths[i]) if lengths is not None else range(n)
+    mine = list(order[rank::world])
     return mine + [-1] * (-(-n // world) - len(mine))
+
+
+def shortest(rows: Sequence[int], lengths: Sequence[int]) -> int:
+    """The shortest of `rows` (eval_slice's, -1 entries skipped; 0 when there is none): what a padding row computes,
+    so it widens no micro-batch."""
+    return min((i for i in rows if i >= 0), key=lambda i: lengths[i], default=0)
+
+
+def validation_batches(val: SFTDataset, rank: int, world: int, micro_batch_size: int, by_length: bool) -> list[dict]:
+    """This rank's micro-batches of a disjoint slice of the validation rows, in a fixed order (longest first with
+    `by_length`: less padding, the same loss up to float summation order). Every rank gets the same number of
+    batches (eval_slice): a rank short of rows fills its last batch with copies of its shortest row whose response
+    mask is all False, so they count for no token and no loss, whatever the number of rows."""
+    lengths = val.lengths()
+    index = eval_slice(len(val), rank, world, lengths if by_length else None)
+    filler = shortest(index, lengths)
+    batches = []
+    for start in range(0, len(index), micro_batch_size):
+        rows = index[start : start + micro_batch_size]
+        computed = [i if i >= 0 else filler for i in rows]
+        batch = collate_sft([val.prompts[i] for i in computed], [val.responses[i] for i in computed])
+        batch["response_mask"] &= torch.tensor([i >= 0 for i in rows])[:, None]  # (B, R): padding rows weigh 0
+        batches.append(batch)
+    return batches
+
+
+def real_rows(batch: dict) -> int:
+    """Rows of a validation batch that are not padding (validation_batches)."""
+    return int(batch["response_mask"].any(1).sum())
 
 
 def prompt_response_rows(
@@ -468,8 +530,8 @@ def decode_responses(
 ) -> list[str]:
     """Response texts as generated: up to and including the first end token; a stop at EOS reads as "\n"."""
     texts = []
-    for ids, mask, ended in zip(response_ids.tolist(), response_mask.tolist(), has_end.tolist()):
-        ids = [t for t, m in zip(ids, mask) if m]
+    for ids, mask, ended in zip(response_ids.tolist(), response_mask.tolist(), has_end.tolist(), strict=True):
+        ids = [t for t, m in zip(ids, mask, strict=True) if m]
         if ended and ids[-1] != END_ID:
             ids = ids[:-1] + [END_ID]
         texts.append(tok.decode(ids))
@@ -495,6 +557,19 @@ def collate_pairs(
 # Sharding and iteration
 
 
+def length_sorted(rows: Sequence[int], lengths: Sequence[int], size: int) -> list[list[int]]:
+    """`rows` (example indices) sorted by length, longest first (ties keep their order: a stable sort), and cut into
+    groups of `size`.
+
+    A micro-batch is as wide as its longest row, so rows of similar length together leave little padding to compute.
+    The loss of an optimizer step is a sum over its rows divided by global counts (utils/optim.py), so which rows
+    share a micro-batch, and which rank computes it, changes the gradient only by the order of float summation."""
+    if len(rows) % size:
+        raise ValueError(f"{len(rows)} rows do not divide into groups of {size}")
+    ordered = sorted(rows, key=lambda i: -lengths[i])
+    return [ordered[s : s + size] for s in range(0, len(ordered), size)]
+
+
 class ShardedLoader:
     """Infinite, resumable, sharded batches of example indices, each passed through `collate`.
 
@@ -506,6 +581,11 @@ class ShardedLoader:
 
     The loader is its own iterator: iter(loader) continues from its current position, and
     state_dict() gives the position of the next batch, so load_state_dict() resumes exactly.
+
+    `next_step(accum)` takes the next `accum` global batches as one optimizer step's micro-batches. With `lengths` (a
+    length per example), the step's rows of every rank are sorted by length together and dealt out (length_sorted):
+    micro-batch j of rank r holds sorted rows [(j * world + r) * batch_size, ...), so every micro-batch, on every
+    rank, holds rows of similar length. The step's rows are the same; which rank computes which row changes.
     """
 
     def __init__(
@@ -516,7 +596,10 @@ class ShardedLoader:
         world_size: int,
         seed: int,
         collate: Callable[[list[int]], dict],
+        lengths: Sequence[int] | None = None,
     ):
+        if lengths is not None and len(lengths) != n_examples:
+            raise ValueError(f"{len(lengths)} lengths for {n_examples} examples")
         if batch_size < 1 or world_size < 1:
             raise ValueError(f"batch_size ({batch_size}) and world_size ({world_size}) must be >= 1")
         if not 0 <= rank < world_size:
@@ -533,6 +616,7 @@ class ShardedLoader:
         self.world_size = world_size
         self.seed = seed
         self.collate = collate
+        self.lengths = lengths
         self.epoch = 0
         self.batch_in_epoch = 0
         self._perm_epoch: int | None = None
@@ -560,13 +644,35 @@ class ShardedLoader:
     def __iter__(self) -> "ShardedLoader":
         return self
 
-    def __next__(self) -> dict:
-        indices = self.batch_indices(self.epoch, self.batch_in_epoch)
-        # Advance before returning, so state_dict() taken after receiving a batch points at the next.
+    def _advance(self) -> tuple[int, int]:
+        """The position of the next batch, (epoch, batch in epoch); the loader then points past it. Advancing before
+        the batch is built means state_dict() taken after receiving a batch points at the next."""
+        position = self.epoch, self.batch_in_epoch
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.batches_per_epoch:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        return self.collate(indices)
+        return position
+
+    def __next__(self) -> dict:
+        return self.collate(self.batch_indices(*self._advance()))
+
+    def step_batches(self, positions: Sequence[tuple[int, int]]) -> list[dict]:
+        """This rank's micro-batches of the optimizer step made of the global batches at `positions` ((epoch, batch in
+        epoch) each): its own slice of each, or with `lengths` the step's rows of every rank dealt out by length."""
+        if self.lengths is None:
+            return [self.collate(self.batch_indices(e, b)) for e, b in positions]
+        global_batch = self.world_size * self.batch_size
+        rows = []
+        for epoch, batch in positions:
+            self.batch_indices(epoch, batch)  # checks the position
+            rows += self._permutation(epoch)[batch * global_batch : (batch + 1) * global_batch].tolist()
+        groups = length_sorted(rows, self.lengths, self.batch_size)  # len(positions) * world groups
+        return [self.collate(groups[j * self.world_size + self.rank]) for j in range(len(positions))]
+
+    def next_step(self, accum: int) -> list[dict]:
+        """The next `accum` global batches as one optimizer step's micro-batches (continuing into the next epoch where
+        the step runs past this one's end)."""
+        return self.step_batches([self._advance() for _ in range(accum)])
 
     def state_dict(self) -> dict[str, int]:
         return {

@@ -4,18 +4,21 @@
     python -m evaluation.compare runs/a runs/b --metrics eval/pref_accuracy --x train/kl --out cmp.png
 
 A run is a run directory holding metrics.jsonl and config.json (both written by utils/logging.Logger). Runs whose
-configs are equal apart from the options in IGNORED (the seed, the run's name and folder, logging) form one group;
+configs are equal apart from the options in IGNORED (the seed, the run's name and folder, logging and saving cadences,
+changes of those on resume) form one group;
 each group is named by the options that differ between groups (those every group has; runs of different stages,
 which share few options, are named by their folders). For every metric the table gives, over the seeds of a group,
 the mean and the spread (sample standard deviation; 0 with one seed) of its value at the end of the run (the mean of
-its last --last logged values) and at its best (max, or min for the metrics named in --minimize). The picture
+its last --last logged values) and at its best: the minimum of a metric whose name says lower is better (losses, KL,
+lengths: utils.logging.metric_direction), else the maximum; --minimize and --maximize override. The picture
 draws each metric against the step and against another metric (--x; by default eval/kl, the KL of the policy's
 temperature-1 samples that --frontier_prompts measures at every evaluation, else train/kl: the reward-KL frontier),
 the mean over a group's seeds at each step. Evaluation metrics (val/, eval/: logged every --eval_every steps) are drawn
 as their points, each at its value, never smoothed; per-step metrics are smoothed by a centred moving average of
 --smooth logged steps, which the panel's title says. The picture goes next to the runs (their common folder) or
 where --out says. A missing folder, or a metric no run logged, ends the command with one line (exit code 2) naming
-it, and for a metric, the metrics that exist.
+it, and for a metric, the metrics that exist. A line of metrics.jsonl that is not a whole JSON row (a run still
+writing) is skipped with one warning line.
 """
 
 import argparse
@@ -31,8 +34,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-EVALUATION_PREFIXES = ("val/", "eval/")
-"""Metrics logged at evaluations only: drawn as points, never smoothed across evaluations."""
+# metrics logged at evaluations only: drawn as points, never smoothed across evaluations
+from utils.logging import EVALUATION_PREFIXES, metric_direction  # noqa: E402
+from utils.rundir import FREE_OPTIONS, NOT_RECORDED, RESUME_CHANGES  # noqa: E402
+
 DEFAULT_METRICS = (
     "eval/gold",
     "eval/reward",
@@ -53,26 +58,10 @@ class CompareError(ValueError):
     exit_code = 2
 
 
-# Options that do not change what a run computes, or that every run has its own value of.
-IGNORED = frozenset(
-    {
-        "seed",
-        "out_dir",
-        "run_name",
-        "resume",
-        "resume_from",
-        "wandb_mode",
-        "wandb_project",
-        "wandb_group",
-        "wandb_tags",
-        "eval_every",
-        "save_every",
-        "keep_last",
-        "table_every",
-        "table_prompts",
-        "device",
-    }
-)
+# Options that do not change what a run computes, or that every run has its own value of: the options a run may change
+# on resume without asking (utils.rundir.FREE_OPTIONS) but --steps, where and how it was started (NOT_RECORDED), the
+# seed and the device.
+IGNORED = (FREE_OPTIONS - {"steps"}) | NOT_RECORDED | {"seed", "device"}
 
 
 @dataclass
@@ -95,25 +84,52 @@ def load_run(run_dir: str | Path) -> RunMetrics:
     for path in (metrics, config):
         if not path.is_file():
             raise CompareError(f"{run_dir}: no {path.name}; expected a run directory written by a training script")
-    rows = [json.loads(line) for line in open(metrics) if line.strip()]
-    return RunMetrics(run_dir, json.loads(config.read_text()), rows)
+    rows = []
+    for number, line in enumerate(metrics.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short: the run is still writing, or was killed mid-line
+            print(
+                f"warning: {metrics}: line {number} is not a whole JSON row ({line[:60]!r}); skipped", file=sys.stderr
+            )
+    try:
+        return RunMetrics(run_dir, json.loads(config.read_text()), rows)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CompareError(f"{config}: cannot be read ({type(e).__name__}: {e}); expected the run's options") from None
+
+
+def result_options(config: dict, ignored: frozenset[str]) -> dict:
+    """The options of a run's record that can change its result: all but `ignored`, and its option_changes (made on
+    resume) less the changes of ignored options, when any is left."""
+    options = {k: v for k, v in config.items() if k not in ignored and k != RESUME_CHANGES}
+    changes = []
+    for change in config.get(RESUME_CHANGES, []):
+        kept = {k: v for k, v in change.get("options", {}).items() if k not in ignored}
+        changes += [{"step": change.get("step"), "options": kept}] if kept else []
+    return options | ({RESUME_CHANGES: changes} if changes else {})
 
 
 def group_runs(runs: list[RunMetrics], ignored: frozenset[str] = IGNORED) -> list[tuple[dict, list[RunMetrics]]]:
-    """Runs grouped by their configs apart from `ignored`, in the order of their first run; each group's label holds
+    """Runs grouped by their configs apart from `ignored` (result_options: a change on resume of an ignored option
+    does not split a run from its seeds), in the order of their first run; each group's label holds
     the options whose values differ between groups among those every group has (empty when there is one group). Groups
     that no such option tells apart (runs of different stages) are labelled by their first run's folder."""
-    keys = sorted({k for r in runs for k in r.config} - ignored)
+    configs = {id(r): result_options(r.config, ignored) for r in runs}
+    keys = sorted({k for r in runs for k in configs[id(r)]})
     groups: dict[str, list[RunMetrics]] = {}
     for run in runs:
-        groups.setdefault(json.dumps([run.config.get(k, "<absent>") for k in keys]), []).append(run)
-    firsts = [members[0].config for members in groups.values()]
+        groups.setdefault(json.dumps([configs[id(run)].get(k, "<absent>") for k in keys]), []).append(run)
+    firsts = [configs[id(members[0])] for members in groups.values()]
     shared = [k for k in keys if all(k in c for c in firsts)]
     differing = [k for k in shared if len({json.dumps(c[k]) for c in firsts}) > 1]
-    labels = [{k: members[0].config[k] for k in differing} for members in groups.values()]
+    if any(RESUME_CHANGES in c for c in firsts):  # changes on resume that can change the result tell groups apart
+        differing.append(RESUME_CHANGES)
+    labels = [{k: first.get(k, []) for k in differing} for first in firsts]
     if len(groups) > 1 and len({json.dumps(x) for x in labels}) < len(labels):
         labels = [{"run": str(members[0].dir)} for members in groups.values()]
-    return list(zip(labels, groups.values()))
+    return list(zip(labels, groups.values(), strict=True))
 
 
 def mean_spread(values: list[float]) -> tuple[float, float]:
@@ -137,15 +153,27 @@ def label(options: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in options.items()) or "all runs"
 
 
-def table(groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], minimize: set[str], last: int = 1) -> str:
+def best_is_minimum(metric: str, minimize: set[str], maximize: set[str]) -> bool:
+    """Whether `metric`'s best is its minimum: named in --minimize, or not in --maximize and lower-is-better by
+    utils.logging.metric_direction (losses, KL, lengths, ...)."""
+    return metric in minimize or (metric not in maximize and metric_direction(metric) == "min")
+
+
+def table(
+    groups: list[tuple[dict, list[RunMetrics]]],
+    metrics: list[str],
+    minimize: set[str],
+    last: int = 1,
+    maximize: frozenset[str] = frozenset(),
+) -> str:
     """A markdown table: one row per group (the options that differ, the number of seeds), per metric its final
-    (mean of the last `last` logged values) and best value as mean ± spread over seeds."""
+    (mean of the last `last` logged values) and best value (best_is_minimum) as mean ± spread over seeds."""
     head = ["group", "seeds"] + [f"{m} ({when})" for m in metrics for when in ("final", "best")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for options, members in groups:
         cells = [label(options), str(len(members))]
         for m in metrics:
-            s = summarize(members, m, m in minimize, last)
+            s = summarize(members, m, best_is_minimum(m, minimize, maximize), last)
             cells += ["n/a", "n/a"] if s is None else [f"{s[w][0]:.3f} ± {s[w][1]:.3f}" for w in ("final", "best")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -188,7 +216,7 @@ def figure(groups: list[tuple[dict, list[RunMetrics]]], metrics: list[str], x: s
             curve = mean_curve(members, metric)
             if not curve:
                 continue
-            steps, values = zip(*curve)
+            steps, values = zip(*curve, strict=True)
             axes[row][0].plot(steps, moving_average(list(values), window), color=color, label=name, **style)
             if x and metric != x:
                 along = dict(mean_curve(members, x))
@@ -262,7 +290,14 @@ def main(argv: list[str] | None = None) -> str:
         + " that the runs logged",
     )
     p.add_argument(
-        "--minimize", nargs="*", default=["train/kl", "eval/kl"], help="metrics whose best value is the lowest"
+        "--minimize",
+        nargs="*",
+        default=[],
+        help="metrics whose best value is the lowest, beyond those whose name says so (losses, KL, lengths: "
+        "utils.logging.LOWER_IS_BETTER)",
+    )
+    p.add_argument(
+        "--maximize", nargs="*", default=[], help="metrics whose best value is the highest, whatever the name"
     )
     p.add_argument(
         "--last", type=int, default=1, help="the final value of a metric: the mean of its last N logged values"
@@ -300,7 +335,7 @@ def main(argv: list[str] | None = None) -> str:
     if x:
         check_metrics(runs, [x], "--x")
     groups = group_runs(runs)
-    text = table(groups, metrics, set(args.minimize), args.last)
+    text = table(groups, metrics, set(args.minimize), args.last, frozenset(args.maximize))
     print(text)
     out = default_out(args.runs) if args.out is None else Path(args.out) if args.out else None
     if out is not None:

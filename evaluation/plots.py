@@ -90,7 +90,7 @@ def demo_curves(run: Path, out: Path) -> None:
     for key, style in (("train/accuracy", "-"), ("val/accuracy", "o-")):
         pts = [(m["step"], m[key]) for m in rm if key in m]
         if pts:
-            b.plot(*zip(*pts), style, ms=4, label=key)
+            b.plot(*zip(*pts, strict=True), style, ms=4, label=key)
     if acc:
         b.axhline(0.5, color="#999", lw=0.8, ls="--")
         b.legend()

@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_slice
+from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_slice, shortest
 from model.gpt2 import SharedPrefix
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.stats import preference_summary
+from rollouts.models import sharded_module
+from utils.fsdp import gathered_params
 from utils.logging import track
 
 # (label, key prefix of the accuracy fields, field holding the number of pairs) of each reported subset
@@ -119,18 +121,22 @@ def build_eval_set(
     rank: int,
     world: int,
     name: str = "preference",
+    by_length: bool = True,
 ) -> EvalSet:
-    """Tokenize preference rows and cut this rank's slice (pairs rank, rank + world, ...) into micro-batches."""
+    """Tokenize preference rows and cut this rank's slice (pairs rank, rank + world, ...; dealt out longest first
+    with `by_length`, data.tldr.eval_slice) into micro-batches."""
     n = len(rows)
     data = PreferenceDataset(rows, tok, max_prompt_len, max_response_len, name=name)
     # Lengths of the whole responses (not the truncated ones), so the split does not depend on max_response_len.
     chosen_len = torch.tensor([len(encode_response(tok, r["chosen"], 1 << 30)) for r in rows])
     rejected_len = torch.tensor([len(encode_response(tok, r["rejected"], 1 << 30)) for r in rows])
-    mine = eval_slice(n, rank, world)
+    lengths = data.lengths()
+    mine = eval_slice(n, rank, world, lengths if by_length else None)
+    filler = shortest(mine, lengths)  # computed in place of the padding pairs (-1), with weight 0
     batches = []
     for start in range(0, len(mine), micro_batch_size):
         index = mine[start : start + micro_batch_size]
-        rows_idx = [i if i >= 0 else 0 for i in index]
+        rows_idx = [i if i >= 0 else filler for i in index]
         batch = collate_pairs(
             [data.prompts[i] for i in rows_idx],
             [data.chosen[i] for i in rows_idx],
@@ -202,6 +208,16 @@ def evaluate_reward_model(
     model.train(was[0])
     c, r = gather_pair_scores(index, c, r, eval_set.n_pairs)
     return preference_summary(c, r, eval_set.chosen_longer, n_resamples, seed=seed)
+
+
+@torch.no_grad()  # the reference is frozen: no graph, no gradient
+def reference_logps(reference, micro_batches: list[dict], device, prefix_sharing: bool = True) -> list[torch.Tensor]:
+    """The frozen reference's summed response log-probs (2B,) of every micro-batch of a step, its FSDP units gathered
+    once for all of them (with --frozen_cpu_offload: one host-to-device copy per step, not per micro-batch). Run
+    before the policy's micro-batches: with LoRA the reference is the policy's own FSDP modules (adapters off), whose
+    no-grad forward should not sit between the policy's forward and its backward."""
+    with gathered_params(sharded_module(reference)):
+        return [response_logprobs(reference, batch, device, prefix_sharing) for batch in micro_batches]
 
 
 def policy_logps(

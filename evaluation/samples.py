@@ -11,13 +11,13 @@ import torch
 
 from data.tldr import SFT_COLUMNS, PromptDataset, decode_responses, load_rows, pad_prompts
 from evaluation.summaries import reference_summaries
-from model.sampler import SampleOutput, generate
+from model.sampler import SampleOutput
 from model.weights import build_reward_model, model_config
 from rlhf.stats import win_rate
-from rollouts.sampling import score
+from rollouts.sampling import sample_responses, score
 from utils.config import ConfigError
 from utils.dist import rank_and_world, stream
-from utils.fsdp import gathered_params, shard_model
+from utils.fsdp import shard_model
 from utils.logging import EvalProgress
 
 SAMPLE_COLUMNS = ["prompt", "response", "reference"]
@@ -47,37 +47,26 @@ def sample_summaries(
     batch_prompts: int = 8,
     on_chunk=None,
 ) -> tuple[torch.Tensor, torch.Tensor, SampleOutput]:
-    """`num_samples` summaries of each prompt (token ids), `batch_prompts` prompts per generation call, parameters
-    gathered once (under FSDP every rank calls it with the same prompts). Returns the padded prompts (B, P) ids and
-    mask and the samples, rows b*G .. b*G+G-1 belonging to prompt b. `greedy`: temperature 0 (the most likely
-    token; num_samples identical rows). `on_chunk(prompts)` after each call (progress)."""
+    """`num_samples` summaries of each prompt (token ids), `batch_prompts` prompts per generation call, through
+    rollouts.sampling.sample_responses (under FSDP every rank calls it with the same prompts). Returns the padded
+    prompts (B, P) ids and mask and the samples, rows b*G .. b*G+G-1 belonging to prompt b. `greedy`: temperature 0
+    (the most likely token; num_samples identical rows). `on_chunk(prompts)` after each call (progress)."""
     prompt_ids, prompt_mask = pad_prompts(prompts)  # (B, P) left-padded
     device = next(policy.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    was_training = policy.training
-    policy.eval()
-    parts = []
-    with gathered_params(policy):
-        for s in range(0, len(prompts), batch_prompts):
-            ids, mask = prompt_ids[s : s + batch_prompts], prompt_mask[s : s + batch_prompts]
-            first = int(mask.any(0).long().argmax())  # this chunk's own left padding only
-            parts.append(
-                generate(
-                    policy,
-                    ids[:, first:],
-                    mask[:, first:],
-                    num_samples,
-                    max_new_tokens,
-                    temperature=0.0 if greedy else temperature,
-                    top_p=top_p,
-                    generator=generator,
-                )
-            )
-            if on_chunk is not None:
-                on_chunk(ids.shape[0])
-    policy.train(was_training)
-    fields = ("response_ids", "response_mask", "logprobs", "has_end")
-    return prompt_ids, prompt_mask, SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
+    samples = sample_responses(
+        policy,
+        prompt_ids,
+        prompt_mask,
+        num_samples,
+        max_new_tokens,
+        prompts_per_call=batch_prompts,
+        temperature=0.0 if greedy else temperature,
+        top_p=top_p,
+        generator=generator,
+        on_chunk=on_chunk,
+    )
+    return prompt_ids, prompt_mask, samples
 
 
 @torch.no_grad()
@@ -121,7 +110,7 @@ class SampleLog:
         generator = stream(self.seed, step, rank_and_world()[0], "samples", device=next(policy.parameters()).device)
         _, _, samples = sample_summaries(policy, self.prompts, 1, self.max_new_tokens, greedy=True, generator=generator)
         texts = decode_responses(self.tok, samples.response_ids, samples.response_mask, samples.has_end)
-        rows = [[p, t.strip(), r.strip()] for p, t, r in zip(self.texts, texts, self.references)]
+        rows = [[p, t.strip(), r.strip()] for p, t, r in zip(self.texts, texts, self.references, strict=True)]
         logger.table("samples", SAMPLE_COLUMNS, rows, step)
 
 
@@ -179,6 +168,16 @@ class JudgeConfig:
     """Tokens of each judged summary at most, the end token included (the reference summaries are cut alike)."""
 
     def validate_judge(self) -> None:
+        """The --judge options, and that a judge has something to judge at an evaluation that runs: --summary_data,
+        and in a training stage its validation (--val_data, --eval_every >= 0), the same in every script."""
+        if self.judge and not self.summary_data:
+            raise ConfigError("--judge scores summaries of --summary_data's posts, and --summary_data is empty")
+        if self.judge and hasattr(self, "eval_every") and (not getattr(self, "val_data", "") or self.eval_every < 0):
+            raise ConfigError(
+                f"--judge scores the policy at each validation, and --val_data {getattr(self, 'val_data', '')!r} "
+                f"with --eval_every {self.eval_every} runs none: give --val_data and --eval_every >= 0, or leave "
+                f"--judge empty"
+            )
         if self.summary_rows < 0:
             raise ConfigError(f"--summary_rows must be >= 0, got {self.summary_rows}")
         if self.max_new_tokens <= 0:
@@ -186,10 +185,21 @@ class JudgeConfig:
 
     def judge_limits(self, policy_cfg) -> list[tuple]:
         """utils.config.fit_context's limits of the judged summaries: prompt + max_new_tokens in the policy and the
-        judge (none without --judge)."""
+        judge (none without --judge). Checks that --judge is a reward model (model.weights.model_config)."""
         if not self.judge:
             return []
-        return [(policy_cfg, "max_new_tokens", "policy"), (model_config(self.judge), "max_new_tokens", "judge")]
+        # the win rate compares two rewards of one model: its gain and bias cancel, so it need not hold them
+        judge_cfg = model_config(self.judge, kind="reward_model", option="--judge", normalized=False)
+        return [(policy_cfg, "max_new_tokens", "policy"), (judge_cfg, "max_new_tokens", "judge")]
+
+
+JUDGE_METRICS = {  # summary_win_rate's result -> the metric a training stage logs it as (after its prefix)
+    "summary_win_rate": "win_rate",
+    "summary_win_rate_ci_low": "win_rate_ci_low",
+    "summary_win_rate_ci_high": "win_rate_ci_high",
+    "summary_reward_mean": "summary_reward",
+    "summary_reference_reward_mean": "reference_reward",
+}
 
 
 class Judge:
@@ -215,11 +225,9 @@ class Judge:
             self.micro_batch_size,
             seed=self.seed,
         )
-        names = {
-            "summary_win_rate": "win_rate",
-            "summary_win_rate_ci_low": "win_rate_ci_low",
-            "summary_win_rate_ci_high": "win_rate_ci_high",
-            "summary_reward_mean": "summary_reward",
-            "summary_reference_reward_mean": "reference_reward",
-        }
-        return {prefix + name: out[key] for key, name in names.items()}
+        return {prefix + name: out[key] for key, name in JUDGE_METRICS.items()}
+
+    @staticmethod
+    def metric_names(prefix: str) -> set[str]:
+        """The metrics evaluate() logs under `prefix`."""
+        return {prefix + name for name in JUDGE_METRICS.values()}

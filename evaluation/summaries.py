@@ -114,7 +114,7 @@ def sample_table(
                 [
                     spec.tok.decode(prompts.ids[b][prompts.mask[b]].tolist()),
                     spec.tok.decode(samples.response_ids[n][samples.response_mask[n]].tolist()),
-                    *(float(v) if a else None for v, a in zip(values, applies)),
+                    *(float(v) if a else None for v, a in zip(values, applies, strict=True)),
                     float(scores.total[n]),
                     float(advantages[b * rows_BK.shape[1] + j]),
                     bool(samples.has_end[n]),

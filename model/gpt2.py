@@ -77,7 +77,7 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values (B, nh, T, hs) after the cached ones; return all of them (B, nh, L, hs)."""
-        if self.k is None:
+        if self.k is None or self.k.dtype != k.dtype:
             self.k = torch.zeros(self.shape, device=k.device, dtype=k.dtype)
             self.v = torch.zeros(self.shape, device=v.device, dtype=v.dtype)
         if self.write_at is not None:
@@ -108,6 +108,22 @@ class KVCache:
         """T positions written (the eager path's count; a compiled step moves `write_at` instead)."""
         if self.write_at is None:
             self.length += T
+
+    def reset(self) -> "KVCache":
+        """Empty again, for another prefill into the same tensors (a compiled decode's buffers keep their addresses
+        from one generate call to the next): nothing written, nothing valid."""
+        self.valid.zero_()
+        self.length, self.write_at = 0, None
+        return self
+
+    def repeat_interleave_into(self, out: "KVCache", n: int) -> "KVCache":
+        """repeat_interleave(n) written into `out`'s tensors (allocated by an earlier repeat_interleave)."""
+        rows = torch.arange(self.shape[1], device=self.valid.device).repeat_interleave(n)
+        torch.index_select(self.k, 1, rows, out=out.k)
+        torch.index_select(self.v, 1, rows, out=out.v)
+        torch.index_select(self.valid, 0, rows, out=out.valid)
+        out.length, out.max_len, out.write_at = self.length, self.max_len, self.write_at
+        return out
 
     def repeat_interleave(self, n: int) -> "KVCache":
         """Copy every row n times (row i -> rows i*n .. i*n+n-1): one prefill serves a group of n samples."""
@@ -208,6 +224,14 @@ class SharedKVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.prompt_k, self.prompt_v, self.kv))
+
+    def reset(self) -> "SharedKVCache":
+        """Ready for the samples of a new prefill of the same prompt cache, in the same tensors (a compiled decode's
+        buffers): the prompt mask read anew in place, no response position written (those left from the last call
+        are keys no query sees: a compiled step masks every position past write_at)."""
+        torch.logical_not(self.prompt_valid[:, None, None, :], out=self.prompt_hidden)
+        self.length, self.write_at = 0, None
+        return self
 
     def advance(self, T: int) -> None:
         if self.write_at is None:
@@ -411,17 +435,20 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, layer_idx)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
-        # Set by utils/fsdp.py: recompute this block's activations in the backward pass.
+        # Set by utils/fsdp.py: recompute this block's activations in the backward pass; `_forward` compiled, for the
+        # forward without a KV cache (training, scoring, reference passes; decoding keeps its own compiled step).
         self.activation_checkpointing = False
+        self.compiled_forward = None
 
     def _forward(self, x, attn_mask, kv_cache):
         x = x + self.attn(self.ln_1(x), attn_mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
 
     def forward(self, x, attn_mask, kv_cache: KVCache | None = None):
+        fn = self._forward if kv_cache is not None or self.compiled_forward is None else self.compiled_forward
         if self.activation_checkpointing and self.training and kv_cache is None:
-            return torch.utils.checkpoint.checkpoint(self._forward, x, attn_mask, None, use_reentrant=False)
-        return self._forward(x, attn_mask, kv_cache)
+            return torch.utils.checkpoint.checkpoint(fn, x, attn_mask, None, use_reentrant=False)
+        return fn(x, attn_mask, kv_cache)
 
 
 class GPT2(nn.Module):

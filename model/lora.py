@@ -267,7 +267,8 @@ def main() -> None:
     r = lora_memory_report(PRESETS[args.model], args.rank, args.targets)
     mib = 2**20
     print(
-        f"lora {args.model} r={args.rank} ({args.targets}): reference copy {r['reference_copy_bytes'] / mib:.1f} MiB (bf16) "
+        f"lora {args.model} r={args.rank} ({args.targets}): "
+        f"reference copy {r['reference_copy_bytes'] / mib:.1f} MiB (bf16) "
         f"vs adapters {r['adapter_bytes'] / mib:.2f} MiB (fp32), saved {r['saved_bytes'] / mib:.1f} MiB; "
         f"train state {r['full_finetune_train_state_bytes'] / mib:.0f} -> {r['lora_train_state_bytes'] / mib:.1f} MiB; "
         f"{r['adapter_params']:,} of {r['params']:,} parameters trainable ({100 * r['trainable_fraction']:.2f}%)"

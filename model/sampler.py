@@ -9,11 +9,12 @@ Without it they are copied to every sample (KVCache.repeat_interleave), the refe
 
 The token distribution is processed in a fixed order: logits in fp32, divided by the temperature, then top-k,
 then top-p (nucleus) masking (rlhf/logprobs.py's `process_logits`). `processed_logprobs` here (and rlhf/logprobs.py's
-chunked pass, which grpo.py's update uses) applies exactly the same processing to training-time logits, so the log-probs of a GRPO ratio and KL
-describe the distribution the tokens were drawn from.
+chunked pass, which grpo.py's update uses) applies exactly the same processing to training-time logits, so the
+log-probs of a GRPO ratio and KL describe the distribution the tokens were drawn from.
 
 Decoding stops per row at the first end token ("\\n", id 198) or EOS (50256); later positions are padding.
-Under FSDP, wrap the call in `utils.fsdp.gathered_params(model)` so parameters are gathered once per call.
+The project samples through rollouts.sampling.sample_responses, which under FSDP gathers the parameters once for all
+its calls (`utils.fsdp.gathered_params`).
 
 Host work per token. On a GPU a small model's decode step is bound by the host dispatching its ops, not by the GPU,
 so the loop dispatches few: positions, masks and constants are built once per call, the stop test and the masks
@@ -34,6 +35,7 @@ from rlhf.logprobs import process_logits  # the one definition of the processing
 END_ID, EOS_ID, PAD_ID = 198, 50256, 50256  # GPT-2's "\n", <|endoftext|>, and the id used for padding
 DONE_CHECK_EVERY_GPU = 8  # decoded tokens between host checks that every row has finished, on a GPU (generate)
 COMPILE_BUCKETS = 4  # head sizes a compiled decode step uses as rows finish: N, N/2, N/4, N/8 (head_bucket)
+PROMPT_BUCKETS = (64, 128, 256, 512, 1024)  # prompt widths a compiled decode pads to (bucket_width)
 
 
 @dataclass
@@ -49,7 +51,7 @@ def processed_logprobs(
 ) -> torch.Tensor:
     """log p(target) (B, T) in fp32 under the same processing the sampler used. The plain whole-tensor form;
     grpo.py's reference and update use rlhf/logprobs.py, the same numbers in chunks with the entropy beside them
-    (model/ may not import rlhf/; tests/test_logprobs.py checks the two agree)."""
+    (tests/test_logprobs.py checks the two agree)."""
     logp = process_logits(logits_BTV, temperature, top_k, top_p).log_softmax(-1)
     return torch.gather(logp, -1, targets_BT.unsqueeze(-1)).squeeze(-1)
 
@@ -133,6 +135,63 @@ def compiled_decode_step(device_type: str):
     return torch.compile(decode_step, mode="reduce-overhead" if device_type == "cuda" else None)
 
 
+def bucket_width(P: int, limit: int) -> int:
+    """The prompt width a compiled decode pads a batch of width P to: the smallest of PROMPT_BUCKETS that holds it,
+    at most `limit` (the widest prompt the model's positions leave room for, itself at least P)."""
+    return min([b for b in PROMPT_BUCKETS if b >= P] + [limit])
+
+
+class DecodeBuffers:
+    """What only a compiled decode needs, kept from one generate call to the next: the KV caches (the prefill's, and
+    the one the samples decode into), the write position, the positions fed and the head's rows, for one shape
+    (B prompts of bucketed width P, G samples each, max_new tokens, layout). generate(compile=True) takes them from
+    decode_buffers, so every call of a run with that shape reads and writes the same tensors: a compiled step's
+    graph (and, on a GPU, its CUDA graph, which reads its inputs in place) is captured once per shape, not once
+    per call. Stale values from the last call are never read: the prefill cache's mask is cleared, and a compiled
+    step masks every response position past the one it writes."""
+
+    def __init__(self, cfg, B: int, P: int, G: int, max_new: int, prefix_sharing: bool, device):
+        N = B * G
+        self.prefill = KVCache(cfg, B, P if prefix_sharing else P + max_new, device)
+        self.decode = None  # the samples' cache, built at the first call from the prefill's tensors
+        self.write_at = torch.zeros(1, dtype=torch.long, device=device)
+        self.pos_now = torch.zeros(N, 1, dtype=torch.long, device=device)
+        self.head_rows = torch.arange(N, device=device)
+
+    def decode_cache(self, G: int, max_new: int, prefix_sharing: bool):
+        """The cache the samples decode into, filled from the prefill just run (same tensors as the last call's,
+        unless the prefill's dtype changed)."""
+        fresh = self.decode is None
+        if prefix_sharing:
+            if fresh or self.decode.prompt_k._base is not self.prefill.k:
+                self.decode = SharedKVCache(self.prefill, G, max_new)
+            return self.decode.reset()
+        if G == 1:
+            self.decode = self.prefill
+            return self.decode
+        if fresh or self.decode.k.dtype != self.prefill.k.dtype:
+            self.decode = self.prefill.repeat_interleave(G)
+            return self.decode
+        return self.prefill.repeat_interleave_into(self.decode, G)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors a compiled step reads in place (their addresses: CUDA graphs' static inputs)."""
+        return [self.write_at, self.pos_now, *cache_tensors(self.decode)]
+
+
+_DECODE_BUFFERS: dict[tuple, DecodeBuffers] = {}
+
+
+def decode_buffers(model, B: int, P: int, G: int, max_new: int, prefix_sharing: bool, device) -> DecodeBuffers:
+    """The DecodeBuffers of this model shape and decode shape, made at the first generate call that needs them and
+    kept for the process (a run decodes a few shapes: its prompt-width buckets, its batch sizes)."""
+    cfg = model.cfg
+    key = (cfg.n_layer, cfg.n_head, cfg.n_embd, B, P, G, max_new, prefix_sharing, str(device))
+    if key not in _DECODE_BUFFERS:
+        _DECODE_BUFFERS[key] = DecodeBuffers(cfg, B, P, G, max_new, prefix_sharing, device)
+    return _DECODE_BUFFERS[key]
+
+
 def head_bucket(n: int, N: int) -> int:
     """Rows the compiled head runs for n unfinished rows of N: the smallest of N, N/2, N/4, N/8 (rounded up) that
     holds them, so finishing rows change the head's shape at most COMPILE_BUCKETS times per call, not at every check."""
@@ -168,7 +227,9 @@ def generate(
     step). It is the loop's only host sync: the stop test and the masks are computed once, after the loop.
 
     compile: run each decode step through compiled_decode_step (the prefill and the draw stay eager). The same
-    tokens and log-probs up to rounding (tests/test_sampler.py); the head runs on padded buckets of rows."""
+    tokens and log-probs up to rounding (tests/test_sampler.py); the head runs on padded buckets of rows, the
+    prompts are left-padded to a bucket width (bucket_width) and the step reads and writes the DecodeBuffers of
+    that shape, so a run compiles (and on a GPU records) each shape once."""
     if done_check_every is None:
         done_check_every = DONE_CHECK_EVERY_GPU if prompt_ids.device.type == "cuda" else 1
     B, P = prompt_ids.shape
@@ -177,12 +238,23 @@ def generate(
         raise ValueError(
             f"prompt width {P} + {max_new_tokens} new tokens exceeds the model's {model.cfg.n_positions} positions"
         )
+    if compile:  # a bucketed width: the padding columns (copies of column 0) are masked out
+        width = bucket_width(P, model.cfg.n_positions - max_new_tokens)
+        prompt_ids = torch.cat([prompt_ids[:, :1].expand(B, width - P), prompt_ids], dim=1)  # (B, width)
+        prompt_mask = torch.cat([prompt_mask.new_zeros(B, width - P), prompt_mask], dim=1)
+        P = width
+        buffers = decode_buffers(model, B, P, G, max_new_tokens, prefix_sharing, device)
     prompt_pos = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P) positions of real tokens from 0
 
     # 1. prefill each prompt once; its cache is then shared by its G samples, or copied to each of them
-    cache = KVCache(model.cfg, B, P if prefix_sharing else P + max_new_tokens, device)
+    if compile:
+        cache = buffers.prefill.reset()
+    else:
+        cache = KVCache(model.cfg, B, P if prefix_sharing else P + max_new_tokens, device)
     logits = model(prompt_ids, prompt_pos, prompt_mask, kv_cache=cache, logits_slice=slice(-1, None))[:, -1]  # (B, V)
-    if prefix_sharing:
+    if compile:
+        cache = buffers.decode_cache(G, max_new_tokens, prefix_sharing)
+    elif prefix_sharing:
         cache = SharedKVCache(cache, G, max_new_tokens)
     elif G > 1:
         cache = cache.repeat_interleave(G)
@@ -194,10 +266,10 @@ def generate(
     if compile:
         step = compiled_decode_step(device.type)
         first = 0 if prefix_sharing else P  # the cache position of response token 0
-        cache.write_at = torch.full((1,), first, dtype=torch.long, device=device)
-        pos_now = torch.empty(N, 1, dtype=torch.long, device=device)
-        if device.type == "cuda":  # CUDA graphs read these in place: their addresses must not change between steps
-            for t in (cache.write_at, pos_now, *cache_tensors(cache)):
+        cache.write_at = buffers.write_at.fill_(first)
+        pos_now = buffers.pos_now
+        if device.type == "cuda":  # CUDA graphs read these in place: the same addresses at every step and call
+            for t in buffers.tensors():
                 torch._dynamo.mark_static_address(t)
 
     # 2. decode one token per step for every row. Finished rows keep stepping through the body on their last token
@@ -211,7 +283,7 @@ def generate(
     work = probs_work(N, logp.shape[-1], device=device, dtype=logp.dtype) if temperature != 0 else None  # reused
     rows = None  # None: every row (always so at t = 0, which sets `tok`); else the (n,) rows the head runs
     # compiled: the head always takes a row index, padded to a bucket, its length dynamic: one graph for every bucket
-    head_rows = None if not compile else torch.arange(N, device=device)
+    head_rows = None if not compile else buffers.head_rows
     for t in range(max_new_tokens):
         if temperature == 0:
             drawn = logp.argmax(-1)

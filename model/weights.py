@@ -151,6 +151,18 @@ def load_config(name_or_path: str) -> GPTConfig:
         raise ModelLoadError(f"{cfg_file} is not a GPT-2 config.json ({type(e).__name__}: {e})") from None
 
 
+# The kind each option that names a model must be of, in every script that has it (reward_model.py's --model takes
+# either: a policy gets a new head). tests/test_errors.py walks every script's options against this table.
+MODEL_OPTIONS = {
+    "model": "policy",
+    "reference": "policy",
+    "policy": "policy",
+    "sft_policy": "policy",
+    "reward_model": "reward_model",
+    "judge": "reward_model",
+}
+
+
 def model_kind(name_or_path: str, cfg_file: Path | None = None) -> str:
     """ "policy" or "reward_model": the model's config.json "model_kind", else its architecture (see the module
     docstring). `cfg_file`: its config.json where _resolve_files found it (a hub model's, in the Hugging Face cache);
@@ -205,14 +217,18 @@ def model_config(
     """The GPTConfig that build_policy / build_reward_model would build, without reading any weights: scripts call
     it first, so a wrong model name or folder fails before data is tokenized or anything is put on a GPU. With
     `kind` ("policy" or "reward_model") a loaded model must be of that kind (check_kind; `option` names it in the
-    error); a random preset is whatever is built from it."""
+    error, and any error about the folder); a random preset is whatever is built from it. MODEL_OPTIONS names the kind
+    of every option that names a model; every script checks each of its own here before building anything."""
     if random_init:
         if name_or_path not in PRESETS:
             raise ModelLoadError(f"--random_init needs a preset name ({', '.join(PRESETS)}), got '{name_or_path}'")
         return PRESETS[name_or_path]
-    cfg_file, weights = _resolve_files(name_or_path)
-    if weights is None:
-        raise ModelLoadError(f"model folder {name_or_path} has no model.safetensors or pytorch_model.bin")
+    try:
+        cfg_file, weights = _resolve_files(name_or_path)
+        if weights is None:
+            raise ModelLoadError(f"model folder {name_or_path} has no model.safetensors or pytorch_model.bin")
+    except ModelLoadError as e:  # the option that named the folder comes first
+        raise ModelLoadError(f"{option}: {e}") from None
     if kind:
         check_kind(name_or_path, kind, option, normalized, cfg_file)
     return load_config(name_or_path)
@@ -251,14 +267,22 @@ def build_policy(name_or_path: str, random_init: bool = False) -> GPT2LMHeadMode
     return model
 
 
-def build_reward_model(name_or_path: str, random_init: bool = False, pooling: str = "") -> RewardModel:
-    """A reward model: from a policy folder (new head) or a reward-model folder (its head, gain/bias and pooling);
-    `pooling` as resolve_pooling takes it."""
+def build_reward_model(
+    name_or_path: str, random_init: bool = False, pooling: str = "", new_head: bool = False
+) -> RewardModel:
+    """A reward model: from a reward-model folder (its head, gain/bias and pooling) or, with `new_head` (reward_model.py
+    starting from a policy), a policy folder with a new head; `pooling` as resolve_pooling takes it. A policy folder
+    without `new_head` is a ModelLoadError: its head would be random, and every score it gives meaningless."""
     pooling = resolve_pooling(name_or_path, pooling, random_init)
     if random_init:
         if name_or_path not in PRESETS:
             raise ModelLoadError(f"--random_init needs a preset name ({', '.join(PRESETS)}), got '{name_or_path}'")
         return RewardModel(PRESETS[name_or_path], pooling)
+    if not new_head and model_kind(name_or_path, _resolve_files(name_or_path)[0]) != "reward_model":
+        raise ModelLoadError(
+            f"{name_or_path} is a policy (a GPT-2 language model), not a reward model: its scalar head would be "
+            f"random; give reward_model.py's export (its hf/ folder)"
+        )
     model = RewardModel(load_config(name_or_path), pooling)
     _load_into(model, name_or_path, strict_head=False)
     norm = Path(name_or_path) / NORMALIZATION
@@ -349,7 +373,7 @@ def save_export(
     extra_files: dict | None = None,
 ) -> None:
     """Write `model`'s full state dict as a Hugging Face-format folder, LoRA adapters merged into their base
-    weights (a plain GPT-2 that `transformers` loads). With utils.checkpoint.export_model under FSDP."""
+    weights (a plain GPT-2 that `transformers` loads). With utils.fsdp.export_model under FSDP."""
     save_hf(
         merged_state_dict(state_dict, lora_scalings(model)), cfg, folder, extra_files, getattr(model, "pooling", "last")
     )

@@ -154,9 +154,9 @@ def select(
 
 
 # Group statistics are computed in float64 and the advantages returned in fp32. In fp32 the mean of K identical
-# rewards is often a few ulp off the reward itself (the partial sums round), so a group that scored all alike got a
-# small advantage of one sign on every sample instead of 0 (divided by std + eps ~ 1e-4 it reaches 1e-3 to 1e-2) and
-# shifted every other group through the global mean. The rewards are fp32: K * r is exact in float64 for any
+# rewards is often a few ulp off the reward itself (the partial sums round), so a group that scored all alike would
+# get a small advantage of one sign on every sample instead of 0 (divided by std + eps ~ 1e-4 it reaches 1e-3 to
+# 1e-2) and shift every other group through the global mean. The rewards are fp32: K * r is exact in float64 for any
 # K < 2**29, so the float64 mean of identical rewards is the reward itself and their advantages are exactly 0.
 
 

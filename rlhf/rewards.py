@@ -166,7 +166,8 @@ def row_sources(values: Sequence, sources: list[RewardSource], where: str) -> to
         for n in names:
             if n not in by_name:
                 raise RewardSpecError(
-                    f"{where}: row {row}: reward source '{n}' is not in --rewards (sources: {[s.name for s in sources]})"
+                    f"{where}: row {row}: reward source '{n}' is not in --rewards "
+                    f"(sources: {[s.name for s in sources]})"
                 )
             applies[row, by_name[n]] = True
     return applies
@@ -177,7 +178,7 @@ def function_rewards(
 ) -> list[float]:
     """source.fn on every (prompt, response); `rows` are the dataset rows, for the error message."""
     out = []
-    for prompt, response, row in zip(prompts, responses, rows):
+    for prompt, response, row in zip(prompts, responses, rows, strict=True):
         try:
             value = source.fn(prompt, response)
         except Exception as e:

@@ -51,7 +51,7 @@ def gold_metrics(gold_reward, gold_parts, tok, prompts: PromptSet, samples: Samp
             [[float(p[k]) for k in names] + [1.0] for p in parts], dtype=torch.float64, device=prompts.ids.device
         ).sum(0)  # (parts + 1,): each part's sum, then the count
         sums = all_reduce_sum(sums)
-        out.update({f"gold/{k}": float(v) for k, v in zip(names, (sums[:-1] / sums[-1]).tolist())})
+        out.update({f"gold/{k}": float(v) for k, v in zip(names, (sums[:-1] / sums[-1]).tolist(), strict=True)})
     return out
 
 
@@ -113,7 +113,8 @@ def update_metrics(
     epochs: list[dict[str, float]], gap_max: float, normaliser: float, steps: list[dict], cfg, log_entropy: bool
 ) -> dict:
     """The update's global metrics from each epoch's global sums (micro-batches and ranks), the largest |log gap| to
-    the sampler, the loss normaliser and each optimizer step's own metrics (grad norm, lr, skipped); `cfg`: grpo.Config."""
+    the sampler, the loss normaliser and each optimizer step's own metrics (grad norm, lr, skipped); `cfg`:
+    grpo.Config."""
     mu = len(epochs)
     total = {k: sum(e[k] for e in epochs) for k in epochs[0]}
     tokens, mismatch_tokens = total["tokens"], max(total["mismatch_tokens"], 1.0)

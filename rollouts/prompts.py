@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data.tldr import DataError, PromptDataset, load_optional_column, pad_prompts
+from data.tldr import PROMPT_COLUMNS, DataError, PromptDataset, load_optional_column, load_rows, pad_prompts
 from rlhf.rewards import RewardSource, row_sources
 
 
@@ -28,6 +28,15 @@ def prompt_set(dataset: PromptDataset, index: list[int], applies: torch.Tensor, 
     """This rank's prompts `index` of `dataset`, left-padded on `device`; applies (rows of the dataset, S)."""
     ids, mask = (t.to(device) for t in pad_prompts([dataset.prompts[i] for i in index]))  # (B, P) left-padded
     return PromptSet(ids, mask, [dataset.texts[i] for i in index], list(index), applies[index], where)
+
+
+def training_prompts(cfg, tok, sources: list[RewardSource]) -> tuple[PromptDataset, torch.Tensor, str]:
+    """--train_data's prompts (cut to --max_prompt_len), which sources apply to each row (rows, S) (--reward_column)
+    and the data's name for error messages."""
+    where = f"{cfg.train_data}[{cfg.train_split}]"
+    rows = load_rows(cfg.train_data, cfg.train_split, PROMPT_COLUMNS)
+    dataset = PromptDataset(rows, tok, cfg.max_prompt_len, name=where)
+    return dataset, source_applies(cfg.reward_column, cfg.train_data, cfg.train_split, len(dataset), sources), where
 
 
 def source_applies(column_name: str, data: str, split: str, n_rows: int, sources: list[RewardSource]) -> torch.Tensor:

@@ -48,18 +48,39 @@ class RewardSpec:
 
 
 @torch.no_grad()
-def rollout(
-    policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, greedy: bool = False, on_chunk=None
+def sample_responses(
+    policy,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    num_samples: int,
+    max_new_tokens: int,
+    *,
+    prompts_per_call: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+    prefix_sharing: bool = True,
+    compile: bool = False,
+    on_chunk=None,
 ) -> SampleOutput:
-    """Generate num_samples responses per prompt in calls of cfg.gen_prompts prompts, parameters gathered once.
-    Returns (B * num_samples, max_new_tokens) tensors grouped by prompt. `on_chunk(prompts)` after each call (the
-    evaluation's progress)."""
+    """The sampling loop every caller shares: `num_samples` responses to each left-padded prompt (B, P), with the
+    policy's parameters gathered once for the whole loop (under FSDP every rank calls it, a collective), the prompts
+    cut into calls of `prompts_per_call`, each call's prompts trimmed to their own left padding (a chunk of short
+    prompts computes no column that is padding in all of them), and the calls' outputs concatenated. Sampling
+    options as model.sampler.generate's (temperature 0: the most likely token). The policy is put in eval mode for
+    the loop and given back its mode after. `on_chunk(prompts)` runs after each call (progress).
+
+    Returns a SampleOutput of N = B * num_samples rows grouped by prompt (rows b*G .. b*G+G-1 answer prompt b):
+    response_ids (N, max_new_tokens) the sampled tokens, response_mask (N, max_new_tokens) True up to and
+    including a row's end token, logprobs (N, max_new_tokens) the sampler's processed log-probability of each
+    token (0 past the mask), has_end (N,) whether the row stopped by itself."""
     was_training = policy.training
     policy.eval()
     parts = []
     with gathered_params(policy):
-        for s in range(0, prompt_ids.shape[0], cfg.gen_prompts):
-            ids, mask = prompt_ids[s : s + cfg.gen_prompts], prompt_mask[s : s + cfg.gen_prompts]
+        for s in range(0, prompt_ids.shape[0], prompts_per_call):
+            ids, mask = prompt_ids[s : s + prompts_per_call], prompt_mask[s : s + prompts_per_call]  # (b, P)
             first = int(mask.any(0).long().argmax())  # this chunk's own left padding only
             parts.append(
                 generate(
@@ -67,13 +88,13 @@ def rollout(
                     ids[:, first:],
                     mask[:, first:],
                     num_samples,
-                    cfg.max_new_tokens,
-                    temperature=0.0 if greedy else cfg.temperature,
-                    top_p=cfg.top_p,
-                    top_k=cfg.top_k,
+                    max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
                     generator=generator,
-                    prefix_sharing=cfg.prefix_sharing,
-                    compile=cfg.compile,
+                    prefix_sharing=prefix_sharing,
+                    compile=compile,
                 )
             )
             if on_chunk is not None:
@@ -81,6 +102,29 @@ def rollout(
     policy.train(was_training)
     fields = ("response_ids", "response_mask", "logprobs", "has_end")
     return SampleOutput(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
+
+
+def rollout(
+    policy, prompt_ids, prompt_mask, cfg, num_samples: int, generator, greedy: bool = False, on_chunk=None
+) -> SampleOutput:
+    """sample_responses with GRPO's sampling options (cfg: --max_new_tokens, --gen_prompts prompts per call,
+    --temperature / --top_p / --top_k, --prefix_sharing, --compile); `greedy`: temperature 0. Returns
+    (B * num_samples, max_new_tokens) tensors grouped by prompt."""
+    return sample_responses(
+        policy,
+        prompt_ids,
+        prompt_mask,
+        num_samples,
+        cfg.max_new_tokens,
+        prompts_per_call=cfg.gen_prompts,
+        temperature=0.0 if greedy else cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        generator=generator,
+        prefix_sharing=cfg.prefix_sharing,
+        compile=cfg.compile,
+        on_chunk=on_chunk,
+    )
 
 
 def shared_prompt_rows(prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row: torch.Tensor) -> dict:

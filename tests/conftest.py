@@ -170,6 +170,6 @@ def kill_and_rerun(args: list[str], run_dir: Path, min_step: int, nproc: int = 1
 def assert_same_metrics(full: list[dict], resumed: list[dict], keys: tuple[str, ...], context: str = "") -> None:
     """The resumed run's metrics.jsonl reads as the uninterrupted run's: same steps, and bit-identical values."""
     assert [m["step"] for m in resumed] == [m["step"] for m in full], context
-    for a, b in zip(full, resumed):
+    for a, b in zip(full, resumed, strict=True):
         for key in keys:
             assert a.get(key) == b.get(key), (context, a["step"], key, a.get(key), b.get(key))

@@ -27,6 +27,10 @@ WORDS = "cat dog car house job money friend sister brother school game phone ren
 # Rows, model folders, metrics
 
 
+def tldr_prompt(subreddit: str, title: str, post: str) -> str:
+    return f"SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+
+
 def write_sft_rows(path, n=64, seed=0):
     """TL;DR-shaped prompt and completion rows, so a test needs no downloaded data."""
     rng = random.Random(seed)
@@ -34,7 +38,7 @@ def write_sft_rows(path, n=64, seed=0):
         for _ in range(n):
             post = " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))
             summary = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
-            prompt = f"SUBREDDIT: r/{rng.choice(WORDS)}\n\nTITLE: {rng.choice(WORDS)} {rng.choice(WORDS)}\n\nPOST: {post}\n\nTL;DR:"
+            prompt = tldr_prompt(rng.choice(WORDS), f"{rng.choice(WORDS)} {rng.choice(WORDS)}", post)
             f.write(json.dumps({"prompt": prompt, "completion": " " + summary}) + "\n")
     return path
 
@@ -47,7 +51,7 @@ def write_pref_rows(path, n=48, seed=0):
     with open(path, "w") as f:
         for _ in range(n):
             post = " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))
-            prompt = f"SUBREDDIT: r/{rng.choice(WORDS)}\n\nTITLE: {rng.choice(WORDS)} {rng.choice(WORDS)}\n\nPOST: {post}\n\nTL;DR:"
+            prompt = tldr_prompt(rng.choice(WORDS), f"{rng.choice(WORDS)} {rng.choice(WORDS)}", post)
             chosen = " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) + " " + rng.choice(good)
             rejected = " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) + " " + rng.choice(bad)
             f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")

@@ -290,8 +290,8 @@ def test_prefix_sharing_counts_each_prompt_once_per_group(fresh_process_group, o
 
 def test_decode_ops_per_token_and_per_layer(one_thread):
     """bench/decode_ops.py's count of the host work per decoded token: a decode step of the shared-prefix path
-    dispatches at most 30 ops per layer (47 before the merge was written for few ops, 27 now with torch 2.13) and
-    a tiny model's whole token at most 100 (142 before); the count does not depend on the weights or the rows."""
+    dispatches at most 30 ops per layer and a tiny model's whole token at most 100 (docs/benchmarks.md has the
+    counts); the count does not depend on the weights or the rows."""
     from model.gpt2 import GPT2LMHeadModel
 
     counts = {}

@@ -85,7 +85,7 @@ def test_lora_reference_is_gathered_once_for_all_micro_batches(one_rank_group, a
     # per block: the blocks once per micro-batch; the root of a model that trains stays gathered after its first
     # forward (it reshards only when its backward or an optimizer step comes), so it is gathered once
     assert len(all_gathers) == 3 * (UNITS - 1) + 1
-    for a, b in zip(gathered, per_block):
+    for a, b in zip(gathered, per_block, strict=True):
         assert torch.equal(a, b)
 
 
@@ -185,7 +185,8 @@ def test_gpu_bf16_reward_head_is_fp32_and_frozen_models_keep_no_records(one_gpu_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tmp_path):
-    """On a GPU --reference_dtype auto used to mean bf16 even with --dtype fp32: the first loss was not log 2."""
+    """On a GPU --reference_dtype auto under --dtype fp32 keeps the reference in fp32, as the policy: the first loss is
+    log 2."""
     import math
 
     import dpo
@@ -197,7 +198,7 @@ def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tm
     )
     run = SimpleNamespace(say=lambda message: None, device=torch.device("cuda"), dtype=None)
     torch.manual_seed(0)
-    policy, reference = dpo.build_models(cfg, run)
+    policy, reference = dpo.build_policy_and_reference(cfg, run)
     assert {p.dtype for p in reference.parameters()} == {torch.float32}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 50000, (12,), generator=g).tolist() for _ in range(4)]
@@ -228,7 +229,10 @@ def test_reshard_settings_are_the_ones_shard_model_gave_and_come_back_after_a_ga
     torch.manual_seed(0)
     trained = shard_model(GPT2LMHeadModel(CFG))
     frozen = shard_model(freeze(GPT2LMHeadModel(CFG)))
-    settings = lambda model: [reshards_after_forward(m) for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def settings(model):
+        return [reshards_after_forward(m) for m in model.modules() if isinstance(m, FSDPModule)]
+
     # blocks come first in modules() order after the root: [root, block 0, block 1]
     assert settings(trained) == [False, True, True]  # a training root stays gathered from forward to backward
     assert settings(frozen) == [True, True, True]
@@ -270,7 +274,10 @@ def test_dpo_reference_is_gathered_once_per_step(one_rank_group, monkeypatch):
         id(m._get_fsdp_state()._fsdp_param_group) for m in reference.modules() if hasattr(m, "_get_fsdp_state")
     }
     g = torch.Generator().manual_seed(0)
-    pairs = lambda: [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (7, 5)]
+
+    def pairs():
+        return [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (7, 5)]
+
     micro = [collate_pairs(pairs(), pairs(), pairs()) for _ in range(3)]  # 3 micro-batches of 2 pairs
     loss_fn = dpo.preference_loss_fn(dpo.Config())
     dpo.accumulate_gradients(policy, reference, micro, 1, 6, loss_fn, 0.1, torch.device("cpu"))

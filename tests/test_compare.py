@@ -3,6 +3,8 @@ table's means and spreads worked by hand, and the picture."""
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +184,94 @@ def test_runs_of_different_stages_are_labelled_by_their_folders(tmp_path):
     a = write_run(tmp_path / "a", {"seed": 1, "lr": 0.1, "beta": 0.1}, [{"step": 1, "m": 1.0}])
     b = write_run(tmp_path / "b", {"seed": 1, "lr": 0.2, "beta": 0.1}, [{"step": 1, "m": 1.0}])
     assert [o for o, _ in compare.group_runs([compare.load_run(d) for d in (a, b)])] == [{"lr": 0.1}, {"lr": 0.2}]
+
+
+def test_a_torn_last_line_is_skipped_with_one_warning(runs, capsys):
+    with open(runs[0] / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/me')  # a run still writing
+    run = compare.load_run(runs[0])
+    assert [r["step"] for r in run.rows] == [1, 2, 3]
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f'warning: {runs[0] / "metrics.jsonl"}: line 4 is not a whole JSON row (\'{{"step": 4, "reward/me\'); skipped'
+    ]
+
+
+def test_the_best_of_a_loss_is_its_minimum_and_the_options_override(tmp_path):
+    run = write_run(
+        tmp_path / "a",
+        {"seed": 0},
+        [{"step": s, "val/loss": v, "eval/win_rate": v} for s, v in ((1, 3.0), (2, 1.0), (3, 2.0))],
+    )
+    groups = compare.group_runs([compare.load_run(run)])
+    text = compare.table(groups, ["val/loss", "eval/win_rate"], set())
+    assert text.splitlines()[-1] == "| all runs | 1 | 2.000 ± 0.000 | 1.000 ± 0.000 | 2.000 ± 0.000 | 3.000 ± 0.000 |"
+    text = compare.table(groups, ["val/loss", "eval/win_rate"], {"eval/win_rate"}, maximize=frozenset({"val/loss"}))
+    assert text.splitlines()[-1] == "| all runs | 1 | 2.000 ± 0.000 | 3.000 ± 0.000 | 2.000 ± 0.000 | 1.000 ± 0.000 |"
+
+
+def test_every_metric_the_stages_log_has_a_direction_and_the_known_ones_are_right():
+    # the metric names of every stage's golden run (tests/golden): each has a direction or is a count or bound
+    import glob
+
+    from utils.logging import metric_direction
+
+    names = set()
+    for file in glob.glob(str(Path(__file__).parent / "golden" / "*" / "*.json")):
+        text = Path(file).read_text()
+        names |= {m for m in re.findall(r'"([a-z_]+/[a-z0-9_/]+)"', text)}
+    assert len(names) > 50
+    for name in names:
+        last = name.split("/")[-1]
+        assert (metric_direction(name) is None) == (last.startswith("n_") or "_ci_" in last), name
+    lower = [
+        "val/loss",
+        "train/loss",
+        "val/bt_loss",
+        "eval/pref_bt_loss",
+        "train/kl",
+        "train/epoch_1/kl",
+        "eval/response_length",
+        "sample/response_length",
+        "train/grad_norm",
+        "train/ratio_deviation",
+    ]
+    higher = [
+        "eval/win_rate",
+        "val/accuracy",
+        "eval/reward",
+        "reward/mean",
+        "reward/length_mean",
+        "eval/pref_accuracy",
+        "eval/end_fraction",
+        "rs/acceptance_rate",
+        "train/reward_margin",
+    ]
+    assert [metric_direction(m) for m in lower] == ["min"] * len(lower)
+    assert [metric_direction(m) for m in higher] == ["max"] * len(higher)
+    assert set(lower + higher) <= names
+
+
+def test_seed_reruns_differing_in_free_options_or_their_changes_on_resume_group_with_their_siblings(tmp_path):
+    rows = [{"step": 1, "reward/mean": 1.0}]
+    base = {"lr": 0.1, "keep_last": 2, "resume_changes": "refuse"}
+    runs = [
+        write_run(tmp_path / "s0", {**base, "seed": 0}, rows),
+        write_run(tmp_path / "s1", {**base, "seed": 1, "keep_last": 3}, rows),  # a free option
+        write_run(  # resumed with --resume_changes allow, changing only how often it saved
+            tmp_path / "s2",
+            {**base, "seed": 2, "option_changes": [{"step": 1, "options": {"save_every": [500, 1]}}]},
+            rows,
+        ),
+        write_run(  # resumed with a change of the learning rate: another group, labelled by that change
+            tmp_path / "s3",
+            {**base, "seed": 3, "option_changes": [{"step": 1, "options": {"lr": [0.1, 0.2], "keep_last": [2, 1]}}]},
+            rows,
+        ),
+    ]
+    groups = compare.group_runs([compare.load_run(d) for d in runs])
+    assert [[m.dir.name for m in members] for _, members in groups] == [["s0", "s1", "s2"], ["s3"]]
+    assert [options for options, _ in groups] == [
+        {"option_changes": []},
+        {"option_changes": [{"step": 1, "options": {"lr": [0.1, 0.2]}}]},
+    ]

@@ -22,6 +22,8 @@ from data.tldr import (
     collate_sft,
     encode_prompt,
     encode_response,
+    eval_slice,
+    length_sorted,
     load_rows,
     pad_prompts,
 )
@@ -171,7 +173,7 @@ def test_real_rows_encode_with_header_and_suffix(tok, max_prompt_len):
     n_truncated = 0
     for texts, prompts in [([r["prompt"] for r in sft_rows], sft.prompts),
                            ([r["prompt"] for r in pref_rows], pref.prompts)]:  # fmt: skip
-        for text, ids in zip(texts, prompts):
+        for text, ids in zip(texts, prompts, strict=True):
             assert len(ids) <= max_prompt_len
             assert ids[:5] == SUBREDDIT_IDS and ids[-4:] == TLDR_IDS
             decoded = tok.decode(ids)
@@ -193,7 +195,7 @@ def test_real_rows_encode_with_header_and_suffix(tok, max_prompt_len):
     for texts, responses in [([r["completion"] for r in sft_rows], sft.responses),
                              ([r["chosen"] for r in pref_rows], pref.chosen),
                              ([r["rejected"] for r in pref_rows], pref.rejected)]:  # fmt: skip
-        for text, ids in zip(texts, responses):
+        for text, ids in zip(texts, responses, strict=True):
             assert 2 <= len(ids) <= max_response_len
             assert ids[-1] == END_ID and ids.count(END_ID) == 1
             cleaned = text.replace("\n", " ").rstrip()
@@ -335,6 +337,16 @@ def test_bad_rows_name_file_row_and_column(tmp_path, rows, match):
         load_rows(str(path), "train", SFT_COLUMNS)
     assert str(path) in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_its_row_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(
+        (json.dumps(GOOD) + "\n\n").encode() + '{"prompt": "caf\u00e9", "completion": "x"}\n'.encode("latin-1")
+    )
+    with pytest.raises(DataError) as info:
+        load_rows(str(path), "train", SFT_COLUMNS)
+    assert str(info.value).startswith(f"{path}: row 1 (line 3) is not UTF-8 text (byte 0xe9 at column 16)"), info.value
 
 
 def test_bad_json_line_and_missing_file(tmp_path):
@@ -492,3 +504,41 @@ def test_loader_with_sft_collate(tok):
     assert batch.keys() == expected.keys()
     assert all(torch.equal(batch[k], expected[k]) for k in ("input_ids", "position_ids"))
     assert loader.state_dict() == {"epoch": 1, "batch_in_epoch": 0, "n_examples": 6, "global_batch": 6}
+
+
+def test_length_sorted_puts_rows_of_similar_length_together():
+    lengths = [3, 9, 1, 7, 7, 2]
+    assert length_sorted([0, 1, 2, 3, 4, 5], lengths, 2) == [[1, 3], [4, 0], [5, 2]]  # ties (3, 4) keep their order
+    with pytest.raises(ValueError, match="5 rows do not divide into groups of 2"):
+        length_sorted([0, 1, 2, 3, 4], lengths, 2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_loader_steps_grouped_by_length_hold_the_steps_rows_dealt_out_by_length(world):
+    # the same rows per optimizer step as the ungrouped loader (only which rank and micro-batch computes a row
+    # changes), micro-batch j of every rank among the longest rows left, and the same resumable position
+    n, micro, accum = 61, 2, 3
+    lengths = torch.randint(1, 100, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    plain = [ShardedLoader(n, micro, r, world, 5, lambda idx: idx) for r in range(world)]
+    grouped = [ShardedLoader(n, micro, r, world, 5, lambda idx: idx, lengths) for r in range(world)]
+    for _ in range(3 * plain[0].batches_per_epoch):  # steps run across epoch boundaries
+        want = sorted(i for loader in plain for b in loader.next_step(accum) for i in b)
+        steps = [loader.next_step(accum) for loader in grouped]
+        assert sorted(i for batches in steps for b in batches for i in b) == want
+        assert all(len(b) == micro for batches in steps for b in batches)
+        dealt = [steps[j % world][j // world] for j in range(accum * world)]  # the order they were dealt in
+        flat = [lengths[i] for b in dealt for i in b]
+        assert flat == sorted(flat, reverse=True)
+        assert grouped[0].state_dict() == plain[0].state_dict()
+
+
+def test_loader_without_lengths_steps_as_its_batches():
+    steps, batches = index_loader(23, 2, seed=4), index_loader(23, 2, seed=4)
+    for _ in range(7):  # 11 batches per epoch: steps of 3 run into the next epoch
+        assert steps.next_step(3) == take(batches, 3)
+
+
+def test_eval_slice_by_length_deals_rows_longest_first():
+    lengths = [5, 1, 9, 3, 7]
+    assert [eval_slice(5, r, 2) for r in range(2)] == [[0, 2, 4], [1, 3, -1]]
+    assert [eval_slice(5, r, 2, lengths) for r in range(2)] == [[2, 0, 1], [4, 3, -1]]

@@ -152,6 +152,37 @@ def test_sharded_checkpoint_resumes_exactly_on_two_processes_and_on_one(tmp_path
         )
 
 
+def test_a_resume_on_another_world_size_reseeds_every_random_stream_from_the_seed(tmp_path):
+    # saved by 2 processes, resumed on 1: the per-rank RNG states cannot be restored, so torch, numpy and `random`
+    # are reseeded from --seed, the step and the rank: the same seed draws the same numbers, another seed others
+    run_script(["tests/scripts/ckpt_dist.py", "save", str(tmp_path / "run"), str(tmp_path / "save.pt")], nproc=2)
+    draws, stderr = {}, {}
+    for seed, out in (("1", "a"), ("1", "b"), ("2", "c")):
+        done = run_script(["tests/scripts/ckpt_dist.py", "resume", str(tmp_path / "run"), str(tmp_path / out), seed])
+        draws[out], stderr[out] = torch.load(tmp_path / out)["draws"][0], done.stderr
+    assert draws["a"] == draws["b"]
+    assert all(draws["a"][i] != draws["c"][i] for i in range(3)), draws  # torch, numpy and random each differ
+    assert (
+        "was written by 2 processes and resumes on 1: the random streams after it are reseeded from --seed 2"
+        in (stderr["c"])
+    )
+
+
+def test_rank_0_chooses_the_checkpoint_and_ranks_that_see_it_differently_stop(tmp_path):
+    # rank 1 reads another `latest` (an NFS attribute cache): rank 0's choice holds on both; rank 1 sees the newest
+    # checkpoint's shard missing while rank 0 sees it whole: both stop with the same line naming the file and ranks
+    for case in ("pointer", "view"):
+        out = tmp_path / f"{case}.txt"
+        run_script(["tests/scripts/resume_views.py", str(tmp_path / case), str(out), case], nproc=2)
+        results = [out.with_name(f"{out.name}.{rank}").read_text() for rank in (0, 1)]
+        if case == "pointer":
+            assert results == ["step_00000002", "step_00000002"], results
+        else:
+            assert results[0] == results[1], results
+            assert results[0].startswith("error: the ranks see checkpoint"), results[0]
+            assert "rank 0: as written; rank 1: " in results[0] and "is missing" in results[0], results[0]
+
+
 def test_dist_timeout_reaches_the_process_group(tmp_path):
     # rank 1 is busy for 8 s; under a 3 s timeout rank 0's barrier fails after 3 s (torch's gloo default: 30 minutes)
     out = tmp_path / "timeout.json"
@@ -220,3 +251,18 @@ def test_sft_validation_with_uneven_rows_finishes_and_matches_one_process(tmp_pa
         losses[nproc] = read_metrics(tmp_path / f"run{nproc}")[-1]["val/loss"]
     assert losses[1] > 5.0  # a random tiny model over a 50k vocabulary
     assert abs(losses[2] - losses[1]) < 1e-5 * losses[1], losses
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_fsdp2_equal_eager_without_graph_breaks(tmp_path):
+    """--compile's per-block compilation (shard_model(compile_blocks=True), fullgraph) on 2 gloo processes: losses
+    and gradients of padded and packed preference rows as the eager model's (1e-5 of each gradient's scale), graphs
+    captured (so the compiled code ran) and no graph break (tests/scripts/compiled_blocks.py; dynamo's aot_eager
+    backend: forward and backward captured, no code generated)."""
+    out = tmp_path / "record.pt"
+    run_script(["tests/scripts/compiled_blocks.py", str(out)], nproc=2)
+    record = torch.load(out)
+    for shared in (True, False):
+        assert record["loss"][("compiled", shared)] == pytest.approx(record["loss"][("eager", shared)], rel=1e-5)
+    assert record["grad_gap"] <= 1e-5
+    assert record["graphs"] > 0 and record["graph_breaks"] == 0

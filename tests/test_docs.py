@@ -63,7 +63,7 @@ def test_docs_table_lists_what_help_lists(script, monkeypatch):
         )
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", SCRIPTS + ("sample",))
 def test_every_option_is_in_a_known_section(script):
     cls = importlib.import_module(script).Config
     sections = field_sections(cls)
@@ -114,6 +114,13 @@ def test_help_groups_by_section_with_the_scripts_own_options_first():
     # keeps the section of its first declaration and its place among the shared options
     assert groups == [("models", ["reference", "model"]), ("objective", ["beta"]), ("run", ["seed_offset", "seed"])]
     assert build_parser(_Stage).parse_args([]).model == "tiny"
+
+
+@pytest.mark.parametrize("script", SCRIPTS + ("sample",))
+def test_help_starts_with_a_one_line_usage(script):
+    # argparse's own usage line lists every option: 42 lines for grpo.py above its first group
+    usage = build_parser(importlib.import_module(script).Config).format_usage()
+    assert usage.count("\n") == 1 and len(usage) < 120, usage
 
 
 def test_an_option_under_no_section_line_still_parses_and_is_listed_last():

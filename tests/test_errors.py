@@ -26,17 +26,25 @@ import dpo
 import eval_preferences
 import grpo
 import reward_model
+import sample
 import sft
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import save_hf
 from tests import helpers
 from tests.conftest import ROOT, checkpoint_step, free_port, run_script
-from utils.checkpoint import latest_checkpoint, read_tensors, save_checkpoint
+from utils.checkpoint import newest_intact, read_tensors, save_checkpoint
 from utils.config import config_to_dict, parse_config
 from utils.optim import build_optimizer, build_scheduler
 
-SCRIPTS = {"sft": sft, "reward_model": reward_model, "dpo": dpo, "grpo": grpo, "eval_preferences": eval_preferences}
+SCRIPTS = {
+    "sft": sft,
+    "reward_model": reward_model,
+    "dpo": dpo,
+    "grpo": grpo,
+    "eval_preferences": eval_preferences,
+    "sample": sample,
+}
 TINY = PRESETS["tiny"]
 
 
@@ -208,6 +216,17 @@ def base_args(script, f, out_dir) -> list[str]:
             "0",
             *common,
         ]
+    if script == "sample":
+        return [
+            "--policy",
+            "tiny",
+            "--random_init",
+            "true",
+            "--post",
+            "my cat ate my homework",
+            "--max_new_tokens",
+            "4",
+        ]
     return ["--val_data", str(f["pref"]), "--max_prompt_len", "64", "--max_response_len", "16"]
 
 
@@ -325,8 +344,8 @@ CASES = [
         "sft",
         lambda f, out: ["--max_prompt_len", "500"],
         [
-            "--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions; the largest --max_prompt_len "
-            "that fits is 496"
+            "--max_prompt_len 500 + --max_response_len 16 exceeds the model's 512 positions; "
+            "the largest --max_prompt_len that fits is 496"
         ],
     ),
     (
@@ -360,7 +379,8 @@ CASES = [
         "sft",
         lambda f, out: ["--model", "small", "--resume_from", str(f["ckpt"])],
         [
-            "holds another model: n_embd=64, n_head=2, n_layer=2 but this run's model has n_embd=128, n_head=4, n_layer=4"
+            "holds another model: n_embd=64, n_head=2, n_layer=2 "
+            "but this run's model has n_embd=128, n_head=4, n_layer=4"
         ],
     ),
     (
@@ -476,6 +496,114 @@ CASES = [
         ["--reward_model", "policy is a policy (a GPT-2 language model), not a reward model"],
     ),
     (
+        "policy_as_judge",
+        "sft",
+        lambda f, out: ["--judge", str(f["policy"]), "--val_data", str(f["sft"])],
+        ["--judge", "policy is a policy (a GPT-2 language model), not a reward model"],
+    ),
+    (
+        "policy_as_judge_of_dpo",
+        "dpo",
+        lambda f, out: ["--judge", str(f["policy"]), "--val_data", str(f["pref"])],
+        ["--judge", "policy is a policy (a GPT-2 language model), not a reward model"],
+    ),
+    (
+        "policy_as_judge_to_evaluate",
+        "eval_preferences",
+        lambda f, out: ["--policy", str(f["policy"]), "--reference", str(f["policy"]), "--judge", str(f["policy"])],
+        ["--judge", "policy is a policy (a GPT-2 language model), not a reward model"],
+    ),
+    (
+        "missing_judge_folder",
+        "sft",
+        lambda f, out: ["--judge", str(out / "rm" / "hf"), "--val_data", str(f["sft"])],
+        ["--judge: model folder", "rm/hf does not exist"],
+    ),
+    (
+        "policy_as_reward_model_to_sample",
+        "sample",
+        lambda f, out: ["--reward_model", str(f["policy"])],
+        ["--reward_model", "policy is a policy (a GPT-2 language model), not a reward model"],
+    ),
+    (
+        "reward_model_as_policy_to_sample",
+        "sample",
+        lambda f, out: ["--policy", str(f["constant_rm"]), "--random_init", "false"],
+        ["--policy", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"],
+    ),
+    (
+        "reward_model_as_dpo_policy",
+        "dpo",
+        lambda f, out: ["--model", str(f["constant_rm"]), "--random_init", "false"],
+        ["--model", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"],
+    ),
+    (
+        "reward_model_as_grpo_policy",
+        "grpo",
+        lambda f, out: ["--model", str(f["constant_rm"])],
+        ["--model", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"],
+    ),
+    (
+        "reward_model_as_normalisation_policy",
+        "reward_model",
+        lambda f, out: ["--norm_prompts", "4", "--sft_policy", str(f["constant_rm"])],
+        ["--sft_policy", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"],
+    ),
+    (
+        "reward_model_as_policy_to_evaluate",
+        "eval_preferences",
+        lambda f, out: ["--policy", str(f["constant_rm"]), "--reference", str(f["policy"])],
+        ["--policy", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"],
+    ),
+    (
+        "reward_model_as_reference_to_evaluate",
+        "eval_preferences",
+        lambda f, out: ["--policy", str(f["policy"]), "--reference", str(f["constant_rm"])],
+        ["--reference", "constant_rm is a reward model (a GPT-2 with a scalar head), not a policy"],
+    ),
+    (
+        "judge_without_validation",
+        "sft",
+        lambda f, out: ["--judge", str(f["constant_rm"])],
+        ["--judge scores the policy at each validation, and --val_data '' with --eval_every", "runs none"],
+    ),
+    (
+        "judge_without_validation_in_dpo",
+        "dpo",
+        lambda f, out: ["--judge", str(f["constant_rm"])],
+        ["--judge scores the policy at each validation, and --val_data '' with --eval_every", "runs none"],
+    ),
+    (
+        "judge_without_summary_data",
+        "sft",
+        lambda f, out: ["--judge", str(f["constant_rm"]), "--val_data", str(f["sft"]), "--summary_data", ""],
+        ["--judge scores summaries of --summary_data's posts, and --summary_data is empty"],
+    ),
+    (
+        "best_metric_not_logged",
+        "sft",
+        lambda f, out: ["--val_data", str(f["sft"]), "--best_metric", "val/los"],
+        ["--best_metric val/los is not logged by this stage; its val/ metrics are ['val/loss']"],
+    ),
+    (
+        "best_metric_not_logged_in_dpo",
+        "dpo",
+        lambda f, out: ["--val_data", str(f["pref"]), "--eval_every", "1", "--best_metric", "val/acc"],
+        ["--best_metric val/acc is not logged by this stage; its val/ metrics are ['val/accuracy'"],
+    ),
+    (
+        "best_metric_not_logged_in_reward_model",
+        "reward_model",
+        lambda f, out: ["--val_data", str(f["pref"]), "--eval_every", "1", "--best_metric", "val/acc"],
+        ["--best_metric val/acc is not logged by this stage; its val/ metrics are ['val/accuracy'"],
+    ),
+    (
+        "best_metric_not_logged_in_grpo",
+        "grpo",
+        lambda f, out: ["--pref_data", str(f["pref"]), "--eval_every", "1", "--best_metric", "eval/pref_acc"],
+        ["--best_metric eval/pref_acc is not logged by this stage; its eval/ metrics are ["],
+    ),
+    (
         "reward_model_without_normalisation",
         "grpo",
         lambda f, out: ["--reward_model", str(f["rm_no_norm"]), "--reward_random_init", "false"],
@@ -508,7 +636,8 @@ CASES = [
         "sft",
         lambda f, out: ["--train_data", str(f["pref"])],
         [
-            "missing column(s) ['completion']: expected ['prompt', 'completion'], columns of row 0: ['prompt', 'chosen', 'rejected']"
+            "missing column(s) ['completion']: expected ['prompt', 'completion'], "
+            "columns of row 0: ['prompt', 'chosen', 'rejected']"
         ],
     ),
     (
@@ -548,7 +677,8 @@ CASES = [
         "reward_model",
         lambda f, out: ["--train_data", "trl-lib/tldr-preference"],
         [
-            "could not load hub dataset 'trl-lib/tldr-preference' split 'train': no network (cannot connect to 127.0.0.1:9",
+            "could not load hub dataset 'trl-lib/tldr-preference' split 'train': "
+            "no network (cannot connect to 127.0.0.1:9",
             "Pass a local .jsonl/.json/.parquet file",
         ],
     ),
@@ -587,6 +717,103 @@ def test_catalogue_has_twenty_cases_and_matches_the_docs():
     assert not missing, missing
 
 
+def test_eval_preferences_writes_into_a_run_folder_under_its_lock_and_leaves_its_record(inputs, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"lr": 1.0}\n')  # a training run's record
+    args = base_args("eval_preferences", inputs, run) + ["--reward_model", str(inputs["constant_rm"])]
+    args += ["--out_dir", str(run), "--wandb_mode", "disabled", "--bootstrap_samples", "10"]
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from utils.rundir import lock_run_dir; lock_run_dir(sys.argv[1]); "
+            "print('locked', flush=True); time.sleep(300)",
+            str(run),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, message = run_cli("eval_preferences", args, capsys)
+        assert code == 2 and f"--out_dir {run} is in use by another run (pid {holder.pid} on " in message, message
+    finally:
+        holder.kill()
+        holder.wait()
+    eval_preferences.main(parse_config(eval_preferences.Config, args))
+    assert (run / "config.json").read_text() == '{"lr": 1.0}\n'
+    assert (run / "preference_eval.json").is_file() and (run / ".lock").read_text() == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["sft", "dpo"])
+def test_every_evaluation_option_combination_fails_at_start_or_runs_to_its_export(script, inputs, tmp_path, capsys):
+    # validation data or none, a judge or none, evaluations or none: each either stops before training (exit 2,
+    # nothing written) or trains, evaluates what it promised and exports; never a stop at the first evaluation
+    import itertools
+
+    judge = ["--summary_data", str(inputs["sft"]), "--summary_rows", "2", "--max_new_tokens", "4"]
+    data = inputs["sft"] if script == "sft" else inputs["pref"]
+    for i, (val, judged, every) in enumerate(itertools.product(("", str(data)), (False, True), ("-1", "1"))):
+        out = tmp_path / f"run{i}"
+        args = base_args(script, inputs, out) + ["--val_data", val, "--eval_every", every, "--steps", "2"]
+        args += ["--judge", str(inputs["constant_rm"]), *judge] if judged else []
+        with pytest.raises(SystemExit) as info:
+            with helpers.exit_on_error():
+                SCRIPTS[script].main(parse_config(SCRIPTS[script].Config, args))
+                raise SystemExit(0)
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").is_file() else []
+        evaluated = {k for r in rows for k in r if k.startswith("val/")}
+        if info.value.code == 2:
+            assert not (out / "checkpoints").exists() and judged, (val, judged, every)
+        else:
+            assert info.value.code == 0 and (out / "hf").is_dir(), (val, judged, every, info.value.code)
+            assert ("val/win_rate" in evaluated) == judged and bool(evaluated) == bool(val and every == "1")
+        capsys.readouterr()
+
+
+def test_a_best_metric_no_evaluation_logs_stops_before_the_first_training_step(inputs, tmp_path, capsys):
+    # not at the first evaluation after training, which left no checkpoint of the steps it trained
+    for case, script, extra, _ in [c for c in CASES if c[0].startswith("best_metric_not_logged")]:
+        out = tmp_path / case
+        code, message = run_cli(script, base_args(script, inputs, out) + extra(inputs, out) + ["--steps", "2"], capsys)
+        logged = (
+            [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+            if (out / "metrics.jsonl").exists()
+            else []
+        )
+        assert code == 2 and all(step == 0 for step in logged), (case, logged, message)
+
+
+def test_every_option_that_names_a_model_has_its_kind_checked_in_every_script():
+    # each script's options named in model.weights.MODEL_OPTIONS must have a case above giving a folder of the other
+    # kind, answered by one line naming the option (reward_model.py's --model takes either kind): a new model option
+    # fails here until its script checks it through model_config
+    import dataclasses
+    from collections import defaultdict
+    from pathlib import Path
+
+    from model.weights import MODEL_OPTIONS
+
+    dummy = defaultdict(lambda: Path("folder"))
+    covered = set()
+    for _, script, extra, fragments in CASES:
+        argv = extra(dummy, Path("out"))
+        for option in MODEL_OPTIONS:
+            named = f"--{option}" in argv and f"--{option}" in fragments
+            if named and any(" is a policy (" in f or " is a reward model (" in f for f in fragments):
+                covered.add((script, option))
+    unchecked = [
+        (script, field.name)
+        for script, module in SCRIPTS.items()
+        for field in dataclasses.fields(module.Config)
+        if field.name in MODEL_OPTIONS and (script, field.name) not in covered | {("reward_model", "model")}
+    ]
+    assert not unchecked, unchecked
+
+
 # ----------------------------------------------------------------------------------------------------
 # Numerical faults: exit code 3, named stage and step, the newest checkpoint intact
 
@@ -599,7 +826,7 @@ def test_nonfinite_loss_stops_before_the_optimizer_step_and_saves_nothing(inputs
     assert code == 3
     assert "sft: non-finite train/loss and train/grad_norm at step 1 (train/loss=nan" in message
     assert "stopped before the optimizer step" in message
-    assert latest_checkpoint(out) is None and not (out / "hf").exists()
+    assert newest_intact(out) is None and not (out / "hf").exists()
 
 
 def test_nonfinite_mid_run_leaves_the_last_good_checkpoint(inputs, tmp_path, capsys):
@@ -610,7 +837,7 @@ def test_nonfinite_mid_run_leaves_the_last_good_checkpoint(inputs, tmp_path, cap
     failed = int(re.search(r"at step (\d+)", message).group(1))
     assert code == 3 and failed >= 2, message
     assert checkpoint_step(out) == failed - 1  # nothing saved at or after the failing step
-    assert all(torch.isfinite(v).all() for v in read_tensors(latest_checkpoint(out)).values())
+    assert all(torch.isfinite(v).all() for v in read_tensors(newest_intact(out)).values())
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["step"] for m in lines] == list(range(1, failed))
 
@@ -635,7 +862,7 @@ def test_skip_drops_nonfinite_steps_without_stepping(inputs, tmp_path, capsys):
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["train/skipped"] for m in lines] == [1.0, 1.0]
     assert metrics["train/lr"] == pytest.approx(sft.Config.lr / sft.Config.warmup_steps)  # the schedule never moved
-    ckpt = latest_checkpoint(out)
+    ckpt = newest_intact(out)
     # no gradient ever reached AdamW's moments (saving initialises them with zeros) and no weight moved
     assert all(not s["exp_avg"].any() for s in read_tensors(ckpt, "optimizer")["state"].values())
     start = load_file(str(inputs["nan_policy"] / "model.safetensors"))
@@ -656,7 +883,7 @@ def test_reward_model_nan_or_constant_is_caught_at_rollout(rm, fragment, inputs,
     code, message = run_cli("grpo", args, capsys)
     log_case(f"reward_model_{rm.split('_')[0]}", "grpo", message, code, inputs)
     assert code == 3 and fragment in message, message
-    assert latest_checkpoint(out) is None
+    assert newest_intact(out) is None
 
 
 def test_grpo_step_skips_a_nonfinite_update_and_leaves_weights_and_schedule_alone():

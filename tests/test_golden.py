@@ -7,6 +7,7 @@ its own is compared with every recorded set within a relative REL_TOL, with an a
 loss term (another processor's or torch's matmul kernels sum in another order); a 1% error in the KL term fails that
 comparison too (test_a_one_percent_kl_error_fails_the_tolerance_comparison)."""
 
+import itertools
 import json
 import math
 
@@ -28,11 +29,12 @@ def compare(name: str, want, got, exact: bool, path: str = "") -> None:
         assert isinstance(got, list) and len(got) == len(want), (
             f"{name}{path}: {len(got)} entries, expected {len(want)}"
         )
-        for i, (a, b) in enumerate(zip(want, got)):
+        for i, (a, b) in enumerate(zip(want, got, strict=True)):
             compare(name, a, b, exact, f"{path}[{i}]")
     elif isinstance(want, float) and not exact:
         assert math.isclose(got, want, rel_tol=REL_TOL, abs_tol=ABS_TOL), (
-            f"{name}{path}: {got!r} != golden {want!r} (relative difference {abs(got - want) / max(abs(want), 1e-300):.2e}"
+            f"{name}{path}: {got!r} != golden {want!r} "
+            f"(relative difference {abs(got - want) / max(abs(want), 1e-300):.2e}"
             f", tolerance {REL_TOL:g} relative / {ABS_TOL:g} absolute)"
         )
     else:
@@ -131,7 +133,7 @@ def test_a_one_percent_kl_error_fails_the_tolerance_comparison(tmp_path):
     # and the logged KL both 1% off) fails the comparison another machine would make (tolerance mode, against every
     # set); unscaled, the same run passes it (test_stage_reproduces_its_golden_numbers)
     scaled = run("grpo_rso", tmp_path / "scaled", wrapper=("tests/scripts/scaled.py", "rlhf.grpo:k3_kl", "1.01"))
-    for path, record in records("grpo_rso"):
+    for _, record in records("grpo_rso"):
         want = {k: v for k, v in record.items() if k != "machine"}
         want["params"] = {k: v for k, v in want["params"].items() if k != "sha256"}
         got = json.loads(json.dumps(scaled))
@@ -145,11 +147,14 @@ def test_recorded_sets_agree_with_each_other_within_the_tolerance():
     # within the tolerance of each other, so the tolerance covers at least the kernel differences seen so far
     for name in NAMES:
         sets = records(name)
-        for (path_a, a), (path_b, b) in zip(sets, sets[1:]):
+        for (path_a, a), (path_b, b) in itertools.pairwise(sets):
             if a["machine"]["torch"] != b["machine"]["torch"]:
                 continue
-            strip = lambda r: {
-                **{k: v for k, v in r.items() if k != "machine"},
-                "params": {k: v for k, v in r["params"].items() if k != "sha256"},
-            }
+
+            def strip(r):
+                return {
+                    **{k: v for k, v in r.items() if k != "machine"},
+                    "params": {k: v for k, v in r["params"].items() if k != "sha256"},
+                }
+
             compare(f"{name} {path_a.parent.name} vs {path_b.parent.name}", strip(a), strip(b), exact=False)

@@ -10,7 +10,7 @@ import torch
 
 from data.tldr import collate_sft, pad_prompts, prompt_response_rows
 from data.tokenizer import get_tokenizer
-from grpo import Config, micro_batch_loss, train_step
+from grpo import Config, train_step
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.sampler import END_ID, SampleOutput
 from model.weights import build_policy, freeze
@@ -18,6 +18,7 @@ from rlhf.grpo import AGGREGATIONS, global_normalize
 from rollouts.batches import build_training_batches
 from rollouts.models import Models
 from rollouts.sampling import RewardSpec
+from rollouts.update import micro_batch_loss
 from tests.conftest import assert_same_metrics, kill_and_rerun, run_script
 from tests.helpers import WORDS, end_biased_policy, prompts_and_rewards, read_metrics, write_sft_rows
 from utils.config import parse_config
@@ -114,7 +115,8 @@ def write_prompt_rows(prompts_path, pref_path, n=48, seed=0):
     with open(prompts_path, "w") as f, open(pref_path, "w") as g:
         for _ in range(n):
             post = " ".join(rng.choice(words) for _ in range(rng.randint(10, 40)))
-            prompt = f"SUBREDDIT: r/{rng.choice(words)}\n\nTITLE: {rng.choice(words)} {rng.choice(words)}\n\nPOST: {post}\n\nTL;DR:"
+            subreddit, title = rng.choice(words), f"{rng.choice(words)} {rng.choice(words)}"  # drawn in this order
+            prompt = f"SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
             chosen, rejected = (" " + " ".join(rng.choice(words) for _ in range(rng.randint(2, 6))) for _ in range(2))
             f.write(json.dumps({"prompt": prompt, "completion": chosen}) + "\n")
             g.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
@@ -298,4 +300,4 @@ def test_micro_batch_loss_compiles_as_one_graph_without_host_reads(shared):
     assert eager_loss != 0 and torch.equal(loss, eager_loss)
     assert sums.keys() == eager_sums.keys() and all(torch.equal(sums[k], eager_sums[k]) for k in sums)
     assert torch.equal(maxima["mismatch_gap_max"], eager_max["mismatch_gap_max"])
-    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads, strict=True))

@@ -124,6 +124,19 @@ def test_entropy_term_is_the_loss_when_advantages_and_beta_are_zero_and_moves_th
     assert train_step(models, optimizer, scheduler, prompts, spec, no_bonus, 5).update["train/grad_norm"] == 0.0
 
 
+def test_train_step_names_a_constant_reward_source_at_the_step_it_runs(capsys):
+    # train_step's step is 1-based: the warning names that step, not the next
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(SMALL)
+    models = Models(policy, freeze(copy.deepcopy(policy)), None)
+    cfg = tiny_config()
+    optimizer = build_optimizer(policy, cfg.lr, 0.0)
+    prompts, spec = prompts_and_rewards(cfg, [ZERO_REWARD])
+    train_step(models, optimizer, build_scheduler(optimizer, 1, 10), prompts, spec, cfg, 3)
+    warned = [line for line in capsys.readouterr().err.splitlines() if "gave every one of its" in line]
+    assert len(warned) == 1 and "the same value (0) at step 3:" in warned[0], warned
+
+
 def test_entropy_every_logs_the_entropy_on_its_steps_only_and_changes_nothing_else():
     torch.manual_seed(0)
     start = GPT2LMHeadModel(SMALL)

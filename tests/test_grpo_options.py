@@ -276,6 +276,36 @@ def test_config_names_the_offending_option(capsys):
         assert fragment in capsys.readouterr().err, argv
 
 
+def test_each_option_group_checks_its_own_fields_and_binds_the_objective_from_its_options():
+    """rollouts/options.py's groups, each alone: SamplingConfig, SelectionConfig and ObjectiveConfig name their own
+    offending option; ObjectiveConfig.objective() reads every field of rlhf.grpo.Objective from the option of that
+    name (beta 0 with the KL in the reward)."""
+    import dataclasses
+
+    from rlhf.grpo import Objective
+    from rollouts.options import ObjectiveConfig, SamplingConfig, SelectionConfig
+    from utils.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--gen_prompts must be positive, got 0"):
+        SamplingConfig(gen_prompts=0).validate_sampling()
+
+    @dataclasses.dataclass
+    class Selection(SamplingConfig, SelectionConfig):
+        pass
+
+    with pytest.raises(ConfigError, match="--num_kept 9 exceeds --num_samples 8"):
+        Selection(num_samples=8, num_kept=9).validate_selection()
+    assert Selection(num_samples=8, selection="all").kept == 8
+    with pytest.raises(ConfigError, match="--policy_epochs must be positive, got 0"):
+        ObjectiveConfig(policy_epochs=0).validate_objective()
+    values = {"eps_low": 0.1, "eps_high": 0.3, "importance_level": "sequence", "rollout_correction": "tis"}
+    values |= {"rollout_correction_cap": 2.5, "beta": 0.07, "kl_estimator": "k2", "kl_ratio": True}
+    values |= {"entropy_coef": -0.01}
+    assert {f.name for f in dataclasses.fields(Objective)} == set(values)  # a new Objective field is seen here
+    assert ObjectiveConfig(**values).objective() == Objective(**values)
+    assert ObjectiveConfig(**values, kl_in="reward").objective() == Objective(**values | {"beta": 0.0})
+
+
 # ----------------------------------------------------------------------------------------------------
 # Each option end to end: two gloo processes, grpo.py on the embedded task's prompts and gold reward
 
@@ -403,6 +433,6 @@ def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path
         dropped = [m["sample/dropped_group_fraction"] for m in steps]
         # an odd number of the 4 groups dropped: the two ranks kept different numbers of micro-batches (one group
         # each), so one of them ran filler micro-batches to stay in step with the other's collectives. Which groups
-        # tie depends on the prompts, drawn from the embedded task: when the task's SFT summaries changed (they draw
-        # from the same stream as the posts), --seed 2 no longer gave an odd number in 3 steps; 0, 1 and 3 do.
+        # tie depends on the prompts drawn from the embedded task (the posts and the task's SFT summaries share one
+        # stream): seeds 0, 1 and 3 give an odd number in 3 steps, seed 2 does not.
         assert any(d in (0.25, 0.75) for d in dropped), dropped

@@ -9,8 +9,7 @@ fewer, GRPO names more key items than SFT, and no summary without content (empty
 the SFT policy's samples. Not tested, because it does not hold on every run: that GRPO invents no more items than SFT
 (five runs of three seeds: -0.083 to +0.034 per summary; +0.034 on one of the three runs of seed 0, where GRPO named
 more items at the SFT policy's precision; docs/results.md). Two-thread runs of seed 0 from two checkouts of the
-same code differed (SFT's losses part at step 8, at 1e-7; two clean-clone runs were identical), so a seed alone does
-not fix a run.
+same code can differ (SFT's losses part at step 8, at 1e-7, docs/results.md), so a seed alone does not fix a run.
 """
 
 import json

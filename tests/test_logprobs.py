@@ -164,7 +164,7 @@ def test_fused_head_equals_the_logits_path(proc, chunk, block_bytes, monkeypatch
     # a matmul of `chunk` rows may round differently from one of all rows: within 1e-6, relative to |log p| ~ 20
     torch.testing.assert_close(logp_new, logp_old, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(entropy_new, entropy_old, rtol=1e-6, atol=1e-6)
-    for new, old in zip(grads_new, grads_old):
+    for new, old in zip(grads_new, grads_old, strict=True):
         torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
         assert old.abs().max() > 0.1  # a real gradient, not zeros on both sides
     # the log-prob alone (entropy detached), and a frozen weight: no weight gradient, the same hidden gradient
@@ -212,7 +212,7 @@ def test_fused_head_in_bf16_matches_the_bf16_logits_path():
     grads_new = torch.autograd.grad(logp_new.sum(), (h_new, w_new))
     assert logp_new.dtype == torch.float32
     torch.testing.assert_close(logp_new, logp_old, rtol=1e-6, atol=1e-5)  # the same bf16 logits, rounded alike
-    for new, old in zip(grads_new, grads_old):
+    for new, old in zip(grads_new, grads_old, strict=True):
         assert new.dtype == torch.bfloat16
         torch.testing.assert_close(new.float(), old.float(), rtol=2e-2, atol=2e-2 * old.abs().max().item())
 
@@ -253,7 +253,7 @@ def test_fused_head_on_gpu_matches_and_saves_memory():
     )
     fused = peak(lambda h, w: linear_processed_logprobs(h, w, targets, temperature=0.9, with_entropy=True))
     torch.testing.assert_close(fused[0], chunked[0], rtol=1e-5, atol=1e-3)
-    for new, old in zip(fused[1:3], chunked[1:3]):
+    for new, old in zip(fused[1:3], chunked[1:3], strict=True):
         torch.testing.assert_close(new.float(), old.float(), rtol=5e-2, atol=5e-2 * old.float().abs().max().item())
     print(
         f"peak over forward + backward: whole-tensor {original[3] / 2**20:.0f} MiB, chunked {chunked[3] / 2**20:.0f}"
@@ -302,7 +302,7 @@ def test_fused_head_with_a_mask_runs_only_the_real_positions(proc):
     torch.testing.assert_close(entropy_new[mask], entropy_ref[mask], rtol=1e-6, atol=1e-6)
     ones = torch.ones(n, R, dtype=torch.bool)  # the caller weighs padding too: it still gets no gradient
     grads_new = torch.autograd.grad(objective(logp_new, entropy_new, ones, g_logp, g_entropy), (h_new, w_new))
-    for new, ref in zip(grads_new, grads_ref):
+    for new, ref in zip(grads_new, grads_ref, strict=True):
         torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-5)
         assert ref.abs().max() > 0.1
     assert torch.equal(grads_new[0][~mask], torch.zeros(int((~mask).sum()), C))

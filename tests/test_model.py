@@ -182,8 +182,10 @@ def test_reward_pooling_travels_with_the_export_and_a_mismatch_is_refused(tmp_pa
     save_hf(RewardModel(tiny_cfg).state_dict(), tiny_cfg, tmp_path / "rm_last")  # a last-token head: "last"
     assert build_reward_model(str(tmp_path / "rm_last")).pooling == "last"
     save_hf(GPT2LMHeadModel(tiny_cfg).state_dict(), tiny_cfg, tmp_path / "policy")  # a new head reads either way
-    assert build_reward_model(str(tmp_path / "policy"), pooling="sum").pooling == "sum"
-    assert build_reward_model(str(tmp_path / "policy")).pooling == "last"
+    assert build_reward_model(str(tmp_path / "policy"), pooling="sum", new_head=True).pooling == "sum"
+    assert build_reward_model(str(tmp_path / "policy"), new_head=True).pooling == "last"
+    with pytest.raises(ModelLoadError, match="is a policy .*, not a reward model: its scalar head would be random"):
+        build_reward_model(str(tmp_path / "policy"))  # a judge, a scorer: never a random head
 
 
 def test_clear_errors_for_missing_models(tmp_path):

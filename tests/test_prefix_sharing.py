@@ -23,6 +23,7 @@ from model.weights import freeze
 from rlhf.grpo import AGGREGATIONS
 from rollouts.memory import GiB, check_memory, kv_cache_bytes, step_memory, update_bytes
 from rollouts.sampling import score
+from rollouts.update import micro_batch_loss
 from tests.conftest import shared_file
 from utils.config import ConfigError
 
@@ -84,7 +85,7 @@ def test_reward_model_scores_and_response_logprobs_match_the_unshared_rows(tldr_
     for s in (True, False):
         batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, 7, prefix_sharing=s)
         refs = grpo.batch_logprobs(policy, batches, cfg, gather=False)
-        batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
+        batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs, strict=True)]
         if s:
             logp_shared = ref_logprobs(batches, R)
             tokens_shared = sum(int(b.attention_mask.sum()) for b in batches)
@@ -116,13 +117,13 @@ def test_update_loss_and_every_gradient_match_the_unshared_rows(tldr_prompts, lo
     for s in (True, False):
         batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, micro, prefix_sharing=s)
         refs = grpo.batch_logprobs(reference, batches, cfg, gather=False)
-        batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
+        batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs, strict=True)]
         policy.zero_grad(set_to_none=True)
         weights = [AGGREGATIONS[cfg.loss_type](b.response_mask, R) for b in batches]
         normaliser = sum(z for _, z in weights)
         total = 0.0
-        for batch, (w, _) in zip(batches, weights):
-            loss, _, _ = grpo.micro_batch_loss(policy, batch, w, cfg.objective(), cfg)
+        for batch, (w, _) in zip(batches, weights, strict=True):
+            loss, _, _ = micro_batch_loss(policy, batch, w, cfg.objective(), cfg)
             (loss / normaliser).backward()
             total += float(loss.detach()) / float(normaliser)
         ref = ref_logprobs(batches, R)
@@ -347,7 +348,7 @@ def test_pair_batches_packed_match_the_padded_rows(tldr_prompts, pooling):
     from evaluation.preference import response_logprobs, reward_scores
 
     ids, mask = tldr_prompts
-    prompts = [row[m].tolist() for row, m in zip(ids, mask)]
+    prompts = [row[m].tolist() for row, m in zip(ids, mask, strict=True)]
     g = torch.Generator().manual_seed(1)
     chosen = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 1, 5)]
     rejected = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (6, 2, 9, 4)]
@@ -361,7 +362,7 @@ def test_pair_batches_packed_match_the_padded_rows(tldr_prompts, pooling):
         (r * torch.arange(1.0, 9.0)).sum().backward()
         logp = response_logprobs(policy, batch, "cpu", shared)
         out[shared] = r.detach(), logp.detach(), reward_model.transformer.h[0].attn.c_attn.weight.grad.clone()
-    for a, b in zip(out[True], out[False]):
+    for a, b in zip(out[True], out[False], strict=True):
         assert close(a, b, rel=True)
     assert out[False][0].std() > 0 and out[False][1].abs().min() > 1 and out[False][2].abs().max() > 0
 

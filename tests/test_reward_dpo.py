@@ -101,11 +101,17 @@ def test_standardizing_gain_bias_gives_mean_0_std_1():
 def test_eval_set_slices_are_disjoint_equal_sized_and_gather_in_order(tmp_path):
     rows = load_rows(str(write_pref_rows(tmp_path / "p.jsonl", n=7)), "validation", PREF_COLUMNS)
     tok = get_tokenizer()
-    sets = [build_eval_set(rows, tok, 64, 16, 3, rank, 2) for rank in range(2)]
+    sets = [build_eval_set(rows, tok, 64, 16, 3, rank, 2, by_length=False) for rank in range(2)]
     # rank 0: pairs 0 2 4 6; rank 1: 1 3 5 and one padding pair; the same number of forward passes each
     assert [len(s.batches) for s in sets] == [2, 2]
     index = [torch.cat([b["pair_index"] for b in s.batches]).tolist() for s in sets]
     assert index == [[0, 2, 4, 6], [1, 3, 5, -1]]
+    # by length (the default): the same pairs dealt out longest first
+    grouped = [build_eval_set(rows, tok, 64, 16, 3, rank, 2) for rank in range(2)]
+    index = [torch.cat([b["pair_index"] for b in s.batches]).tolist() for s in grouped]
+    assert sorted(index[0] + index[1]) == [-1, 0, 1, 2, 3, 4, 5, 6] and index[1][-1] == -1
+    width = [b["input_ids"].shape[1] for s in grouped for b in s.batches]
+    assert width[0] >= width[1] and width[2] >= width[3]  # each rank's first batch holds its longest pairs
     # a single process "gathers" its own rows: padding dropped, sorted back into pair order
     idx = torch.tensor([3, -1, 0, 2, 1])
     c, r = gather_pair_scores(idx, idx.double() * 10, -idx.double(), 4)
@@ -147,7 +153,9 @@ def test_response_logprobs_sum_the_response_tokens_of_the_full_logits():
     want = (logp * mask).sum(-1)
     grads_want = torch.autograd.grad(want.sum(), list(policy.parameters()))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
-    for g_got, g_want in zip(grads_got, grads_want):  # summation order differs: within 1e-5 of each tensor's scale
+    for g_got, g_want in zip(
+        grads_got, grads_want, strict=True
+    ):  # summation order differs: within 1e-5 of each tensor's scale
         torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5 * g_want.abs().max().item())
 
 
@@ -178,7 +186,8 @@ def test_gradient_does_not_depend_on_micro_batch_size(stage, shared):
             reference = GPT2LMHeadModel(TINY).requires_grad_(False)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         micro = [
-            collate_pairs(prompts[s : s + n], chosen[s : s + n], rejected[s : s + n]) for s, n in zip(starts, sizes)
+            collate_pairs(prompts[s : s + n], chosen[s : s + n], rejected[s : s + n])
+            for s, n in zip(starts, sizes, strict=True)
         ]
         if stage == "dpo":
             loss_fn = dpo.preference_loss_fn(dpo.Config(beta=0.5))
@@ -187,7 +196,7 @@ def test_gradient_does_not_depend_on_micro_batch_size(stage, shared):
             m = reward_model.accumulate_gradients(model, micro, 1, 4, "cpu", shared)
         metrics.append(m)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    for m, g in zip(metrics[1:], grads[1:]):
+    for m, g in zip(metrics[1:], grads[1:], strict=True):
         for k, v in metrics[0].items():
             assert m[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
         for n, ref in grads[0].items():
@@ -544,7 +553,7 @@ def test_reward_head_is_fp32_under_bf16_mixed_precision(one_rank_group):
 def test_dpo_reference_dtype_auto_follows_the_policy_and_the_first_loss_is_log2(one_rank_group, tmp_path):
     """--dtype bf16 with --reference_dtype auto: the reference computes in bf16 as the policy does, so every implicit
     reward is exactly 0 at step 0 and the sigmoid loss exactly log 2 (an fp32 reference under a bf16 policy gives
-    rewards of bf16 noise). CPU shows it with --dtype bf16; on GPU auto used to mean bf16 even with --dtype fp32."""
+    rewards of bf16 noise). CPU shows it with --dtype bf16; tests/test_collectives.py checks --dtype fp32 on a GPU."""
     from types import SimpleNamespace
 
     data = write_pref_rows(tmp_path / "pairs.jsonl", n=8)
@@ -565,7 +574,7 @@ def test_dpo_reference_dtype_auto_follows_the_policy_and_the_first_loss_is_log2(
     )
     torch.manual_seed(0)
     run = SimpleNamespace(say=lambda message: None, device=torch.device("cpu"), dtype=torch.bfloat16)
-    policy, reference = dpo.build_models(cfg, run)
+    policy, reference = dpo.build_policy_and_reference(cfg, run)
     assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
     rows = load_rows(str(data), "train", PREF_COLUMNS)
     tok = get_tokenizer()

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,12 +23,12 @@ from rlhf.rewards import RewardSource
 from rollouts.sampling import RewardSpec, warn_constant_sources
 from tests import helpers
 from tests.conftest import ROOT, checkpoint_step
-from utils.checkpoint import CheckpointError, damage, find_checkpoint, read_tensors, save_checkpoint
+from utils.checkpoint import CheckpointError, checkpoint_problem, find_checkpoint, read_tensors, save_checkpoint
 from utils.config import ConfigError, parse_config
 from utils.logging import Logger
 from utils.optim import build_optimizer, build_scheduler
 from utils.run import epoch_steps
-from utils.rundir import LOCK, check_wandb_login, lock_run_dir, options_record, release_run_dir
+from utils.rundir import LOCK, check_wandb_login, lock_run_dir, options_record, release_run_dir, write_record
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +186,54 @@ def test_free_options_are_recorded_without_asking_and_compared_after_earlier_cha
         options_record(tmp_path, {**options, "seed": 2}, 4, allow=False)
 
 
+def test_the_options_check_holds_with_config_json_deleted_emptied_or_lacking_a_key(rows, tmp_path, capsys):
+    # every checkpoint holds the run's record of options: a resume compares against it, whatever config.json says
+    first = tmp_path / "first"
+    run_sft(rows, first, "--steps", "2", "--save_every", "1")
+    for how in ("deleted", "emptied", "lacking"):
+        out = tmp_path / how
+        shutil.copytree(first, out)
+        record_file = out / "config.json"
+        if how == "deleted":
+            record_file.unlink()
+        elif how == "emptied":
+            record_file.write_text("")
+        else:
+            record_file.write_text(
+                json.dumps({k: v for k, v in json.loads(record_file.read_text()).items() if k != "lr"})
+            )
+        code, message = helpers.run_cli(sft, sft_args(rows, out, "--steps", "2", "--lr", "1e-2", "--seed", "5"), capsys)
+        assert code == 2 and "holds a run started with other options (--lr 0.001 -> 0.01, --seed 1 -> 5)" in message
+    run_sft(rows, tmp_path / "deleted", "--steps", "2", "--save_every", "1")  # the recorded options: written again
+    assert any(
+        w.endswith("config.json is missing; it is written again from the record of options in the checkpoint of step 2")
+        for w in warnings_in(capsys.readouterr().err)
+    )
+    assert json.loads((tmp_path / "deleted" / "config.json").read_text()) == json.loads(
+        (first / "config.json").read_text()
+    )
+
+
+def test_an_option_the_record_lacks_compares_against_its_default_and_joins_the_record(tmp_path):
+    saved = {"lr": 1.0, "seed": 1}  # the record of a run started before --judge existed
+    defaults = {"lr": 3e-4, "seed": 0, "judge": ""}
+    record = options_record(tmp_path, {"lr": 1.0, "seed": 1, "judge": ""}, 2, False, saved, defaults)
+    assert record == {"lr": 1.0, "seed": 1, "judge": ""}
+    with pytest.raises(ConfigError, match=r"\(--judge  -> rm/hf\)"):
+        options_record(tmp_path, {"lr": 1.0, "seed": 1, "judge": "rm/hf"}, 2, False, saved, defaults)
+
+
+def test_config_json_is_written_atomically_and_only_when_it_changes(tmp_path):
+    write_record(tmp_path, {"lr": 1.0})
+    inode = (tmp_path / "config.json").stat().st_ino
+    write_record(tmp_path, {"lr": 1.0})  # the same record: the file is left alone
+    assert (tmp_path / "config.json").stat().st_ino == inode
+    write_record(tmp_path, {"lr": 1.0, "option_changes": [{"step": 2, "options": {"steps": [2, 3]}}]})
+    assert (tmp_path / "config.json").stat().st_ino != inode  # a new file renamed over the old, never cut in place
+    assert json.loads((tmp_path / "config.json").read_text())["option_changes"][0]["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
 # ----------------------------------------------------------------------------------------------------
 # 4. Checkpoint integrity: every file kind damaged in turn
 
@@ -229,7 +278,7 @@ def test_a_damaged_file_is_named_and_the_resume_falls_back_to_the_checkpoint_bef
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run)
     _damage(run / "checkpoints" / "step_00000002" / name, how)
-    assert find_checkpoint(run, True, "", META) == run / "checkpoints" / "step_00000001"
+    assert find_checkpoint(run, "", META) == run / "checkpoints" / "step_00000001"
     warned = warnings_in(capsys.readouterr().err)
     assert len(warned) == 1, warned
     assert "checkpoint step_00000002 is damaged: " in warned[0] and name.split("/")[-1] in warned[0], warned
@@ -240,7 +289,7 @@ def test_an_unreadable_latest_pointer_is_named_and_the_newest_intact_checkpoint_
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run)
     (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00step")
-    assert find_checkpoint(run, True, "", META) == run / "checkpoints" / "step_00000002"
+    assert find_checkpoint(run, "", META) == run / "checkpoints" / "step_00000002"
     warned = warnings_in(capsys.readouterr().err)
     assert len(warned) == 1 and "latest cannot be read (UnicodeDecodeError" in warned[0], warned
 
@@ -251,7 +300,7 @@ def test_no_intact_checkpoint_stops_with_one_line_naming_each(two_checkpoints, t
     _damage(run / "checkpoints" / "step_00000002" / "sharded" / "__0_0.distcp", "flip")
     _damage(run / "checkpoints" / "step_00000001" / "state.pt", "truncate")
     with pytest.raises(CheckpointError) as info:
-        find_checkpoint(run, True, "", META)
+        find_checkpoint(run, "", META)
     message = str(info.value)
     assert "\n" not in message and "no intact checkpoint in" in message
     assert "step_00000002: " in message and "__0_0.distcp was altered" in message
@@ -264,7 +313,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_exactly(row
     newest = out / "checkpoints" / "step_00000004"
     weights = read_tensors(newest)
     _damage(newest / "sharded" / "__0_0.distcp", "flip")
-    assert damage(newest) is not None
+    assert checkpoint_problem(newest) is not None
     capsys.readouterr()
     resumed = run_sft(rows, out, "--steps", "4", "--save_every", "1", "--keep_last", "4")
     err = capsys.readouterr().err
@@ -308,9 +357,72 @@ def test_a_full_disk_stops_the_save_in_one_line_and_leaves_the_earlier_checkpoin
     assert f"cannot write checkpoint step_00000002 in {out / 'checkpoints'}: no space left on device" in message
     assert "it needs about " in message and "the earlier checkpoints are intact (newest: step_00000001)" in message
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000001"]  # no .tmp left
-    assert damage(out / "checkpoints" / "step_00000001") is None
+    assert checkpoint_problem(out / "checkpoints" / "step_00000001") is None
     resumed = run_sft(rows, out, "--steps", "2")  # space again: the same command continues
     assert [m["step"] for m in resumed] == [1, 2]
+
+
+class _FullDiskFile:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+@pytest.mark.parametrize("where", ["export", "metrics.jsonl", "samples.jsonl", "summary.json"])
+def test_a_full_disk_while_writing_the_run_folder_stops_in_one_line_with_exit_4(
+    rows, tmp_path, capsys, monkeypatch, where
+):
+    import builtins
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from utils import logging as run_logging
+
+    out = tmp_path / "run"
+    evaluated = ("--steps", "1", "--val_data", str(rows), "--val_rows", "4", "--eval_samples", "2")
+    args = sft_args(rows, out, *evaluated)
+    with monkeypatch.context() as patch:
+        if where == "export":  # what safetensors' writer raises on a full disk
+
+            def full_disk_save_file(*args, **kwargs):
+                raise SafetensorError(
+                    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                    'space left on device" })'
+                )
+
+            patch.setattr(safetensors.torch, "save_file", full_disk_save_file)
+        elif where == "summary.json":
+            patch.setattr(run_logging, "write_text_atomic", _no_space)
+        else:
+
+            def full_open(path, mode="r", *a, **k):
+                file = builtins.open(path, mode, *a, **k)
+                return _FullDiskFile(file) if Path(path).name == where else file
+
+            patch.setattr(run_logging, "open", full_open, raising=False)
+        code, message = helpers.run_cli(sft, args, capsys)
+    assert code == 4, message
+    what = f"the export {out / 'hf'}" if where == "export" else str(out / where)
+    assert message.startswith(f"error: cannot write {what}: no space left on device; "), message
+    assert not (out / "hf.tmp").exists() and not list(out.glob("*.tmp"))
+    if where in ("export", "summary.json"):  # the checkpoint of the last step is written: a rerun exports
+        assert checkpoint_step(out) == 1
+    run_sft(rows, out, *evaluated)  # space again: the same command finishes the run
+    assert (out / "hf" / "model.safetensors").is_file() and (out / "summary.json").is_file()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -390,8 +502,8 @@ def test_a_small_filesystem_that_fills_at_the_second_checkpoint(rows, tmp_path):
     train = " ".join(shlex.quote(a) for a in sft_args(rows, disk / "run", "--steps", "2", "--save_every", "1"))
     ckpts = disk / "run" / "checkpoints"
     check = (
-        f"from utils.checkpoint import damage; import os; "
-        f"print('left:', sorted(os.listdir('{ckpts}')), damage('{ckpts}/step_00000001'))"
+        f"from utils.checkpoint import checkpoint_problem; import os; "
+        f"print('left:', sorted(os.listdir('{ckpts}')), checkpoint_problem('{ckpts}/step_00000001'))"
     )
     script = (
         f"mount -t tmpfs -o size=80m tmpfs {disk} && {sys.executable} sft.py {train}; echo exit=$?; "

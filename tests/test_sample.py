@@ -76,7 +76,7 @@ def test_greedy_summaries_are_the_samplers_and_the_jsonl_carries_them(tmp_path):
     assert [r["summary"] for r in records] == want
     assert [r["prompt"] for r in records] == [r["prompt"] for r in rows]
     assert [json.loads(line) for line in text.splitlines()] == records
-    assert all(r["ended"] == bool(e) for r, e in zip(records, out.has_end))
+    assert all(r["ended"] == bool(e) for r, e in zip(records, out.has_end, strict=True))
 
 
 def test_samples_from_stdin_scored_by_a_reward_model_and_printed_readably(tmp_path):
@@ -307,3 +307,39 @@ def test_dpo_judges_its_summaries_against_the_references_at_every_evaluation(tmp
     assert judged[-1]["val/reference_reward"] == pytest.approx(again["summary_reference_reward_mean"], abs=1e-5)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["evaluation"]["val/win_rate"]["final"] == judged[-1]["val/win_rate"]
+
+
+def test_the_sampling_loop_is_one_generate_call_per_chunk_of_prompts_cut_to_its_own_padding():
+    """rollouts.sampling.sample_responses, the loop every sampler of the project calls, against generate called by
+    hand on each chunk padded on its own: the same tokens, masks, log-probs and ends, rows grouped by prompt, and the
+    policy's training mode given back."""
+    from rollouts.sampling import sample_responses
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CFG)
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13, 14], [15, 16], [17]]  # chunk 3 (prompts 4, 5) is 2 columns wide
+    ids, mask = pad_prompts(prompts)  # (5, 6)
+    model.train()
+    widths = []  # (rows, columns) of every forward: the prefill's are (prompts of the call, its width)
+    hook = model.register_forward_pre_hook(lambda module, args: widths.append(tuple(args[0].shape)))
+    got = sample_responses(
+        model,
+        ids,
+        mask,
+        3,
+        7,
+        prompts_per_call=2,
+        temperature=0.9,
+        top_p=0.95,
+        generator=torch.Generator().manual_seed(1),
+    )
+    hook.remove()
+    assert model.training
+    assert [w for w in widths if w[0] < 3] == [(2, 3), (2, 6), (1, 1)]  # decode steps run 6, 6, 3 rows
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    parts = [generate(model, *pad_prompts(prompts[s : s + 2]), 3, 7, 0.9, 0.95, generator=g) for s in (0, 2, 4)]
+    for name in ("response_ids", "response_mask", "logprobs", "has_end"):
+        want = torch.cat([getattr(p, name) for p in parts])  # (15, ...) rows b*3 .. b*3+2 answer prompt b
+        assert torch.equal(getattr(got, name), want), name
+    assert got.response_ids.shape == (15, 7)

@@ -68,7 +68,7 @@ def test_stops_at_end_token_and_pads_after_it():
     model, prompts, ids, mask = model_and_prompts()
     out = generate(model, ids, mask, num_samples=8, max_new_tokens=12, generator=torch.Generator().manual_seed(0))
     assert out.has_end.any() and (~out.has_end).any()  # the test sees both kinds of rows
-    for row, m, ended in zip(out.response_ids, out.response_mask, out.has_end):
+    for row, m, ended in zip(out.response_ids, out.response_mask, out.has_end, strict=True):
         stops = row == END_ID
         n_real = int(m.sum())
         assert m[:n_real].all() and not m[n_real:].any()  # mask is a prefix
@@ -244,3 +244,26 @@ def test_gpu_compiled_decode_step_with_cuda_graphs_equals_eager():
     model, ids, mask = model.cuda(), ids.cuda(), mask.cuda()
     for share in (True, False):
         compiled_equals_eager(model, ids, mask, prefix_sharing=share)
+
+
+@pytest.mark.slow
+def test_compiled_decode_captures_each_shape_once_under_fsdp2(tmp_path):
+    """sample_responses(compile=True) on an FSDP2 policy over 2 gloo processes, called with prompt batches of nine
+    widths (two width buckets) and two chunk sizes: a call compiles a graph only when it brings a decode shape not
+    seen before, and every call of a shape reads and writes the same buffers (the addresses a CUDA graph replays);
+    tokens as the eager sampler's (tests/scripts/compiled_decode.py)."""
+    from tests.conftest import run_script
+
+    out = tmp_path / "records.pt"
+    run_script(["tests/scripts/compiled_decode.py", str(out)], nproc=2)
+    records = torch.load(out)
+    seen, graphs = {}, 0
+    for r in records:
+        assert r["same_tokens"] and r["logprob_gap"] <= 1e-5
+        new_shapes = set(r["buffers"]) - set(seen)
+        assert (r["graphs"] > graphs) == bool(new_shapes), (r["graphs"], graphs, new_shapes)  # none after warm-up
+        for key, addresses in r["buffers"].items():
+            assert seen.setdefault(key, addresses) == addresses, key  # the same tensors at every call
+        graphs = r["graphs"]
+    widths = {key[4] for key in seen}
+    assert widths == {64, 128} and len(seen) == 4  # 9 widths -> 2 buckets, x 2 chunk sizes

@@ -137,7 +137,7 @@ def test_label_pairs_by_hand():
     for pair, swap in ((rows[0], rows[1]), (rows[0], rows[2]), (rows[3], rows[4])):
         original = swap["chosen"]
         assert original in (pair["chosen"], pair["rejected"]) and swap["prompt"] == PROMPT
-        assert sum(a != b for a, b in zip(original.split(), swap["rejected"].split())) == 1
+        assert sum(a != b for a, b in zip(original.split(), swap["rejected"].split(), strict=True)) == 1
         assert gold_reward(PROMPT, swap["rejected"] + "\n") <= gold_reward(PROMPT, original + "\n") - 2
     assert {rows[1]["chosen"], rows[2]["chosen"]} == {best[:-1], two[:-1]}
 
@@ -306,7 +306,10 @@ def test_demo_appended_item_gains_give_the_gold_reward_its_plus_and_minus_one(tm
 
     def gold_scores(batch):
         P, ids, mask = batch["prompt_len"], batch["input_ids"], batch["attention_mask"]
-        texts = [(tok.decode(r[:P][m[:P]].tolist()), tok.decode(r[P:][m[P:]].tolist())) for r, m in zip(ids, mask)]
+        texts = [
+            (tok.decode(r[:P][m[:P]].tolist()), tok.decode(r[P:][m[P:]].tolist()))
+            for r, m in zip(ids, mask, strict=True)
+        ]
         return torch.tensor([gold_reward(prompt, response) for prompt, response in texts])
 
     assert demo.appended_item_gains(gold_scores, path, 40, seed=0) == {"append_correct": 1.0, "append_invented": -1.0}
@@ -318,7 +321,7 @@ def test_swap_key_item_invents_one_item_in_place_of_a_named_one():
     rng = random.Random(0)
     swapped = synthetic.swap_key_item(PROMPT, " my sister sold my car, i am angry\n", rng)
     before, after = " my sister sold my car, i am angry\n".split(), swapped.split()
-    changed = [(a, b) for a, b in zip(before, after) if a != b]
+    changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
     assert len(before) == len(after) and len(changed) == 1 and swapped.endswith("\n")
     old, new = (w.strip(",") for w in changed[0])
     assert old in synthetic.prompt_items(PROMPT) and new in synthetic.ALL_ITEMS - synthetic.prompt_items(PROMPT)

@@ -118,7 +118,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
     import torch
 
     from utils import checkpoint
-    from utils.checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+    from utils.checkpoint import find_checkpoint, load_checkpoint, newest_intact, save_checkpoint
 
     model, optimizer, scheduler, meta = tiny_training_state()
     save_checkpoint(tmp_path, 1, model, optimizer, scheduler, meta, extra={"loader": {"epoch": 0}})
@@ -128,66 +128,56 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
         path.write_bytes(b"\x80\x02half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "_save_file", dies_half_way)
+    monkeypatch.setattr(checkpoint, "save_torch_synced", dies_half_way)
     with torch.no_grad():
         model.transformer.wte.weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 2, model, optimizer, scheduler, meta)
     monkeypatch.undo()
     assert (tmp_path / "checkpoints" / ".step_00000002.tmp").is_dir()  # the debris, never renamed
-    assert latest_checkpoint(tmp_path).name == "step_00000001"
-    assert find_checkpoint(tmp_path, True, "", meta) == tmp_path / "checkpoints" / "step_00000001"
+    assert newest_intact(tmp_path).name == "step_00000001"
+    assert find_checkpoint(tmp_path, "", meta) == tmp_path / "checkpoints" / "step_00000001"
     fresh, fresh_optimizer, fresh_scheduler, _ = tiny_training_state(seed=1)
-    state = load_checkpoint(latest_checkpoint(tmp_path), fresh, fresh_optimizer, fresh_scheduler, meta)
+    state = load_checkpoint(newest_intact(tmp_path), fresh, fresh_optimizer, fresh_scheduler, meta)
     assert state["step"] == 1 and state["extra"] == {"loader": {"epoch": 0}}
     assert all(torch.equal(v, expected[k]) for k, v in fresh.state_dict().items())
     save_checkpoint(tmp_path, 3, model, optimizer, scheduler, meta)
     assert not list((tmp_path / "checkpoints").glob(".step_*"))  # the next save clears the debris
 
 
-def test_a_checkpoint_of_the_full_state_format_still_resumes(tmp_path):
-    # before checkpoints were sharded, state.pt held the full model and optimizer state and a refreshed reference
-    # sat in its loop state: such a checkpoint still loads, bit for bit
+def test_a_checkpoint_of_an_older_format_is_refused_with_one_line(tmp_path):
+    # a state.pt with the full model inside and no digests.json: what this project's code wrote before the sharded,
+    # digested format; it is refused, naming the folder, wherever it is met
     import json
 
     import torch
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from utils.checkpoint import FULL, load_checkpoint, read_tensors, rng_state
+    from utils.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, read_tensors
 
     model, optimizer, scheduler, meta = tiny_training_state()
-    reference, _, _, _ = tiny_training_state(seed=2)
     folder = tmp_path / "checkpoints" / "step_00000001"
     folder.mkdir(parents=True)
-    torch.save(
-        {
-            "step": 1,
-            "meta": meta,
-            "model": get_model_state_dict(model, options=FULL),
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL),
-            "scheduler": scheduler.state_dict(),
-            "rng": [rng_state()],
-            "extra": {"loader": {"epoch": 0}, "reference": get_model_state_dict(reference, options=FULL)},
-        },
-        folder / "state.pt",
-    )
-    (folder / "meta.json").write_text(json.dumps({**meta, "step": 1}))
-    fresh, fresh_optimizer, fresh_scheduler, _ = tiny_training_state(seed=1)
-    fresh_reference, _, _, _ = tiny_training_state(seed=3)
-    state = load_checkpoint(
-        folder, fresh, fresh_optimizer, fresh_scheduler, meta, frozen={"reference": fresh_reference}
-    )
-    assert state["step"] == 1
-    for saved, loaded in ((model, fresh), (reference, fresh_reference)):
-        assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in saved.state_dict().items())
-    moments = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
-    assert all(torch.equal(a, fresh_optimizer.state[p]["exp_avg"]) for a, p in zip(moments, fresh.parameters()))
-    assert fresh_scheduler.state_dict() == scheduler.state_dict()
-    assert read_tensors(folder).keys() == model.state_dict().keys()
+    torch.save({"step": 1, "meta": meta, "model": get_model_state_dict(model)}, folder / "state.pt")
+    for meta_json in (None, {**meta, "step": 1}):  # before meta.json existed, and with a meta.json of that format
+        (folder / "meta.json").unlink(missing_ok=True)
+        if meta_json is not None:
+            (folder / "meta.json").write_text(json.dumps(meta_json))
+        for read in (
+            lambda: find_checkpoint(tmp_path, "", meta),
+            lambda: load_checkpoint(folder, model, optimizer, scheduler, meta),
+            lambda: read_tensors(folder),
+        ):
+            with pytest.raises(CheckpointError) as e:
+                read()
+            assert str(e.value).startswith(f"checkpoint {folder} is from an older checkpoint format of this project")
+            assert "\n" not in str(e.value)
 
 
 def test_pruning_keeps_the_last_n_and_the_best_and_a_broken_pointer_falls_back(tmp_path, capsys):
-    from utils.checkpoint import latest_checkpoint, read_best, save_checkpoint, update_best
+    from utils.checkpoint import newest_intact, save_checkpoint
+    from utils.run import update_best
+    from utils.rundir import read_best
 
     model, optimizer, scheduler, meta = tiny_training_state()
     best = None
@@ -210,8 +200,8 @@ def test_pruning_keeps_the_last_n_and_the_best_and_a_broken_pointer_falls_back(t
     ):
         update_best(best, {"val/loss": 1.0}, "val/los", "min", 6)
     (tmp_path / "checkpoints" / "latest").write_text("step_00000009")  # names a folder deleted by hand
-    assert latest_checkpoint(tmp_path).name == "step_00000005"
-    assert "names 'step_00000009', which is missing or incomplete" in capsys.readouterr().err
+    assert newest_intact(tmp_path).name == "step_00000005"
+    assert "names 'step_00000009', which is missing; looking for the newest checkpoint" in capsys.readouterr().err
 
 
 def test_resumed_logger_drops_what_the_killed_run_logged_after_its_checkpoint(tmp_path):

@@ -77,7 +77,7 @@ def _class_fields(cls):
         except (OSError, TypeError):
             continue
         lines, body = source.splitlines(), ast.parse(source).body[0].body
-        for node, nxt in zip(body, body[1:] + [None]):
+        for node, nxt in zip(body, body[1:] + [None], strict=True):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 yield node.target.id, node, nxt, lines
 
@@ -165,7 +165,8 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
         description=description,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         valid=[f.name for f in fields],
-    )
+        usage="%(prog)s [--OPTION VALUE ...] (every option below, grouped by what it sets)",  # argparse's own lists
+    )  # every option: dozens of lines above the first group
     order = list(SECTIONS) + sorted({sections.get(f.name, OTHER) for f in fields} - set(SECTIONS) - {OTHER}) + [OTHER]
     groups = {}
     for f in sorted(fields, key=lambda f: (order.index(sections.get(f.name, OTHER)), f.name not in own)):
@@ -318,8 +319,9 @@ class DecodeConfig:
     # --- sampling
     compile: bool = False
     """Compile the sampler's decode step with torch.compile (model/sampler.py: CUDA graphs on a GPU, inductor on a
-    CPU), once per run; the same tokens and log-probs as eager up to float rounding. The first calls pay the
-    compilation (tens of seconds); docs/benchmarks.md has the figures with and without."""
+    CPU), once per shape, and each transformer block of the trained model's forward (utils/fsdp.py); the same
+    tokens, log-probs and gradients as eager up to float rounding. The first calls pay the compilation (tens of
+    seconds); docs/benchmarks.md has the figures with and without."""
 
 
 # Metric groups whose values each rank measures for itself (wall-clock seconds and rates): every other logged metric

@@ -8,10 +8,12 @@ import atexit
 import gc
 import hashlib
 import os
+import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -116,7 +118,7 @@ def all_reduce_mean_dict(metrics: dict[str, float], device: torch.device) -> dic
     keys = sorted(metrics)
     t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
     t = all_reduce_sum(t) / (dist.get_world_size() if dist.is_initialized() else 1)
-    return dict(zip(keys, t.tolist()))
+    return dict(zip(keys, t.tolist(), strict=True))
 
 
 def all_reduce_named(sums: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
@@ -124,7 +126,7 @@ def all_reduce_named(sums: list[dict[str, torch.Tensor]]) -> list[dict[str, floa
     its dicts with the same keys), never by position in a list."""
     names = list(sums[0])
     table = all_reduce_sum(torch.stack([torch.stack([s[k] for k in names]) for s in sums])).tolist()
-    return [dict(zip(names, row)) for row in table]
+    return [dict(zip(names, row, strict=True)) for row in table]
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -132,6 +134,30 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank (a collective); [obj] without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s `obj` (picklable) on every rank (a collective); `obj` itself without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing without a process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def global_mean_std(x: torch.Tensor) -> tuple[float, float]:
@@ -159,3 +185,29 @@ def stream_seed(*parts) -> int:
 def stream(*parts, device: torch.device | str = "cpu") -> torch.Generator:
     """A torch.Generator on `device` seeded with stream_seed(*parts)."""
     return torch.Generator(device=device).manual_seed(stream_seed(*parts))
+
+
+def rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def reseed(*parts) -> None:
+    """Seed the global random streams (torch, CUDA included; numpy; `random`) from stream_seed(*parts, ...)."""
+    random.seed(stream_seed(*parts, "python"))
+    np.random.seed(stream_seed(*parts, "numpy") % 2**32)
+    torch.manual_seed(stream_seed(*parts))

@@ -3,11 +3,13 @@ any value or reward head) in the root unit, as torchtitan does. The model code h
 sharding is applied to a built model.
 """
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -43,6 +45,8 @@ def shard_model(
     cpu_offload: bool = False,
     activation_checkpointing: bool = False,
     mesh: DeviceMesh | None = None,
+    compile_blocks: bool = False,
+    compile_backend: str = "inductor",
 ) -> nn.Module:
     """Shard `model` in place over `mesh` (default: run_mesh(), every rank of the default process group on the run's
     device type) and return it.
@@ -55,10 +59,14 @@ def shard_model(
 
     Blocks reshard after forward (their weights are gathered again in backward, one block at a time). The root of a
     model that trains stays gathered from forward to backward: its backward starts with the tied head, which needs
-    the weights forward just used, so resharding them would cost a second all-gather of the largest unit (39M of
-    GPT-2's 124M parameters) in every micro-batch for nothing. Backward reshards it. The root of a frozen model
-    (no parameter requires a gradient: no backward comes to reshard it) reshards after forward, so it does not stay
-    gathered, or on the GPU under cpu_offload, between uses.
+    the weights forward just used, so resharding them would cost a second all-gather of the largest unit (the
+    vocabulary x n_embd tied embedding and head) in every micro-batch for nothing. Backward reshards it. The root of a
+    frozen model (no parameter requires a gradient: no backward comes to reshard it) reshards after forward, so it
+    does not stay gathered, or on the GPU under cpu_offload, between uses.
+
+    compile_blocks (--compile): each unit's math (its `_forward`, without a KV cache) runs under torch.compile with
+    fullgraph=True, torchtitan's per-block pattern: one graph per block shape, FSDP's gathers and reduce-scatters
+    outside it (they run in the unit's hooks, around `forward`), so compiling changes no collective.
     """
     mp = (
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -73,6 +81,8 @@ def shard_model(
     for m in model.modules():
         if getattr(type(m), "fsdp_unit", False):
             m.activation_checkpointing = activation_checkpointing
+            if compile_blocks:
+                m.compiled_forward = torch.compile(m._forward, fullgraph=True, backend=compile_backend)
             fully_shard(m, reshard_after_forward=True, **kwargs)
             setattr(m, RESHARD_ATTR, True)
     trains = any(p.requires_grad for p in model.parameters())
@@ -154,7 +164,7 @@ def gathered_params(model: nn.Module):
     try:
         yield model
     finally:
-        for m, setting in zip(units, previous):
+        for m, setting in zip(units, previous, strict=True):
             m.reshard()
             m.set_reshard_after_forward(setting, recurse=False)
             setattr(m, RESHARD_ATTR, setting)
@@ -173,3 +183,18 @@ def copy_params_(src: nn.Module, dst: nn.Module) -> None:
             raise RuntimeError(f"parameter {dst_name} does not match {name}")
         local = p.to_local() if hasattr(p, "to_local") else p
         (q.to_local() if hasattr(q, "to_local") else q).copy_(local)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded model state on the CPU (a collective: every rank must call it)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def export_model(model: nn.Module, write: Callable[[dict[str, torch.Tensor]], None], rank: int = 0) -> None:
+    """Gather the full weights (a collective) and hand them to `write` on rank 0 (model.weights.save_export writes a
+    Hugging Face-format folder, LoRA adapters merged); every rank waits until it has written."""
+    state = full_model_state(model)
+    if rank == 0:
+        write(state)
+    if dist.is_initialized():
+        dist.barrier()

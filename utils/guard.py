@@ -208,7 +208,7 @@ class NonFiniteGuard:
     def ok(self, step: int, values: dict[str, float]) -> bool:
         """True when every value is finite on every rank (a collective)."""
         bad = _all_ranks_max([0.0 if math.isfinite(float(v)) else 1.0 for v in values.values()], self.device)
-        names = [k for k, b in zip(values, bad) if b > 0]
+        names = [k for k, b in zip(values, bad, strict=True) if b > 0]
         if not names:
             self.consecutive = 0
             return True

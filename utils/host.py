@@ -3,8 +3,8 @@
 Large CPU tensors (the (rows, 50,257) logits, log-probs and probabilities of every decode step and of every
 training micro-batch) are allocated and freed many times a second. glibc's malloc serves an allocation above its
 mmap threshold (at most 32 MB) with a fresh mmap and returns it to the kernel when it is freed, so every such tensor
-page-faults on first touch and the kernel zeroes it: a 51 MB tensor costs ~12 ms before any arithmetic
-(docs/benchmarks.md). keep_freed_memory keeps freed memory in the process for the next tensor instead, as
+page-faults on first touch and the kernel zeroes it, a cost paid before any arithmetic (docs/benchmarks.md measures
+it). keep_freed_memory keeps freed memory in the process for the next tensor instead, as
 PyTorch's CUDA caching allocator does on a GPU: the process's resident memory then stays near its peak.
 """
 

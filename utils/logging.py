@@ -13,6 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from utils.rundir import RunWriteError, drop_rows_after, stop_on_write_failure, write_record, write_text_atomic
+
 
 class Logger:
     def __init__(
@@ -26,6 +28,7 @@ class Logger:
         resume_step: int | None = None,
         group: str = "",
         tags: str = "",
+        record: bool = True,
     ):
         """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline; disabled,
         with one line saying so, when wandb is not installed).
@@ -35,8 +38,9 @@ class Logger:
         one uninterrupted run: every line with a later step, and every line of that step after its first (the
         one logged before the checkpoint was saved). A fresh start empties them. None appends to what is there.
 
-        group, tags: the wandb group and comma-separated tags (empty: none). The config is also written to
-        config.json in the run directory, which evaluation/compare.py reads."""
+        group, tags: the wandb group and comma-separated tags (empty: none). With `record`, the config is also the
+        run's record of options, config.json in the run directory (utils.rundir.write_record), which
+        evaluation/compare.py reads."""
         self.enabled = enabled
         self.run = None
         self.file = None
@@ -45,13 +49,15 @@ class Logger:
         self.offline = False
         self.started = time.perf_counter()
         self.logged = 0  # rows this process logged (0: a rerun of a finished run)
+        self.write_failure: RunWriteError | None = None  # a table's failed write, raised by the next log()
         if not enabled:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._truncate(self.run_dir / "metrics.jsonl")
         self.file = open(self.run_dir / "metrics.jsonl", "a")
-        (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str) + "\n")
+        if record:
+            write_record(self.run_dir, config)
         if mode == "auto" and importlib.util.find_spec("wandb") is None:
             say("wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only")
             mode = "disabled"
@@ -82,12 +88,18 @@ class Logger:
         return f"wandb: offline run in {folder}; upload it with: wandb sync {folder}"
 
     def log(self, metrics: dict, step: int) -> None:
+        """Append a row to metrics.jsonl (and wandb). A write that fails here or in a table since the last row raises
+        utils.rundir.RunWriteError (exit code 4, one line): the training scripts call this inside an agreement over
+        ranks (utils.run.end_of_step), so every rank stops together."""
         if not self.enabled:
             return
+        if self.write_failure is not None:
+            raise self.write_failure
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
         self.logged += 1
-        self.file.write(json.dumps({"step": step, **{k: v for k, v in clean.items() if _jsonable(v)}}) + "\n")
-        self.file.flush()
+        with stop_on_write_failure(str(self.run_dir / "metrics.jsonl"), self.run_dir):
+            self.file.write(json.dumps({"step": step, **{k: v for k, v in clean.items() if _jsonable(v)}}) + "\n")
+            self.file.flush()
         if self.run is not None:
             self.run.log(clean, step=step)
 
@@ -98,44 +110,21 @@ class Logger:
         if key not in self.tables_opened:
             self.tables_opened.add(key)
             self._truncate(path)
-        with open(path, "a") as f:
-            f.write(json.dumps({"step": step, "columns": columns, "rows": rows}) + "\n")
+        try:  # on rank 0 alone, inside an evaluation: a failure waits for the next log(), which every rank agrees on
+            with stop_on_write_failure(str(path), self.run_dir), open(path, "a") as f:
+                f.write(json.dumps({"step": step, "columns": columns, "rows": rows}) + "\n")
+        except RunWriteError as e:
+            self.write_failure = self.write_failure or e
+            return
         if self.run is not None:
             import wandb
 
             self.run.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def _truncate(self, path: Path) -> None:
-        """Drop the lines logged after step resume_step's checkpoint (see __init__); atomic rewrite."""
-        if self.resume_step is None or not path.is_file():
-            return
-        kept, seen_resume_step, dropped = [], False, 0
-        for number, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(keepends=True), 1):
-            try:
-                step = json.loads(line)["step"]
-            except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill or a full disk
-                if self.enabled:
-                    print(
-                        f"warning: {path}: line {number} is not a whole JSON row ({line.strip()[:60]!r}); dropped",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                continue
-            if step < self.resume_step or (step == self.resume_step > 0 and not seen_resume_step):
-                kept.append(line if line.endswith("\n") else line + "\n")
-                seen_resume_step |= step == self.resume_step
-            else:
-                dropped += 1
-        if dropped and self.enabled:
-            print(
-                f"warning: {path}: {dropped} line(s) logged after the checkpoint of step {self.resume_step} "
-                f"dropped (their steps run again)",
-                file=sys.stderr,
-                flush=True,
-            )
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        """Drop the lines logged after step resume_step's checkpoint (see __init__)."""
+        if self.resume_step is not None:
+            drop_rows_after(path, self.resume_step, self.enabled)
 
     def finish(self) -> None:
         if self.file is not None:
@@ -353,8 +342,19 @@ HEADLINES = {
     ),
 }
 """The metrics each stage's terminal table shows (those it logged); summary.json holds every evaluation metric."""
-LOWER_IS_BETTER = ("loss", "kl")
-"""Evaluation metrics whose name ends in one of these are best at their minimum, every other one at its maximum."""
+LOWER_IS_BETTER = ("loss", "kl", "length", "grad_norm", "deviation", "gap", "seconds")
+"""Metrics whose last name part ends in one of these (losses, KL, lengths, gradient norms, ratio deviations, log-prob
+gaps, times) are best at their minimum; counts (n_...) and interval bounds (..._ci_...) have no best; every other
+metric (rewards, accuracies, win rates, rates, means of rewards) is best at its maximum."""
+
+
+def metric_direction(metric: str) -> str | None:
+    """ "min", "max" or None (no best): the direction in which `metric` improves, by LOWER_IS_BETTER. The one rule
+    for summary.json's best values and evaluation/compare.py's."""
+    name = metric.split("/")[-1]
+    if name.startswith("n_") or "_ci_" in name:
+        return None
+    return "min" if name.endswith(LOWER_IS_BETTER) else "max"
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -370,15 +370,15 @@ def read_rows(path: Path) -> list[dict]:
 
 def metric_summary(rows: list[dict], key: str) -> dict | None:
     """Final and best value of `key` with their steps over metrics rows (the last row at a step wins); best is the
-    minimum for names ending in LOWER_IS_BETTER, else the maximum; counts and interval bounds have no best."""
+    minimum or the maximum as metric_direction says; counts and interval bounds have no best."""
     by_step = {int(r["step"]): r[key] for r in rows if isinstance(r.get(key), (int, float))}
     if not by_step:
         return None
     steps = sorted(by_step)
     out = {"final": by_step[steps[-1]], "final_step": steps[-1]}
-    name = key.split("/")[-1]
-    if not (name.startswith("n_") or "_ci_" in name):
-        lower = name.endswith(LOWER_IS_BETTER)
+    direction = metric_direction(key)
+    if direction is not None:
+        lower = direction == "min"
         best = (min if lower else max)(steps, key=lambda s: (by_step[s], -s) if not lower else (by_step[s], s))
         out.update(best=by_step[best], best_step=best, mode="min" if lower else "max")
     return out
@@ -459,6 +459,7 @@ def report_summary(run_dir: str | Path, stage: str, wall_seconds: float, new_ste
         summary = json.loads(path.read_text())
     else:
         summary = run_summary(run_dir, stage, wall_seconds)
-        path.write_text(json.dumps(summary, indent=1) + "\n")
+        with stop_on_write_failure(str(path), run_dir):
+            write_text_atomic(path, json.dumps(summary, indent=1) + "\n")
     tell(format_summary(summary) + f"\n  summary: {path}")
     return summary

@@ -23,27 +23,29 @@ no two ranks draw the same masks (a resumed run restores each rank's own RNG sta
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from utils.checkpoint import (
-    check_run_dir,
-    export_model,
-    find_checkpoint,
-    load_checkpoint,
-    restore_loader,
-    save_checkpoint,
-    update_best,
-)
-from utils.config import RunConfig, config_to_dict
+from utils.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, read_options, save_checkpoint
+from utils.config import ConfigError, RunConfig, config_to_dict
 from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
-from utils.fsdp import resolve_dtype
+from utils.fsdp import full_model_state, resolve_dtype
 from utils.guard import NonFiniteGuard, StopSignal, all_ranks_agree
 from utils.logging import Logger, progress, report_summary, step_postfix, tell
-from utils.rundir import check_wandb_login, lock_run_dir, options_record, release_run_dir, warn
+from utils.rundir import (
+    check_run_dir,
+    check_shared_dir,
+    check_wandb_login,
+    lock_run_dir,
+    options_record,
+    refuse_start_over,
+    release_run_dir,
+    stop_on_write_failure,
+    warn,
+)
 
 
 @dataclass
@@ -61,8 +63,9 @@ class Run:
     logger: Logger | None = None
     bar: object = None
     best: dict | None = None
-    extra: dict = field(default_factory=dict)
-    """The resumed checkpoint's loop state (data position, best, a refreshed reference, ...); empty on a fresh start."""
+    loop_state: dict = field(default_factory=dict)
+    """The resumed checkpoint's loop state (data position, best, what end_of_step's loop_state_fn added); empty on a
+    fresh start."""
     init_rng: torch.Tensor | None = None
     """The global CPU RNG state every rank shared when resume() was called (after the models were built from the
     common seed), before it was made per-rank: a model built later from random weights (reward_model.py's
@@ -132,10 +135,14 @@ def start_run(cfg: RunConfig, meta: dict) -> Run:
             check_wandb_login(cfg.wandb_mode)
             check_run_dir(run_dir)
             lock_run_dir(run_dir)
-    checkpoint = find_checkpoint(run_dir, cfg.resume, cfg.resume_from, meta)
+            refuse_start_over(run_dir, cfg.resume)
+    check_shared_dir(run_dir)
+    checkpoint = find_checkpoint(run_dir, cfg.resume_from, meta)
     record = config_to_dict(cfg)
     if checkpoint is not None and checkpoint.parent.parent.resolve() == run_dir.resolve():  # its own: a resume
-        record = options_record(run_dir, record, int(checkpoint.name.split("_")[-1]), cfg.resume_changes == "allow")
+        step, allow = int(checkpoint.name.split("_")[-1]), cfg.resume_changes == "allow"
+        defaults = config_to_dict(type(cfg)())  # what an option the record lacks was, before it could be set
+        record = options_record(run_dir, record, step, allow, read_options(checkpoint), defaults)
     torch.manual_seed(cfg.seed)
     guard = NonFiniteGuard(meta["stage"], cfg.on_nonfinite, info.device)
     return Run(info, run_dir, meta, checkpoint, resolve_dtype(cfg.dtype, info.device), guard, record=record)
@@ -155,21 +162,63 @@ def epoch_steps(steps: int, rows: int, batches_per_epoch: int, accum: int, batch
     return max(1, batches_per_epoch // accum)
 
 
+def restore_loader(loader, path: Path, extra: dict) -> None:
+    """Put a ShardedLoader back at the checkpoint's data position (CheckpointError when it cannot fit)."""
+    try:
+        loader.load_state_dict(extra["loader"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {path}: its data position does not fit this run's training data ({e}); resume with the "
+            f"data it was trained on"
+        ) from None
+
+
+def update_best(best: dict | None, metrics: dict, metric: str, mode: str, step: int) -> tuple[dict | None, bool]:
+    """(best record, improved): `metrics[metric]` against the best so far, lower is better for mode "min".
+    Steps without that metric (no validation) change nothing. A record from another metric is replaced."""
+    if not metric:
+        return best, False
+    if metric not in metrics:
+        group = metric.split("/")[0] + "/"
+        logged = sorted(k for k in metrics if k.startswith(group))
+        if logged:  # this step did validate, so the name is wrong
+            raise ConfigError(f"--best_metric {metric} is not logged by this stage; its {group} metrics are {logged}")
+        return best, False
+    value = float(metrics[metric])
+    if value != value:  # NaN is never best
+        return best, False
+    if best is not None and best.get("metric") == metric and best.get("mode") == mode:
+        if (value >= best["value"]) if mode == "min" else (value <= best["value"]):
+            return best, False
+    return {"metric": metric, "mode": mode, "value": value, "step": step}, True
+
+
+def check_best_metric(cfg: RunConfig, evaluated: Iterable[str], best_metric: str | None = None) -> None:
+    """--best_metric (or `best_metric`, as end_of_step takes it) against the names of the metrics an evaluation logs
+    (`evaluated`; a dict of metrics gives its names), before any training step: ConfigError when that evaluation logs
+    metrics of its group but not it (update_best's check, which would otherwise stop the run at its first
+    evaluation, before that step's checkpoint)."""
+    metric = cfg.best_metric if best_metric is None else best_metric
+    update_best(None, dict.fromkeys(evaluated, 0.0), metric, cfg.best_mode, 0)
+
+
 def resume(
     run: Run, cfg: RunConfig, model, optimizer, scheduler, loader, total_steps: int, frozen: dict | None = None
 ) -> int:
     """Seed the global RNG per rank, restore the checkpoint start_run found, if any (weights, optimizer, schedule, every
-    rank's RNG, data position, best evaluation so far; its loop state in run.extra; the `frozen` models it holds, see
-    end_of_step), then open the logger and the progress bar at that step. Returns the step to continue from (0 on a
-    fresh start)."""
+    rank's RNG, data position, best evaluation so far; its loop state in run.loop_state; the `frozen` models it holds,
+    see end_of_step), then open the logger and the progress bar at that step. Returns the step to continue from (0 on
+    a fresh start)."""
     step = 0
     run.init_rng = torch.get_rng_state()
     torch.manual_seed(stream_seed(cfg.seed, step, run.rank, "global"))  # per rank; a checkpoint's own state replaces it
     if run.checkpoint is not None:
-        state = load_checkpoint(run.checkpoint, model, optimizer, scheduler, run.meta, run.rank, frozen=frozen)
-        step, run.extra = state["step"], state["extra"]
-        run.best = run.extra.get("best")
-        restore_loader(loader, run.checkpoint, run.extra)
+        state = load_checkpoint(
+            run.checkpoint, model, optimizer, scheduler, run.meta, run.rank, frozen=frozen, seed=cfg.seed
+        )
+        step, run.loop_state = state["step"], state["extra"]
+        run.best = run.loop_state.get("best")
+        restore_loader(loader, run.checkpoint, run.loop_state)
         run.say(f"resumed from {run.checkpoint} at step {step}")
     run.logger = Logger(
         run.dir,
@@ -197,22 +246,23 @@ def end_of_step(
     scheduler,
     loader,
     best_metric: str | None = None,
-    extra: Callable[[], dict] | None = None,
+    loop_state_fn: Callable[[], dict] | None = None,
     frozen: dict | None = None,
 ) -> bool:
     """Log the step's metrics, keep the best by --best_metric (or `best_metric`), and save a checkpoint on schedule,
-    at the end, at a new best, or when a signal came. `extra()` adds loop state to the checkpoint (called on every
-    rank, only when saving: it may be a collective). `frozen`: models without an optimizer whose weights the run
-    changes (GRPO's refreshed reference), saved sharded with the model. Returns True when the run must stop (a signal
-    came)."""
-    run.logger.log(metrics, step)
+    at the end, at a new best, or when a signal came. `loop_state_fn()` adds loop state to the checkpoint (called on
+    every rank, only when saving: it may be a collective; resume() gives it back in run.loop_state). `frozen`: models
+    without an optimizer whose weights the run changes (GRPO's refreshed reference), saved sharded with the model.
+    Returns True when the run must stop (a signal came)."""
+    with all_ranks_agree("writing metrics.jsonl", run.device):  # rank 0 writes: a full disk stops every rank
+        run.logger.log(metrics, step)
     run.bar.set_postfix(step_postfix(metrics), refresh=False)
     run.bar.update(1)
     metric = cfg.best_metric if best_metric is None else best_metric
     run.best, improved = update_best(run.best, metrics, metric, cfg.best_mode, step)
     stopping = run.stop.requested(run.device)
     if stopping or improved or step == total_steps or (cfg.save_every > 0 and step % cfg.save_every == 0):
-        state = {"loader": loader.state_dict(), "best": run.best, **(extra() if extra else {})}
+        state = {"loader": loader.state_dict(), "best": run.best, **(loop_state_fn() if loop_state_fn else {})}
         save_checkpoint(
             run.dir,
             step,
@@ -225,6 +275,7 @@ def end_of_step(
             rank=run.rank,
             best=run.best if improved else None,
             frozen=frozen,
+            options=run.record or config_to_dict(cfg),
         )
     return stopping
 
@@ -232,16 +283,22 @@ def end_of_step(
 def finish(run: Run, model, step: int, metrics: dict, stopped: bool, export: Callable[[dict], None]) -> None:
     """After the loop: a stopped run says where its checkpoint is; a finished one gathers the full weights and hands
     them to `export` on rank 0 (model.weights.save_export: the Hugging Face-format folder) and writes summary.json with
-    its table on the terminal (utils/logging.report_summary; a rerun of a finished run prints the one written). Then
-    the logger closes and the process group is torn down."""
+    its table on the terminal (utils/logging.report_summary; a rerun of a finished run prints the one written); a
+    failed write of either stops every rank with one line, exit code 4, and no hf.tmp left. Then the logger closes
+    and the process group is torn down."""
     run.bar.close()
     if stopped:
         run.stop.report(step, run.dir / "checkpoints", run.rank)
     else:
-        export_model(model, export, run.rank)
-        run.say(f"exported {run.dir / 'hf'}")
-        if run.is_main:
-            report_summary(run.dir, run.meta["stage"], time.perf_counter() - run.logger.started, run.logger.logged > 0)
+        # rank 0 writes the export and summary.json; every rank waits, and a failed write (exit 4) stops every rank
+        with all_ranks_agree("the export", run.device):
+            state = full_model_state(model)
+            if run.is_main:
+                with stop_on_write_failure(f"the export {run.dir / 'hf'}", run.dir, leftover=run.dir / "hf.tmp"):
+                    export(state)
+                run.say(f"exported {run.dir / 'hf'}")
+                wall_seconds = time.perf_counter() - run.logger.started
+                report_summary(run.dir, run.meta["stage"], wall_seconds, run.logger.logged > 0)
     run.logger.finish()
     if run.is_main:
         release_run_dir(run.dir)

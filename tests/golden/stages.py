@@ -303,8 +303,9 @@ def run(
 ) -> dict:
     """Run configuration `name` in a fresh folder under `work` (fresh=False: in the folder already there, resuming
     from its checkpoints); returns its golden record. `extra` options override the configuration's (the last
-    occurrence of an option wins); `nproc` overrides its number of processes, `agents` splits them over that many
-    torchrun agents; `wrapper` is a script (and its arguments) that runs the stage's script (tests/scripts/scaled.py)."""
+    occurrence of an option wins); `nproc` overrides its number of processes, `agents` splits them over that
+    many torchrun agents; `wrapper` is a script (and its arguments) that runs the stage's script
+    (tests/scripts/scaled.py)."""
     default_nproc, argv_of = configurations()[name]
     nproc = nproc or default_nproc
     out = work / name

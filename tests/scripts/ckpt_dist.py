@@ -2,17 +2,20 @@
 scheduler and a frozen model.
 
     python tests/scripts/ckpt_dist.py save RUN_DIR OUT.pt      # 3 steps, a checkpoint after step 2
-    python tests/scripts/ckpt_dist.py resume RUN_DIR OUT.pt    # fresh weights, load step 2's checkpoint, step 3
+    python tests/scripts/ckpt_dist.py resume RUN_DIR OUT.pt [SEED]   # fresh weights, load step 2's checkpoint, step 3
 
 Both save to OUT.pt (rank 0): the full parameters and AdamW moments after step 3, the learning rate of step 3, and
 the loss of step 3; `save` also the state it saved, `resume` the state right after loading (with the frozen
-model's weights).
+model's weights, and every rank's first draws of torch, numpy and `random` after the load, the run's --seed being
+SEED, default 0).
 Every step is one SFT step (sft.accumulate_gradients) on the same global batch of 4 rows, split over the ranks.
 """
 
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -21,8 +24,8 @@ from data.tldr import collate_sft  # noqa: E402
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.weights import freeze  # noqa: E402
 from sft import accumulate_gradients  # noqa: E402
-from utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from utils.dist import cleanup_distributed, setup_distributed  # noqa: E402
+from utils.checkpoint import load_checkpoint, newest_intact, save_checkpoint  # noqa: E402
+from utils.dist import cleanup_distributed, gather_objects, setup_distributed  # noqa: E402
 from utils.fsdp import shard_model  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
 
@@ -45,7 +48,7 @@ def full(model, optimizer) -> dict:
     return {"params": params, "moments": moments}
 
 
-def main(mode: str, run_dir: str, out: str):
+def main(mode: str, run_dir: str, out: str, seed: str = "0"):
     info = setup_distributed("cpu")
     torch.manual_seed(0 if mode == "save" else 1)  # a resumed run starts from other weights: the load must replace them
     model = shard_model(GPT2LMHeadModel(CFG))
@@ -55,8 +58,16 @@ def main(mode: str, run_dir: str, out: str):
     result, step = {}, 0
     if mode == "resume":
         step = load_checkpoint(
-            latest_checkpoint(run_dir), model, optimizer, scheduler, META, info.rank, frozen={"reference": frozen}
+            newest_intact(run_dir, info.rank, info.world_size),
+            model,
+            optimizer,
+            scheduler,
+            META,
+            info.rank,
+            frozen={"reference": frozen},
+            seed=int(seed),
         )["step"]
+        result["draws"] = gather_objects((torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()))
         result["loaded"] = full(model, optimizer)
         result["loaded_frozen"] = {n: p.full_tensor().clone() for n, p in frozen.named_parameters()}
     while step < 3:
@@ -90,4 +101,4 @@ def main(mode: str, run_dir: str, out: str):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

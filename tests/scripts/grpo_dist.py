@@ -104,7 +104,7 @@ def main(out: str, micro: int, shared: bool):
         prompt_ids, prompt_mask, local, torch.arange(per_rank * G), advantages, G, micro, shared
     )
     refs = batch_logprobs(reference, batches, cfg, gather=True)
-    batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs)]
+    batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs, strict=True)]
     for loss_type in ("grpo", "bnpo", "dr_grpo"):
         recorder = GradRecorder(policy)
         metrics = policy_update(

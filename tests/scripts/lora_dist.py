@@ -7,7 +7,7 @@ Saved: the global loss, the trained adapters (full tensors), whether the base we
 adapters-off log-probs equal those of a separately sharded frozen copy of the base bit for bit (on every rank),
 the logits of the adapted model on fixed rows, the error of the in-place merge of sharded parameters against
 merged_state_dict of the full state, and whether adapters on and off agree after the merge. The Hugging Face
-export (utils/checkpoint.py export_hf, adapters merged) is written to HF_FOLDER.
+export (utils/fsdp.py export_model, adapters merged) is written to HF_FOLDER.
 """
 
 import copy
@@ -23,9 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.lora import LoRAConfig, adapters_disabled, apply_lora, lora_scalings, merge_adapters_, merged_state_dict  # noqa: E402
 from model.weights import save_export  # noqa: E402
-from utils.checkpoint import export_model, full_model_state  # noqa: E402
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402
-from utils.fsdp import shard_model  # noqa: E402
+from utils.fsdp import (  # noqa: E402
+    export_model,
+    full_model_state,
+    shard_model,  # noqa: E402
+)
 from utils.optim import build_optimizer  # noqa: E402
 
 CFG = GPTConfig(vocab_size=512, n_positions=64, n_layer=2, n_head=2, n_embd=32)

@@ -1,4 +1,4 @@
-"""Run under 2 processes: every rank checks --out_dir is one folder for all (utils.checkpoint.check_shared_dir).
+"""Run under 2 processes: every rank checks --out_dir is one folder for all (utils.rundir.check_shared_dir).
 
     python tests/scripts/shared_dir.py BASE OUT.json same|per_rank
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from utils.checkpoint import check_run_dir, check_shared_dir  # noqa: E402
 from utils.config import ConfigError  # noqa: E402
 from utils.dist import cleanup_distributed, setup_distributed  # noqa: E402
+from utils.rundir import check_run_dir, check_shared_dir  # noqa: E402
 
 
 def main(base: str, out: str, mode: str):

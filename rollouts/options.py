@@ -1,0 +1,163 @@
+"""GRPO's option groups (grpo.py composes them into its Config, as it composes utils/config.py's): sampling, selection
+and objective, each a dataclass whose fields are command-line options (`--name VALUE`, help text the string under
+the field, `--help` section the `# --- SECTION` line above it) and whose validate_* method checks its own fields."""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from rlhf.grpo import Objective
+from utils.config import ConfigError
+
+
+def require_positive(cfg, *names: str) -> None:
+    """ConfigError naming the first of `names` whose value is not > 0."""
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
+
+
+def require_non_negative(cfg, *names: str) -> None:
+    """ConfigError naming the first of `names` whose value is < 0."""
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+
+
+@dataclass
+class SamplingConfig:
+    # --- sampling
+    num_samples: int = 64
+    """G: responses sampled per prompt."""
+    max_new_tokens: int = 53
+    """Response tokens sampled at most, the end token included."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); the ratio's and KL's log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 disables. The loss's log-probs use the same masking."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables. The loss's log-probs use the same masking."""
+    gen_prompts: int = 16
+    """Prompts per generation call on each rank (x num_samples sequences in the KV cache). Checked against the
+    device's free memory before the first step (rollouts/memory.py)."""
+    prefix_sharing: bool = True
+    """Compute and store each prompt once per group: one copy of its KV cache for its G samples while generating,
+    and packed rows with the prompt once for its responses in the reward model, the reference and the update
+    (same numbers up to float rounding); false gives every sample its own copy of the prompt."""
+
+    def validate_sampling(self) -> None:
+        require_positive(self, "num_samples", "max_new_tokens", "gen_prompts")
+        if not self.temperature > 0:
+            raise ConfigError(f"--temperature must be > 0 (greedy evaluation: --eval_greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(f"--top_p must be in (0, 1] and --top_k >= 0, got {self.top_p}, {self.top_k}")
+
+
+@dataclass
+class SelectionConfig:
+    """K of each prompt's G samples kept for the update (G: SamplingConfig's num_samples, which this group reads)."""
+
+    # --- rewards and selection
+    selection: Literal["rso", "top_bottom", "uniform", "all"] = "rso"
+    """How K of the G samples are kept: rso (RSO rejection sampling, arXiv 2309.06657), top_bottom (the K/2 best
+    and K/2 worst), uniform (K at random), all (K = G)."""
+    num_kept: int = 8
+    """K: samples kept per prompt for the update (ignored by --selection all)."""
+    beta_rs: float = 2.0
+    """RSO temperature: acceptance probability exp((r - r_max) / beta_rs) on normalized rewards."""
+    min_group_std: float = 0.0
+    """Dynamic sampling (DAPO, arXiv 2503.14476): drop the groups whose K kept rewards have a std (float64) below
+    this, measured after selection; they would have advantage ~0 and only dilute the batch. The batch shrinks (the
+    share dropped is logged as sample/dropped_group_fraction); no other prompts are drawn. 0 keeps every group."""
+
+    @property
+    def kept(self) -> int:
+        """K actually kept per prompt."""
+        return self.num_samples if self.selection == "all" else self.num_kept
+
+    def validate_selection(self) -> None:
+        require_positive(self, "num_kept")
+        require_non_negative(self, "min_group_std")
+        if self.kept > self.num_samples:
+            raise ConfigError(
+                f"--num_kept {self.num_kept} exceeds --num_samples {self.num_samples}: the group of "
+                f"samples per prompt must be at least as large as the number kept from it"
+            )
+        if self.selection == "top_bottom" and self.kept % 2:
+            raise ConfigError(f"--selection top_bottom needs an even --num_kept, got {self.num_kept}")
+        if self.selection == "rso" and not self.beta_rs > 0:
+            raise ConfigError(f"--beta_rs must be > 0, got {self.beta_rs}")
+        if self.min_group_std > 0 and self.kept < 2:
+            raise ConfigError(
+                f"--min_group_std measures the spread of each group's kept rewards: it needs at least 2 "
+                f"kept samples per prompt, got {self.kept}"
+            )
+
+
+@dataclass
+class ObjectiveConfig:
+    # --- objective
+    scale_by_std: bool = True
+    """Divide by the group's std in group normalization; false gives Dr. GRPO's r - mean (arXiv 2503.20783)."""
+    global_norm: bool = True
+    """After group normalization, whiten the advantages over the whole batch across all ranks."""
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
+    """Aggregation: grpo (per-sequence mean, then mean over sequences), bnpo/dapo (mean over all tokens),
+    dr_grpo (sum / (sequences x max_new_tokens)); every normaliser is global over ranks and micro-batches."""
+    eps_low: float = 0.2
+    """Clip the ratio below at 1 - eps_low."""
+    eps_high: float = 0.2
+    """Clip the ratio above at 1 + eps_high (DAPO's clip-higher uses 0.28)."""
+    importance_level: Literal["token", "sequence"] = "token"
+    """token: one ratio pi/pi_old per token (GRPO); sequence: GSPO's (arXiv 2507.18071) one ratio per response,
+    exp(mean over its tokens of the log-ratio), clipped per sequence, each sequence counting once whatever its
+    length under every --loss_type. GSPO clips much tighter (eps_low 3e-4, eps_high 4e-4 in the paper)."""
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    """Correct the policy loss for the sampler / trainer mismatch, rho = exp(training-forward log-prob - sampler
+    log-prob) at the sampling weights: tis multiplies it by min(rho, cap) (truncated importance sampling), mis by
+    rho, or 0 beyond the cap (masked); per token, or per sequence with --importance_level sequence. The mismatch is
+    logged whatever this is (train/mismatch/*)."""
+    rollout_correction_cap: float = 3.0
+    """The cap of --rollout_correction (> 0)."""
+    beta: float = 0.04
+    """Weight of the KL to the reference policy (also the beta of the implicit reward in evaluation)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(pi || pi_ref), log r = ref - logp: k1 = -log r, k2 = (log r)^2 / 2,
+    k3 = r - 1 - log r (DeepSeekMath's). As a loss term k2's gradient is unbiased, k3's is the forward KL's and k1's
+    is 0 in expectation (arXiv 2512.21852; docs/grpo.md)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where beta x KL goes: loss (a per-token term of the loss) or reward (beta x the response's summed estimate,
+    detached, subtracted from its reward before group normalization; with k1 the unbiased policy-gradient choice).
+    Selection uses the reward without it."""
+    kl_ratio: bool = False
+    """Multiply the loss's KL estimate by the ratio pi/pi_old (pi_old detached, value 1 when on-policy): the
+    gradient-corrected estimator, whose gradient is unbiased for k1 and k3 (--kl_in loss only)."""
+    policy_epochs: int = 1
+    """mu: optimizer steps over each batch of rollouts. The ratio's old log-probs are the sampling policy's,
+    computed once before the first step (ratio exactly 1 there); 1: the detached current ones (ratio 1 in value)."""
+    ref_refresh_every: int = 0
+    """Make the current policy the new reference every N steps (with LoRA: merge the adapters into the base
+    weights); the KL term is exactly 0 right after. 0 keeps the starting policy as reference."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: subtract entropy_coef x the token entropy of the (temperature / top-k / top-p processed)
+    policy from the loss, aggregated like the loss; 0 disables. Negative: an entropy penalty, which sharpens the
+    policy towards its own most likely tokens (entropy minimisation)."""
+    entropy_every: int = 1
+    """Log train/entropy every N steps (1: every step; 0: never). It comes from the log-softmax the log-probs
+    already compute, but still costs an exp and a multiply-sum over the vocabulary at every response token; a
+    step that does not log it skips that. With --entropy_coef != 0 it is computed (and logged) every step."""
+
+    def objective(self) -> Objective:
+        """The loss's options bound once (rlhf/grpo.py Objective: its terms then take tensors only), each of its
+        fields read from this group's option of the same name; its beta is 0 with --kl_in reward (the KL is then in
+        the reward, not the loss)."""
+        bound = {f.name: getattr(self, f.name) for f in dataclasses.fields(Objective)}
+        return Objective(**bound | {"beta": self.beta if self.kl_in == "loss" else 0.0})
+
+    def validate_objective(self) -> None:
+        require_non_negative(self, "ref_refresh_every", "entropy_every", "eps_low", "eps_high", "beta")
+        require_positive(self, "policy_epochs")
+        if not self.rollout_correction_cap > 0:
+            raise ConfigError(f"--rollout_correction_cap must be > 0, got {self.rollout_correction_cap}")
+        if self.kl_ratio and self.kl_in != "loss":
+            raise ConfigError("--kl_ratio weights the loss's KL term: it needs --kl_in loss, got --kl_in reward")

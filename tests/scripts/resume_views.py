@@ -1,0 +1,49 @@
+"""Run under 2 processes: rank 0 chooses the checkpoint to resume from (utils.checkpoint.newest_intact), and ranks
+whose views of the run directory differ stop together.
+
+    python tests/scripts/resume_views.py RUN_DIR OUT.txt pointer|view
+
+Both save checkpoints of steps 1 and 2 of a tiny model. pointer: rank 1 reads `latest` as naming step 1 (a stale
+file-system cache); view: rank 1 sees a shard of step 2 as missing. Each rank writes OUT.txt.RANK: the name of the
+checkpoint it would resume from, or "error: " and the CheckpointError.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
+from utils import checkpoint  # noqa: E402
+from utils.checkpoint import CheckpointError, newest_intact, save_checkpoint  # noqa: E402
+from utils.dist import cleanup_distributed, setup_distributed  # noqa: E402
+from utils.fsdp import shard_model  # noqa: E402
+from utils.optim import build_optimizer, build_scheduler  # noqa: E402
+
+CFG = GPTConfig(vocab_size=50257, n_layer=1, n_head=2, n_embd=16, n_positions=32)
+
+
+def main(run_dir: str, out: str, case: str):
+    info = setup_distributed("cpu")
+    model = shard_model(GPT2LMHeadModel(CFG))
+    optimizer = build_optimizer(model, 1e-2, 0.1)
+    scheduler = build_scheduler(optimizer, 1, 10)
+    for step in (1, 2):
+        save_checkpoint(run_dir, step, model, optimizer, scheduler, {"stage": "test"}, rank=info.rank)
+    if info.rank == 1 and case == "pointer":
+        checkpoint._read_pointer = lambda ckpt_root: "step_00000001"
+    if info.rank == 1 and case == "view":
+        real = checkpoint._size_problem
+        checkpoint._size_problem = lambda file, want: (
+            f"{file} is missing" if file.name == "__1_0.distcp" else real(file, want)
+        )
+    try:
+        result = newest_intact(run_dir, info.rank, info.world_size).name
+    except CheckpointError as e:
+        result = f"error: {e}"
+    Path(f"{out}.{info.rank}").write_text(result)
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -4,6 +4,8 @@
     python demo.py --nproc 2             # every stage under torchrun with 2 processes (gloo on CPU)
     python demo.py --out runs/ablation --ablation_seeds 3 --reuse    # make ablation: GRPO's selection and
                                          # normalization, 3 seeds each, from one SFT policy and reward model
+    python demo.py --out runs/demo --frontier_seeds 2 --reuse        # make frontier: DPO and GRPO grids and
+                                         # best-of-n on gold reward against KL (evaluation/frontier.py)
 
 Stages: write the synthetic task (data/synthetic.py) -> SFT (sft.py) -> label pairs of the SFT policy's own
 samples by the gold reward -> reward model (reward_model.py) -> DPO (dpo.py) -> GRPO (grpo.py), each training
@@ -24,6 +26,7 @@ summaries of a better writer; they serve the tests and users with larger models.
 """
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -316,6 +319,29 @@ def run_reward_model(out: Path, pairs: dict, args, common: dict) -> None:
     )
 
 
+def dpo_options(out: Path, pairs: dict, args) -> dict:
+    """dpo.py's options in the demo: DPO from the SFT policy against a frozen copy of it, on the labelled pairs."""
+    return {
+        "model": out / "sft" / "hf",
+        "train_data": pairs["train"],
+        "val_data": pairs["validation"],
+        "val_rows": 256,
+        "steps": args.dpo_steps,
+        "batch_size": 32,
+        "micro_batch_size": 32 // args.nproc,
+        "lr": 5e-4,
+        "beta": 0.1,
+        "warmup_steps": 5,
+        "eval_every": 50,
+        "save_every": 0,
+        "max_prompt_len": 192,
+        "max_response_len": 32,
+        "wandb_mode": args.wandb_mode,
+        "seed": args.seed,
+        "resume": "false",
+    }
+
+
 def grpo_options(out: Path, paths: dict, pairs: dict, args) -> dict:
     """grpo.py's options in the demo: GRPO from the SFT policy against the reward model, with the gold reward and its
     parts watched (logged), never trained on."""
@@ -414,6 +440,109 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
     )
     (out / "ablation.md").write_text(text + "\n")
     return text
+
+
+# The reward-KL frontier (make frontier): GRPO with the method's defaults (RSO keeps 8 of 64 samples per prompt at
+# beta_rs 2, global normalization on) over a grid of its KL coefficient, and with uniform selection at the grid's first
+# coefficient for contrast; DPO over a grid of beta; best-of-n from the SFT policy as the baseline.
+FRONTIER_SELECTIONS = ("rso", "uniform")
+
+
+def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
+    """Every run of the frontier's grids (--frontier_grpo_betas with RSO, the first of them with uniform selection,
+    --frontier_dpo_betas; --frontier_seeds seeds each) from the SFT policy and reward model in --out, each measured
+    at every evaluation on the first --frontier_prompts held-out posts (dpo.py / grpo.py --frontier_prompts: KL to
+    the SFT policy, gold and proxy reward of --frontier_samples temperature-1 samples per post); best-of-n from the
+    SFT policy on the same posts; then frontier.md (the table), frontier.json (every point) and assets/frontier.png,
+    rewritten after every run so that a run cut short keeps what it measured. Returns the table (markdown)."""
+    from data.synthetic import gold_reward
+    from data.tokenizer import get_tokenizer
+    from evaluation.frontier import best_of_n, frontier_points, frontier_table, load_frontier_prompts, plot_frontier
+    from model.weights import build_policy, build_reward_model
+    from utils.dist import stream
+
+    root = out / "frontier"
+    root.mkdir(parents=True, exist_ok=True)
+    measured = {
+        "frontier_prompts": args.frontier_prompts,
+        "frontier_samples": args.frontier_samples,
+        "frontier_data": paths["sft_validation"],
+        "frontier_reward_model": out / "rm" / "hf",
+        "frontier_gold_fn": "data.synthetic:gold_reward",
+        "frontier_max_new_tokens": 24,  # the demo's GRPO length, and its gold evaluation's
+    }
+
+    # best-of-n from the SFT policy: one pass of --frontier_best_of samples per post
+    t0 = time.time()
+    tok = get_tokenizer()
+    prompts = load_frontier_prompts(str(paths["sft_validation"]), "validation", args.frontier_prompts, tok, 192, 24)
+    curve = best_of_n(
+        build_policy(str(out / "sft" / "hf")).eval(),
+        prompts,
+        build_reward_model(str(out / "rm" / "hf")).eval(),
+        tok,
+        stream(args.seed, 0, 0, "best-of-n"),
+        24,
+        n_max=args.frontier_best_of,
+        gold_fn=gold_reward,
+    )
+    print(f"best-of-n from the SFT policy, n up to {args.frontier_best_of}: {time.time() - t0:.0f} s", flush=True)
+
+    methods: dict[str, list[list[dict]]] = {}
+
+    def record() -> str:
+        text = frontier_table(curve, methods)
+        (root / "frontier.md").write_text(text + "\n")
+        (root / "frontier.json").write_text(json.dumps({"best_of_n": curve, "methods": methods}, indent=1))
+        plot_frontier(
+            curve,
+            methods,
+            Path(args.assets) / "frontier.png",
+            f"embedded task: {args.frontier_prompts} held-out posts x {args.frontier_samples} samples per point "
+            f"(best-of-n: x {args.frontier_best_of}); error bars 1 standard error; one line per seed",
+        )
+        return text
+
+    # the first grid point of the method, of DPO and of the contrast, then the rest of the grids, every seed of a run
+    # before the next: a frontier cut short has one point of each method with all its seeds
+    first_grpo, first_dpo = args.frontier_grpo_betas[0], args.frontier_dpo_betas[0]
+    runs = [("grpo", FRONTIER_SELECTIONS[0], first_grpo), ("dpo", "", first_dpo)]
+    runs += [("grpo", selection, first_grpo) for selection in FRONTIER_SELECTIONS[1:]]
+    runs += [("grpo", FRONTIER_SELECTIONS[0], beta) for beta in args.frontier_grpo_betas[1:]]
+    runs += [("dpo", "", beta) for beta in args.frontier_dpo_betas[1:]]
+    for (stage, selection, beta), seed in itertools.product(runs, range(args.frontier_seeds)):
+        kept = f"{args.frontier_grpo_samples}->8"
+        name = f"GRPO {selection} {kept}, beta {beta:g}" if stage == "grpo" else f"DPO beta {beta:g}"
+        run_dir = root / (f"grpo_{selection}_beta{beta:g}" if stage == "grpo" else f"dpo_beta{beta:g}") / f"seed{seed}"
+        if stage == "grpo":
+            options = grpo_options(out, paths, pairs, args) | {
+                "num_samples": args.frontier_grpo_samples,
+                "selection": selection,
+            }
+        else:
+            options = dpo_options(out, pairs, args)
+        if args.frontier_eval_rows:
+            options |= {"val_rows": args.frontier_eval_rows} | (
+                {"pref_rows": args.frontier_eval_rows} if stage == "grpo" else {}
+            )
+        tags = f"{stage}={selection or 'dpo'},beta={beta:g}"
+        run_stage(
+            f"{stage}.py",
+            options
+            | measured
+            | {
+                "beta": beta,
+                "seed": seed,
+                "out_dir": run_dir,
+                "run_name": f"frontier-{run_dir.parent.name}-{seed}",
+                "wandb_group": f"frontier-{run_dir.parent.name}",
+                "wandb_tags": tags,
+            },
+            args.nproc,
+        )
+        methods.setdefault(name, []).append(frontier_points(run_dir))
+        record()
+    return record()
 
 
 def summarize(out: Path, paths: dict, pairs: dict, args: argparse.Namespace, t0: float) -> None:
@@ -526,6 +655,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="which variants of ABLATION to run",
     )
     p.add_argument(
+        "--frontier_seeds",
+        type=int,
+        default=0,
+        help="with N > 0: instead of DPO and GRPO, the reward-KL frontier (make frontier): the grids of "
+        "--frontier_dpo_betas and --frontier_grpo_betas, N seeds each, and best-of-n, from one SFT policy and reward "
+        "model (docs/results.md)",
+    )
+    p.add_argument("--frontier_dpo_betas", type=float, nargs="+", default=[0.1, 0.3], help="DPO betas")
+    p.add_argument(
+        "--frontier_grpo_betas",
+        type=float,
+        nargs="+",
+        default=[0.4, 0.1],
+        help="GRPO KL coefficients (grpo.py --beta) of the RSO runs; the first also with uniform selection",
+    )
+    p.add_argument(
+        "--frontier_grpo_samples",
+        type=int,
+        default=64,
+        help="samples per prompt of the frontier's GRPO runs (grpo.py --num_samples; 8 are kept)",
+    )
+    p.add_argument(
+        "--frontier_eval_rows",
+        type=int,
+        default=0,
+        help="rows of the frontier runs' own evaluations (dpo.py and grpo.py --val_rows, grpo.py --pref_rows); 0: "
+        "the demo's",
+    )
+    p.add_argument("--frontier_prompts", type=int, default=100, help="held-out posts each frontier point samples")
+    p.add_argument("--frontier_samples", type=int, default=4, help="temperature-1 samples per post of each point")
+    p.add_argument("--frontier_best_of", type=int, default=64, help="best-of-n's largest n (a power of 2)")
+    p.add_argument(
         "--reuse",
         action="store_true",
         help="reuse --out's SFT policy, labelled pairs and reward model "
@@ -555,6 +716,12 @@ def main() -> None:
         "validation": out / "data" / "policy_pairs" / "validation.jsonl",
     }
     train_sft_and_reward_model(out, paths, pairs, args, common)
+    if args.frontier_seeds > 0:
+        text = frontier(out, paths, pairs, args)
+        print(
+            f"\n{text}\n\nwrote {out / 'frontier'} and {Path(args.assets) / 'frontier.png'} ({time.time() - t0:.0f} s)"
+        )
+        return
     if args.ablation_seeds > 0:
         text = ablation(out, paths, pairs, args)
         print(
@@ -564,29 +731,7 @@ def main() -> None:
         return
 
     # 5. DPO from the SFT policy against a frozen copy of it, on the same pairs
-    run_stage(
-        "dpo.py",
-        {
-            "model": out / "sft" / "hf",
-            "train_data": pairs["train"],
-            "val_data": pairs["validation"],
-            "val_rows": 256,
-            "steps": args.dpo_steps,
-            "batch_size": 32,
-            "micro_batch_size": 32 // args.nproc,
-            "lr": 5e-4,
-            "beta": 0.1,
-            "warmup_steps": 5,
-            "eval_every": 50,
-            "save_every": 0,
-            "max_prompt_len": 192,
-            "max_response_len": 32,
-            "out_dir": out / "dpo",
-            "run_name": "demo-dpo",
-            **common,
-        },
-        args.nproc,
-    )
+    run_stage("dpo.py", dpo_options(out, pairs, args) | {"out_dir": out / "dpo", "run_name": "demo-dpo"}, args.nproc)
 
     # 6. GRPO from the SFT policy against the reward model; the gold reward is only watched, never trained on
     run_stage(

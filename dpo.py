@@ -25,6 +25,7 @@ import torch
 
 from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
+from evaluation.frontier import Frontier, FrontierConfig
 from evaluation.pairs import PairConfig, load_pairs
 from evaluation.preference import evaluate_policy, policy_logps, reference_logps, response_logprobs
 from evaluation.samples import Judge, JudgeConfig, SampleLog
@@ -41,7 +42,8 @@ from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resum
 
 
 @dataclass
-class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig):  # shared options; --judge: win rate
+# shared options; --judge: win rate; --frontier_prompts: KL to the reference and rewards of samples
+class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig, FrontierConfig):
     # --- models
     model: str = "runs/sft/hf"
     """Starting policy: an SFT export (Hugging Face-format folder), a hub name (gpt2, ...), or with
@@ -95,6 +97,7 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig):  # sh
         if self.eval_samples < 0:
             raise ConfigError(f"--eval_samples must be >= 0, got {self.eval_samples}")
         self.validate_judge()
+        self.validate_frontier()
 
 
 def preference_loss_fn(cfg: Config):
@@ -220,10 +223,18 @@ def main(cfg: Config) -> dict:
     if ref_val is not None and cfg.eval_samples > 0:
         rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)[: cfg.eval_samples]
         samples = SampleLog(rows, "chosen", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed)
+    frontier, first = None, {}  # --frontier_prompts: eval/kl and rewards of temperature-1 samples at each evaluation
+    if cfg.frontier_prompts > 0:
+        args = (cfg.val_data, cfg.val_split, tok, cfg.max_prompt_len, cfg.max_response_len, run)
+        frontier = Frontier(cfg, *args, reward_model=judge.model if judge else None)
+        if step == 0 and cfg.eval_every > 0:
+            first = frontier.evaluate(policy, reference, 0)
+    if first and ref_val is None:
+        run.logger.log(first, 0)
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
         val = validate(policy, ref_val, data.val_set, cfg, device, judge, samples, run.logger, 0)
         check_best_metric(cfg, val)  # before the first training step
-        run.logger.log(val, 0)
+        run.logger.log(val | first, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)
     policy.train()
     metrics, stopping = {}, False
@@ -244,6 +255,8 @@ def main(cfg: Config) -> dict:
             metrics.update(step_throughput(micro, time.perf_counter() - t0, world, device))
             if ref_val is not None and cfg.eval_due(step, total_steps):
                 metrics.update(validate(policy, ref_val, data.val_set, cfg, device, judge, samples, run.logger, step))
+            if frontier is not None and cfg.eval_due(step, total_steps):
+                metrics.update(frontier.evaluate(policy, reference, step))
             stopping = end_of_step(run, cfg, step, total_steps, metrics, policy, optimizer, scheduler, data.loader)
 
     # 7. export a Hugging Face-format folder (not after a signal: the run is not finished)

@@ -42,6 +42,7 @@ import torch
 from data.synthetic import gold_reward as synthetic_gold_reward
 from data.tldr import ShardedLoader
 from data.tokenizer import get_tokenizer
+from evaluation.frontier import Frontier, FrontierConfig
 from evaluation.preference import evaluate_policy, policy_logps
 from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table
 from model.lora import LoRAConfig, trainable_summary
@@ -75,10 +76,18 @@ TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: 
 
 @dataclass
 class Config(
-    RunConfig, OptimConfig, DataConfig, LoRAConfig, DecodeConfig, SamplingConfig, SelectionConfig, ObjectiveConfig
+    RunConfig,
+    OptimConfig,
+    DataConfig,
+    LoRAConfig,
+    DecodeConfig,
+    SamplingConfig,
+    SelectionConfig,
+    ObjectiveConfig,
+    FrontierConfig,
 ):
-    """utils/config.py's option groups and GRPO's (rollouts/options.py: sampling, selection, objective), with the
-    script's own options below."""
+    """utils/config.py's option groups, GRPO's (rollouts/options.py: sampling, selection, objective) and the frontier's
+    (evaluation/frontier.py), with the script's own options below."""
 
     # --- models
     model: str = "runs/sft/hf"
@@ -172,6 +181,7 @@ class Config(
         self.validate_sampling()
         self.validate_selection()
         self.validate_objective()
+        self.validate_frontier()
         require_non_negative(self, "pref_rows")
         require_positive(
             self, "prompts_per_step", "micro_batch_size", "score_micro_batch_size", "pref_max_response_len"
@@ -301,10 +311,14 @@ def train_step(
 # Set-up and the loop (stage 8's metrics: rollouts/metrics.py)
 
 
-def evaluate(models: Models, spec: RewardSpec, val, pref, ref_pref, cfg: Config, step: int, device) -> dict:
+def evaluate(
+    models: Models, spec: RewardSpec, val, pref, ref_pref, cfg: Config, step: int, device, frontier=None
+) -> dict:
     """Stage 8's evaluation (a collective): the policy's summaries of this rank's --val_data prompts (`val`) and the
-    implicit reward's accuracy on its --pref_data pairs (`pref`, against the reference's log-probs `ref_pref`)."""
+    implicit reward's accuracy on its --pref_data pairs (`pref`, against the reference's log-probs `ref_pref`); with
+    --frontier_prompts (`frontier`) the KL to the reference and rewards of temperature-1 samples."""
     out = evaluate_summaries(models.policy, models.reward_model, spec, val, cfg, step) if val is not None else {}
+    out |= frontier.evaluate(models.policy, models.reference, step) if frontier is not None else {}
     if not pref:
         return out
     acc = evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device, prefix_sharing=cfg.prefix_sharing)
@@ -347,8 +361,12 @@ def main(cfg: Config) -> dict:
         f"{cfg.kept} kept per rank, {n_micro} micro-batches, {total_steps} steps"
     )
     ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
+    frontier = None  # --frontier_prompts: KL to the reference and rewards of temperature-1 samples (eval/kl, ...)
+    if cfg.frontier_prompts > 0:
+        args = (cfg.val_data, cfg.val_split, tok, cfg.max_prompt_len, cfg.max_new_tokens, run)
+        frontier = Frontier(cfg, *args, reward_model=models.reward_model, gold_fn=gold_reward)
     if step == 0 and cfg.eval_every > 0:
-        evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device)
+        evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device, frontier)
         check_best_metric(cfg, evaluated, keep["best_metric"])  # before the first training step
         run.logger.log(evaluated, 0)
     batches_iter, metrics, stopping = iter(loader), {}, False
@@ -376,7 +394,7 @@ def main(cfg: Config) -> dict:
             generated, step_seconds = metrics.pop("perf/generated_tokens"), time.perf_counter() - t_step
             metrics.update(perf_metrics(seconds | result.seconds, step_seconds, generated, world))
             if cfg.eval_due(step, total_steps):
-                metrics.update(evaluate(models, spec, val, pref, ref_pref, cfg, step, device))
+                metrics.update(evaluate(models, spec, val, pref, ref_pref, cfg, step, device, frontier))
             if cfg.table_every > 0 and step % cfg.table_every == 0:
                 r = result
                 table = sample_table(spec, prompts, r.samples, r.scores, r.rows_BK, r.advantages, cfg.table_prompts)

@@ -11,8 +11,9 @@ which share few options, are named by their folders). For every metric the table
 the mean and the spread (sample standard deviation; 0 with one seed) of its value at the end of the run (the mean of
 its last --last logged values) and at its best: the minimum of a metric whose name says lower is better (losses, KL,
 lengths: utils.logging.metric_direction), else the maximum; --minimize and --maximize override. The picture
-draws each metric against the step and, with --x, against another metric (train/kl: the reward-KL frontier), the
-mean over a group's seeds at each step. Evaluation metrics (val/, eval/: logged every --eval_every steps) are drawn
+draws each metric against the step and against another metric (--x; by default eval/kl, the KL of the policy's
+temperature-1 samples that --frontier_prompts measures at every evaluation, else train/kl: the reward-KL frontier),
+the mean over a group's seeds at each step. Evaluation metrics (val/, eval/: logged every --eval_every steps) are drawn
 as their points, each at its value, never smoothed; per-step metrics are smoothed by a centred moving average of
 --smooth logged steps, which the panel's title says. The picture goes next to the runs (their common folder) or
 where --out says. A missing folder, or a metric no run logged, ends the command with one line (exit code 2) naming
@@ -38,6 +39,7 @@ from utils.logging import EVALUATION_PREFIXES, metric_direction  # noqa: E402
 from utils.rundir import FREE_OPTIONS, NOT_RECORDED, RESUME_CHANGES  # noqa: E402
 
 DEFAULT_METRICS = (
+    "eval/gold",
     "eval/reward",
     "eval/win_rate",
     "eval/pref_accuracy",
@@ -303,8 +305,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument(
         "--x",
         default=None,
-        help="also draw every other metric against this one; default: train/kl when the runs logged it; "
-        "empty: only against the step",
+        help="also draw every other metric against this one; default: eval/kl when the runs logged it "
+        "(--frontier_prompts), else train/kl when they did; empty: only against the step",
     )
     p.add_argument(
         "--smooth",
@@ -327,7 +329,9 @@ def main(argv: list[str] | None = None) -> str:
     if not metrics:
         raise CompareError(f"none of the default metrics was logged; name some with --metrics: {', '.join(known)}")
     check_metrics(runs, metrics, "--metrics")
-    x = ("train/kl" if "train/kl" in known else "") if args.x is None else args.x
+    # eval/kl (the policy's own samples at temperature 1, evaluation/frontier.py) before train/kl (the training
+    # samples): the one evaluation metrics are measured beside, and the one DPO logs
+    x = next((k for k in ("eval/kl", "train/kl") if k in known), "") if args.x is None else args.x
     if x:
         check_metrics(runs, [x], "--x")
     groups = group_runs(runs)

@@ -93,3 +93,61 @@ def standardizing_gain_bias(count: float, total: float, total_sq: float) -> tupl
     if std < 1e-8:
         raise ValueError(f"rewards have (near) zero spread (std {std:.3g}); cannot standardise them")
     return 1.0 / std, -mean / std
+
+
+# ----------------------------------------------------------------------------------------------------
+# The reward-KL frontier (evaluation/frontier.py): means of per-sample values over P held-out prompts x G samples,
+# the KL to the reference, and best-of-n from the reference.
+
+
+def mean_and_se(values_PG: torch.Tensor) -> tuple[float, float]:
+    """Mean of values (P, G) (G samples of each of P prompts) and its standard error, in float64.
+
+    With G >= 2 the error is that of sampling on these prompts (stratified by prompt): the prompts are fixed, the
+    samples of prompt p independent draws with sample variance s_p^2, so Var(mean) = sum_p s_p^2 / (G P^2). Two
+    policies measured on the same prompts differ by this noise, not by how prompts differ. With G = 1 (one value per
+    prompt, e.g. best-of-n's kept sample) it is the error over prompts, std / sqrt(P), which also counts how prompts
+    differ (the larger of the two). NaN error when it cannot be estimated (one value)."""
+    v = values_PG.double()
+    if v.dim() != 2 or v.numel() == 0:
+        raise ValueError(f"values must be (prompts, samples) and non-empty, got shape {tuple(v.shape)}")
+    P, G = v.shape
+    mean = float(v.mean())
+    if G >= 2:
+        se = math.sqrt(float(v.var(dim=1, correction=1).sum()) / G) / P
+    elif P >= 2:
+        se = float(v[:, 0].std(correction=1)) / math.sqrt(P)
+    else:
+        se = math.nan
+    return mean, se
+
+
+def kl_estimate(logp_policy_PG: torch.Tensor, logp_reference_PG: torch.Tensor) -> tuple[float, float]:
+    """KL(pi || pi_ref) on held-out prompts from samples y ~ pi (P prompts x G samples): the mean over samples of
+    log pi(y|x) - log pi_ref(y|x), each the sum over the response's tokens (an unbiased estimate of the sequence-level
+    KL, E_pi[log pi / pi_ref]), with its standard error (mean_and_se)."""
+    if logp_policy_PG.shape != logp_reference_PG.shape:
+        raise ValueError(
+            f"log-probs under the policy {tuple(logp_policy_PG.shape)} and the reference "
+            f"{tuple(logp_reference_PG.shape)} must have the same shape"
+        )
+    return mean_and_se(logp_policy_PG.double() - logp_reference_PG.double())
+
+
+def best_of_n_index(proxy_PG: torch.Tensor, n: int) -> torch.Tensor:
+    """Column (P,) of the sample the proxy ranks first among the first n of each prompt's G samples (nested subsets:
+    best-of-n for every n from one set of samples); a tie goes to the earlier sample."""
+    if not 1 <= n <= proxy_PG.shape[1]:
+        raise ValueError(f"best-of-n needs 1 <= n <= {proxy_PG.shape[1]} samples per prompt, got n = {n}")
+    first_n = proxy_PG[:, :n].double()  # (P, n)
+    is_max = first_n == first_n.max(dim=1, keepdim=True).values  # (P, n)
+    return is_max.long().argmax(dim=1)  # the first column holding the maximum
+
+
+def best_of_n_kl(n: int) -> float:
+    """KL(best-of-n || pi_ref) = log n - (n - 1) / n, the formula of Stiennon et al. 2020 (appendix G.3) and Gao et
+    al. 2022 (arXiv 2210.10760, eq. 1). Exact only when no two samples tie under the proxy; in general an upper bound
+    on the true KL (Beirami et al. 2024, arXiv 2401.01879), so best-of-n sits at or left of where it is drawn."""
+    if n < 1:
+        raise ValueError(f"best-of-n needs n >= 1, got {n}")
+    return math.log(n) - (n - 1) / n

@@ -514,35 +514,41 @@ def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
         kept = f"{args.frontier_grpo_samples}->8"
         name = f"GRPO {selection} {kept}, beta {beta:g}" if stage == "grpo" else f"DPO beta {beta:g}"
         run_dir = root / (f"grpo_{selection}_beta{beta:g}" if stage == "grpo" else f"dpo_beta{beta:g}") / f"seed{seed}"
-        if stage == "grpo":
-            options = grpo_options(out, paths, pairs, args) | {
-                "num_samples": args.frontier_grpo_samples,
-                "selection": selection,
-            }
-        else:
-            options = dpo_options(out, pairs, args)
-        if args.frontier_eval_rows:
-            options |= {"val_rows": args.frontier_eval_rows} | (
-                {"pref_rows": args.frontier_eval_rows} if stage == "grpo" else {}
-            )
-        tags = f"{stage}={selection or 'dpo'},beta={beta:g}"
-        run_stage(
-            f"{stage}.py",
-            options
-            | measured
-            | {
-                "beta": beta,
-                "seed": seed,
-                "out_dir": run_dir,
-                "run_name": f"frontier-{run_dir.parent.name}-{seed}",
-                "wandb_group": f"frontier-{run_dir.parent.name}",
-                "wandb_tags": tags,
-            },
-            args.nproc,
-        )
+        frontier_run(stage, selection, beta, seed, run_dir, out, paths, pairs, args, measured)
         methods.setdefault(name, []).append(frontier_points(run_dir))
         record()
     return record()
+
+
+def frontier_run(stage, selection, beta, seed, run_dir: Path, out: Path, paths: dict, pairs: dict, args, measured):
+    """One run of the frontier's grids: grpo.py (with `selection`) or dpo.py at KL coefficient `beta`, seed `seed`,
+    in `run_dir`, measured at every evaluation (`measured`: the --frontier_* options)."""
+    if stage == "grpo":
+        options = grpo_options(out, paths, pairs, args) | {
+            "num_samples": args.frontier_grpo_samples,
+            "selection": selection,
+        }
+    else:
+        options = dpo_options(out, pairs, args)
+    if args.frontier_eval_rows:
+        options |= {"val_rows": args.frontier_eval_rows} | (
+            {"pref_rows": args.frontier_eval_rows} if stage == "grpo" else {}
+        )
+    tags = f"{stage}={selection or 'dpo'},beta={beta:g}"
+    run_stage(
+        f"{stage}.py",
+        options
+        | measured
+        | {
+            "beta": beta,
+            "seed": seed,
+            "out_dir": run_dir,
+            "run_name": f"frontier-{run_dir.parent.name}-{seed}",
+            "wandb_group": f"frontier-{run_dir.parent.name}",
+            "wandb_tags": tags,
+        },
+        args.nproc,
+    )
 
 
 def summarize(out: Path, paths: dict, pairs: dict, args: argparse.Namespace, t0: float) -> None:
@@ -582,6 +588,42 @@ def summarize(out: Path, paths: dict, pairs: dict, args: argparse.Namespace, t0:
     for k, v in summary.items():
         print(f"| {k} | {v:.4f} |")
     print(f"\nwrote {out / 'summary.json'}, {assets / 'pipeline.png'}, {assets / 'demo_curves.png'}")
+
+
+def add_frontier_arguments(p: argparse.ArgumentParser) -> None:
+    """The reward-KL frontier's options (make frontier)."""
+    p.add_argument(
+        "--frontier_seeds",
+        type=int,
+        default=0,
+        help="with N > 0: instead of DPO and GRPO, the reward-KL frontier (make frontier): the grids of "
+        "--frontier_dpo_betas and --frontier_grpo_betas, N seeds each, and best-of-n, from one SFT policy and reward "
+        "model (docs/results.md)",
+    )
+    p.add_argument("--frontier_dpo_betas", type=float, nargs="+", default=[0.1, 0.3], help="DPO betas")
+    p.add_argument(
+        "--frontier_grpo_betas",
+        type=float,
+        nargs="+",
+        default=[0.4, 0.1],
+        help="GRPO KL coefficients (grpo.py --beta) of the RSO runs; the first also with uniform selection",
+    )
+    p.add_argument(
+        "--frontier_grpo_samples",
+        type=int,
+        default=64,
+        help="samples per prompt of the frontier's GRPO runs (grpo.py --num_samples; 8 are kept)",
+    )
+    p.add_argument(
+        "--frontier_eval_rows",
+        type=int,
+        default=0,
+        help="rows of the frontier runs' own evaluations (dpo.py and grpo.py --val_rows, grpo.py --pref_rows); 0: "
+        "the demo's",
+    )
+    p.add_argument("--frontier_prompts", type=int, default=100, help="held-out posts each frontier point samples")
+    p.add_argument("--frontier_samples", type=int, default=4, help="temperature-1 samples per post of each point")
+    p.add_argument("--frontier_best_of", type=int, default=64, help="best-of-n's largest n (a power of 2)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -654,38 +696,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME",
         help="which variants of ABLATION to run",
     )
-    p.add_argument(
-        "--frontier_seeds",
-        type=int,
-        default=0,
-        help="with N > 0: instead of DPO and GRPO, the reward-KL frontier (make frontier): the grids of "
-        "--frontier_dpo_betas and --frontier_grpo_betas, N seeds each, and best-of-n, from one SFT policy and reward "
-        "model (docs/results.md)",
-    )
-    p.add_argument("--frontier_dpo_betas", type=float, nargs="+", default=[0.1, 0.3], help="DPO betas")
-    p.add_argument(
-        "--frontier_grpo_betas",
-        type=float,
-        nargs="+",
-        default=[0.4, 0.1],
-        help="GRPO KL coefficients (grpo.py --beta) of the RSO runs; the first also with uniform selection",
-    )
-    p.add_argument(
-        "--frontier_grpo_samples",
-        type=int,
-        default=64,
-        help="samples per prompt of the frontier's GRPO runs (grpo.py --num_samples; 8 are kept)",
-    )
-    p.add_argument(
-        "--frontier_eval_rows",
-        type=int,
-        default=0,
-        help="rows of the frontier runs' own evaluations (dpo.py and grpo.py --val_rows, grpo.py --pref_rows); 0: "
-        "the demo's",
-    )
-    p.add_argument("--frontier_prompts", type=int, default=100, help="held-out posts each frontier point samples")
-    p.add_argument("--frontier_samples", type=int, default=4, help="temperature-1 samples per post of each point")
-    p.add_argument("--frontier_best_of", type=int, default=64, help="best-of-n's largest n (a power of 2)")
+    add_frontier_arguments(p)
     p.add_argument(
         "--reuse",
         action="store_true",

@@ -16,7 +16,6 @@ reward accuracy (beta * log pi/pi_ref of chosen above rejected; ties count half)
 rewards, and the validation preference accuracy with its bootstrap interval.
 """
 
-import functools
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -31,7 +30,7 @@ from evaluation.preference import evaluate_policy, policy_logps, reference_logps
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig
 from model.weights import model_config, save_export
-from rlhf.losses import dpo_loss, ipo_loss
+from rlhf.losses import preference_loss
 from rlhf.stats import pair_outcomes
 from rollouts.models import build_policy_and_reference
 from utils.config import ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config
@@ -98,13 +97,6 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig, Fronti
             raise ConfigError(f"--eval_samples must be >= 0, got {self.eval_samples}")
         self.validate_judge()
         self.validate_frontier()
-
-
-def preference_loss_fn(cfg: Config):
-    """The per-pair loss (policy_chosen, policy_rejected, ref_chosen, ref_rejected) -> (B,) chosen by --loss."""
-    if cfg.loss == "ipo":
-        return functools.partial(ipo_loss, beta=cfg.beta)
-    return functools.partial(dpo_loss, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
 
 
 def pair_losses(
@@ -206,7 +198,7 @@ def main(cfg: Config) -> dict:
     # 3. policy and frozen reference (rollouts.models), optimizer over the policy's trainable parameters
     policy, reference = build_policy_and_reference(cfg, run)
     optimizer, scheduler = build_optimization(policy, cfg, total_steps)
-    loss_fn = preference_loss_fn(cfg)
+    loss_fn = preference_loss(cfg)
     judge = None  # --judge: its reward model and posts, for the win rate at every evaluation
     if cfg.judge:
         judge = Judge(cfg, tok, cfg.max_prompt_len, run.dtype, device, 2 * cfg.micro_batch_size, cfg.seed)
@@ -223,18 +215,14 @@ def main(cfg: Config) -> dict:
     if ref_val is not None and cfg.eval_samples > 0:
         rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)[: cfg.eval_samples]
         samples = SampleLog(rows, "chosen", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed)
-    frontier, first = None, {}  # --frontier_prompts: eval/kl and rewards of temperature-1 samples at each evaluation
-    if cfg.frontier_prompts > 0:
-        args = (cfg.val_data, cfg.val_split, tok, cfg.max_prompt_len, cfg.max_response_len, run)
-        frontier = Frontier(cfg, *args, reward_model=judge.model if judge else None)
-        if step == 0 and cfg.eval_every > 0:
-            first = frontier.evaluate(policy, reference, 0)
-    if first and ref_val is None:
-        run.logger.log(first, 0)
+    # --frontier_prompts: eval/kl and rewards of temperature-1 samples at each evaluation (else None)
+    frontier = Frontier.build(cfg, tok, run, cfg.max_response_len, judge.model if judge else None)
+    first = frontier.evaluate(policy, reference, 0) if frontier and step == 0 and cfg.eval_every > 0 else {}
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
-        val = validate(policy, ref_val, data.val_set, cfg, device, judge, samples, run.logger, 0)
-        check_best_metric(cfg, val)  # before the first training step
-        run.logger.log(val | first, 0)
+        first |= validate(policy, ref_val, data.val_set, cfg, device, judge, samples, run.logger, 0)
+        check_best_metric(cfg, first)  # before the first training step
+    if first:
+        run.logger.log(first, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)
     policy.train()
     metrics, stopping = {}, False

@@ -143,17 +143,8 @@ def main(cfg: Config) -> dict:
         if cfg.judge:
             del reference
             judge = shard_model(build_reward_model(cfg.judge), dtype).to(device)
-            results |= summary_win_rate(
-                policy,
-                judge,
-                summary_rows,
-                tok,
-                cfg.max_prompt_len,
-                cfg.max_new_tokens,
-                2 * cfg.micro_batch_size,
-                cfg.bootstrap_samples,
-                cfg.seed,
-            )
+            lengths = (cfg.max_prompt_len, cfg.max_new_tokens, 2 * cfg.micro_batch_size)
+            results |= summary_win_rate(policy, judge, summary_rows, tok, *lengths, cfg.bootstrap_samples, cfg.seed)
 
     # 4. report
     if rank == 0:

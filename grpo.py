@@ -361,10 +361,8 @@ def main(cfg: Config) -> dict:
         f"{cfg.kept} kept per rank, {n_micro} micro-batches, {total_steps} steps"
     )
     ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
-    frontier = None  # --frontier_prompts: KL to the reference and rewards of temperature-1 samples (eval/kl, ...)
-    if cfg.frontier_prompts > 0:
-        args = (cfg.val_data, cfg.val_split, tok, cfg.max_prompt_len, cfg.max_new_tokens, run)
-        frontier = Frontier(cfg, *args, reward_model=models.reward_model, gold_fn=gold_reward)
+    # --frontier_prompts: KL to the reference and rewards of temperature-1 samples (eval/kl, ...); else None
+    frontier = Frontier.build(cfg, tok, run, cfg.max_new_tokens, models.reward_model, gold_reward)
     if step == 0 and cfg.eval_every > 0:
         evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device, frontier)
         check_best_metric(cfg, evaluated, keep["best_metric"])  # before the first training step
@@ -372,7 +370,7 @@ def main(cfg: Config) -> dict:
     batches_iter, metrics, stopping = iter(loader), {}, False
     models.policy.train()
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
-        while step < total_steps:
+        while step < total_steps and not stopping:
             t_step = time.perf_counter()
             # 0. iterative GRPO: every ref_refresh_every steps the current policy becomes the reference
             if cfg.ref_refresh_every > 0 and step > 0 and step % cfg.ref_refresh_every == 0:
@@ -396,16 +394,12 @@ def main(cfg: Config) -> dict:
             if cfg.eval_due(step, total_steps):
                 metrics.update(evaluate(models, spec, val, pref, ref_pref, cfg, step, device, frontier))
             if cfg.table_every > 0 and step % cfg.table_every == 0:
-                r = result
-                table = sample_table(spec, prompts, r.samples, r.scores, r.rows_BK, r.advantages, cfg.table_prompts)
-                run.logger.table("samples", *table, step)
+                run.logger.table("samples", *sample_table(spec, prompts, result, cfg.table_prompts), step)
 
             # 9. checkpoint: on schedule, at the end, at a new best evaluation metric, or when a signal came
             stopping = end_of_step(
                 run, cfg, step, total_steps, metrics, models.policy, optimizer, scheduler, loader, **keep
             )
-            if stopping:
-                break
 
     # 10. export a Hugging Face-format folder (not after a signal: the run is not finished)
     export = partial(save_export, models.policy, cfg=model_cfg, folder=run.dir / "hf")  # the Hugging Face folder

@@ -194,8 +194,7 @@ def main(cfg: Config) -> dict:
         with torch.random.fork_rng(devices=[]):  # a random init from the state every rank shares, not the per-rank one
             torch.set_rng_state(run.init_rng)
             policy = build_policy(policy_name, policy_random_init)
-        shard_model(policy, run.dtype)
-        policy.to(device)
+        shard_model(policy, run.dtype).to(device)
         prompt_rows = normalization_prompts(data.rows, cfg.norm_prompts, cfg.seed)
         prompts = PromptDataset(prompt_rows, tok, cfg.max_prompt_len, name="normalisation prompts").prompts
         norm = fit_normalization(model, policy, prompts, cfg, run.rank, world, device, step)

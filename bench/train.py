@@ -35,6 +35,7 @@ from data.tldr import collate_pairs, collate_sft
 from data.tokenizer import END_ID
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
+from rlhf.losses import preference_loss
 from utils.dist import setup_distributed
 from utils.fsdp import resolve_dtype, shard_model
 from utils.optim import build_optimizer, clip_grad_norm
@@ -334,7 +335,7 @@ def bench_dpo(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
     optimizer = build_optimizer(policy, lr=1e-5, weight_decay=0.0)
     micro = pair_micro_batches(cfg, policy.cfg.vocab_size)
     dpo_cfg = dpo.Config(beta=0.1)
-    loss_fn = dpo.preference_loss_fn(dpo_cfg)
+    loss_fn = preference_loss(dpo_cfg)
     policy.train()
 
     def step():

@@ -247,6 +247,15 @@ class Frontier:
             self.reward_model.eval()
         self.gold_fn = load_function(cfg.frontier_gold_fn, "--frontier_gold_fn") if cfg.frontier_gold_fn else gold_fn
 
+    @classmethod
+    def build(cls, cfg, tok, run, max_new_tokens: int, reward_model=None, gold_fn=None) -> "Frontier | None":
+        """The stage's Frontier over its own validation data and prompt length (cfg.val_data, cfg.val_split,
+        cfg.max_prompt_len); None without --frontier_prompts."""
+        if cfg.frontier_prompts <= 0:
+            return None
+        args = (cfg.val_data, cfg.val_split, tok, cfg.max_prompt_len, max_new_tokens, run)
+        return cls(cfg, *args, reward_model=reward_model, gold_fn=gold_fn)
+
     def evaluate(self, policy, reference, step: int, prefix: str = "eval/") -> dict[str, float]:
         generator = stream(self.seed, step, 0, "frontier", device=self.device)  # rank 0's stream on every rank
         out = measure(

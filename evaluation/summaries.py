@@ -94,18 +94,11 @@ def reference_summaries(texts: list, tok, max_new_tokens: int, device) -> Sample
     )
 
 
-def sample_table(
-    spec: RewardSpec,
-    prompts: PromptSet,
-    samples,
-    scores,
-    rows_BK: torch.Tensor,
-    advantages: torch.Tensor,
-    n_prompts: int,
-) -> tuple[list[str], list[list]]:
+def sample_table(spec: RewardSpec, prompts: PromptSet, result, n_prompts: int) -> tuple[list[str], list[list]]:
     """Columns and rows of a table of training samples: the first n_prompts prompts of this rank with their selected
-    samples (rows_BK): prompt, response, each source's value (None where it does not apply), reward, advantage,
-    has_end."""
+    samples (a GRPO step's `result`: its samples, scores, rows_BK and advantages): prompt, response, each source's
+    value (None where it does not apply), reward, advantage, has_end."""
+    samples, scores, rows_BK, advantages = result.samples, result.scores, result.rows_BK, result.advantages
     table = []
     for b in range(min(n_prompts, rows_BK.shape[0])):
         for j, n in enumerate(rows_BK[b].tolist()):

@@ -2,6 +2,8 @@
 so callers divide by a global count (over ranks and accumulation steps) and gradients do not depend on the
 world size or micro-batch size (see utils/dist.py and the tests)."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -70,3 +72,11 @@ def ipo_loss(
     infinity as DPO does on deterministic preferences. h uses summed (not length-averaged) log-probs."""
     h = dpo_logits(policy_chosen, policy_rejected, ref_chosen, ref_rejected)
     return (h - 1.0 / (2.0 * beta)) ** 2
+
+
+def preference_loss(cfg):
+    """The per-pair loss (policy_chosen, policy_rejected, ref_chosen, ref_rejected) -> (B,) that cfg.loss names
+    ("sigmoid": dpo_loss with cfg.beta and cfg.label_smoothing; "ipo": ipo_loss with cfg.beta)."""
+    if cfg.loss == "ipo":
+        return functools.partial(ipo_loss, beta=cfg.beta)
+    return functools.partial(dpo_loss, beta=cfg.beta, label_smoothing=cfg.label_smoothing)

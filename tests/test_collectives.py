@@ -15,6 +15,7 @@ from model.heads import RewardModel
 from model.lora import AdaptersOff, LoRAConfig, apply_lora
 from model.sampler import generate
 from model.weights import freeze
+from rlhf.losses import preference_loss
 from rollouts.batches import MicroBatch
 from utils.fsdp import forward_order_records, gathered_params, shard_model
 
@@ -205,7 +206,7 @@ def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tm
     chosen = [torch.randint(0, 50000, (6,), generator=g).tolist() for _ in range(4)]
     rejected = [torch.randint(0, 50000, (5,), generator=g).tolist() for _ in range(4)]
     batch = collate_pairs(prompts, chosen, rejected)
-    losses, _ = dpo.pair_losses(policy, reference, batch, dpo.preference_loss_fn(cfg), cfg.beta, run.device)
+    losses, _ = dpo.pair_losses(policy, reference, batch, preference_loss(cfg), cfg.beta, run.device)
     assert torch.allclose(losses, torch.full_like(losses, math.log(2.0)), rtol=0, atol=1e-6), losses
 
 
@@ -279,7 +280,7 @@ def test_dpo_reference_is_gathered_once_per_step(one_rank_group, monkeypatch):
         return [torch.randint(0, 50000, (n,), generator=g).tolist() for n in (7, 5)]
 
     micro = [collate_pairs(pairs(), pairs(), pairs()) for _ in range(3)]  # 3 micro-batches of 2 pairs
-    loss_fn = dpo.preference_loss_fn(dpo.Config())
+    loss_fn = preference_loss(dpo.Config())
     dpo.accumulate_gradients(policy, reference, micro, 1, 6, loss_fn, 0.1, torch.device("cpu"))
     from_reference = [grp for grp in unshards if id(grp) in ref_groups]
     assert len(from_reference) == UNITS  # once per unit for the whole step

@@ -20,6 +20,7 @@ from evaluation.preference import build_eval_set, evaluate_reward_model, gather_
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import build_reward_model, save_hf
+from rlhf.losses import preference_loss
 from rlhf.stats import bootstrap_ci, pair_outcomes, preference_summary, standardizing_gain_bias
 from tests.conftest import (
     assert_same_metrics,
@@ -129,7 +130,7 @@ def test_frozen_reference_receives_no_gradient():
     policy = GPT2LMHeadModel(TINY)
     reference = copy.deepcopy(policy)  # requires_grad left True on purpose: only torch.no_grad protects it
     batch = collate_pairs(*random_pairs(3))
-    losses, stats = dpo.pair_losses(policy, reference, batch, dpo.preference_loss_fn(dpo.Config()), 0.1, "cpu")
+    losses, stats = dpo.pair_losses(policy, reference, batch, preference_loss(dpo.Config()), 0.1, "cpu")
     assert torch.allclose(losses, torch.full((3,), LOG2))  # policy == reference: zero margin
     assert stats[1].item() == 1.5  # accuracy: three ties count 1/2 each
     losses.sum().backward()
@@ -161,9 +162,9 @@ def test_response_logprobs_sum_the_response_tokens_of_the_full_logits():
 
 def test_loss_choice_and_offload_needs_gpu():
     z, h = torch.zeros(2), torch.tensor([1.0, -2.0])
-    ipo = dpo.preference_loss_fn(dpo.Config(loss="ipo", beta=0.5))
+    ipo = preference_loss(dpo.Config(loss="ipo", beta=0.5))
     assert torch.allclose(ipo(h, z, z, z), torch.tensor([0.0, 9.0]))  # (h - 1)^2
-    smooth = dpo.preference_loss_fn(dpo.Config(beta=1.0, label_smoothing=0.25))
+    smooth = preference_loss(dpo.Config(beta=1.0, label_smoothing=0.25))
     assert smooth(h, z, z, z)[0].item() == pytest.approx(math.log1p(math.exp(-1.0)) + 0.25, abs=1e-6)
     with pytest.raises(SystemExit):
         parse_config(dpo.Config, ["--loss", "ipo", "--label_smoothing", "0.1"])
@@ -190,7 +191,7 @@ def test_gradient_does_not_depend_on_micro_batch_size(stage, shared):
             for s, n in zip(starts, sizes, strict=True)
         ]
         if stage == "dpo":
-            loss_fn = dpo.preference_loss_fn(dpo.Config(beta=0.5))
+            loss_fn = preference_loss(dpo.Config(beta=0.5))
             m = dpo.accumulate_gradients(model, reference, micro, 1, 4, loss_fn, 0.5, "cpu", shared)
         else:
             m = reward_model.accumulate_gradients(model, micro, 1, 4, "cpu", shared)
@@ -579,6 +580,6 @@ def test_dpo_reference_dtype_auto_follows_the_policy_and_the_first_loss_is_log2(
     rows = load_rows(str(data), "train", PREF_COLUMNS)
     tok = get_tokenizer()
     ds = build_eval_set(rows, tok, 64, 16, 8, 0, 1).batches[0]
-    losses, stats = dpo.pair_losses(policy, reference, ds, dpo.preference_loss_fn(cfg), cfg.beta, torch.device("cpu"))
+    losses, stats = dpo.pair_losses(policy, reference, ds, preference_loss(cfg), cfg.beta, torch.device("cpu"))
     assert stats[2] == 0 and stats[3] == 0  # summed chosen and rejected implicit rewards
     assert torch.equal(losses, torch.full_like(losses, LOG2))

@@ -11,18 +11,21 @@
 #                                              # collected and skip, the benchmark runs --device cpu --quick)
 # PYTHON: the interpreter (default python3, the one that holds PyTorch on the GPU image).
 #
-# Checks (name: what; timeouts setup 60 s, machine 30, gpu_tests 270, bench 120, compile 150, each cut to what is
-# left of BUDGET):
+# Checks (name: what; timeouts setup 60 s, machine 30, gpu_compile 200, gpu_tests 240, compile 150, bench 120, each
+# cut to what is left of BUDGET, in this order):
 #   setup       .gpu/wheels installed into a private site folder, .gpu/bpe as GPT2_BPE_DIR
 #   machine     nvidia-smi, python, torch, CUDA and package versions                       -> OUT_DIR/machine.txt
-#   gpu_tests   pytest -m gpu (each test 120 s at most): tests/test_gpu.py (bit-exact --deterministic reruns and
-#               resume; bf16 with the default attention kernel on left-padded and packed rows against fp32; CPU
-#               offload of the frozen models and activation checkpointing against the plain run; the memory
-#               estimate against torch.cuda.max_memory_allocated on the step it estimates), and the CUDA checks in
+#   gpu_compile pytest -m gpu -k compiled (each test 240 s at most): --compile on CUDA: the decode step's CUDA graphs
+#               recorded once per shape over calls of varying prompt widths under FSDP2, compiled decode equal to
+#               eager, the per-block compiled forward and backward equal to eager   -> OUT_DIR/pytest_compile.log
+#   gpu_tests   the other GPU tests (each 120 s at most): tests/test_gpu.py (bit-exact --deterministic reruns and
+#               resume; CPU offload of the frozen models and activation checkpointing against the plain run; the
+#               memory estimate against torch.cuda.max_memory_allocated on the step it estimates), bf16 with the
+#               default attention kernel on left-padded and packed rows against fp32, and the CUDA checks in
 #               tests/test_collectives.py, test_logprobs.py and test_bench.py                 -> OUT_DIR/pytest_gpu.log
-#   bench       python -m bench.run_all --device cuda --quick                      -> OUT_DIR/results.json, bench.log
 #   compile     python -m bench.run_all --device cuda --quick --only compile: --compile against eager (gpt2 decode
 #               at 1,024 rows, a GRPO step)                                        -> OUT_DIR/compile.json, compile.log
+#   bench       python -m bench.run_all --device cuda --quick                      -> OUT_DIR/results.json, bench.log
 # Every GPU-marked test is listed in the summary with its outcome; every benchmark figure with its value. Exit status:
 # non-zero if any check failed, timed out or was skipped.
 set -u -o pipefail
@@ -90,12 +93,13 @@ export -f machine
 check machine 30 "$OUT_DIR/machine.txt" bash -c machine
 
 # pytest-timeout (in the GPU image) stops a hung test; without it the golden runs' own timeout still applies
-TEST_TIMEOUT=""
-"$PY" -c "import pytest_timeout" 2>/dev/null && TEST_TIMEOUT="--timeout 120"
-check gpu_tests 270 "$OUT_DIR/pytest_gpu.log" "$PY" -m pytest -m gpu -p no:cacheprovider -rA -q $TEST_TIMEOUT
+TEST_TIMEOUT="" COMPILE_TIMEOUT=""
+"$PY" -c "import pytest_timeout" 2>/dev/null && TEST_TIMEOUT="--timeout 120" COMPILE_TIMEOUT="--timeout 240"
+check gpu_compile 200 "$OUT_DIR/pytest_compile.log" "$PY" -m pytest -m gpu -k compiled -p no:cacheprovider -rA -q -s \
+  $COMPILE_TIMEOUT
+check gpu_tests 240 "$OUT_DIR/pytest_gpu.log" "$PY" -m pytest -m gpu -k "not compiled" -p no:cacheprovider -rA -q \
+  $TEST_TIMEOUT
 # "no tests collected" (exit 5) fails: there are GPU tests, so collecting none means something is wrong
-
-check bench 120 "$OUT_DIR/bench.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --out "$OUT_DIR/results.json"
 
 # ---- --compile (the compiled decode step) against eager ----
 # decode tokens/s of gpt2 (bf16) at 1,024 rows (16 prompts x 64 samples, 352-384-token prompts, 56 new tokens) and the
@@ -104,6 +108,8 @@ check bench 120 "$OUT_DIR/bench.log" "$PY" -m bench.run_all --device "$DEVICE" $
 check compile 150 "$OUT_DIR/compile.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --only compile \
   --out "$OUT_DIR/compile.json"
 # ---- end of the --compile block ----
+
+check bench 120 "$OUT_DIR/bench.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --out "$OUT_DIR/results.json"
 
 # the summary: each check, each GPU test's outcome, each benchmark figure
 "$PY" - "$OUT_DIR" <<'PY' | tee "$OUT_DIR/summary.txt"
@@ -116,8 +122,10 @@ print(f"{'check':<12} {'outcome':<24} time")
 for line in (out / "checks.tsv").read_text().splitlines():
     name, outcome, seconds = line.split("\t")
     print(f"{name:<12} {outcome:<24} {seconds}")
-log = out / "pytest_gpu.log"
-tests = re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR)\s+(?:\[\d+\]\s+)?(\S+)(.*)$", log.read_text(), re.M) if log.exists() else []
+tests = []
+for log in (out / "pytest_compile.log", out / "pytest_gpu.log"):
+    if log.exists():
+        tests += re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR)\s+(?:\[\d+\]\s+)?(\S+)(.*)$", log.read_text(), re.M)
 if tests:
     print(f"\n{'GPU test':<100} outcome")
     for outcome, name, rest in tests:

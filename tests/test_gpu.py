@@ -3,7 +3,8 @@ agree bit for bit on CUDA in bf16, and a run resumed from its sharded checkpoint
 CPU offload of the frozen models and activation checkpointing leave a deterministic run unchanged; the memory
 estimate (rollouts/memory.py) bounds the measured peak of the step it estimates; with two GPUs, the same over NCCL
 (each rank writing its own checkpoint shards, the process group bound to its GPU). Each run is a golden configuration
-(tests/golden/stages.py) moved to the GPU."""
+(tests/golden/stages.py) moved to the GPU. --compile on CUDA under FSDP2 (NCCL, one process): the decode step's CUDA
+graphs recorded once per shape, not per call, and the per-block compiled forward and backward equal to eager."""
 
 import json
 import shutil
@@ -78,6 +79,41 @@ def test_memory_estimate_bounds_the_measured_peak_of_the_step_it_estimates():
     measured, estimated = m["peak_memory_bytes"], m["estimated_peak_bytes"]
     assert measured <= estimated / MARGIN, (measured, m["estimated_bytes"])
     assert estimated <= 3 * measured, (measured, m["estimated_bytes"])
+
+
+def test_compiled_decode_records_each_cuda_graph_once_under_fsdp2(tmp_path):
+    # sample_responses(compile=True) (inductor, reduce-overhead) over 9 calls of 9 prompt widths and 2 chunk sizes:
+    # CUDA graphs are recorded only by a call that brings a new decode shape, every call of a shape reuses its buffers,
+    # nothing is declined by cudagraph trees, and the tokens are the eager sampler's (tests/scripts/compiled_decode.py)
+    from tests.conftest import run_script
+
+    out = tmp_path / "records.pt"
+    run_script(["tests/scripts/compiled_decode.py", str(out), "cuda"], timeout=240)
+    records = torch.load(out)
+    print("\n".join(f"call {i}: {r}" for i, r in enumerate(records)))  # the counts, in the GPU check's log
+    seen, recorded = {}, 0
+    for r in records:
+        assert r["same_tokens"] and r["logprob_gap"] <= 1e-4, r
+        new_shapes = set(r["buffers"]) - set(seen)
+        assert (r["cuda_graphs"] > recorded) == bool(new_shapes), (r["cuda_graphs"], recorded, new_shapes)
+        for key, addresses in r["buffers"].items():
+            assert seen.setdefault(key, addresses) == addresses, key
+        recorded = r["cuda_graphs"]
+    assert records[-1]["cudagraph_skips"] == 0 and len(seen) == 4
+
+
+def test_compiled_blocks_under_fsdp2_equal_eager_on_gpu(tmp_path):
+    # --compile's per-block forward (inductor) on CUDA in fp32, padded and packed preference rows of two widths:
+    # losses and gradients as the eager model's, no graph break (tests/scripts/compiled_blocks.py)
+    from tests.conftest import run_script
+
+    out = tmp_path / "record.pt"
+    run_script(["tests/scripts/compiled_blocks.py", str(out), "inductor", "cuda"], timeout=240)
+    record = torch.load(out)
+    print(record)
+    for shared in (True, False):
+        assert record["loss"][("compiled", shared)] == pytest.approx(record["loss"][("eager", shared)], rel=1e-5)
+    assert record["grad_gap"] <= 1e-5 and record["graphs"] > 0 and record["graph_breaks"] == 0, record
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

@@ -4,10 +4,11 @@ rows with a shared prompt (evaluation.preference.response_logprobs, the layouts 
 of different widths. Rank 0 saves the losses, the largest gradient difference relative to the gradient's scale, and
 dynamo's counts of graphs and graph breaks.
 
-    python tests/scripts/compiled_blocks.py OUT.pt [BACKEND]
+    python tests/scripts/compiled_blocks.py OUT.pt [BACKEND] [DEVICE]
 
 BACKEND: torch.compile's backend for the blocks (default "aot_eager": forward and backward graphs captured, no
-code generated, so the check takes seconds; "inductor" compiles them as a run does).
+code generated, so the check takes seconds; "inductor" compiles them as a run does). DEVICE: "cpu" (default, gloo)
+or "cuda" (NCCL, one GPU per process: tests/test_gpu.py runs it as one process with inductor).
 """
 
 import sys
@@ -37,22 +38,22 @@ def pairs(n: int, width: int, seed: int) -> dict:
     )
 
 
-def main(out: str, backend: str) -> None:
+def main(out: str, backend: str, device: str) -> None:
     from torch._dynamo.utils import counters
 
-    info = setup_distributed("cpu")
+    info = setup_distributed(device)
     models = {}
     for name, compiled in (("eager", False), ("compiled", True)):
         torch.manual_seed(0)
         models[name] = shard_model(
-            GPT2LMHeadModel(CFG), torch.float32, compile_blocks=compiled, compile_backend=backend
+            GPT2LMHeadModel(CFG).to(info.device), torch.float32, compile_blocks=compiled, compile_backend=backend
         )
     batches = [pairs(3, 20, seed=info.rank), pairs(3, 45, seed=10 + info.rank)]
     record = {"loss": {}, "grad_gap": 0.0}
     for shared in (True, False):
         for name, model in models.items():
             model.zero_grad(set_to_none=True)
-            loss = sum(-response_logprobs(model, b, "cpu", prefix_sharing=shared).mean() for b in batches)
+            loss = sum(-response_logprobs(model, b, info.device, prefix_sharing=shared).mean() for b in batches)
             loss.backward()
             record["loss"][(name, shared)] = float(loss)
         for (_, p_eager), (_, p_compiled) in zip(
@@ -69,4 +70,4 @@ def main(out: str, backend: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "aot_eager")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "aot_eager", sys.argv[3] if len(sys.argv) > 3 else "cpu")

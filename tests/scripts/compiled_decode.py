@@ -3,11 +3,13 @@ prompt batches of different widths (two width buckets, two batch sizes), as a ru
 it. Rank 0 saves, per call: the graphs compiled so far, the addresses of the decode buffers the call used, and
 whether its tokens equal the eager sampler's on the same draws.
 
-    python tests/scripts/compiled_decode.py OUT.pt
+    python tests/scripts/compiled_decode.py OUT.pt [DEVICE]
 
-The decode step is compiled with dynamo's "eager" backend here (graph capture and guards, no code generation), so
-the test counts what a run would capture and recapture in seconds; inductor's code for the step is checked against
-eager in tests/test_sampler.py.
+DEVICE "cpu" (default; gloo): the decode step is compiled with dynamo's "eager" backend (graph capture and guards, no
+code generation), so the test counts what a run would capture and recapture in seconds; inductor's code for the step
+is checked against eager in tests/test_sampler.py. DEVICE "cuda" (NCCL, one GPU per process; tests/test_gpu.py runs
+it as one process): the step a run compiles (inductor, mode reduce-overhead), and each record also counts the CUDA
+graphs recorded so far (every torch.cuda.CUDAGraph.capture_begin) and the steps cudagraph trees declined to record.
 """
 
 import functools
@@ -37,22 +39,41 @@ def prompts(n: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def main(out: str) -> None:
+def count_cuda_graph_recordings() -> list[int]:
+    """Wrap torch.cuda.CUDAGraph.capture_begin (what cudagraph trees call to record a graph); returns a counter."""
+    recorded = [0]
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def counted(self, *args, **kwargs):
+        recorded[0] += 1
+        return begin(self, *args, **kwargs)
+
+    torch.cuda.CUDAGraph.capture_begin = counted
+    return recorded
+
+
+def main(out: str, device: str) -> None:
     from torch._dynamo.utils import counters
 
-    info = setup_distributed("cpu")
+    info = setup_distributed(device)
     torch.manual_seed(0)
     policy = GPT2LMHeadModel(GPTConfig(vocab_size=300, n_layer=2, n_head=2, n_embd=32, n_positions=256))
-    shard_model(policy, torch.float32)
-    sampler.compiled_decode_step = functools.cache(
-        lambda device_type: torch.compile(sampler.decode_step, backend="eager")
-    )
+    shard_model(policy.to(info.device), torch.float32)
+    recorded = [0]
+    if device == "cuda":
+        recorded = count_cuda_graph_recordings()
+    else:
+        sampler.compiled_decode_step = functools.cache(
+            lambda device_type: torch.compile(sampler.decode_step, backend="eager")
+        )
     records = []
     for i, (n, width) in enumerate(CALLS):
-        ids, mask = prompts(n, width, seed=i)
+        ids, mask = (t.to(info.device) for t in prompts(n, width, seed=i))
         kw = dict(num_samples=3, max_new_tokens=6, prompts_per_call=2, temperature=1.0)
-        eager = sample_responses(policy, ids, mask, generator=torch.Generator().manual_seed(i), **kw)
-        compiled = sample_responses(policy, ids, mask, generator=torch.Generator().manual_seed(i), compile=True, **kw)
+        eager = sample_responses(policy, ids, mask, generator=torch.Generator(info.device).manual_seed(i), **kw)
+        compiled = sample_responses(
+            policy, ids, mask, generator=torch.Generator(info.device).manual_seed(i), compile=True, **kw
+        )
         used = {
             key: [t.data_ptr() for t in b.tensors()]
             for key, b in sampler._DECODE_BUFFERS.items()
@@ -61,6 +82,8 @@ def main(out: str) -> None:
         records.append(
             {
                 "graphs": counters["stats"]["unique_graphs"],
+                "cuda_graphs": recorded[0],
+                "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
                 "buffers": used,
                 "same_tokens": torch.equal(eager.response_ids, compiled.response_ids)
                 and torch.equal(eager.response_mask, compiled.response_mask),
@@ -73,4 +96,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu")

@@ -13,7 +13,8 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------------------------------
 # Timing
+
+
+@contextmanager
+def cuda_graph_recordings() -> Iterator[list[int]]:
+    """Count the CUDA graphs recorded inside the block (every torch.cuda.CUDAGraph.capture_begin, which cudagraph
+    trees call for each recording): yields a one-element list holding the count so far."""
+    recorded, begin = [0], torch.cuda.CUDAGraph.capture_begin
+
+    def counted(self, *args, **kwargs):
+        recorded[0] += 1
+        return begin(self, *args, **kwargs)
+
+    torch.cuda.CUDAGraph.capture_begin = counted
+    try:
+        yield recorded
+    finally:
+        torch.cuda.CUDAGraph.capture_begin = begin
 
 
 def synchronize(device: torch.device) -> None:

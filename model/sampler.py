@@ -23,11 +23,14 @@ once after the loop, and the only host sync is the done check (every DONE_CHECK_
 decode step runs under torch.compile with static shapes inside (compiled_decode_step).
 """
 
+import contextlib
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from model.gpt2 import KVCache, SharedKVCache
 from rlhf.logprobs import process_logits  # the one definition of the processing, shared with the update
@@ -192,6 +195,41 @@ def decode_buffers(model, B: int, P: int, G: int, max_new: int, prefix_sharing: 
     return _DECODE_BUFFERS[key]
 
 
+_DECODE_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def static_weights(model):
+    """Within the block, `model` computes with a copy of its parameters kept for the model's life: the same
+    nn.Parameter objects at the same addresses in every generate call, filled with the parameters' present values at
+    entry. A compiled decode step reads its weights in place like its buffers (on a GPU a CUDA graph records their
+    addresses), and the parameters themselves move between calls: under FSDP2 each gather (utils.fsdp.gathered_params)
+    allocates them anew, so reading them directly would record the step's CUDA graphs again at every call. Costs one
+    copy of the weights in memory and one copy per call. A model whose parameters are still sharded (DTensor) is left
+    as it is: its forward gathers them itself."""
+    named = dict(model.named_parameters())  # tied parameters once
+    if any(isinstance(p, DTensor) for p in named.values()):
+        yield
+        return
+    kept = _DECODE_WEIGHTS.setdefault(model, {})
+    name_of = {id(p): name for name, p in named.items()}
+    for name, p in named.items():
+        k = kept.get(name)
+        if k is None or k.shape != p.shape or k.dtype != p.dtype or k.device != p.device:
+            k = kept[name] = torch.nn.Parameter(torch.empty_like(p), requires_grad=False)
+            if p.device.type == "cuda":
+                torch._dynamo.mark_static_address(k)
+        k.copy_(p)
+    slots = [(m, attr, p) for m in model.modules() for attr, p in m._parameters.items() if p is not None]
+    for m, attr, p in slots:
+        m._parameters[attr] = kept[name_of[id(p)]]
+    try:
+        yield
+    finally:
+        for m, attr, p in slots:
+            m._parameters[attr] = p
+
+
 def head_bucket(n: int, N: int) -> int:
     """Rows the compiled head runs for n unfinished rows of N: the smallest of N, N/2, N/4, N/8 (rounded up) that
     holds them, so finishing rows change the head's shape at most COMPILE_BUCKETS times per call, not at every check."""
@@ -228,8 +266,9 @@ def generate(
 
     compile: run each decode step through compiled_decode_step (the prefill and the draw stay eager). The same
     tokens and log-probs up to rounding (tests/test_sampler.py); the head runs on padded buckets of rows, the
-    prompts are left-padded to a bucket width (bucket_width) and the step reads and writes the DecodeBuffers of
-    that shape, so a run compiles (and on a GPU records) each shape once."""
+    prompts are left-padded to a bucket width (bucket_width), the step reads and writes the DecodeBuffers of that
+    shape and reads the model's weights from static_weights, so a run compiles (and on a GPU records) each shape
+    once."""
     if done_check_every is None:
         done_check_every = DONE_CHECK_EVERY_GPU if prompt_ids.device.type == "cuda" else 1
     B, P = prompt_ids.shape
@@ -284,42 +323,45 @@ def generate(
     rows = None  # None: every row (always so at t = 0, which sets `tok`); else the (n,) rows the head runs
     # compiled: the head always takes a row index, padded to a bucket, its length dynamic: one graph for every bucket
     head_rows = None if not compile else buffers.head_rows
-    for t in range(max_new_tokens):
-        if temperature == 0:
-            drawn = logp.argmax(-1)
-        else:
-            u = torch.rand(N, 1, generator=generator, device=device, dtype=torch.float64)
-            drawn = sample_tokens(logp, uniforms=u if rows is None else u[rows], work=work)  # (n,)
-        drawn_logp = logp.gather(-1, drawn[:, None]).squeeze(-1)
-        if rows is None:
-            tok = drawn
-            raw_logprobs[:, t] = drawn_logp
-        else:
-            tok.index_copy_(0, rows, drawn)  # rows outside `rows` finished: their token is never read
-            raw_logprobs[:, t].index_copy_(0, rows, drawn_logp)
-        raw_tokens[:, t] = tok
-        if t == max_new_tokens - 1:
-            break
-        if (t + 1) % done_check_every == 0:  # a host sync on a GPU, hence only every done_check_every tokens
-            unfinished = (~torch.isin(raw_tokens[:, : t + 1], stop).any(1)).nonzero().squeeze(1)
-            if len(unfinished) == 0:
+    with static_weights(model) if compile else contextlib.nullcontext():
+        for t in range(max_new_tokens):
+            if temperature == 0:
+                drawn = logp.argmax(-1)
+            else:
+                u = torch.rand(N, 1, generator=generator, device=device, dtype=torch.float64)
+                drawn = sample_tokens(logp, uniforms=u if rows is None else u[rows], work=work)  # (n,)
+            drawn_logp = logp.gather(-1, drawn[:, None]).squeeze(-1)
+            if rows is None:
+                tok = drawn
+                raw_logprobs[:, t] = drawn_logp
+            else:
+                tok.index_copy_(0, rows, drawn)  # rows outside `rows` finished: their token is never read
+                raw_logprobs[:, t].index_copy_(0, rows, drawn_logp)
+            raw_tokens[:, t] = tok
+            if t == max_new_tokens - 1:
                 break
-            rows = None if len(unfinished) == N else unfinished
-            if rows is not None:  # compiled: padded to a bucket (repeating the last row), so few head shapes
-                head_rows = (
-                    rows if not compile else torch.cat([rows, rows[-1:].expand(head_bucket(len(rows), N) - len(rows))])
-                )
-        # finished rows are fed a token they drew (ignored), not PAD_ID, which may lie outside a small vocabulary
-        pos = positions[:, t : t + 1]
-        if compile:
-            cache.write_at.fill_(first + t)
-            pos = pos_now.copy_(pos)
-            torch._dynamo.maybe_mark_dynamic(head_rows, 0)
-            if device.type == "cuda":  # the last step's outputs have been read: CUDA graphs may reuse their memory
-                torch.compiler.cudagraph_mark_step_begin()
-        logp = step(model, cache, tok, pos, head_rows, temperature, top_k, top_p)  # (n or its bucket, V)
-        if rows is not None and len(head_rows) > len(rows):
-            logp = logp[: len(rows)]
+            if (t + 1) % done_check_every == 0:  # a host sync on a GPU, hence only every done_check_every tokens
+                unfinished = (~torch.isin(raw_tokens[:, : t + 1], stop).any(1)).nonzero().squeeze(1)
+                if len(unfinished) == 0:
+                    break
+                rows = None if len(unfinished) == N else unfinished
+                if rows is not None:  # compiled: padded to a bucket (repeating the last row), so few head shapes
+                    head_rows = (
+                        rows
+                        if not compile
+                        else torch.cat([rows, rows[-1:].expand(head_bucket(len(rows), N) - len(rows))])
+                    )
+            # finished rows are fed a token they drew (ignored), not PAD_ID, which may lie outside a small vocabulary
+            pos = positions[:, t : t + 1]
+            if compile:
+                cache.write_at.fill_(first + t)
+                pos = pos_now.copy_(pos)
+                torch._dynamo.maybe_mark_dynamic(head_rows, 0)
+                if device.type == "cuda":  # the last step's outputs have been read: CUDA graphs may reuse their memory
+                    torch.compiler.cudagraph_mark_step_begin()
+            logp = step(model, cache, tok, pos, head_rows, temperature, top_k, top_p)  # (n or its bucket, V)
+            if rows is not None and len(head_rows) > len(rows):
+                logp = logp[: len(rows)]
 
     # 3. a row ends at its first stop token: it is kept, everything after it is padding
     stopped = torch.isin(raw_tokens, stop)  # (N, R)

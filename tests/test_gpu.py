@@ -96,6 +96,7 @@ def test_compiled_decode_records_each_cuda_graph_once_under_fsdp2(tmp_path):
         assert r["same_tokens"] and r["logprob_gap"] <= 1e-4, r
         new_shapes = set(r["buffers"]) - set(seen)
         assert (r["cuda_graphs"] > recorded) == bool(new_shapes), (r["cuda_graphs"], recorded, new_shapes)
+        assert r["weights"] == records[0]["weights"]  # static_weights: the same copy of the weights at every call
         for key, addresses in r["buffers"].items():
             assert seen.setdefault(key, addresses) == addresses, key
         recorded = r["cuda_graphs"]

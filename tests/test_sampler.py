@@ -262,8 +262,34 @@ def test_compiled_decode_captures_each_shape_once_under_fsdp2(tmp_path):
         assert r["same_tokens"] and r["logprob_gap"] <= 1e-5
         new_shapes = set(r["buffers"]) - set(seen)
         assert (r["graphs"] > graphs) == bool(new_shapes), (r["graphs"], graphs, new_shapes)  # none after warm-up
+        assert r["weights"] == records[0]["weights"]  # static_weights: the same copy of the weights at every call
         for key, addresses in r["buffers"].items():
             assert seen.setdefault(key, addresses) == addresses, key  # the same tensors at every call
         graphs = r["graphs"]
     widths = {key[4] for key in seen}
     assert widths == {64, 128} and len(seen) == 4  # 9 widths -> 2 buckets, x 2 chunk sizes
+
+
+def test_static_weights_swap_in_one_kept_copy_and_give_the_parameters_back():
+    """Inside static_weights the model computes with a copy of its parameters (tied ones tied), the same objects at
+    every entry, refreshed from the parameters' present values; at exit the parameters are the model's again."""
+    from model.sampler import static_weights
+
+    model = GPT2LMHeadModel(GPTConfig(vocab_size=300, n_layer=1, n_head=2, n_embd=16, n_positions=32))
+    params = dict(model.named_parameters())
+    ids, pos = torch.randint(0, 300, (2, 5)), torch.arange(5).expand(2, 5)
+    expected = model(ids, pos)
+    kept = []
+    for _ in range(2):
+        with static_weights(model):
+            inside = dict(model.named_parameters())
+            assert inside.keys() == params.keys() and all(inside[k] is not params[k] for k in params)
+            assert model.lm_head.weight is model.transformer.wte.weight
+            assert all(torch.equal(inside[k], params[k]) for k in params)
+            torch.testing.assert_close(model(ids, pos), expected)
+            kept.append([p.data_ptr() for p in inside.values()])
+        assert all(p is params[k] for k, p in model.named_parameters())
+        with torch.no_grad():
+            model.transformer.wte.weight.mul_(2.0)  # the next entry must see the new values
+        expected = model(ids, pos)
+    assert kept[0] == kept[1]

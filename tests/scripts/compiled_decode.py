@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import model.sampler as sampler  # noqa: E402
+from bench.common import cuda_graph_recordings  # noqa: E402
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from rollouts.sampling import sample_responses  # noqa: E402
 from utils.dist import cleanup_distributed, setup_distributed  # noqa: E402
@@ -39,40 +40,34 @@ def prompts(n: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def count_cuda_graph_recordings() -> list[int]:
-    """Wrap torch.cuda.CUDAGraph.capture_begin (what cudagraph trees call to record a graph); returns a counter."""
-    recorded = [0]
-    begin = torch.cuda.CUDAGraph.capture_begin
-
-    def counted(self, *args, **kwargs):
-        recorded[0] += 1
-        return begin(self, *args, **kwargs)
-
-    torch.cuda.CUDAGraph.capture_begin = counted
-    return recorded
-
-
 def main(out: str, device: str) -> None:
-    from torch._dynamo.utils import counters
-
     info = setup_distributed(device)
     torch.manual_seed(0)
     policy = GPT2LMHeadModel(GPTConfig(vocab_size=300, n_layer=2, n_head=2, n_embd=32, n_positions=256))
     shard_model(policy.to(info.device), torch.float32)
-    recorded = [0]
-    if device == "cuda":
-        recorded = count_cuda_graph_recordings()
-    else:
+    if device == "cpu":
         sampler.compiled_decode_step = functools.cache(
             lambda device_type: torch.compile(sampler.decode_step, backend="eager")
         )
+        records = calls(policy, info.device, recorded=[0])
+    else:
+        with cuda_graph_recordings() as recorded:
+            records = calls(policy, info.device, recorded)
+    if info.rank == 0:
+        torch.save(records, out)
+    cleanup_distributed()
+
+
+def calls(policy, device, recorded: list[int]) -> list[dict]:
+    from torch._dynamo.utils import counters
+
     records = []
     for i, (n, width) in enumerate(CALLS):
-        ids, mask = (t.to(info.device) for t in prompts(n, width, seed=i))
+        ids, mask = (t.to(device) for t in prompts(n, width, seed=i))
         kw = dict(num_samples=3, max_new_tokens=6, prompts_per_call=2, temperature=1.0)
-        eager = sample_responses(policy, ids, mask, generator=torch.Generator(info.device).manual_seed(i), **kw)
+        eager = sample_responses(policy, ids, mask, generator=torch.Generator(device).manual_seed(i), **kw)
         compiled = sample_responses(
-            policy, ids, mask, generator=torch.Generator(info.device).manual_seed(i), compile=True, **kw
+            policy, ids, mask, generator=torch.Generator(device).manual_seed(i), compile=True, **kw
         )
         used = {
             key: [t.data_ptr() for t in b.tensors()]
@@ -82,6 +77,7 @@ def main(out: str, device: str) -> None:
         records.append(
             {
                 "graphs": counters["stats"]["unique_graphs"],
+                "weights": [w.data_ptr() for w in sampler._DECODE_WEIGHTS[policy].values()],
                 "cuda_graphs": recorded[0],
                 "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
                 "buffers": used,
@@ -90,9 +86,7 @@ def main(out: str, device: str) -> None:
                 "logprob_gap": float((eager.logprobs - compiled.logprobs).abs().max()),
             }
         )
-    if info.rank == 0:
-        torch.save(records, out)
-    cleanup_distributed()
+    return records
 
 
 if __name__ == "__main__":

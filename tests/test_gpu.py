@@ -82,25 +82,25 @@ def test_memory_estimate_bounds_the_measured_peak_of_the_step_it_estimates():
 
 
 def test_compiled_decode_records_each_cuda_graph_once_under_fsdp2(tmp_path):
-    # sample_responses(compile=True) (inductor, reduce-overhead) over 9 calls of 9 prompt widths and 2 chunk sizes:
-    # CUDA graphs are recorded only by a call that brings a new decode shape, every call of a shape reuses its buffers,
-    # nothing is declined by cudagraph trees, and the tokens are the eager sampler's (tests/scripts/compiled_decode.py)
+    # sample_responses(compile=True) (inductor, reduce-overhead) over 9 calls of 9 prompt widths and 2 chunk sizes,
+    # then the same 9 again: the second pass records no CUDA graph and compiles nothing, every call of a shape reuses
+    # its buffers and the same copy of the weights, nothing is declined by cudagraph trees, and the tokens are the
+    # eager sampler's (tests/scripts/compiled_decode.py)
     from tests.conftest import run_script
 
     out = tmp_path / "records.pt"
     run_script(["tests/scripts/compiled_decode.py", str(out), "cuda"], timeout=240)
     records = torch.load(out)
-    print("\n".join(f"call {i}: {r}" for i, r in enumerate(records)))  # the counts, in the GPU check's log
-    seen, recorded = {}, 0
+    print("\n".join(f"call {i}: graphs {r['graphs']}, CUDA graphs {r['cuda_graphs']}" for i, r in enumerate(records)))
+    seen = {}
     for r in records:
         assert r["same_tokens"] and r["logprob_gap"] <= 1e-4, r
-        new_shapes = set(r["buffers"]) - set(seen)
-        assert (r["cuda_graphs"] > recorded) == bool(new_shapes), (r["cuda_graphs"], recorded, new_shapes)
-        assert r["weights"] == records[0]["weights"]  # static_weights: the same copy of the weights at every call
+        assert r["weights"] == records[0]["weights"]
         for key, addresses in r["buffers"].items():
             assert seen.setdefault(key, addresses) == addresses, key
-        recorded = r["cuda_graphs"]
-    assert records[-1]["cudagraph_skips"] == 0 and len(seen) == 4
+    warm = records[len(records) // 2 - 1]
+    assert (warm["cuda_graphs"], warm["graphs"]) == (records[-1]["cuda_graphs"], records[-1]["graphs"])
+    assert warm["cuda_graphs"] > 0 and records[-1]["cudagraph_skips"] == 0 and len(seen) == 4
 
 
 def test_compiled_blocks_under_fsdp2_equal_eager_on_gpu(tmp_path):

@@ -1,7 +1,8 @@
 """Run under 2 processes: sample_responses(compile=True) on an FSDP2-sharded policy, called again and again with
 prompt batches of different widths (two width buckets, two batch sizes), as a run's evaluations and rollouts call
-it. Rank 0 saves, per call: the graphs compiled so far, the addresses of the decode buffers the call used, and
-whether its tokens equal the eager sampler's on the same draws.
+it; the sequence of widths twice, so the second pass meets only shapes the first one met. Rank 0 saves, per call:
+the graphs compiled so far, the addresses of the decode buffers and of the weights' copy the call used, and whether
+its tokens equal the eager sampler's on the same draws.
 
     python tests/scripts/compiled_decode.py OUT.pt [DEVICE]
 
@@ -62,8 +63,8 @@ def calls(policy, device, recorded: list[int]) -> list[dict]:
     from torch._dynamo.utils import counters
 
     records = []
-    for i, (n, width) in enumerate(CALLS):
-        ids, mask = (t.to(device) for t in prompts(n, width, seed=i))
+    for i, (n, width) in enumerate(CALLS + CALLS):  # the second pass: every shape met before
+        ids, mask = (t.to(device) for t in prompts(n, width, seed=i))  # new prompts at every call
         kw = dict(num_samples=3, max_new_tokens=6, prompts_per_call=2, temperature=1.0)
         eager = sample_responses(policy, ids, mask, generator=torch.Generator(device).manual_seed(i), **kw)
         compiled = sample_responses(

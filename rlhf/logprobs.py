@@ -152,7 +152,13 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
     G = diag(g) (onehot(t) - P), so
         dh = G W = g * (W[t] - P W)            dW = G^T h = onehot(t)^T (g * h) - P^T (g * h)
     two matmuls on P and a row gather / index-add. The entropy term (only when it is a bonus) adds
-    -diag(g_H) Q with Q = P log P + P H, built in vocabulary blocks."""
+    -diag(g_H) Q with Q = P log P + P H, built in vocabulary blocks.
+
+    With a 16-bit head (P saved in its dtype) the backward instead writes G over P, in vocabulary blocks computed in
+    fp32 and rounded once, and runs the two matmuls on it, dh = G W and dW = G^T h, as the unfused pass's linear
+    backward does on its 16-bit logit gradient: no (V, C) buffer in fp32, so the pass's peak stays below the
+    logits path's. P is consumed: a second backward through the same graph (retain_graph) is refused by autograd (the
+    saved tensor was modified in place)."""
 
     @staticmethod
     def forward(ctx, hidden_MC, weight_VC, targets_M, settings):
@@ -192,6 +198,8 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
         temperature, masked = ctx.settings
         if grad_logp_M is None and grad_entropy_M is None:
             return (None,) * 4
+        if probs_MV.dtype != torch.float32:
+            return _LinearChunkedLogprobs.backward_16bit(ctx, grad_logp_M, grad_entropy_M)
         logp_M, entropy_M = logp_out.reshape(-1), entropy_out.reshape(-1) if entropy_out is not None else None
         grad_logp_M = grad_logp_M.reshape(-1) if grad_logp_M is not None else None
         grad_entropy_M = grad_entropy_M.reshape(-1) if grad_entropy_M is not None else None
@@ -227,6 +235,36 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
                     grad_weight_VC[v : v + block] += (q_Mb.T @ hidden_MC).float()
         grad_hidden_MC = grad_hidden_MC.to(hidden_MC.dtype) if want_hidden else None
         grad_weight_VC = grad_weight_VC.to(dtype) if want_weight else None
+        return grad_hidden_MC, grad_weight_VC, None, None
+
+    @staticmethod
+    def backward_16bit(ctx, grad_logp_M, grad_entropy_M):
+        """The backward with P in 16 bits: G = diag(g) (onehot(t) - P) - diag(g_H) (P log P + P H) written over P."""
+        hidden_MC, weight_VC, targets_M, probs_MV, entropy_out, logp_out = ctx.saved_tensors
+        temperature, masked = ctx.settings
+        scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0  # d z / d logits
+        M, V = probs_MV.shape
+        g_M1 = grad_logp_M.reshape(-1, 1) * scale if grad_logp_M is not None else None
+        if g_M1 is not None and masked:  # the target's one-hot term only where it is inside the top-k / top-p set
+            g_M1_target = torch.where(torch.isfinite(logp_out.reshape(-1, 1)), g_M1, 0.0)
+        else:
+            g_M1_target = g_M1
+        gH_M1 = grad_entropy_M.reshape(-1, 1) * scale if grad_entropy_M is not None else None
+        entropy_M1 = entropy_out.reshape(-1, 1) if entropy_out is not None else None
+        block = max(1, BLOCK_BYTES // (4 * M))
+        for v in range(0, V, block):
+            p_Mb = probs_MV[:, v : v + block].float()
+            G_Mb = torch.zeros_like(p_Mb)
+            if g_M1 is not None:
+                G_Mb -= g_M1 * p_Mb
+                inside = (targets_M >= v) & (targets_M < v + p_Mb.shape[1])  # rows whose target is in this block
+                column = (targets_M - v).clamp(0, p_Mb.shape[1] - 1)[:, None]
+                G_Mb.scatter_add_(1, column, torch.where(inside[:, None], g_M1_target, 0.0))
+            if gH_M1 is not None:  # d H / d z_j = -p_j (log p_j + H)
+                G_Mb -= gH_M1 * (torch.special.xlogy(p_Mb, p_Mb) + p_Mb * entropy_M1)
+            probs_MV[:, v : v + block] = G_Mb
+        grad_hidden_MC = (probs_MV @ weight_VC).to(hidden_MC.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight_VC = probs_MV.T @ hidden_MC.to(weight_VC.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden_MC, grad_weight_VC, None, None
 
 

@@ -197,24 +197,34 @@ def test_fused_head_keeps_no_logits_and_saves_nothing_without_a_gradient():
         assert all(t.dtype == torch.float32 for t in big)
 
 
-def test_fused_head_in_bf16_matches_the_bf16_logits_path():
+@pytest.mark.parametrize("top_k,top_p,entropy_weight", [(0, 1.0, 0.0), (50, 0.8, 0.3)])
+def test_fused_head_in_bf16_matches_the_bf16_logits_path(top_k, top_p, entropy_weight):
     """Under the bf16 policy the head runs in bf16 as nn.Linear does; log-probs stay fp32 and the gradients come
-    back in bf16, close to the unfused path's (which rounds the logit gradient to bf16 before its matmuls)."""
+    back in bf16, close to the unfused path's (which rounds the logit gradient to bf16 before its matmuls), with and
+    without top-k / top-p masking and an entropy term. The backward writes over the saved probabilities, so autograd
+    refuses a second backward through the same graph."""
     n, R, C, V = 2, 5, 16, 400
     g = torch.Generator().manual_seed(4)
     hidden, weight = torch.randn(n, R, C, generator=g).bfloat16(), (torch.randn(V, C, generator=g) * 0.5).bfloat16()
     targets = torch.randint(V, (n, R), generator=g)
+    kw = dict(temperature=0.7, top_k=top_k, top_p=top_p, with_entropy=True)
+
+    def loss(logp, entropy):
+        return torch.where(torch.isfinite(logp), logp, 0.0).sum() + entropy_weight * entropy.sum()
+
     h_old, w_old = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logp_old, _ = processed_logprobs(torch.nn.functional.linear(h_old, w_old), targets, temperature=0.7)
-    grads_old = torch.autograd.grad(logp_old.sum(), (h_old, w_old))
+    logp_old, entropy_old = processed_logprobs(torch.nn.functional.linear(h_old, w_old), targets, **kw)
+    grads_old = torch.autograd.grad(loss(logp_old, entropy_old), (h_old, w_old))
     h_new, w_new = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logp_new, _ = linear_processed_logprobs(h_new, w_new, targets, temperature=0.7, chunk=3)
-    grads_new = torch.autograd.grad(logp_new.sum(), (h_new, w_new))
+    logp_new, entropy_new = linear_processed_logprobs(h_new, w_new, targets, chunk=3, **kw)
+    grads_new = torch.autograd.grad(loss(logp_new, entropy_new), (h_new, w_new), retain_graph=True)
     assert logp_new.dtype == torch.float32
     torch.testing.assert_close(logp_new, logp_old, rtol=1e-6, atol=1e-5)  # the same bf16 logits, rounded alike
     for new, old in zip(grads_new, grads_old, strict=True):
         assert new.dtype == torch.bfloat16
         torch.testing.assert_close(new.float(), old.float(), rtol=2e-2, atol=2e-2 * old.abs().max().item())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss(logp_new, entropy_new), (h_new, w_new))
 
 
 @pytest.mark.gpu

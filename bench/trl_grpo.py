@@ -164,7 +164,10 @@ def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
     texts = [ids_to_text(ids[mask].tolist()) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
     assert [len(tok(t)["input_ids"]) for t in texts] == prompt_mask.sum(1).tolist(), "stand-in tokenizer lost ids"
     steps = bcfg.warmup + bcfg.repeats
-    dataset = datasets.Dataset.from_dict({"prompt": texts * steps})  # the same prompts every step, as ours
+    # the same prompts every step, as ours; a fixed fingerprint, since datasets 5.2's hash of a new table fails to
+    # pickle pyarrow's MonthDayNano type under Python 3.11 (Dataset.from_dict raises), and nothing here is cached
+    table = datasets.table.InMemoryTable.from_pydict({"prompt": texts * steps})
+    dataset = datasets.Dataset(table, fingerprint="bench-trl-grpo-prompts")
 
     args = GRPOConfig(
         output_dir=str(work / "out"),

@@ -529,7 +529,8 @@ def frontier_run(stage, selection, beta, seed, run_dir: Path, out: Path, paths: 
             "selection": selection,
         }
     else:
-        options = dpo_options(out, pairs, args)
+        steps = args.frontier_dpo_steps
+        options = dpo_options(out, pairs, args) | {"steps": steps, "eval_every": max(1, steps // 3)}
     if args.frontier_eval_rows:
         options |= {"val_rows": args.frontier_eval_rows} | (
             {"pref_rows": args.frontier_eval_rows} if stage == "grpo" else {}
@@ -615,9 +616,15 @@ def add_frontier_arguments(p: argparse.ArgumentParser) -> None:
         help="samples per prompt of the frontier's GRPO runs (grpo.py --num_samples; 8 are kept)",
     )
     p.add_argument(
+        "--frontier_dpo_steps",
+        type=int,
+        default=60,
+        help="optimizer steps of the frontier's DPO runs (dpo.py --steps), evaluated (and measured) every third of them",
+    )
+    p.add_argument(
         "--frontier_eval_rows",
         type=int,
-        default=0,
+        default=64,
         help="rows of the frontier runs' own evaluations (dpo.py and grpo.py --val_rows, grpo.py --pref_rows); 0: "
         "the demo's",
     )

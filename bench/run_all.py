@@ -13,6 +13,7 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     trl      bench/trl_grpo.py   TRL's GRPOTrainer vs our step on the same configuration (or why it was not run)
     prefix_sharing  bench/prefix_sharing.py  GRPO step on TL;DR prompts, prefix sharing on vs off, per stage
     compile  bench/compiled.py   --compile vs eager: sampler tokens/s, a GRPO step, compile time (named only)
+    floor    bench/floor.py      the TRL side-by-side's step of ours against its matrix products, per stage (named only)
 
 Every timed figure is the median of repeats after untimed warm-up runs. A figure that could not be measured is
 listed with the reason; a benchmark that fails is listed with its error and the others still run (exit status 1).
@@ -33,7 +34,8 @@ from bench import common
 from utils.host import keep_freed_memory
 
 BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl", "prefix_sharing")
-NAMED_ONLY = ("compile",)  # run only when --only names them: compilation takes minutes (bench/gpu_all.sh runs it)
+NAMED_ONLY = ("compile", "floor")  # run only when --only names them: compilation takes minutes (bench/gpu_all.sh runs
+# it); the floor repeats the TRL side-by-side's step of ours, to set it against its matrix products
 
 
 def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
@@ -61,6 +63,10 @@ def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
         from bench import compiled
 
         return compiled.run(device, quick)
+    if name == "floor":
+        from bench import floor
+
+        return floor.run(device, quick)
     if name == "prefix_sharing":
         from bench import prefix_sharing
 

@@ -17,9 +17,10 @@ EOS, so TRL appends nothing to a response that already ends with it; the child c
 our ids.
 
 Settings on both sides: fp32 on CPU, the same rows per step and per micro-batch (TRL: per_device_train_batch_size
-= our micro-batch, gradient_accumulation_steps = batch / micro-batch, train_sampling_strategy "sequential"), AdamW
-at a constant learning rate 1e-5, weight decay 0, gradient clipping at 1.0, no gradient checkpointing (TRL's
-default is on; ours is off), no dropout.
+= our micro-batch, gradient_accumulation_steps = batch / micro-batch, train_sampling_strategy "sequential"), fused
+AdamW (torch.optim.AdamW(fused=True): ours utils.optim.build_optimizer, TRL optim "adamw_torch_fused", its default
+with this torch), betas (0.9, 0.95), eps 1e-8, a constant learning rate 1e-5, weight decay 0, gradient clipping at
+1.0, no gradient checkpointing (TRL's default is on; ours is off), no dropout.
 - SFT: completion-only loss (TRL completion_only_loss=True; ours: prompt_weight 0), the NLL summed over the
   step's response tokens and divided by their count over the whole step (TRL's num_items_in_batch), no packing.
 - Reward model: Bradley-Terry, -log sigmoid(r_chosen - r_rejected) averaged over the step's pairs, the reward read
@@ -32,8 +33,9 @@ default is on; ours is off), no dropout.
 What differs, and why:
 - Layout. Ours left-pads the prompts and right-pads the responses (data.tldr.collate_sft: width = longest prompt
   + longest response of the micro-batch) and runs the LM head at response positions only; TRL right-pads whole
-  rows (width = the longest prompt + response) and computes log-probs with its fused, chunked LM head over the
-  positions it needs. Each side runs its own layout: that is what each one's step costs.
+  rows (width = the longest prompt + response) and computes log-probs with its fused, chunked LM head at the
+  positions that have labels; for its logged metrics that head also computes each position's entropy and top-1
+  hit over the vocabulary (SFT, DPO), which ours does not. Each side runs as it ships: that is what its step costs.
 - Prefix sharing (reward model, DPO). Ours runs each pair's prompt once and both responses against its keys and
   values (reward_model.py's and dpo.py's default, --prefix_sharing true); TRL runs chosen and rejected as two
   full rows, each prompt twice. So a third side runs ours with prefix sharing off, the same work as TRL's rows,
@@ -45,8 +47,6 @@ What differs, and why:
   logging every step (logging_steps 1, report_to none: the first step's loss is read from it). Our step is
   accumulate_gradients + clipping + AdamW + zero_grad on micro-batches collated once (bench/train.py's step); the
   scripts' data loading and logging around it are not timed.
-- The optimizer: ours utils.optim.build_optimizer (torch AdamW), TRL's default optim (transformers'
-  "adamw_torch_fused" or "adamw_torch", whichever the installed version picks on CPU).
 
 Interleaving: TRL runs in a child process (`python -m bench.trl_stages --child SPEC`), one per stage and shape,
 kept alive for all its steps: its trainer pauses in on_step_end until the parent says go, so steps alternate
@@ -274,6 +274,10 @@ def trl_trainer(stage: str, cfg: TrainConfig, rows: dict, model_dir: str, work: 
         per_device_train_batch_size=cfg.micro_rows,
         gradient_accumulation_steps=cfg.batch_rows // cfg.micro_rows,
         train_sampling_strategy="sequential",
+        optim="adamw_torch_fused",  # torch.optim.AdamW(fused=True), as utils.optim.build_optimizer
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-8,
         learning_rate=LEARNING_RATE,
         lr_scheduler_type="constant",
         warmup_steps=0,

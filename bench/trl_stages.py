@@ -91,6 +91,12 @@ from bench.train import (
     sft_step,
 )
 from bench.trl_common import char_tokenizer, child_env, ids_to_text, trl_available, version
+from data.tldr import PREF_COLUMNS, SFT_COLUMNS, PreferenceDataset, SFTDataset, load_rows
+from data.tokenizer import END_ID, get_tokenizer
+from model.gpt2 import PRESETS, GPT2LMHeadModel
+from model.heads import RewardModel
+from model.weights import save_hf
+from utils.dist import setup_distributed
 
 BENCH = "trl_stages"
 DATA = ROOT.parent / "shared" / "data"
@@ -156,9 +162,6 @@ def configs(quick: bool) -> list[TrainConfig]:
 def stage_rows(cfg: TrainConfig, stage: str, vocab_size: int) -> tuple[dict[str, list[list[int]]], str]:
     """The step's rows as token ids ({"prompts", "responses"} for SFT, {"prompts", "chosen", "rejected"} for the
     pair stages) and where they come from."""
-    from data.tldr import PREF_COLUMNS, SFT_COLUMNS, PreferenceDataset, SFTDataset, load_rows
-    from data.tokenizer import get_tokenizer
-
     pairs = stage != "sft"
     file = PAIRS_FILE if pairs else SFT_FILE
     if not file.is_file():
@@ -188,9 +191,6 @@ def stage_rows(cfg: TrainConfig, stage: str, vocab_size: int) -> tuple[dict[str,
 
 def seeded_model(stage: str, preset: str) -> torch.nn.Module:
     """bench/train.py's randomly initialised model for the stage (seed 0)."""
-    from model.gpt2 import PRESETS, GPT2LMHeadModel
-    from model.heads import RewardModel
-
     torch.manual_seed(0)
     return RewardModel(PRESETS[preset]) if stage == "reward_model" else GPT2LMHeadModel(PRESETS[preset])
 
@@ -263,8 +263,6 @@ def check_tokenized(stage: str, dataset, rows: dict) -> None:
 def trl_trainer(stage: str, cfg: TrainConfig, rows: dict, model_dir: str, work: Path, device: torch.device, callback):
     """The TRL trainer for the stage, with the settings of the module docstring."""
     import trl
-
-    from data.tokenizer import END_ID
 
     steps = cfg.warmup + cfg.repeats
     tok = char_tokenizer(eos_id=END_ID)
@@ -433,17 +431,12 @@ def bench_stage(
     stage: str, cfg: TrainConfig, device: torch.device, world: int, with_trl: bool, why: str, timeout_s: float
 ) -> list[dict]:
     name = f"{cfg.name} {stage.replace('_', ' ')}"
-    from model.gpt2 import PRESETS
-
-    vocab_size = PRESETS[cfg.preset].vocab_size
-    rows, where = stage_rows(cfg, stage, vocab_size)
+    rows, where = stage_rows(cfg, stage, PRESETS[cfg.preset].vocab_size)
     print(f"[{BENCH}] {name}: {where}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-trl-stages-") as tmp:
         work = Path(tmp)
         child = None
         if with_trl:
-            from model.weights import save_hf
-
             exported = seeded_model(stage, cfg.preset)  # the weights every side starts from
             save_hf(exported.state_dict(), exported.cfg, work / "model")
             spec = {
@@ -525,8 +518,6 @@ def run(
 ) -> list[dict]:
     if device.type != "cpu":
         return [skipped(BENCH, "TRL stages", "a CPU benchmark (fp32 on both sides): run it with --device cpu")]
-    from utils.dist import setup_distributed
-
     world = setup_distributed(device.type).world_size  # a one-process group, as bench/train.py
     available, why = trl_available("TRL step")
     rows = []

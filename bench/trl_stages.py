@@ -131,14 +131,14 @@ def configs(quick: bool) -> list[TrainConfig]:
         TrainConfig(
             "cpu-tiny-tldr",  # tiny holds 512 positions: 448 + 48 fit
             "tiny",
-            batch_rows=16,
-            micro_rows=8,
+            batch_rows=8,
+            micro_rows=4,
             prompt_len=448,
             min_prompt_len=192,
             response_len=48,
             min_response_len=24,
             warmup=1,
-            repeats=5,
+            repeats=3,
         ),
         TrainConfig(
             "cpu-gpt2-tldr",  # 2 CPU cores: a short step (every real prompt of these rows is longer than 192)

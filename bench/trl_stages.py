@@ -33,9 +33,12 @@ with this torch), betas (0.9, 0.95), eps 1e-8, a constant learning rate 1e-5, we
 What differs, and why:
 - Layout. Ours left-pads the prompts and right-pads the responses (data.tldr.collate_sft: width = longest prompt
   + longest response of the micro-batch) and runs the LM head at response positions only; TRL right-pads whole
-  rows (width = the longest prompt + response) and computes log-probs with its fused, chunked LM head at the
-  positions that have labels; for its logged metrics that head also computes each position's entropy and top-1
-  hit over the vocabulary (SFT, DPO), which ours does not. Each side runs as it ships: that is what its step costs.
+  rows (width = the longest prompt + response) and computes log-probs with its fused, chunked LM head
+  (trl.trainer.utils.add_fused_lm_head), which on a device without Triton (this CPU) scores every position of the
+  padded batch, prompt and padding included, and masks the loss afterwards (on CUDA it scores labelled positions
+  only); for its logged metrics that head also computes each position's entropy and top-1 hit (SFT, DPO), which
+  ours does not. Each side runs as it ships: that is what its step costs, and why the ratios where the head
+  dominates (tiny) are CPU figures that a GPU would not show.
 - Prefix sharing (reward model, DPO). Ours runs each pair's prompt once and both responses against its keys and
   values (reward_model.py's and dpo.py's default, --prefix_sharing true); TRL runs chosen and rejected as two
   full rows, each prompt twice. So a third side runs ours with prefix sharing off, the same work as TRL's rows,

@@ -619,7 +619,7 @@ def add_frontier_arguments(p: argparse.ArgumentParser) -> None:
         "--frontier_dpo_steps",
         type=int,
         default=60,
-        help="optimizer steps of the frontier's DPO runs (dpo.py --steps), evaluated (and measured) every third of them",
+        help="optimizer steps of the frontier's DPO runs (dpo.py --steps), evaluated and measured every third",
     )
     p.add_argument(
         "--frontier_eval_rows",

@@ -28,6 +28,10 @@ framework workspace; `check_memory` keeps a 10% margin for those):
   time, counted as 8 values per token and channel.
 - reference: the same for the frozen reference's log-probs of one training micro-batch, plus its fp32 response
   logits (none with LoRA: the reference is the policy with its adapters off).
+- --compile: the compiled decode step's copy of the policy's weights (model.sampler.static_weights) and its KV caches
+  (model.sampler.DecodeBuffers, one per decode shape) stay allocated from the first generate call to the end of the
+  run, beside every stage: counted with the weights, the caches at every prompt-width bucket up to --max_prompt_len's
+  for --gen_prompts prompts (a run whose calls also take other numbers of prompts keeps more).
 """
 
 from dataclasses import dataclass
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from model.gpt2 import GPTConfig
+from model.sampler import PROMPT_BUCKETS, bucket_width
 from utils.config import ConfigError
 
 GiB = 2**30
@@ -185,8 +190,15 @@ def step_memory(
         )
         if math_attention:
             score += attention_scores_bytes(reward_model, score_micro, score_prompts, P, R, dtype_bytes, shared)
+    compiled = 0
+    if cfg.compile:
+        widths = [b for b in PROMPT_BUCKETS if b < bucket_width(P, policy.n_positions - R)]
+        widths.append(bucket_width(P, policy.n_positions - R))
+        compiled = gathered_policy + sum(
+            kv_cache_bytes(policy, sizes["gen_prompts"], G, w, R, dtype_bytes, shared) for w in widths
+        )
     return StepMemory(
-        weights=weight_bytes(policy, reward_model, world, lora, cfg.frozen_cpu_offload),
+        weights=weight_bytes(policy, reward_model, world, lora, cfg.frozen_cpu_offload) + compiled,
         generate=gathered_policy + generate_bytes(policy, sizes["gen_prompts"], G, P, R, dtype_bytes, shared),
         score=score,
         reference=reference,

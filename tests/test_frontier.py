@@ -234,7 +234,7 @@ def tiny_demo(tmp_path_factory):
 def test_a_tiny_frontier_run(tiny_demo, tmp_path):
     cmd = [sys.executable, "demo.py", "--out", str(tiny_demo), "--reuse", "--assets", str(tmp_path)]
     cmd += ["--frontier_seeds", "1", "--frontier_dpo_betas", "0.1", "--frontier_grpo_betas", "0.4"]
-    cmd += ["--dpo_steps", "2", "--grpo_steps", "2", "--frontier_prompts", "4", "--frontier_samples", "2"]
+    cmd += ["--frontier_dpo_steps", "2", "--grpo_steps", "2", "--frontier_prompts", "4", "--frontier_samples", "2"]
     cmd += ["--frontier_best_of", "4", "--frontier_grpo_samples", "8", "--frontier_eval_rows", "8"]
     cmd += ["--wandb_mode", "disabled"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -245,7 +245,8 @@ def test_a_tiny_frontier_run(tiny_demo, tmp_path):
     assert set(record["methods"]) == {"GRPO rso 8->8, beta 0.4", "GRPO uniform 8->8, beta 0.4", "DPO beta 0.1"}
     for name, seeds in record["methods"].items():
         points = seeds[0]
-        assert [p["step"] for p in points] == [0, 2], name  # every evaluation: before the first step and the last
+        # every evaluation: before the first step, then GRPO's every --eval_every, DPO's every third of its steps (1)
+        assert [p["step"] for p in points] == ([0, 1, 2] if name.startswith("DPO") else [0, 2]), name
         assert points[0]["kl"] == pytest.approx(0.0, abs=1e-5), name  # the policy is its reference at step 0
         for p in points:
             assert {"kl", "kl_se", "gold", "gold_se", "proxy", "proxy_raw", "win_rate"} <= set(p), name

@@ -14,6 +14,8 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     prefix_sharing  bench/prefix_sharing.py  GRPO step on TL;DR prompts, prefix sharing on vs off, per stage
     compile  bench/compiled.py   --compile vs eager: sampler tokens/s, a GRPO step, compile time (named only)
     floor    bench/floor.py      the TRL side-by-side's step of ours against its matrix products, per stage (named only)
+    trl_stages  bench/trl_stages.py  TRL's SFT, Reward and DPO trainers vs our steps on the same weights and rows,
+                                     interleaved; tiny and gpt2 shape on CPU (named only)
 
 Every timed figure is the median of repeats after untimed warm-up runs. A figure that could not be measured is
 listed with the reason; a benchmark that fails is listed with its error and the others still run (exit status 1).
@@ -34,8 +36,9 @@ from bench import common
 from utils.host import keep_freed_memory
 
 BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl", "prefix_sharing")
-NAMED_ONLY = ("compile", "floor")  # run only when --only names them: compilation takes minutes (bench/gpu_all.sh runs
-# it); the floor repeats the TRL side-by-side's step of ours, to set it against its matrix products
+NAMED_ONLY = ("compile", "floor", "trl_stages")  # run only when --only names them: compilation takes minutes
+# (bench/gpu_all.sh runs it); the floor repeats the TRL side-by-side's step of ours, to set it against its matrix
+# products; trl_stages takes minutes of CPU and needs trl
 
 
 def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
@@ -67,6 +70,10 @@ def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
         from bench import floor
 
         return floor.run(device, quick)
+    if name == "trl_stages":
+        from bench import trl_stages
+
+        return trl_stages.run(device, quick)
     if name == "prefix_sharing":
         from bench import prefix_sharing
 

@@ -23,6 +23,7 @@ figure for a shared 2-core virtual machine would mean anything; model TFLOP/s is
 """
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -134,15 +135,23 @@ def random_rows(n: int, cfg: TrainConfig, vocab_size: int, seed: int) -> tuple[l
     return prompts, responses
 
 
-def sft_micro_batches(cfg: TrainConfig, vocab_size: int, seed: int = 0) -> list[dict]:
-    prompts, responses = random_rows(cfg.batch_rows, cfg, vocab_size, seed)
+def sft_micro_batches(cfg: TrainConfig, vocab_size: int, seed: int = 0, rows: tuple | None = None) -> list[dict]:
+    """collate_sft micro-batches of `rows` (prompts, responses), or of random rows when None."""
+    prompts, responses = rows or random_rows(cfg.batch_rows, cfg, vocab_size, seed)
     m = cfg.micro_rows
     return [collate_sft(prompts[i : i + m], responses[i : i + m]) for i in range(0, cfg.batch_rows, m)]
 
 
-def pair_micro_batches(cfg: TrainConfig, vocab_size: int, seed: int = 0) -> list[dict]:
-    prompts, chosen = random_rows(cfg.batch_rows, cfg, vocab_size, seed)
-    _, rejected = random_rows(cfg.batch_rows, cfg, vocab_size, seed + 1)
+def random_pairs(n: int, cfg: TrainConfig, vocab_size: int, seed: int) -> tuple[list[list[int]], ...]:
+    """n (prompt, chosen, rejected) token-id lists, as random_rows."""
+    prompts, chosen = random_rows(n, cfg, vocab_size, seed)
+    _, rejected = random_rows(n, cfg, vocab_size, seed + 1)
+    return prompts, chosen, rejected
+
+
+def pair_micro_batches(cfg: TrainConfig, vocab_size: int, seed: int = 0, rows: tuple | None = None) -> list[dict]:
+    """collate_pairs micro-batches of `rows` (prompts, chosen, rejected), or of random pairs when None."""
+    prompts, chosen, rejected = rows or random_pairs(cfg.batch_rows, cfg, vocab_size, seed)
     m = cfg.micro_rows
     return [
         collate_pairs(prompts[i : i + m], chosen[i : i + m], rejected[i : i + m]) for i in range(0, cfg.batch_rows, m)
@@ -278,14 +287,11 @@ def unique_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def bench_sft(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
-    name = f"{cfg.name} SFT"
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(PRESETS[cfg.preset])
-    n, head = matmul_params(model.cfg, unique_params(model), lm_head=True)
+def sft_step(model: GPT2LMHeadModel, micro: list[dict], world: int, device: torch.device) -> Callable[[], float]:
+    """One SFT optimizer step over `micro` as sft.py takes it (sft.accumulate_gradients: completion-only NLL over
+    the step's response tokens, then clipping, AdamW, zero_grad); shards `model` first."""
     model = build_sharded(model, device)
     optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
-    micro = sft_micro_batches(cfg, model.cfg.vocab_size)
     model.train()
 
     def step():
@@ -293,7 +299,67 @@ def bench_sft(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
         optimizer_step(model, optimizer)
         return loss
 
-    t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
+    return step
+
+
+def reward_model_step(
+    model: RewardModel, micro: list[dict], world: int, n_pairs: int, device: torch.device, prefix_sharing: bool = True
+) -> Callable[[], dict]:
+    """One reward-model optimizer step over `micro` (collate_pairs batches of `n_pairs` pairs in all) as
+    reward_model.py takes it (Bradley-Terry loss, mean over the step's pairs); shards `model` first."""
+    model = build_sharded(model, device)
+    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
+    model.train()
+
+    def step():
+        metrics = reward_model.accumulate_gradients(model, micro, world, n_pairs, device, prefix_sharing)
+        optimizer_step(model, optimizer)
+        return metrics
+
+    return step
+
+
+def dpo_step(
+    policy: GPT2LMHeadModel,
+    micro: list[dict],
+    world: int,
+    n_pairs: int,
+    device: torch.device,
+    beta: float = 0.1,
+    prefix_sharing: bool = True,
+) -> Callable[[], dict]:
+    """One DPO optimizer step over `micro` as dpo.py takes it (sigmoid loss, the frozen reference a copy of
+    `policy` made here, stored in bf16 on GPU as dpo.main does, its log-probs computed inside the step); shards
+    both."""
+    reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    dtype = resolve_dtype("auto", device)
+    if dtype is not None:
+        reference.to(dtype)  # as dpo.main: the frozen reference is stored in bf16 on GPU
+    shard_model(reference, None)
+    reference.to(device)
+    policy = build_sharded(policy, device)
+    optimizer = build_optimizer(policy, lr=1e-5, weight_decay=0.0)
+    dpo_cfg = dpo.Config(beta=beta)
+    loss_fn = preference_loss(dpo_cfg)
+    policy.train()
+
+    def step():
+        metrics = dpo.accumulate_gradients(
+            policy, reference, micro, world, n_pairs, loss_fn, dpo_cfg.beta, device, prefix_sharing
+        )
+        optimizer_step(policy, optimizer)
+        return metrics
+
+    return step
+
+
+def bench_sft(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
+    name = f"{cfg.name} SFT"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(PRESETS[cfg.preset])
+    n, head = matmul_params(model.cfg, unique_params(model), lm_head=True)
+    micro = sft_micro_batches(cfg, model.cfg.vocab_size)
+    t = measure(sft_step(model, micro, world, device), device, warmup=cfg.warmup, repeats=cfg.repeats)
     flops = flops_per_step(model.cfg, n, head, micro)
     return throughput_rows(f"{name} (sft.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n, "rows")
 
@@ -303,16 +369,8 @@ def bench_reward_model(cfg: TrainConfig, device: torch.device, world: int) -> li
     torch.manual_seed(0)
     model = RewardModel(PRESETS[cfg.preset])
     n, head = matmul_params(model.cfg, unique_params(model), lm_head=False)
-    model = build_sharded(model, device)
-    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
     micro = pair_micro_batches(cfg, model.cfg.vocab_size)
-    model.train()
-
-    def step():
-        metrics = reward_model.accumulate_gradients(model, micro, world, cfg.batch_rows, device)
-        optimizer_step(model, optimizer)
-        return metrics
-
+    step = reward_model_step(model, micro, world, cfg.batch_rows, device)
     t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
     flops = flops_per_step(model.cfg, n, head, micro, packed_pairs=True)
     return throughput_rows(
@@ -325,27 +383,8 @@ def bench_dpo(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
     torch.manual_seed(0)
     policy = GPT2LMHeadModel(PRESETS[cfg.preset])
     n, head = matmul_params(policy.cfg, unique_params(policy), lm_head=True)
-    reference = copy.deepcopy(policy).requires_grad_(False).eval()
-    dtype = resolve_dtype("auto", device)
-    if dtype is not None:
-        reference.to(dtype)  # as dpo.main: the frozen reference is stored in bf16 on GPU
-    shard_model(reference, None)
-    reference.to(device)
-    policy = build_sharded(policy, device)
-    optimizer = build_optimizer(policy, lr=1e-5, weight_decay=0.0)
     micro = pair_micro_batches(cfg, policy.cfg.vocab_size)
-    dpo_cfg = dpo.Config(beta=0.1)
-    loss_fn = preference_loss(dpo_cfg)
-    policy.train()
-
-    def step():
-        metrics = dpo.accumulate_gradients(
-            policy, reference, micro, world, cfg.batch_rows, loss_fn, dpo_cfg.beta, device
-        )
-        optimizer_step(policy, optimizer)
-        return metrics
-
-    t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
+    t = measure(dpo_step(policy, micro, world, cfg.batch_rows, device), device, warmup=cfg.warmup, repeats=cfg.repeats)
     flops = flops_per_step(
         policy.cfg, n, head, micro, forward_passes=4.0, packed_pairs=True
     )  # + the reference's forward

@@ -23,10 +23,8 @@ memory peak are kept apart from the other benchmarks. When trl, datasets or acce
 
 import argparse
 import dataclasses
-import importlib.util
 import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,9 +37,9 @@ import torch
 from bench import common
 from bench.common import ROOT, mib, result, skipped
 from bench.grpo_step import GRPOBenchConfig, bench_config
+from bench.trl_common import char_tokenizer, child_env, ids_to_text, trl_available, version
 
 BENCH = "trl"
-CHAR_BASE = 0x20000  # plane 2: 50,256 code points, none of them whitespace or newline
 
 
 def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
@@ -102,37 +100,8 @@ def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
     ]
 
 
-def trl_available() -> tuple[bool, str]:
-    missing = [m for m in ("trl", "datasets", "accelerate") if importlib.util.find_spec(m) is None]
-    if missing:
-        return False, f"{', '.join(missing)} not installed (pip install trl) -- TRL GRPOTrainer step not measured"
-    return True, ""
-
-
 # ----------------------------------------------------------------------------------------------------
 # The TRL side (runs in the child process)
-
-
-def char_tokenizer():
-    """A transformers tokenizer with one character per GPT-2 id, so that TRL's text round trips keep token ids."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from model.sampler import EOS_ID
-
-    vocab = {chr(CHAR_BASE + i): i for i in range(EOS_ID)}
-    vocab["<|endoftext|>"] = EOS_ID
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<|endoftext|>"])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left"
-    )
-
-
-def ids_to_text(ids: list[int]) -> str:
-    return "".join(chr(CHAR_BASE + i) for i in ids)
 
 
 def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
@@ -237,20 +206,11 @@ def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
                 "sequences": N,
                 "peak_memory_bytes": peak,
                 "peak_memory_what": peak_what,
-                "trl": _version("trl"),
+                "trl": version("trl"),
                 "transformers": transformers.__version__,
             }
         )
     )
-
-
-def _version(module: str) -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(module)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -274,14 +234,7 @@ def run_trl(bcfg: GRPOBenchConfig, device: torch.device, timeout_s: int = 1800) 
             "--threads",
             str(torch.get_num_threads()),
         ]
-        env = {
-            **os.environ,
-            "TRL_EXPERIMENTAL_SILENCE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1",
-            "WANDB_MODE": "disabled",
-        }
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env = child_env()
         print(f"[{BENCH}] {name}: {bcfg.warmup} warm-up + {bcfg.repeats} timed steps in a subprocess", flush=True)
         t0 = time.perf_counter()
         try:

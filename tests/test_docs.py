@@ -138,6 +138,7 @@ TOOLS = (  # every command line but the four training scripts (parse_config, as 
     "bench.prefix_sharing",
     "bench.update_stage",
     "bench.trl_grpo",
+    "bench.trl_stages",
     "model.lora",
     "data.synthetic",
     "utils.config",

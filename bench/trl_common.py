@@ -64,3 +64,22 @@ def child_env() -> dict[str, str]:
     }
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def trainer_basics(device) -> dict:
+    """The TRL trainer settings every side-by-side shares: no weight decay, clipping at 1.0 as ours, no warm-up, no
+    gradient checkpointing (ours is off), the device, a log line per step (read by the step callbacks), nothing
+    saved or reported, no progress bar or loader workers, seed 1."""
+    return dict(
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        warmup_steps=0,
+        gradient_checkpointing=False,
+        use_cpu=device.type == "cpu",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=1,
+    )

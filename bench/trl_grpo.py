@@ -37,7 +37,7 @@ import torch
 from bench import common
 from bench.common import ROOT, mib, result, skipped
 from bench.grpo_step import GRPOBenchConfig, bench_config
-from bench.trl_common import char_tokenizer, child_env, ids_to_text, trl_available, version
+from bench.trl_common import char_tokenizer, child_env, ids_to_text, trainer_basics, trl_available, version
 
 BENCH = "trl"
 
@@ -154,20 +154,10 @@ def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
         loss_type="grpo",
         scale_rewards="group",
         learning_rate=3e-6,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        warmup_steps=0,
-        gradient_checkpointing=False,
         bf16=device.type == "cuda",
-        use_cpu=device.type == "cpu",
         shuffle_dataset=False,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=1,
         log_completions=False,
+        **trainer_basics(device),
     )
     ends, logged = [], []
     was_reset = [True]

@@ -93,7 +93,7 @@ from bench.train import (
     sft_micro_batches,
     sft_step,
 )
-from bench.trl_common import char_tokenizer, child_env, ids_to_text, trl_available, version
+from bench.trl_common import char_tokenizer, child_env, ids_to_text, trainer_basics, trl_available, version
 from data.tldr import PREF_COLUMNS, SFT_COLUMNS, PreferenceDataset, SFTDataset, load_rows
 from data.tokenizer import END_ID, get_tokenizer
 from model.gpt2 import PRESETS, GPT2LMHeadModel
@@ -281,20 +281,10 @@ def trl_trainer(stage: str, cfg: TrainConfig, rows: dict, model_dir: str, work: 
         adam_epsilon=1e-8,
         learning_rate=LEARNING_RATE,
         lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        gradient_checkpointing=False,
         bf16=False,
-        use_cpu=device.type == "cpu",
         max_length=None,
         model_init_kwargs={"dtype": "float32"},
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=1,
+        **trainer_basics(device),
     )
     dataset = trl_dataset(stage, rows, steps, f"bench-trl-stages-{stage}")
     if stage == "sft":

@@ -135,6 +135,10 @@ class Config(
     """Sequences per forward/backward of the policy and reference on each rank."""
     score_micro_batch_size: int = 128
     """Sequences per reward-model forward on each rank."""
+    group_by_length: bool = True
+    """Each rank's prompt groups ordered by prompt length, longest first, before they are cut into micro-batches (the
+    update's, the reference's and the reward model's, evaluation too): each prompt's samples stay together, less
+    padding computed, the same gradient and scores up to float summation order. false: the groups in loader order."""
     lr: float = 3e-6
     warmup_steps: int = 10
     # --- evaluation and logging
@@ -217,14 +221,12 @@ def kl_in_reward(batches: list[MicroBatch], rewards_BK: torch.Tensor, keep_B: to
     """--kl_in reward: beta x each kept response's KL estimate (--kl_estimator, summed over its tokens, from the
     micro-batches' sampling-policy and reference log-probs) leaves its reward, and the advantages are recomputed.
     Returns the new advantages (B*K,) and the penalty (B, K) (0 for dropped groups)."""
-    real = [b for b in batches if not b.filler]
-    kl_N = (
-        torch.cat([sequence_kl(b.old_logprobs, b.ref_logprobs, b.response_mask, cfg.kl_estimator) for b in real])
-        if real
-        else rewards_BK.new_zeros(0)
-    )  # (kept rows,)
+    kl_N = rewards_BK.new_zeros(int(keep_B.sum()) * cfg.kept)  # (kept rows,) in the order of rows_N
+    for b in batches:
+        if not b.filler:  # each micro-batch's rows back at their places (--group_by_length reorders them)
+            kl_N[b.kept_index] = sequence_kl(b.old_logprobs, b.ref_logprobs, b.response_mask, cfg.kl_estimator).float()
     kl_penalty_BK = torch.zeros_like(rewards_BK)
-    kl_penalty_BK[keep_B] = cfg.beta * kl_N.float().view(-1, cfg.kept)
+    kl_penalty_BK[keep_B] = cfg.beta * kl_N.view(-1, cfg.kept)
     return kept_advantages(rewards_BK - kl_penalty_BK, keep_B, cfg), kl_penalty_BK
 
 
@@ -268,6 +270,7 @@ def train_step(
             G,
             cfg.micro_batch_size,
             cfg.prefix_sharing,
+            cfg.group_by_length,  # micro-batches of prompts of similar length
         )
         if cfg.min_group_std > 0:  # as many micro-batches on every rank, whatever each kept
             filler = build_training_batches(

@@ -71,7 +71,14 @@ def reference_win_rate(
     (rlhf.stats.win_rate). The references are cut to --max_new_tokens like the policy's summaries. Collective: every
     rank scores its slice."""
     reference_raw = score(
-        reward_model, val.ids, val.mask, val.references, 1, cfg.score_micro_batch_size, cfg.prefix_sharing
+        reward_model,
+        val.ids,
+        val.mask,
+        val.references,
+        1,
+        cfg.score_micro_batch_size,
+        cfg.prefix_sharing,
+        cfg.group_by_length,
     )  # (n,)
     index = torch.where(counted, torch.tensor(val.rows, device=counted.device), -1)  # (n,) -1: padding prompts
     policy_scores, reference_scores = gather_pair_scores(index, policy_raw, reference_raw, n_prompts)

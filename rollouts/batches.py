@@ -8,7 +8,7 @@ import torch
 from model.gpt2 import SharedPrefix
 from model.sampler import SampleOutput
 from rlhf.grpo import advantages
-from rollouts.sampling import model_rows
+from rollouts.sampling import micro_batch_rows, model_rows
 from utils.config import ConfigError
 from utils.dist import all_reduce_max, all_reduce_sum
 
@@ -40,6 +40,7 @@ class MicroBatch:
     head_positions: torch.Tensor  # (K,) long: flat indices of response_mask's True entries, where the LM head runs
     advantages: torch.Tensor  # (n,)
     sampler_logprobs: torch.Tensor  # (n, R): the sampler's own log-probs of the tokens it drew
+    kept_index: torch.Tensor  # (n,) long: its rows' places among the step's kept rows (rows_N, in selection order)
     layout: SharedPrefix | None = None  # packed rows: the model's attention layout
     prompt_len: int = 0  # prompt + response rows: the prompt's width P
     ref_logprobs: torch.Tensor | None = None  # (n, R) under the reference (stage 6)
@@ -47,10 +48,18 @@ class MicroBatch:
     filler: bool = False  # a filler that keeps ranks in step (pad_micro_batches): no response token
 
     @classmethod
-    def from_rows(cls, rows: dict, advantages: torch.Tensor, sampler_logprobs: torch.Tensor) -> "MicroBatch":
+    def from_rows(
+        cls, rows: dict, advantages: torch.Tensor, sampler_logprobs: torch.Tensor, kept_index: torch.Tensor
+    ) -> "MicroBatch":
         """From model_rows' dict; the head's positions are found here, once, not in the update's forward."""
         head_positions = rows["response_mask"].reshape(-1).nonzero().squeeze(1)
-        return cls(**rows, head_positions=head_positions, advantages=advantages, sampler_logprobs=sampler_logprobs)
+        return cls(
+            **rows,
+            head_positions=head_positions,
+            advantages=advantages,
+            sampler_logprobs=sampler_logprobs,
+            kept_index=kept_index,
+        )
 
 
 def build_training_batches(
@@ -62,37 +71,34 @@ def build_training_batches(
     group,
     micro,
     prefix_sharing: bool = True,
+    by_length: bool = False,
 ) -> list[MicroBatch]:
     """Micro-batches of the selected rows, with their advantages and the sampler's log-probs: packed rows with each
     prompt once for its responses (`prefix_sharing`), or the prompt + response layout with a copy of the prompt per
-    row."""
+    row. In the rows' order, or with `by_length` the groups of the longest prompts first (micro_batch_rows: each
+    prompt's rows together, micro-batches of prompts of similar length); each micro-batch keeps its rows' places
+    among rows_N (kept_index)."""
+    prompt_of_row = rows_N // group  # (N,)
     batches = []
-    for s in range(0, rows_N.shape[0], micro):
-        rows = rows_N[s : s + micro]
+    for index in micro_batch_rows(prompt_of_row, prompt_mask.sum(1) if by_length else None, micro):
+        rows = rows_N[index]
         batch = model_rows(
             prompt_ids,
             prompt_mask,
             samples.response_ids[rows],
             samples.response_mask[rows],
-            rows // group,
+            prompt_of_row[index],
             prefix_sharing,
         )
         sampler_logprobs = samples.logprobs[rows][:, : batch["response_ids"].shape[1]]
-        batches.append(MicroBatch.from_rows(batch, advantages_N[s : s + micro], sampler_logprobs))
+        batches.append(MicroBatch.from_rows(batch, advantages_N[index], sampler_logprobs, index))
     return batches
 
 
 def with_advantages(batches: list[MicroBatch], advantages_N: torch.Tensor) -> list[MicroBatch]:
-    """The micro-batches with new advantages, `advantages_N` in the order of their rows (fillers keep theirs)."""
-    out, start = [], 0
-    for b in batches:
-        if b.filler:
-            out.append(b)
-            continue
-        n = b.advantages.shape[0]
-        out.append(replace(b, advantages=advantages_N[start : start + n]))
-        start += n
-    return out
+    """The micro-batches with new advantages, `advantages_N` (N,) those of the kept rows rows_N in their order, each
+    micro-batch taking its rows' (kept_index); fillers keep theirs."""
+    return [b if b.filler else replace(b, advantages=advantages_N[b.kept_index]) for b in batches]
 
 
 def kept_advantages(rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg) -> torch.Tensor:

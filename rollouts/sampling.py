@@ -152,6 +152,31 @@ def shared_prompt_rows(prompt_ids, prompt_mask, response_ids, response_mask, pro
     }
 
 
+def micro_batch_rows(
+    prompt_of_row: torch.Tensor, prompt_lengths: torch.Tensor | None, micro: int
+) -> list[torch.Tensor]:
+    """n rows whose prompts are prompt_of_row (n,) cut into micro-batches of `micro` rows (the last may hold fewer),
+    as index tensors into the rows. `prompt_lengths` None: the rows in their own order. Given each prompt's length
+    (B,) (its real tokens): the rows of the longest prompts first, a prompt's rows together (a prompt is packed once
+    per micro-batch it appears in, so a group split over micro-batches computes its prompt again), prompts of equal
+    length in the order of their first rows (a stable sort); each micro-batch's rows then in their own order, so
+    grouping changes which rows share a micro-batch and nothing else.
+
+    A micro-batch is as wide as its longest prompt (shared_prompt_rows; prompt_response_rows pads every row to it):
+    prompts of similar length together leave little padding to compute. Every loss is a sum over rows divided by
+    global counts, and scores are per row, so the grouping moves numbers only by the order of float summation."""
+    n = prompt_of_row.shape[0]
+    order = torch.arange(n, device=prompt_of_row.device)  # (n,)
+    if prompt_lengths is None:
+        return [order[s : s + micro] for s in range(0, n, micro)]
+    first_row = torch.full_like(prompt_lengths, n, dtype=torch.long).scatter_reduce(
+        0, prompt_of_row, order, "amin"
+    )  # (B,) each prompt's first row
+    order = torch.argsort(first_row[prompt_of_row], stable=True)  # (n,) each prompt's rows together
+    order = order[torch.argsort(-prompt_lengths[prompt_of_row[order]], stable=True)]  # longest prompts first
+    return [order[s : s + micro].sort().values for s in range(0, n, micro)]
+
+
 def model_rows(
     prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row: torch.Tensor, prefix_sharing: bool
 ) -> dict:
@@ -164,17 +189,26 @@ def model_rows(
 
 @torch.no_grad()
 def score(
-    reward_model, prompt_ids, prompt_mask, samples: SampleOutput, group: int, micro: int, prefix_sharing: bool = True
+    reward_model,
+    prompt_ids,
+    prompt_mask,
+    samples: SampleOutput,
+    group: int,
+    micro: int,
+    prefix_sharing: bool = True,
+    by_length: bool = False,
 ) -> torch.Tensor:
     """Raw reward-model score (N,) of every prompt + response row, read at the row's last real token (the end token,
     or the last sampled token when the response ran out of tokens) or summed over its response (the model's
     pooling). Row n belongs to prompt n // group. `prefix_sharing`: each micro-batch's prompts are computed once for all
-    their responses (packed rows)."""
+    their responses (packed rows). `by_length`: micro-batches of prompts of similar length (micro_batch_rows); the
+    scores still come back in row order."""
     N = samples.response_ids.shape[0]
-    scores = []
+    prompt_of_row = torch.arange(N, device=prompt_ids.device) // group  # (N,)
+    cuts = micro_batch_rows(prompt_of_row, prompt_mask.sum(1) if by_length else None, micro)
+    scores = torch.empty(N, device=prompt_ids.device)  # (N,) fp32
     with gathered_params(reward_model):
-        for s in range(0, N, micro):
-            rows = torch.arange(s, min(s + micro, N), device=prompt_ids.device)
+        for rows in cuts:
             batch = model_rows(
                 prompt_ids,
                 prompt_mask,
@@ -184,10 +218,10 @@ def score(
                 prefix_sharing,
             )
             mask = batch["layout"] if prefix_sharing else batch["attention_mask"]
-            scores.append(
-                reward_model(batch["input_ids"], batch["position_ids"], mask, prompt_len=batch.get("prompt_len"))
-            )
-    return torch.cat(scores).float()
+            scores[rows] = reward_model(
+                batch["input_ids"], batch["position_ids"], mask, prompt_len=batch.get("prompt_len")
+            ).float()
+    return scores
 
 
 @dataclass
@@ -250,6 +284,13 @@ def source_values(spec: RewardSpec, reward_model, prompts: PromptSet, samples: S
     raw = None
     if reward_model is not None:
         raw = score(
-            reward_model, prompts.ids, prompts.mask, samples, group, cfg.score_micro_batch_size, cfg.prefix_sharing
+            reward_model,
+            prompts.ids,
+            prompts.mask,
+            samples,
+            group,
+            cfg.score_micro_batch_size,
+            cfg.prefix_sharing,
+            cfg.group_by_length,
         )  # (N,)
     return Scores(values.to(device), raw, applies.to(device))

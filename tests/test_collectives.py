@@ -77,7 +77,7 @@ def test_lora_reference_is_gathered_once_for_all_micro_batches(one_rank_group, a
     rows_of = [
         prompt_response_rows(ids[i : i + 2], mask[i : i + 2], response_ids[i : i + 2], real) for i in range(0, 6, 2)
     ]  # 3 micro-batches
-    batches = [MicroBatch.from_rows(r, torch.zeros(2), torch.zeros(2, 5)) for r in rows_of]
+    batches = [MicroBatch.from_rows(r, torch.zeros(2), torch.zeros(2, 5), torch.arange(2)) for r in rows_of]
     cfg = SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0)
     gathered = grpo.batch_logprobs(AdaptersOff(policy), batches, cfg, gather=True)
     assert len(all_gathers) == UNITS  # once per unit, not once per unit per micro-batch

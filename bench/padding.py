@@ -9,10 +9,14 @@ tldr-preference-validation-sample.jsonl (reward model and DPO: prompt, chosen, r
 tokenize them (max prompt 512, max response 64). Each stage's loader is data.tldr.ShardedLoader with the stage's
 own collate, batch 64 and micro-batch 8 (the defaults), every optimizer step of one epoch, for every rank.
 
+GRPO: the same validation posts as prompts, 256 per step over the ranks, 64 samples each scored in micro-batches of
+128, 8 kept each trained in micro-batches of 32 (its defaults), its micro-batches cut by each rank.
+
 Computed tokens are the positions the model's forward runs on:
     SFT                      rows x (longest prompt + longest response) of the micro-batch (data.tldr.collate_sft)
     pairs, prefix sharing    B x longest prompt + 2B x longest response (one packed row, evaluation.preference)
     pairs, padded rows       2B x (longest prompt + longest response) (data.tldr.collate_pairs)
+    GRPO, prefix sharing     prompts x longest prompt + rows x longest response (rollouts.sampling.shared_prompt_rows)
 Real tokens are the prompt and response tokens themselves (a pair's prompt counted once when it is shared, twice
 when each response row carries its copy).
 """
@@ -38,7 +42,7 @@ from data.tldr import (
 )
 from data.tokenizer import get_tokenizer
 from model.gpt2 import PRESETS, GPT2LMHeadModel
-from rollouts.sampling import shared_prompt_rows
+from rollouts.sampling import micro_batch_rows, shared_prompt_rows
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -102,11 +106,16 @@ def ratios(world: int, batch: int, micro: int) -> list[tuple[str, float, float]]
     return out
 
 
-def grpo_ratios(world: int, prompts_per_step=256, samples=64, kept=8, micro=32, score_micro=128, new_tokens=53):
+def grpo_ratios(
+    world: int, key: str, prompts_per_step=256, samples=64, kept=8, micro=32, score_micro=128, new_tokens=53
+) -> dict[str, float]:
     """GRPO's (scoring, update) real / computed tokens at its defaults (prefix sharing: each micro-batch's prompts
-    once, rollouts.sampling.shared_prompt_rows) over the steps of one epoch of the real prompts, all ranks. Response
-    lengths are not known without a policy: each sample takes the length of a reference summary drawn at random
-    (the summaries' own lengths, end token included, cut at `new_tokens`)."""
+    once, rollouts.sampling.shared_prompt_rows) over the steps of one epoch of the real prompts, all ranks, with the
+    micro-batches cut as rollouts.sampling.micro_batch_rows cuts them: `key` "none" (--group_by_length false), "prompt"
+    (true: each rank's groups by prompt length), or "prompt+response" (by prompt length + the group's longest
+    response, an alternative measured against it). Response lengths are not known without a policy: each sample
+    takes the length of a reference summary drawn at random (the summaries' own lengths, end token included, cut at
+    `new_tokens`)."""
     tok = get_tokenizer()
     ds = SFTDataset(load_rows(str(DATA / "tldr-validation-sample.jsonl"), "train", SFT_COLUMNS), tok, 512, new_tokens)
     summary_lengths = torch.tensor([len(r) for r in ds.responses])
@@ -121,12 +130,18 @@ def grpo_ratios(world: int, prompts_per_step=256, samples=64, kept=8, micro=32, 
             response_mask = torch.arange(new_tokens)[None, :] < lengths[:, None]  # (B*G, new_tokens)
             response_ids = torch.where(response_mask, 1, 0)
             kept_rows = torch.arange(per_rank * samples).view(per_rank, samples)[:, :kept].reshape(-1)  # (B*K,)
-            for stage, rows_all, size in (
-                ("score", torch.arange(per_rank * samples), score_micro),
-                ("update", kept_rows, micro),
+            for stage, rows_all, size, per_prompt in (
+                ("score", torch.arange(per_rank * samples), score_micro, samples),
+                ("update", kept_rows, micro, kept),
             ):
-                for s in range(0, rows_all.numel(), size):
-                    rows = rows_all[s : s + size]
+                longest_response = lengths[rows_all].view(-1, per_prompt).amax(1)  # (B,)
+                prompt_lengths = {
+                    "none": None,
+                    "prompt": prompt_mask.sum(1),
+                    "prompt+response": prompt_mask.sum(1) + longest_response,
+                }[key]
+                for index in micro_batch_rows(rows_all // samples, prompt_lengths, size):
+                    rows = rows_all[index]
                     batch = shared_prompt_rows(
                         prompt_ids, prompt_mask, response_ids[rows], response_mask[rows], rows // samples
                     )
@@ -180,11 +195,13 @@ def main() -> None:
         for label, plain, grouped in ratios(world, args.batch, args.micro):
             print(f"{label:40s} {world:5d} {plain:10.3f} {grouped:8.3f}")
     for world in (1, 2):
-        r = grpo_ratios(world)
-        print(
-            f"{'GRPO scoring / update (prefix sharing)':40s} {world:5d} {r['score']:6.3f} / {r['update']:.3f}  "
-            f"(not grouped: a step's rows keep their prompt's group)"
-        )
+        plain, grouped, both = (grpo_ratios(world, key) for key in ("none", "prompt", "prompt+response"))
+        for stage in ("score", "update"):
+            label = f"GRPO {'scoring' if stage == 'score' else 'update'} (prefix sharing)"
+            print(
+                f"{label:40s} {world:5d} {plain[stage]:10.3f} {grouped[stage]:8.3f}  "
+                f"(groups by prompt + response length: {both[stage]:.3f})"
+            )
     if args.time_steps:
         t_plain, t_grouped, diff = time_sft(args.time_steps, args.preset, args.batch)
         print(

@@ -716,9 +716,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from utils.host import keep_freed_memory
+    from utils.host import cpu_memory_settings
 
-    keep_freed_memory()  # the demo's own sampling and scoring run here, on the CPU (utils/host.py)
+    cpu_memory_settings()  # the demo's own sampling and scoring run here, on the CPU (utils/host.py)
     t0 = time.time()
     out = Path(args.out)
     common = {"wandb_mode": args.wandb_mode, "seed": args.seed, "resume": "false"}

@@ -25,7 +25,7 @@ from model.weights import build_policy, build_reward_model, model_config
 from utils.config import ConfigError, fit_context, parse_config
 from utils.fsdp import resolve_dtype
 from utils.guard import exit_on_error
-from utils.host import keep_freed_memory
+from utils.host import cpu_memory_settings
 
 
 @dataclass
@@ -114,7 +114,7 @@ def main(cfg: Config, stdin=None, out=None) -> list[dict]:
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
-        keep_freed_memory()  # utils/host.py
+        cpu_memory_settings()  # utils/host.py
     dtype = resolve_dtype(cfg.dtype, device)
     limits = [(model_config(cfg.policy, cfg.random_init, kind="policy", option="--policy"), "max_new_tokens", "policy")]
     if cfg.reward_model:  # its rewards are reported normalized: it must hold its gain and bias

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from bench import common
-from utils.host import keep_freed_memory
+from utils.host import cpu_memory_settings
 
 BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl", "prefix_sharing")
 NAMED_ONLY = ("compile", "floor", "trl_stages")  # run only when --only names them: compilation takes minutes
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     env = common.environment(device)
     env["torch_threads_choice"] = threads_why
     if args.device == "cpu":  # as every stage's CPU run does (utils/host.py), before any benchmark
-        env["keep_freed_memory"] = keep_freed_memory()
+        env.update(cpu_memory_settings())
     env["command"] = " ".join(
         [Path(sys.executable).name, "-m", "bench.run_all", *(argv if argv is not None else sys.argv[1:])]
     )

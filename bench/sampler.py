@@ -33,7 +33,7 @@ import torch
 from bench import common
 from bench.common import Timing, measure_interleaved, median_ratio, random_prompts, result, skipped, synchronize
 from model.gpt2 import PRESETS, GPT2LMHeadModel, KVCache
-from model.sampler import END_ID, EOS_ID, PAD_ID, generate, probs_work, process_logits, sample_tokens
+from model.sampler import END_ID, EOS_ID, PAD_ID, generate, process_logits, sample_tokens
 
 BENCH = "sampler"
 
@@ -220,7 +220,6 @@ def decode_stages(model, N: int, P: int, steps: int, device: torch.device, seed:
     tok = torch.randint(0, 50000, (N,), device=device, generator=g)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     stop = torch.tensor((END_ID, EOS_ID), device=device)
-    work = probs_work(N, model.cfg.vocab_size, device=device)  # generate's, kept for the whole call
     for t in range(steps):
         # each lambda runs at once inside stage(): the loop variables are bound by default arguments all the same
         h = stage(
@@ -228,12 +227,12 @@ def decode_stages(model, N: int, P: int, steps: int, device: torch.device, seed:
             lambda tok=tok, t=t: model.transformer(tok[:, None], (next_pos + t)[:, None], None, kv_cache=cache),
         )
         logits = stage("LM head", lambda h=h: model.lm_head(h[:, -1]))
-        logp = stage("process_logits + log_softmax", lambda logits=logits: process_logits(logits).log_softmax(-1))
-        tok = stage("sample_tokens", lambda logp=logp: sample_tokens(logp, g, work=work))
+        probs = stage("process_logits + softmax", lambda logits=logits: process_logits(logits).softmax(-1))
+        tok = stage("sample_tokens", lambda probs=probs: sample_tokens(probs, g))
         stage(
             "bookkeeping",
-            lambda logp=logp, tok=tok: (
-                torch.where(~done, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0),
+            lambda probs=probs, tok=tok: (
+                torch.where(~done, probs.gather(-1, tok[:, None]).squeeze(-1).log(), 0.0),
                 done | torch.isin(tok, stop),
                 bool(done.all()),
             ),
@@ -244,7 +243,7 @@ def decode_stages(model, N: int, P: int, steps: int, device: torch.device, seed:
 STAGE_NOTES = {
     "body": "embeddings, blocks with KV-cache writes and masked SDPA, final norm",
     "LM head": "(N x d) @ (d x 50257)",
-    "process_logits + log_softmax": "fp32 logits, temperature/top-k/top-p, log_softmax",
+    "process_logits + softmax": "fp32 logits, temperature/top-k/top-p, softmax",
     "sample_tokens": "two-level inverse CDF, one uniform per row",
     "bookkeeping": "gather log-prob, stop test, all-done check (a host sync)",
 }

@@ -60,53 +60,39 @@ def processed_logprobs(
 
 
 def sample_tokens(
-    logp: torch.Tensor,
+    probs: torch.Tensor,
     generator: torch.Generator | None = None,
     block: int = 256,
     uniforms: torch.Tensor | None = None,
-    work: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token per row of log-probs (N, V), by inverting the CDF with one float64 uniform per row (drawn from
-    `generator`, or `uniforms` (N, 1) float64 in [0, 1) when given).
+    """One token per row of probabilities (N, V) (any non-negative mass: a row need not sum to 1), by inverting the
+    CDF with one float64 uniform per row (drawn from `generator`, or `uniforms` (N, 1) float64 in [0, 1) when given).
 
     The same distribution as torch.multinomial at a fraction of its cost on CPU (multinomial draws V
     exponentials per row). Two levels keep it exact without a float64 copy of the whole (N, V) array: pick a
     block of `block` tokens from the float64 CDF of the block sums, then a token from the CDF inside that
     block. Tokens of probability 0 (outside top-k / top-p) are never drawn. Written with few ops (it runs once per
-    decoded token): the block CDF starts with a 0 column, so the mass below the chosen block is one gather, and the
-    probabilities are padded with zeros to whole blocks, so the chosen block is one gather too.
-
-    work: a tensor of logp's dtype of at least (N, whole blocks) with zeros past column V (probs_work), which the
-    probabilities are written into instead of a fresh padded copy: generate keeps one per call, so a decode step
-    allocates, zeroes and copies no (N, V) tensor for the padding (with a 50,257-word vocabulary each is a pass
-    over N * 200 KB)."""
-    N, V = logp.shape
+    decoded token), and reading `probs` where it lies (views, no (N, V) copy): the block CDF starts with a 0 column,
+    so the mass below the chosen block is one gather, and the chosen block is one gather of its columns, those past
+    V (the short last block) read as 0."""
+    N, V = probs.shape
     nb = -(-V // block)  # blocks, the last one short when block does not divide V
     full = V // block * block
-    if work is None:
-        work = probs_work(N, V, block, logp.device, logp.dtype)
-    padded = work[:N, : nb * block]  # (N, nb * block), zeros past V
-    probs = torch.exp(logp, out=padded[:, :V])
-    parts = [probs.new_zeros(N, 1), probs[:, :full].view(N, -1, block).sum(-1)]
+    parts = [probs.new_zeros(N, 1), probs[:, :full].unflatten(1, (-1, block)).sum(-1)]
     if full < V:
         parts.append(probs[:, full:].sum(-1, keepdim=True))  # the short last block, summed over its own tokens
     cdf = torch.cat(parts, dim=1).cumsum(-1, dtype=torch.float64)  # (N, nb + 1): cdf[:, b] = mass before block b
     if uniforms is None:
-        uniforms = torch.rand(N, 1, generator=generator, device=logp.device, dtype=torch.float64)
+        uniforms = torch.rand(N, 1, generator=generator, device=probs.device, dtype=torch.float64)
     u = uniforms * cdf[:, -1:]
     b = (torch.searchsorted(cdf, u, right=True) - 1).clamp_(max=nb - 1)  # (N, 1) the block whose CDF first exceeds u
     below = cdf.gather(-1, b)  # (N, 1)
-    inside = padded.view(N, nb, block).gather(1, b[:, :, None].expand(N, 1, block)).squeeze(1)  # (N, block)
+    cols = b * block + torch.arange(block, device=probs.device)  # (N, block) the chosen block's columns
+    inside = probs.gather(1, cols.clamp(max=V - 1)).masked_fill_(cols >= V, 0.0)  # (N, block)
     inner_cdf = inside.cumsum(-1, dtype=torch.float64)  # (N, block)
     rest = torch.minimum(u - below, inner_cdf[:, -1:] * (1 - 1e-12))  # rounding must not step past the block
     j = torch.searchsorted(inner_cdf, rest, right=True)
     return (b * block + j).squeeze(-1)
-
-
-def probs_work(N: int, V: int, block: int = 256, device=None, dtype=torch.float32) -> torch.Tensor:
-    """sample_tokens' work tensor for up to N rows of a V-word vocabulary: (N, V rounded up to whole blocks), zeros
-    past column V (sample_tokens writes columns 0 .. V-1 only, so they stay zero)."""
-    return torch.zeros(N, -(-V // block) * block, device=device, dtype=dtype)
 
 
 def decode_step(
@@ -120,12 +106,13 @@ def decode_step(
     top_p: float,
 ) -> torch.Tensor:
     """Feed one token per row (tok (N,), positions pos (N, 1)) through the model with its KV cache and return the
-    processed log-probs (n, V) of the next token of `rows` (n,) (None: every row): the head, the softmax and the
-    draw, most of a decode step's cost with a 50,257-word vocabulary, run on those rows only. The unit that
-    generate(compile=True) compiles."""
+    processed probabilities (n, V) of the next token of `rows` (n,) (None: every row): the head, the softmax and the
+    draw, most of a decode step's cost with a 50,257-word vocabulary, run on those rows only. The softmax is one
+    exp per logit, which the draw reads as it is (a log-softmax would need a second exp for the draw). The unit
+    that generate(compile=True) compiles."""
     head = None if rows is None else (lambda h, w: F.linear(h[rows], w))  # h (N, 1, C) -> logits (n, 1, V)
     logits = model(tok[:, None], pos, None, kv_cache=cache, head=head)[:, -1]  # (n, V)
-    return process_logits(logits, temperature, top_k, top_p).log_softmax(-1)
+    return process_logits(logits, temperature, top_k, top_p).softmax(-1)
 
 
 @functools.cache
@@ -297,7 +284,7 @@ def generate(
         cache = SharedKVCache(cache, G, max_new_tokens)
     elif G > 1:
         cache = cache.repeat_interleave(G)
-    logp = process_logits(logits.repeat_interleave(G, dim=0), temperature, top_k, top_p).log_softmax(-1)  # (N, V)
+    probs = process_logits(logits, temperature, top_k, top_p).softmax(-1).repeat_interleave(G, dim=0)  # (N, V)
     N = B * G
     # positions of the response tokens, built once: token t of a row sits at its prompt's real length + t (N, R)
     positions = prompt_mask.sum(-1).repeat_interleave(G)[:, None] + torch.arange(max_new_tokens, device=device)
@@ -319,18 +306,17 @@ def generate(
     raw_tokens = torch.full((N, max_new_tokens), PAD_ID, dtype=torch.long, device=device)
     raw_logprobs = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
     stop = torch.tensor(stop_ids, device=device, dtype=torch.long)
-    work = probs_work(N, logp.shape[-1], device=device, dtype=logp.dtype) if temperature != 0 else None  # reused
     rows = None  # None: every row (always so at t = 0, which sets `tok`); else the (n,) rows the head runs
     # compiled: the head always takes a row index, padded to a bucket, its length dynamic: one graph for every bucket
     head_rows = None if not compile else buffers.head_rows
     with static_weights(model) if compile else contextlib.nullcontext():
         for t in range(max_new_tokens):
             if temperature == 0:
-                drawn = logp.argmax(-1)
+                drawn = probs.argmax(-1)
             else:
                 u = torch.rand(N, 1, generator=generator, device=device, dtype=torch.float64)
-                drawn = sample_tokens(logp, uniforms=u if rows is None else u[rows], work=work)  # (n,)
-            drawn_logp = logp.gather(-1, drawn[:, None]).squeeze(-1)
+                drawn = sample_tokens(probs, uniforms=u if rows is None else u[rows])  # (n,)
+            drawn_logp = probs.gather(-1, drawn[:, None]).squeeze(-1).log()  # a drawn token's probability is not 0
             if rows is None:
                 tok = drawn
                 raw_logprobs[:, t] = drawn_logp
@@ -359,9 +345,9 @@ def generate(
                 torch._dynamo.maybe_mark_dynamic(head_rows, 0)
                 if device.type == "cuda":  # the last step's outputs have been read: CUDA graphs may reuse their memory
                     torch.compiler.cudagraph_mark_step_begin()
-            logp = step(model, cache, tok, pos, head_rows, temperature, top_k, top_p)  # (n or its bucket, V)
+            probs = step(model, cache, tok, pos, head_rows, temperature, top_k, top_p)  # (n or its bucket, V)
             if rows is not None and len(head_rows) > len(rows):
-                logp = logp[: len(rows)]
+                probs = probs[: len(rows)]
 
     # 3. a row ends at its first stop token: it is kept, everything after it is padding
     stopped = torch.isin(raw_tokens, stop)  # (N, R)

@@ -185,8 +185,8 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
                 p_cV = logp_cV.exp()
                 if needs_grad:
                     probs_MV[s : s + chunk] = p_cV
-            if with_entropy:
-                entropy_M[s : s + chunk] = -(p_cV * _finite(logp_cV, masked)).sum(-1)
+            if with_entropy:  # p log p written over the log-probs, which nothing reads after
+                entropy_M[s : s + chunk] = -_finite(logp_cV, masked).mul_(p_cV).sum(-1)
         ctx.save_for_backward(hidden_MC, weight_VC, targets_M, probs_MV, entropy_out, logp_out)  # outputs, not views
         ctx.settings = (temperature, masked)
         ctx.set_materialize_grads(False)
@@ -208,22 +208,23 @@ class _LinearChunkedLogprobs(torch.autograd.Function):
         M, V = probs_MV.shape
         dtype = weight_VC.dtype
         probs = probs_MV.to(dtype)  # the matmuls run in the head's dtype (no copy when P already has it)
-        grad_hidden_MC = torch.zeros(M, hidden_MC.shape[1], dtype=torch.float32, device=hidden_MC.device)
-        grad_weight_VC = (
-            torch.zeros(V, weight_VC.shape[1], dtype=torch.float32, device=weight_VC.device) if want_weight else None
-        )
+        grad_hidden_MC = grad_weight_VC = None
         if grad_logp_M is not None:
             g_M1 = grad_logp_M[:, None] * scale  # (M, 1)
             # the target's one-hot term only where the target is inside the top-k / top-p set: outside, its
             # processed logit is a constant -inf and gets no gradient, as in the unfused pass
             g_target_M1 = torch.where(torch.isfinite(logp_M)[:, None], g_M1, 0.0) if masked else g_M1
             if want_hidden:
-                grad_hidden_MC += g_target_M1 * weight_VC[targets_M].float() - g_M1 * (probs @ weight_VC).float()
-            if want_weight:
-                gh_MC = (g_M1 * hidden_MC.float()).to(dtype)
-                grad_weight_VC -= (probs.T @ gh_MC).float()
+                grad_hidden_MC = g_target_M1 * weight_VC[targets_M].float() - g_M1 * (probs @ weight_VC).float()
+            if want_weight:  # - P^T (g h) as one product on -(g h) (exactly its negation): no (V, C) zeros or pass
+                neg_gh_MC = (g_M1 * hidden_MC.float()).neg_().to(dtype)
+                grad_weight_VC = (probs.T @ neg_gh_MC).float()
                 grad_weight_VC.index_add_(0, targets_M, g_target_M1 * hidden_MC.float())
         if grad_entropy_M is not None:  # d H / d z_j = -p_j (log p_j + H), in vocabulary blocks
+            if want_hidden and grad_hidden_MC is None:
+                grad_hidden_MC = torch.zeros(M, hidden_MC.shape[1], dtype=torch.float32, device=hidden_MC.device)
+            if want_weight and grad_weight_VC is None:
+                grad_weight_VC = torch.zeros(V, weight_VC.shape[1], dtype=torch.float32, device=weight_VC.device)
             gH_M1 = grad_entropy_M[:, None] * scale
             block = max(1, BLOCK_BYTES // (4 * M))
             for v in range(0, V, block):

@@ -13,7 +13,7 @@ framework workspace; `check_memory` keeps a 10% margin for those):
   on every rank), and the KV cache, keys and values of every layer, 2 * n_layer * n_embd values per cached position.
   Without prefix sharing every sample holds its prompt: gen_prompts * G * (P + new) positions; with it each prompt is
   held once: gen_prompts * (P + G * new). Plus the (rows, vocabulary) fp32 logits the sampler processes per step
-  (four alive at once: logits, processed, log-softmax, probabilities).
+  (at most four alive at once: logits, processed, probabilities, the last step's probabilities).
 - update: activations per transformer layer, 34 bytes per token and channel at 16-bit precision (Korthikanti et al.,
   arXiv 2205.05198, table 2, with an attention kernel that keeps no (T, T) score matrix), i.e. 17 values per token
   and channel in the compute dtype; with activation checkpointing only each block's input is kept, plus one block's
@@ -67,7 +67,7 @@ def kv_cache_bytes(
 def generate_bytes(
     cfg: GPTConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int, dtype_bytes: int, prefix_sharing: bool
 ) -> int:
-    """KV cache plus the sampler's four (rows, vocabulary) fp32 tensors of one decode step."""
+    """KV cache plus the sampler's (rows, vocabulary) fp32 tensors of one decode step, four at most."""
     logits = 4 * prompts * samples * cfg.vocab_size * 4
     return kv_cache_bytes(cfg, prompts, samples, prompt_len, new_tokens, dtype_bytes, prefix_sharing) + logits
 

@@ -10,7 +10,6 @@ from model.sampler import (
     END_ID,
     PAD_ID,
     generate,
-    probs_work,
     process_logits,
     processed_logprobs,
     sample_tokens,
@@ -91,8 +90,9 @@ def reference_generate(model, ids, mask, G, max_new, generator, temperature=1.0)
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
             logits = model(ids, pos, mask, logits_slice=slice(-1, None))[:, -1]
-        logp = process_logits(logits, temperature, 0, 1.0).log_softmax(-1)
-        tok = sample_tokens(logp, generator)
+        z = process_logits(logits, temperature, 0, 1.0)
+        logp = z.log_softmax(-1)
+        tok = sample_tokens(z.softmax(-1), generator)
         tokens[:, t] = torch.where(done, PAD_ID, tok)
         logprobs[:, t] = torch.where(done, 0.0, logp.gather(-1, tok[:, None]).squeeze(-1))
         done = done | (tok == END_ID)
@@ -159,7 +159,7 @@ def test_sample_tokens_matches_the_distribution_and_never_draws_zero_probability
     logits = torch.randn(V, generator=g) * 3
     logits[torch.randperm(V, generator=g)[: V // 3]] = float("-inf")
     logp = logits.log_softmax(-1)
-    tok = sample_tokens(logp.expand(N, V), torch.Generator().manual_seed(1), block=64)
+    tok = sample_tokens(logp.exp().expand(N, V), torch.Generator().manual_seed(1), block=64)  # a view: no copy
     counts = torch.bincount(tok, minlength=V).double()
     assert counts[logits == float("-inf")].sum() == 0
     expected = logp.exp().double() * N
@@ -171,29 +171,31 @@ def test_sample_tokens_matches_the_distribution_and_never_draws_zero_probability
     # rows are independent: a batch of different distributions, each a point mass on its own token
     point = torch.full((5, V), float("-inf"))
     point[torch.arange(5), torch.tensor([0, 63, 64, 999, 500])] = 0.0
-    assert sample_tokens(point, g, block=64).tolist() == [0, 63, 64, 999, 500]
+    assert sample_tokens(point.exp(), g, block=64).tolist() == [0, 63, 64, 999, 500]
 
 
 def test_sample_tokens_is_deterministic_given_the_generator():
-    logp = torch.randn(8, 300).log_softmax(-1)
-    a = sample_tokens(logp, torch.Generator().manual_seed(3))
-    b = sample_tokens(logp, torch.Generator().manual_seed(3))
+    probs = torch.randn(8, 300).softmax(-1)
+    a = sample_tokens(probs, torch.Generator().manual_seed(3))
+    b = sample_tokens(probs, torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
 
 
-def test_sample_tokens_with_a_reused_work_tensor_draws_as_without_one():
-    """generate keeps one work tensor per call (probs_work) while rows finish: fewer rows read its first rows, the
-    columns past V stay zero, and every draw equals a draw with a fresh padded copy. V = 300 leaves 212 padding
-    columns in the last 256-token block; the third distribution puts its mass on the vocabulary's last token."""
+def test_sample_tokens_reads_views_unnormalised_mass_and_the_short_last_block():
+    """The draw reads the probabilities where they lie: a strided view draws as its contiguous copy, mass scaled by
+    a power of two (exact in floating point) draws the same tokens, and V = 300 leaves the last 256-token block 44
+    tokens long: a row with all its mass on the vocabulary's last token draws it, even at u close to 1."""
     V = 300
-    work = probs_work(6, V)
-    logps = [torch.randn(n, V, generator=torch.Generator().manual_seed(n)).log_softmax(-1) for n in (6, 4, 1)]
-    logps[2][:, :-1], logps[2][:, -1] = float("-inf"), 0.0
-    for logp in logps:
-        u = torch.rand(len(logp), 1, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-        assert torch.equal(sample_tokens(logp, uniforms=u, work=work), sample_tokens(logp, uniforms=u))
-        assert not work[:, V:].any()
-    assert sample_tokens(logps[2], uniforms=torch.tensor([[0.999999]], dtype=torch.float64), work=work).item() == V - 1
+    g = torch.Generator().manual_seed(5)
+    probs = torch.randn(6, 2 * V, generator=g).softmax(-1)[:, ::2]  # (6, V), every other column: not contiguous
+    u = torch.rand(6, 1, generator=g, dtype=torch.float64)
+    drawn = sample_tokens(probs, uniforms=u)
+    assert torch.equal(drawn, sample_tokens(probs.contiguous(), uniforms=u))
+    assert torch.equal(drawn, sample_tokens(probs * 8, uniforms=u))
+    last = torch.zeros(1, V)
+    last[0, -1] = 1.0
+    assert sample_tokens(last, uniforms=torch.tensor([[0.999999]], dtype=torch.float64)).item() == V - 1
+    assert sample_tokens(last, uniforms=torch.tensor([[0.0]], dtype=torch.float64)).item() == V - 1
 
 
 def compiled_equals_eager(model, ids, mask, prefix_sharing: bool):

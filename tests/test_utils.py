@@ -352,3 +352,41 @@ def test_keep_freed_memory_reuses_freed_tensors_without_page_faults():
     assert took == "True" and kept < 1_000, (faults, kept)
     took, _ = run("keep", MALLOC_MMAP_MAX_="65536")
     assert took == "False"
+
+
+HUGE_PAGES_AFTER_SCRIPT_IMPORTS = """
+import sys
+import dpo, grpo, reward_model, sft  # every training script's imports, as torchrun runs them
+from utils.host import huge_pages
+took = huge_pages()
+import torch
+x = torch.ones(2**24)  # 64 MB, written
+huge = [int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")][0]
+print(took, huge)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages: Linux only")
+def test_huge_pages_take_after_every_scripts_imports():
+    """PyTorch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at its first allocation: the scripts' imports must
+    make no tensor, or huge_pages (called from setup_distributed) would come too late. Then a 64 MB tensor sits on
+    huge pages (when the kernel has them to give), and a user's own setting is left alone."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this kernel gives no transparent huge pages")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    run = subprocess.run(
+        [sys.executable, "-c", HUGE_PAGES_AFTER_SCRIPT_IMPORTS], cwd=ROOT, capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    took, huge_kb = run.stdout.split()
+    assert took == "True", "a script's imports made a CPU tensor before setup_distributed could ask for huge pages"
+    assert int(huge_kb) >= 32 * 1024, f"only {huge_kb} kB on huge pages"
+    user = subprocess.run(
+        [sys.executable, "-c", HUGE_PAGES_AFTER_SCRIPT_IMPORTS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**env, "THP_MEM_ALLOC_ENABLE": "0"},
+    )
+    assert user.stdout.split()[0] == "False"

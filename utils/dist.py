@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from utils.config import ConfigError
-from utils.host import keep_freed_memory
+from utils.host import cpu_memory_settings
 
 
 @dataclass
@@ -70,7 +70,7 @@ def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Di
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-        keep_freed_memory()  # freed CPU tensors' memory reused, not page-faulted in again (utils/host.py)
+        cpu_memory_settings()  # freed CPU memory reused, large tensors on huge pages (utils/host.py)
     if not dist.is_initialized():
         dist.init_process_group(
             backend,

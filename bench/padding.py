@@ -111,7 +111,8 @@ def grpo_ratios(
 ) -> dict[str, float]:
     """GRPO's (scoring, update) real / computed tokens at its defaults (prefix sharing: each micro-batch's prompts
     once, rollouts.sampling.shared_prompt_rows) over the steps of one epoch of the real prompts, all ranks, with the
-    micro-batches cut as rollouts.sampling.micro_batch_rows cuts them: `key` "none" (--group_by_length false), "prompt"
+    micro-batches cut as rollouts.sampling.micro_batch_rows cuts them, also for their prompt and response columns apart
+    ("score/prompts", ...): `key` "none" (--group_by_length false), "prompt"
     (true: each rank's groups by prompt length), or "prompt+response" (by prompt length + the group's longest
     response, an alternative measured against it). Response lengths are not known without a policy: each sample
     takes the length of a reference summary drawn at random (the summaries' own lengths, end token included, cut at
@@ -121,7 +122,7 @@ def grpo_ratios(
     summary_lengths = torch.tensor([len(r) for r in ds.responses])
     g = torch.Generator().manual_seed(0)
     per_rank = prompts_per_step // world
-    totals = {"score": [0, 0], "update": [0, 0]}
+    totals = {f"{stage}{part}": [0, 0] for stage in ("score", "update") for part in ("", "/prompts", "/responses")}
     for rank in range(world):
         loader = ShardedLoader(len(ds), per_rank, rank, world, 0, lambda idx: idx)
         for _ in range(loader.batches_per_epoch):
@@ -145,8 +146,15 @@ def grpo_ratios(
                     batch = shared_prompt_rows(
                         prompt_ids, prompt_mask, response_ids[rows], response_mask[rows], rows // samples
                     )
-                    totals[stage][0] += int(batch["attention_mask"].sum())
-                    totals[stage][1] += batch["input_ids"].numel()
+                    real, computed = int(batch["attention_mask"].sum()), batch["input_ids"].numel()
+                    response_real, response_computed = int(batch["response_mask"].sum()), batch["response_mask"].numel()
+                    for part, r, c in (
+                        ("", real, computed),
+                        ("/prompts", real - response_real, computed - response_computed),
+                        ("/responses", response_real, response_computed),
+                    ):
+                        totals[stage + part][0] += r
+                        totals[stage + part][1] += c
     return {k: real / computed for k, (real, computed) in totals.items()}
 
 
@@ -200,7 +208,9 @@ def main() -> None:
             label = f"GRPO {'scoring' if stage == 'score' else 'update'} (prefix sharing)"
             print(
                 f"{label:40s} {world:5d} {plain[stage]:10.3f} {grouped[stage]:8.3f}  "
-                f"(groups by prompt + response length: {both[stage]:.3f})"
+                f"(prompt columns {plain[stage + '/prompts']:.3f} -> {grouped[stage + '/prompts']:.3f}, response "
+                f"columns {plain[stage + '/responses']:.3f} -> {grouped[stage + '/responses']:.3f}; groups by prompt "
+                f"+ response length: {both[stage]:.3f})"
             )
     if args.time_steps:
         t_plain, t_grouped, diff = time_sft(args.time_steps, args.preset, args.batch)

@@ -12,6 +12,7 @@ import os
 
 from bench.common import ROOT
 from model.sampler import EOS_ID
+from utils import host
 
 CHAR_BASE = 0x20000  # plane 2: 50,256 code points, none of them whitespace or newline
 TRL_MODULES = ("trl", "datasets", "accelerate")
@@ -54,9 +55,11 @@ def version(module: str) -> str:
 
 
 def child_env() -> dict[str, str]:
-    """The environment of a TRL child process: offline, quiet, no tracker, the project on PYTHONPATH."""
+    """The environment of a TRL child process: offline, quiet, no tracker, the project on PYTHONPATH, and without the
+    allocator setting this process put in its own environment (utils/host.py's huge pages, which PyTorch in the child
+    would read too): TRL runs as its users run it."""
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in host.SET_HERE},
         "TRL_EXPERIMENTAL_SILENCE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",

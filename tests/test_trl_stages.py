@@ -13,7 +13,9 @@ import torch
 
 from bench import run_all, trl_common, trl_stages
 from bench.train import TrainConfig
+from bench.trl_common import child_env
 from data.tokenizer import END_ID
+from utils import host
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = TrainConfig(  # prompts of 96 tokens: room for the longest TL;DR header and "TL;DR:" suffix of these rows
@@ -125,3 +127,13 @@ def test_quick_against_trl(monkeypatch, fresh_process_group):
         assert theirs == pytest.approx(ours, rel=1e-4), r["name"]
     dpo = next(r for r in ratios if " dpo: " in r["name"])
     assert dpo["first_step_loss_ours"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at step 0
+
+
+def test_trl_children_run_without_the_projects_allocator_settings(monkeypatch):
+    """The huge-pages setting utils/host.py puts in this process's environment is not handed to TRL's child (PyTorch
+    there would read it): TRL runs with the system's defaults. A user's own setting is passed on."""
+    monkeypatch.setattr(host, "SET_HERE", {"THP_MEM_ALLOC_ENABLE"})
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    assert "THP_MEM_ALLOC_ENABLE" not in child_env()
+    monkeypatch.setattr(host, "SET_HERE", set())
+    assert child_env()["THP_MEM_ALLOC_ENABLE"] == "1"

@@ -23,6 +23,7 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 THP_SETTING = "THP_MEM_ALLOC_ENABLE"  # read by PyTorch's CPU allocator (c10/core/alloc_cpu.cpp) at its first allocation
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"  # "always [madvise] never": the bracketed mode is in force
+SET_HERE: set[str] = set()  # environment variables this module set, which child processes inherit
 
 
 def cpu_memory_settings() -> dict[str, bool]:
@@ -61,5 +62,6 @@ def huge_pages() -> bool:
     except OSError:
         return False
     os.environ[THP_SETTING] = "1"
+    SET_HERE.add(THP_SETTING)
     probes = [torch.empty(2**19) for _ in range(3)]  # 2 MB each: page-aligned only when the setting took
     return all(p.data_ptr() % 4096 == 0 for p in probes)

@@ -10,6 +10,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
+# The suite's processes are short: a process's first large blocks on transparent huge pages cost more than its few
+# steps gain from them (utils/host.py huge_pages; docs/benchmarks.md), so the suite and the runs it starts go without,
+# as a user's own THP_MEM_ALLOC_ENABLE setting does. No number depends on it; tests/test_utils.py checks the setting
+# itself in a process of its own.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
+
 
 def shared_file(name: str) -> Path:
     path = SHARED_DATA / name

@@ -10,7 +10,9 @@ PyTorch's CUDA caching allocator does on a GPU: the process's resident memory th
 Each pass over such a tensor also touches a new 4 KB page every 1,024 floats, and a (128, 50,257) fp32 tensor spans
 6,283 of them, more than the processor's TLB maps. huge_pages asks PyTorch's CPU allocator to back every block of
 2 MB or more with transparent huge pages (its THP_MEM_ALLOC_ENABLE setting: page-aligned blocks advised
-MADV_HUGEPAGE), so one TLB entry maps 512 times as much (docs/benchmarks.md measures it).
+MADV_HUGEPAGE), so one TLB entry maps 512 times as much. The gain is a steady state's: a process's first rounds of
+large blocks cost more on huge pages, so a process that runs a few steps (a test) is better off without
+(docs/benchmarks.md measures both; tests/conftest.py turns it off for the suite).
 """
 
 import ctypes

@@ -145,7 +145,8 @@ class ObjectiveConfig:
     entropy_every: int = 1
     """Log train/entropy every N steps (1: every step; 0: never). It comes from the log-softmax the log-probs
     already compute, but still costs a multiply-sum over the vocabulary at every response token (the update's
-    backward needs the probabilities anyway); a step that does not log it skips that. With --entropy_coef != 0 it is computed (and logged) every step."""
+    backward needs the probabilities anyway); a step that does not log it skips that. With --entropy_coef != 0 it
+    is computed (and logged) every step."""
 
     def objective(self) -> Objective:
         """The loss's options bound once (rlhf/grpo.py Objective: its terms then take tensors only), each of its

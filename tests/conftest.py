@@ -12,8 +12,10 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 # The suite's processes are short: a process's first large blocks on transparent huge pages cost more than its few
 # steps gain from them (utils/host.py huge_pages; docs/benchmarks.md), so the suite and the runs it starts go without,
-# as a user's own THP_MEM_ALLOC_ENABLE setting does. No number depends on it; tests/test_utils.py checks the setting
-# itself in a process of its own.
+# as a user's own THP_MEM_ALLOC_ENABLE setting does; the demo of tests/test_learning.py, whose stages run minutes, goes
+# with them as `make demo` does (SUITE_UNSET: what to remove for that). No number depends on it; tests/test_utils.py
+# checks the setting itself in a process of its own.
+SUITE_UNSET = () if "THP_MEM_ALLOC_ENABLE" in os.environ else ("THP_MEM_ALLOC_ENABLE",)
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
 
 
@@ -31,10 +33,13 @@ def free_port() -> int:
 
 
 def run_script(
-    args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None
+    args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None, unset: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
-    """Run a top-level script as one plain process, or under torchrun with `nproc` gloo processes."""
+    """Run a top-level script as one plain process, or under torchrun with `nproc` gloo processes; `env` adds to the
+    suite's environment, `unset` removes variables from it."""
     full_env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **(env or {})}
+    for name in unset:
+        full_env.pop(name, None)
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:

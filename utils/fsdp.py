@@ -18,8 +18,9 @@ RESHARD_ATTR = "fsdp_reshard_after_forward"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
-    """Parameter dtype in forward/backward: "bf16", "fp32", or "auto" (bf16 on GPU, fp32 on CPU, where bf16
-    matmuls are slow and exact comparisons are wanted). None means no mixed precision."""
+    """Parameter dtype in forward/backward: "bf16", "fp32", or "auto" (bf16 on GPU, fp32 on CPU, where exact
+    comparisons are wanted and bf16 gains little even with a matrix unit: docs/benchmarks.md). None means no mixed
+    precision."""
     if name == "auto":
         name = "bf16" if device.type == "cuda" else "fp32"
     if name == "bf16":

@@ -80,6 +80,9 @@ class GRPOBenchConfig:
     reference is the policy with its adapters off."""
     compile: bool = False
     """grpo --compile: the sampler's decode step under torch.compile (the warm-up step pays the compilation)."""
+    trl_bf16: bool | None = None
+    """bench/trl_grpo.py only: TRL's `bf16` (mixed precision); None: on a GPU only, fp32 on a CPU as our side runs
+    there. True on a CPU is TRL's own default (GRPOConfig's bf16 is True unless fp16 is set)."""
 
     def grpo_config(self) -> grpo.Config:
         """grpo.Config of this benchmark (everything else at grpo.py's defaults: temperature 1, beta 0.04, ...)."""

@@ -154,7 +154,7 @@ def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
         loss_type="grpo",
         scale_rewards="group",
         learning_rate=3e-6,
-        bf16=device.type == "cuda",
+        bf16=device.type == "cuda" if bcfg.trl_bf16 is None else bcfg.trl_bf16,
         shuffle_dataset=False,
         log_completions=False,
         **trainer_basics(device),

@@ -16,12 +16,17 @@ The products, with N sampled rows, K trained rows, prompts with T_p real tokens 
 (the counts of the step just measured):
   generate   prefill: the body over each prompt's tokens once, the head at its last position; then for each later
              token, one decode step of the body and the head over the N rows (N x C times C x V)
-  score      the reward model's body over every sampled sequence (its head is one number per sequence)
+  score      the reward model's body over each prompt once and every sampled response (prefix sharing: the packed
+             rows hold each prompt once; its head is one number per sequence)
   reference  the frozen reference's body over the K trained rows (each prompt once: prefix sharing), its head at
              their response positions, in chunks of rlhf.logprobs.CHUNK positions on a CPU
   update     the policy's forward as the reference's, and its backward: the head's two products over all response
              positions at once (dh = G W, dW = G^T h) and the body's at twice its forward FLOPs
 Attention's own products (scores and values, 4 T C per token and layer) are counted with the body.
+
+On a GPU a decode step is bound by memory, not by its products: decode_floor counts the bytes a step must read (the
+weights once, each prompt's keys and values once per group, each row's own ones) and its FLOPs, against GPU_PEAKS,
+the datasheets' bandwidth and dense bf16 peak (bench/decode_profile.py sets the graphed step against it).
 """
 
 import statistics
@@ -54,6 +59,37 @@ def mm_seconds(m: int, k: int, n: int, device: torch.device, repeats: int = 5) -
     return statistics.median(times[1:])
 
 
+# published peaks (NVIDIA H100 and H200 SXM datasheets): HBM bandwidth and dense bf16 tensor-core FLOP/s. Measured
+# on the machines lent here (the device tool's KINDS.md): a copy ~3.0 TB/s (H100) and ~4.3 TB/s (H200), a large bf16
+# product ~800 TFLOP/s on both; a floor against the published figures is a lower bound either way.
+GPU_PEAKS = {
+    "H100 SXM": {"bytes_per_s": 3.35e12, "flops_per_s": 989e12},
+    "H200 SXM": {"bytes_per_s": 4.8e12, "flops_per_s": 989e12},
+}
+
+
+def decode_floor(cfg, prompts: int, prompt_len: float, group: int, new_tokens: int, bytes_per_value: int = 2) -> dict:
+    """Bytes read and FLOPs of one decode step of prompts x group rows, averaged over the new tokens, with each prompt's
+    keys and values stored once per group (prefix sharing). Read: every weight once (the tied head included), each
+    prompt's keys and values (prompt_len positions) once, each row's own keys and values (new_tokens / 2 positions on
+    average); the logits are not counted (a kernel that fused the head with the softmax and the draw would not write
+    them). FLOPs: the body's and the head's products for every row, attention's 4 x context x C per layer and row."""
+    C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    N = prompts * group
+    weights = (12 * L * C * C + V * C + cfg.n_positions * C) * bytes_per_value
+    kv_per_position = 2 * L * C * bytes_per_value
+    prompt_kv = prompts * prompt_len * kv_per_position
+    own_kv = N * (new_tokens / 2) * kv_per_position
+    flops = N * (body_flops_per_token(cfg, prompt_len + new_tokens / 2) + 2 * C * V)
+    return {
+        "bytes": weights + prompt_kv + own_kv,
+        "weights_bytes": weights,
+        "prompt_kv_bytes": prompt_kv,
+        "own_kv_bytes": own_kv,
+        "flops": flops,
+    }
+
+
 def body_flops_per_token(cfg, context: float) -> float:
     """Forward FLOPs of the transformer body for one token attending to `context` positions: 2 x the 12 C^2 weights
     of each layer's products, plus attention's scores and values (4 x context x C per layer)."""
@@ -83,7 +119,7 @@ def stage_products(bcfg: GRPOBenchConfig, counts: dict, device: torch.device) ->
             "body": prompt_tokens * body_flops_per_token(cfg, Tp / 2)
             + N * decode_steps * body_flops_per_token(cfg, context),
         },
-        "score": {"head": {}, "body": (prompt_tokens * G + generated) * body_flops_per_token(cfg, context)},
+        "score": {"head": {}, "body": (prompt_tokens + generated) * body_flops_per_token(cfg, context)},
         "reference": {
             "head": head_chunks,
             "body": (prompt_tokens + trained_response) * body_flops_per_token(cfg, context),

@@ -52,6 +52,11 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+# Devices whose shared-prefix decode attention runs one_softmax_decode_attention (few kernels); elsewhere
+# shared_prefix_decode_attention (fp32 merge of the two parts; a CPU's golden numbers are recorded with it).
+ONE_SOFTMAX_DEVICES = ("cuda",)
+
+
 class KVCache:
     """Keys and values of every layer for incremental decoding.
 
@@ -221,6 +226,7 @@ class SharedKVCache:
         self.max_len = max_new
         self.write_at: torch.Tensor | None = None
         self.work: dict[str, torch.Tensor] = {}  # the attention's output buffers, reused by every layer and step
+        self.hidden: torch.Tensor | None = None  # one_softmax_decode_attention's key mask of the step (layer 0's)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.prompt_k, self.prompt_v, self.kv))
@@ -256,10 +262,12 @@ class SharedKVCache:
         qkv = qkv.view(B, G, T, 3, nh, hs)
         q = qkv[:, :, :, 0].permute(0, 3, 1, 2, 4)  # (B, nh, G, T, hs), a view
         new_kv = qkv[:, :, :, 1:].permute(3, 0, 4, 1, 2, 5)  # (2, B, nh, G, T, hs), a view
+        one_softmax = q.device.type in ONE_SOFTMAX_DEVICES
+        masks = not one_softmax or layer == 0 or self.hidden is None  # one_softmax: layer 0 builds the step's mask
         if self.write_at is not None:
             self.kv[layer].index_copy_(4, self.write_at, new_kv)
             own_kv = self.kv[layer]  # every position a key; those not written yet are masked below
-            own_hidden = torch.arange(max_new, device=q.device) > self.write_at[:, None]  # (T, max_new)
+            own_hidden = torch.arange(max_new, device=q.device) > self.write_at[:, None] if masks else None  # (T, L)
         else:
             end = self.length + T
             if end > self.max_len:
@@ -270,6 +278,20 @@ class SharedKVCache:
             if T > 1:
                 key_pos, query_pos = torch.arange(end, device=q.device), torch.arange(self.length, end, device=q.device)
                 own_hidden = key_pos[None, :] > query_pos[:, None]  # (T, L) later tokens
+        if one_softmax:
+            if masks:  # the keys each query may not see, built once per step
+                self.hidden = decode_key_mask(self.prompt_hidden, own_hidden, T, own_kv.shape[-2])
+            y = q.new_empty(B, G, T, nh, hs)  # (N, T, C) once viewed
+            one_softmax_decode_attention(
+                q,
+                self.prompt_k[layer],
+                self.prompt_v[layer],
+                own_kv[0],
+                own_kv[1],
+                self.hidden,
+                out=y.permute(0, 3, 1, 2, 4),
+            )
+            return y.view(N, T, nh * hs)
         args = (q, self.prompt_k[layer], self.prompt_v[layer], self.prompt_hidden, own_kv[0], own_kv[1], own_hidden)
         if self.write_at is not None:  # compiled: no out= into a strided view (a graph break), the copy is fused
             y = shared_prefix_decode_attention(*args).permute(0, 2, 3, 1, 4)  # (B, G, T, nh, hs)
@@ -349,6 +371,40 @@ def shared_prefix_decode_attention(
     # merge
     weight = (lse - torch.logaddexp(lse[0], lse[1])).exp_()  # (2, B, nh, G, T, 1)
     return torch.sum(weight * o, 0, out=out)
+
+
+def decode_key_mask(prompt_hidden: torch.Tensor, own_hidden: torch.Tensor | None, T: int, L: int) -> torch.Tensor:
+    """(B, 1, 1, T, P + L) bool, True on the keys a decode query may not see: the prompt's padding (prompt_hidden
+    (B, 1, 1, P)), then the own keys own_hidden (T, L) hides (None: none)."""
+    B, P = prompt_hidden.shape[0], prompt_hidden.shape[-1]
+    own = own_hidden if own_hidden is not None else prompt_hidden.new_zeros(T, L)
+    return torch.cat([prompt_hidden[:, :, :, None, :].expand(B, 1, 1, T, P), own.expand(B, 1, 1, T, L)], dim=-1)
+
+
+def one_softmax_decode_attention(q, prompt_k, prompt_v, own_k, own_v, hidden, out=None) -> torch.Tensor:
+    """shared_prefix_decode_attention's result in few kernels, for a GPU: the scores of both parts side by side in
+    one tensor, one softmax over them, two products and one sum, about 9 kernels per layer against about 45 (a
+    decode step on a GPU is some hundreds of kernels, bound by their count and their passes over fp32 scores).
+
+    q (B, nh, G, T, hs); prompt_k/v (B, nh, P, hs), read once per prompt for its G*T queries; own_k/v
+    (B, nh, G, L, hs); hidden (B, 1, 1, T, P + L) from decode_key_mask. Returns (B, nh, G, T, hs) in q's dtype,
+    written into `out` when given. Scores, probabilities and the two parts' sum are in q's dtype (bf16 on a GPU: the
+    softmax accumulates in fp32 inside), where the lse merge keeps fp32: the same rounding as the bf16 products
+    themselves, not bit for bit the merge's. tests/test_sampler.py checks both against plain attention."""
+    B, nh, G, T, hs = q.shape
+    P = prompt_k.shape[2]
+    scale = 1.0 / math.sqrt(hs)
+    exact_prescale = math.frexp(scale)[0] == 0.5  # a power of two: scaling q scales every score exactly
+    q_s = torch.mul(q, scale if exact_prescale else 1.0, out=q.new_empty(B, nh, G, T, hs))
+    s = torch.cat(
+        [(q_s.view(B, nh, G * T, hs) @ prompt_k.transpose(-1, -2)).view(B, nh, G, T, P), q_s @ own_k.transpose(-1, -2)],
+        dim=-1,
+    )  # (B, nh, G, T, P + L)
+    if not exact_prescale:
+        s = s.mul_(scale)
+    p = s.masked_fill_(hidden, float("-inf")).softmax(-1)  # a query always sees itself: no empty row
+    y_prompt = (p[..., :P].reshape(B, nh, G * T, P) @ prompt_v).view(B, nh, G, T, hs)  # a view: rows P + L apart
+    return torch.add(y_prompt, p[..., P:] @ own_v, out=out)
 
 
 def build_attention_mask(key_valid_BL: torch.Tensor, q_len: int) -> torch.Tensor:

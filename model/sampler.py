@@ -26,6 +26,7 @@ decode step runs under torch.compile with static shapes inside (compiled_decode_
 import contextlib
 import functools
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -104,25 +105,62 @@ def decode_step(
     temperature: float,
     top_k: int,
     top_p: float,
+    head_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Feed one token per row (tok (N,), positions pos (N, 1)) through the model with its KV cache and return the
     processed probabilities (n, V) of the next token of `rows` (n,) (None: every row): the head, the softmax and the
     draw, most of a decode step's cost with a 50,257-word vocabulary, run on those rows only. The softmax is one
     exp per logit, which the draw reads as it is (a log-softmax would need a second exp for the draw). The unit
-    that generate(compile=True) compiles."""
-    head = None if rows is None else (lambda h, w: F.linear(h[rows], w))  # h (N, 1, C) -> logits (n, 1, V)
+    that generate(compile=True) compiles on a CPU and records as a CUDA graph (with the draw) on a GPU.
+    head_weight: the head's weight with its rows padded (padded_head_weight), in place of the model's."""
+    V = model.cfg.vocab_size
+
+    def head(h, w):  # h (N, 1, C) -> logits (n, 1, V)
+        h = h if rows is None else h[rows]
+        return F.linear(h, w) if head_weight is None else F.linear(h, head_weight)[..., :V]
+
     logits = model(tok[:, None], pos, None, kv_cache=cache, head=head)[:, -1]  # (n, V)
     return process_logits(logits, temperature, top_k, top_p).softmax(-1)
 
 
+def draw(probs: torch.Tensor, uniforms: torch.Tensor | None, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens (n,) drawn from probabilities (n, V) with one uniform per row (n, 1) (temperature 0: the most
+    likely), and their log-probabilities (n,) (a drawn token's probability is never 0)."""
+    drawn = probs.argmax(-1) if temperature == 0 else sample_tokens(probs, uniforms=uniforms)
+    return drawn, probs.gather(-1, drawn[:, None]).squeeze(-1).log()
+
+
+HEAD_ROWS_MULTIPLE = 64  # a GPU's head pads the vocabulary to a multiple of this (50,257 -> 50,304 rows)
+PADDED_HEAD_DEVICES = ("cuda",)  # where padded_head_weight pads (elsewhere the products take any row count alike)
+
+
+def padded_head_weight(model) -> torch.Tensor | None:
+    """On a GPU, the head's weight (V, C) with zero rows appended up to a multiple of HEAD_ROWS_MULTIPLE, kept for the
+    model's life and refilled at each call; None elsewhere or when V is a multiple already. With V = 50,257 (odd)
+    cuBLAS runs the head's product with an unaligned kernel at about an eighth of the speed of an aligned one (0.84
+    ms of a 5.4 ms decode step of 1,024 rows on an H100, docs/benchmarks.md); the padded rows' logits are cut off
+    before anything reads them."""
+    w = model.lm_head.weight
+    V, C = w.shape
+    if w.device.type not in PADDED_HEAD_DEVICES or V % HEAD_ROWS_MULTIPLE == 0:
+        return None
+    kept = _DECODE_WEIGHTS.setdefault(model, {})
+    padded = kept.get(PADDED_HEAD)
+    rows = -(-V // HEAD_ROWS_MULTIPLE) * HEAD_ROWS_MULTIPLE
+    if padded is None or padded.shape != (rows, C) or padded.dtype != w.dtype or padded.device != w.device:
+        padded = kept[PADDED_HEAD] = torch.zeros(rows, C, dtype=w.dtype, device=w.device)
+    padded[:V].copy_(w)
+    return padded
+
+
 @functools.cache
 def compiled_decode_step(device_type: str):
-    """decode_step under torch.compile, built once per process and device type, so every generate call of a run
-    reuses its graphs: CUDA graphs (mode "reduce-overhead") on a GPU, where launching a step's few hundred kernels
-    one by one costs more than running them; inductor's default on a CPU. Shapes are static inside a step (the
-    caches are preallocated, write positions are tensors, finished rows leave the head in COMPILE_BUCKETS) and
-    change only from one generate call to the next (prompt width, rows)."""
-    return torch.compile(decode_step, mode="reduce-overhead" if device_type == "cuda" else None)
+    """decode_step under torch.compile (inductor), built once per process and device type, so every generate call
+    of a run reuses its graphs: generate(compile=True) off a GPU (on a GPU the step is recorded as a CUDA graph
+    instead: StepGraph). Shapes are static inside a step (the caches are preallocated, write positions are tensors,
+    finished rows leave the head in COMPILE_BUCKETS) and change only from one generate call to the next (prompt
+    width, rows)."""
+    return torch.compile(decode_step)
 
 
 def bucket_width(P: int, limit: int) -> int:
@@ -147,6 +185,13 @@ class DecodeBuffers:
         self.write_at = torch.zeros(1, dtype=torch.long, device=device)
         self.pos_now = torch.zeros(N, 1, dtype=torch.long, device=device)
         self.head_rows = torch.arange(N, device=device)
+        # what only StepGraphs read: the tokens fed, the uniforms of the draw, each head bucket's rows
+        self.tok = torch.zeros(N, dtype=torch.long, device=device)
+        self.uniforms = torch.zeros(N, 1, dtype=torch.float64, device=device)
+        self.bucket_rows: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, StepGraph] = {}  # head bucket -> its recorded step
+        self.inputs: tuple = ()  # what the graphs were recorded over (check_graph_inputs)
+        self.recorded = 0  # StepGraphs recorded with these buffers
 
     def decode_cache(self, G: int, max_new: int, prefix_sharing: bool):
         """The cache the samples decode into, filled from the prefill just run (same tensors as the last call's,
@@ -168,6 +213,77 @@ class DecodeBuffers:
         """The tensors a compiled step reads in place (their addresses: CUDA graphs' static inputs)."""
         return [self.write_at, self.pos_now, *cache_tensors(self.decode)]
 
+    def check_graph_inputs(self, model, head_weight, temperature: float, top_k: int, top_p: float) -> None:
+        """Drop the recorded StepGraphs when what they were recorded over changed: the addresses of the weights (another
+        model of this shape, or its copy reallocated), of the caches, and the sampling options, which a graph
+        holds as constants. Called once per generate call, inside static_weights."""
+        params = list(model.parameters())
+        if any(isinstance(p, DTensor) for p in params):
+            raise ValueError(
+                "generate(compile=True) on a GPU records the decode step with the parameters gathered: call it through "
+                "rollouts.sampling.sample_responses (utils.fsdp.gathered_params), not on a sharded model"
+            )
+        tensors = [*params, *cache_tensors(self.decode), self.prefill.k, self.prefill.v]
+        if head_weight is not None:
+            tensors.append(head_weight)
+        inputs = (id(model), temperature, top_k, top_p, *(t.data_ptr() for t in tensors))
+        if inputs != self.inputs:
+            self.graphs.clear()
+            self.inputs = inputs
+
+    def step_graph(self, model, cache, head_rows, temperature: float, top_k: int, top_p: float, head_weight):
+        """Feed self.tok (at cache.write_at, positions self.pos_now) and draw the next token of `head_rows` (a head
+        bucket, `rows` padded) with self.uniforms: one replay of this bucket's StepGraph, recorded at its first use.
+        Returns the graph's outputs (drawn (n,), log-probs (n,)), refilled at every replay."""
+        n = len(head_rows)
+        idx = self.bucket_rows.get(n)
+        if idx is None:
+            idx = self.bucket_rows[n] = torch.empty(n, dtype=torch.long, device=self.tok.device)
+        idx.copy_(head_rows)
+        graph = self.graphs.get(n)
+        if graph is None:
+
+            def step():
+                probs = decode_step(model, cache, self.tok, self.pos_now, idx, temperature, top_k, top_p, head_weight)
+                return draw(probs, self.uniforms.index_select(0, idx), temperature)
+
+            graph = self.graphs[n] = StepGraph(step, self.tok.device)
+            self.recorded += 1
+        return graph.replay()
+
+
+class StepGraph:
+    """A decode step recorded once and replayed. `fn` () -> tuple of tensors reads and writes only tensors that keep
+    their addresses from one replay to the next (DecodeBuffers, static_weights), with no host sync and no random
+    draw. On a GPU a CUDA graph: fn runs twice on a side stream (cuBLAS and the allocator warmed up outside the
+    recording; running it again rewrites the same cache positions with the same values), then is recorded once;
+    replay() launches the whole step, a few hundred kernels, at the cost of one launch, and returns the same output
+    tensors every time, refilled. Elsewhere the same contract emulated (tests/test_sampler.py): replay() runs fn again
+    and copies its results into the outputs of the first run."""
+
+    def __init__(self, fn, device: torch.device):
+        self.fn, self.graph = fn, None
+        if device.type != "cuda":
+            self.outputs = fn()
+            return
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = fn()
+
+    def replay(self) -> tuple[torch.Tensor, ...]:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            for out, new in zip(self.outputs, self.fn(), strict=True):
+                out.copy_(new)
+        return self.outputs
+
 
 _DECODE_BUFFERS: dict[tuple, DecodeBuffers] = {}
 
@@ -183,6 +299,7 @@ def decode_buffers(model, B: int, P: int, G: int, max_new: int, prefix_sharing: 
 
 
 _DECODE_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PADDED_HEAD = "<padded head>"  # padded_head_weight's entry among a model's kept weights (no parameter's name)
 
 
 @contextlib.contextmanager
@@ -192,8 +309,10 @@ def static_weights(model):
     entry. A compiled decode step reads its weights in place like its buffers (on a GPU a CUDA graph records their
     addresses), and the parameters themselves move between calls: under FSDP2 each gather (utils.fsdp.gathered_params)
     allocates them anew, so reading them directly would record the step's CUDA graphs again at every call. Costs one
-    copy of the weights in memory and one copy per call. A model whose parameters are still sharded (DTensor) is left
-    as it is: its forward gathers them itself."""
+    copy of the weights in memory and one copy per call. Every module's forward hooks are off within the block: the
+    parameters are gathered already (utils.fsdp.gathered_params), and FSDP2's unit hooks would otherwise run their
+    stream waits and forward-order records at every step, inside a recorded CUDA graph too. A model whose parameters
+    are still sharded (DTensor) is left as it is, hooks included: its forward gathers them itself."""
     named = dict(model.named_parameters())  # tied parameters once
     if any(isinstance(p, DTensor) for p in named.values()):
         yield
@@ -204,17 +323,20 @@ def static_weights(model):
         k = kept.get(name)
         if k is None or k.shape != p.shape or k.dtype != p.dtype or k.device != p.device:
             k = kept[name] = torch.nn.Parameter(torch.empty_like(p), requires_grad=False)
-            if p.device.type == "cuda":
-                torch._dynamo.mark_static_address(k)
         k.copy_(p)
     slots = [(m, attr, p) for m in model.modules() for attr, p in m._parameters.items() if p is not None]
+    hooks = [(m, m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
     for m, attr, p in slots:
         m._parameters[attr] = kept[name_of[id(p)]]
+    for m, _, _ in hooks:  # FSDP's unit hooks (stream waits, forward-order records) have nothing to do here
+        m._forward_pre_hooks, m._forward_hooks = OrderedDict(), OrderedDict()
     try:
         yield
     finally:
         for m, attr, p in slots:
             m._parameters[attr] = p
+        for m, pre, post in hooks:
+            m._forward_pre_hooks, m._forward_hooks = pre, post
 
 
 def head_bucket(n: int, N: int) -> int:
@@ -238,6 +360,7 @@ def generate(
     done_check_every: int | None = None,
     prefix_sharing: bool = True,
     compile: bool = False,
+    cuda_graphs: bool | None = None,
 ) -> SampleOutput:
     """Sample `num_samples` responses for each of B left-padded prompts (B, P); `prefix_sharing`: one copy of each
     prompt's keys and values for its samples (see the module docstring).
@@ -251,15 +374,18 @@ def generate(
     changes the work done, never a row's tokens, mask or log-probs (the generator draws for every row at every
     step). It is the loop's only host sync: the stop test and the masks are computed once, after the loop.
 
-    compile: run each decode step through compiled_decode_step (the prefill and the draw stay eager). The same
-    tokens and log-probs up to rounding (tests/test_sampler.py); the head runs on padded buckets of rows, the
-    prompts are left-padded to a bucket width (bucket_width), the step reads and writes the DecodeBuffers of that
-    shape and reads the model's weights from static_weights, so a run compiles (and on a GPU records) each shape
-    once."""
+    compile: decode on static shapes, each step reading and writing the DecodeBuffers of its shape and the model's
+    weights from static_weights (FSDP's hooks off: the parameters are gathered already): on a GPU each step and the
+    draw after it are recorded once as a CUDA graph (StepGraph) and replayed, on a CPU the step runs through
+    compiled_decode_step (inductor; the draw stays eager). The same tokens and log-probs up to rounding
+    (tests/test_sampler.py); the head runs on padded buckets of rows, the prompts are left-padded to a bucket
+    width (bucket_width), so a run records or compiles each shape once.
+    cuda_graphs: with compile, record StepGraphs (None: on a GPU); True on a CPU emulates their contract (tests)."""
     if done_check_every is None:
         done_check_every = DONE_CHECK_EVERY_GPU if prompt_ids.device.type == "cuda" else 1
     B, P = prompt_ids.shape
     G, device = num_samples, prompt_ids.device
+    graphed = compile and (device.type == "cuda" if cuda_graphs is None else cuda_graphs)
     if P + max_new_tokens > model.cfg.n_positions:
         raise ValueError(
             f"prompt width {P} + {max_new_tokens} new tokens exceeds the model's {model.cfg.n_positions} positions"
@@ -289,36 +415,36 @@ def generate(
     # positions of the response tokens, built once: token t of a row sits at its prompt's real length + t (N, R)
     positions = prompt_mask.sum(-1).repeat_interleave(G)[:, None] + torch.arange(max_new_tokens, device=device)
     step = decode_step
+    head_weight = padded_head_weight(model)  # a GPU's head on aligned rows; None on a CPU
     if compile:
         step = compiled_decode_step(device.type)
         first = 0 if prefix_sharing else P  # the cache position of response token 0
         cache.write_at = buffers.write_at.fill_(first)
         pos_now = buffers.pos_now
-        if device.type == "cuda":  # CUDA graphs read these in place: the same addresses at every step and call
-            for t in buffers.tensors():
-                torch._dynamo.mark_static_address(t)
 
     # 2. decode one token per step for every row. Finished rows keep stepping through the body on their last token
     #    (every row advances together in the cache), but the head, the softmax and the draw run only on `rows`: the
     #    rows unfinished at the last check (all rows until one finishes). Every row's uniform is drawn at every step,
     #    so a row's tokens do not depend on which other rows are still running. Tokens and log-probs are recorded
-    #    raw; what follows a row's first stop token is masked after the loop.
+    #    raw; what follows a row's first stop token is masked after the loop. Token 0 is drawn from the prefill's
+    #    probabilities; each step t then feeds token t and draws token t + 1 (graphed: both in one CUDA graph).
     raw_tokens = torch.full((N, max_new_tokens), PAD_ID, dtype=torch.long, device=device)
     raw_logprobs = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
     stop = torch.tensor(stop_ids, device=device, dtype=torch.long)
+
+    def uniforms():  # one float64 uniform per row, every row, at every token
+        return None if temperature == 0 else torch.rand(N, 1, generator=generator, device=device, dtype=torch.float64)
+
     rows = None  # None: every row (always so at t = 0, which sets `tok`); else the (n,) rows the head runs
     # compiled: the head always takes a row index, padded to a bucket, its length dynamic: one graph for every bucket
     head_rows = None if not compile else buffers.head_rows
     with static_weights(model) if compile else contextlib.nullcontext():
+        if graphed:
+            buffers.check_graph_inputs(model, head_weight, temperature, top_k, top_p)
+        drawn, drawn_logp = draw(probs, uniforms(), temperature)  # (N,) token 0 of every row
         for t in range(max_new_tokens):
-            if temperature == 0:
-                drawn = probs.argmax(-1)
-            else:
-                u = torch.rand(N, 1, generator=generator, device=device, dtype=torch.float64)
-                drawn = sample_tokens(probs, uniforms=u if rows is None else u[rows])  # (n,)
-            drawn_logp = probs.gather(-1, drawn[:, None]).squeeze(-1).log()  # a drawn token's probability is not 0
             if rows is None:
-                tok = drawn
+                tok = drawn if not graphed else buffers.tok.copy_(drawn)
                 raw_logprobs[:, t] = drawn_logp
             else:
                 tok.index_copy_(0, rows, drawn)  # rows outside `rows` finished: their token is never read
@@ -331,23 +457,27 @@ def generate(
                 if len(unfinished) == 0:
                     break
                 rows = None if len(unfinished) == N else unfinished
-                if rows is not None:  # compiled: padded to a bucket (repeating the last row), so few head shapes
-                    head_rows = (
-                        rows
-                        if not compile
-                        else torch.cat([rows, rows[-1:].expand(head_bucket(len(rows), N) - len(rows))])
-                    )
+                if rows is not None and compile:  # padded to a bucket (repeating the last row), so few head shapes
+                    head_rows = torch.cat([rows, rows[-1:].expand(head_bucket(len(rows), N) - len(rows))])
+                elif rows is not None:
+                    head_rows = rows
             # finished rows are fed a token they drew (ignored), not PAD_ID, which may lie outside a small vocabulary
             pos = positions[:, t : t + 1]
             if compile:
                 cache.write_at.fill_(first + t)
                 pos = pos_now.copy_(pos)
+            u = uniforms()
+            n = N if rows is None else len(rows)
+            if graphed:  # one replay: the body on every row, the head and the draw on the bucket of `rows`
+                if u is not None:
+                    buffers.uniforms.copy_(u)
+                drawn, drawn_logp = buffers.step_graph(model, cache, head_rows, temperature, top_k, top_p, head_weight)
+                drawn, drawn_logp = drawn[:n], drawn_logp[:n]
+                continue
+            if compile:
                 torch._dynamo.maybe_mark_dynamic(head_rows, 0)
-                if device.type == "cuda":  # the last step's outputs have been read: CUDA graphs may reuse their memory
-                    torch.compiler.cudagraph_mark_step_begin()
-            probs = step(model, cache, tok, pos, head_rows, temperature, top_k, top_p)  # (n or its bucket, V)
-            if rows is not None and len(head_rows) > len(rows):
-                probs = probs[: len(rows)]
+            probs = step(model, cache, tok, pos, head_rows, temperature, top_k, top_p, head_weight)  # (n or bucket, V)
+            drawn, drawn_logp = draw(probs[:n], u if u is None or rows is None else u[rows], temperature)
 
     # 3. a row ends at its first stop token: it is kept, everything after it is padding
     stopped = torch.isin(raw_tokens, stop)  # (N, R)

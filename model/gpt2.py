@@ -68,7 +68,8 @@ class KVCache:
     `write_at` (set by the caller, for a compiled decode step): a (T,) long tensor of the positions the next T
     tokens are written to. Every position is then a key, the ones not written yet masked by `valid`: no shape
     and no Python number in the step changes from one token to the next. None: positions `length` .. `length`+T-1
-    and keys up to there (the eager path).
+    and keys up to there (the eager path). `visible` (with write_at; a recorded step sets it): the keys are
+    positions 0 .. visible-1 only (None: all max_len), so a step early in a response reads less of the cache.
     """
 
     def __init__(self, cfg: GPTConfig, batch_size: int, max_len: int, device):
@@ -79,6 +80,7 @@ class KVCache:
         self.length = 0
         self.max_len = max_len
         self.write_at: torch.Tensor | None = None
+        self.visible: int | None = None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values (B, nh, T, hs) after the cached ones; return all of them (B, nh, L, hs)."""
@@ -88,7 +90,7 @@ class KVCache:
         if self.write_at is not None:
             self.k[layer].index_copy_(2, self.write_at, k)
             self.v[layer].index_copy_(2, self.write_at, v)
-            return self.k[layer], self.v[layer]
+            return self.k[layer, :, :, : self.visible], self.v[layer, :, :, : self.visible]
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
@@ -102,7 +104,7 @@ class KVCache:
         asks nothing more; a view, no op), else build_attention_mask's (B, 1, T, L)."""
         if self.write_at is not None:
             self.valid.index_fill_(1, self.write_at, True)
-            return self.valid[:, None, None, :]
+            return self.valid[:, None, None, : self.visible]
         end = self.length + T
         self.valid[:, self.length : end] = attention_mask if attention_mask is not None else True
         if T == 1 and attention_mask is None:
@@ -118,7 +120,7 @@ class KVCache:
         """Empty again, for another prefill into the same tensors (a compiled decode's buffers keep their addresses
         from one generate call to the next): nothing written, nothing valid."""
         self.valid.zero_()
-        self.length, self.write_at = 0, None
+        self.length, self.write_at, self.visible = 0, None, None
         return self
 
     def repeat_interleave_into(self, out: "KVCache", n: int) -> "KVCache":
@@ -127,7 +129,7 @@ class KVCache:
         torch.index_select(self.k, 1, rows, out=out.k)
         torch.index_select(self.v, 1, rows, out=out.v)
         torch.index_select(self.valid, 0, rows, out=out.valid)
-        out.length, out.max_len, out.write_at = self.length, self.max_len, self.write_at
+        out.length, out.max_len, out.write_at, out.visible = self.length, self.max_len, self.write_at, None
         return out
 
     def repeat_interleave(self, n: int) -> "KVCache":
@@ -137,7 +139,7 @@ class KVCache:
         out.k = None if self.k is None else self.k.repeat_interleave(n, dim=1)
         out.v = None if self.v is None else self.v.repeat_interleave(n, dim=1)
         out.valid = self.valid.repeat_interleave(n, dim=0)
-        out.length, out.max_len, out.write_at = self.length, self.max_len, self.write_at
+        out.length, out.max_len, out.write_at, out.visible = self.length, self.max_len, self.write_at, None
         return out
 
 
@@ -211,7 +213,8 @@ class SharedKVCache:
     position is a key). Rows are grouped by prompt (B, G) behind the head axis, the layout both parts of the
     attention read (shared_prefix_decode_attention), and keys and values sit side by side so one copy writes both.
     Memory: B*P prompt positions plus B*G*max_new response positions, against B*G*(P + max_new) for
-    KVCache.repeat_interleave. `write_at`: as KVCache's (a compiled decode step).
+    KVCache.repeat_interleave. `write_at`, `visible`: as KVCache's (a compiled or recorded decode step; visible
+    counts response positions).
     """
 
     def __init__(self, prompt: "KVCache", group: int, max_new: int):
@@ -225,6 +228,7 @@ class SharedKVCache:
         self.length = 0  # response positions written
         self.max_len = max_new
         self.write_at: torch.Tensor | None = None
+        self.visible: int | None = None
         self.work: dict[str, torch.Tensor] = {}  # the attention's output buffers, reused by every layer and step
         self.hidden: torch.Tensor | None = None  # one_softmax_decode_attention's key mask of the step (layer 0's)
 
@@ -236,7 +240,7 @@ class SharedKVCache:
         buffers): the prompt mask read anew in place, no response position written (those left from the last call
         are keys no query sees: a compiled step masks every position past write_at)."""
         torch.logical_not(self.prompt_valid[:, None, None, :], out=self.prompt_hidden)
-        self.length, self.write_at = 0, None
+        self.length, self.write_at, self.visible, self.hidden = 0, None, None, None
         return self
 
     def advance(self, T: int) -> None:
@@ -266,8 +270,9 @@ class SharedKVCache:
         masks = not one_softmax or layer == 0 or self.hidden is None  # one_softmax: layer 0 builds the step's mask
         if self.write_at is not None:
             self.kv[layer].index_copy_(4, self.write_at, new_kv)
-            own_kv = self.kv[layer]  # every position a key; those not written yet are masked below
-            own_hidden = torch.arange(max_new, device=q.device) > self.write_at[:, None] if masks else None  # (T, L)
+            L = self.visible or max_new
+            own_kv = self.kv[layer, :, :, :, :, :L]  # every position a key; those not written yet are masked below
+            own_hidden = torch.arange(L, device=q.device) > self.write_at[:, None] if masks else None  # (T, L)
         else:
             end = self.length + T
             if end > self.max_len:

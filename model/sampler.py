@@ -39,7 +39,8 @@ from rlhf.logprobs import process_logits  # the one definition of the processing
 END_ID, EOS_ID, PAD_ID = 198, 50256, 50256  # GPT-2's "\n", <|endoftext|>, and the id used for padding
 DONE_CHECK_EVERY_GPU = 8  # decoded tokens between host checks that every row has finished, on a GPU (generate)
 COMPILE_BUCKETS = 4  # head sizes a compiled decode step uses as rows finish: N, N/2, N/4, N/8 (head_bucket)
-PROMPT_BUCKETS = (64, 128, 256, 512, 1024)  # prompt widths a compiled decode pads to (bucket_width)
+PROMPT_BUCKETS = (64, 128, 256, 384, 512, 768, 1024)  # prompt widths a compiled decode pads to (bucket_width)
+OWN_KEYS_BUCKET = 8  # a recorded step reads its rows' own keys up to the next multiple of this (StepGraph per length)
 
 
 @dataclass
@@ -189,7 +190,8 @@ class DecodeBuffers:
         self.tok = torch.zeros(N, dtype=torch.long, device=device)
         self.uniforms = torch.zeros(N, 1, dtype=torch.float64, device=device)
         self.bucket_rows: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, StepGraph] = {}  # head bucket -> its recorded step
+        self.graphs: dict[tuple[int, int], StepGraph] = {}  # (head bucket, keys visible) -> its recorded step
+        self.pool = None  # the memory pool the graphs share (they replay one at a time; step_graph)
         self.inputs: tuple = ()  # what the graphs were recorded over (check_graph_inputs)
         self.recorded = 0  # StepGraphs recorded with these buffers
 
@@ -228,26 +230,34 @@ class DecodeBuffers:
             tensors.append(head_weight)
         inputs = (id(model), temperature, top_k, top_p, *(t.data_ptr() for t in tensors))
         if inputs != self.inputs:
+            # a fresh pool too: once its graphs are gone a pool cannot take another recording (the CUDA allocator
+            # asserts it is in use; seen on an H100 when a second model of the same shape came to these buffers)
             self.graphs.clear()
+            self.pool = None
             self.inputs = inputs
 
     def step_graph(self, model, cache, head_rows, temperature: float, top_k: int, top_p: float, head_weight):
         """Feed self.tok (at cache.write_at, positions self.pos_now) and draw the next token of `head_rows` (a head
-        bucket, `rows` padded) with self.uniforms: one replay of this bucket's StepGraph, recorded at its first use.
-        Returns the graph's outputs (drawn (n,), log-probs (n,)), refilled at every replay."""
+        bucket, `rows` padded) with self.uniforms: one replay of the StepGraph of this head bucket and of the keys
+        the cache makes visible (cache.visible), recorded at its first use. Returns the graph's outputs (drawn (n,),
+        log-probs (n,)), refilled at every replay. The graphs share one memory pool: they replay one at a time and
+        their outputs are read before the next replay, so one graph's scratch memory may be another's."""
         n = len(head_rows)
         idx = self.bucket_rows.get(n)
         if idx is None:
             idx = self.bucket_rows[n] = torch.empty(n, dtype=torch.long, device=self.tok.device)
         idx.copy_(head_rows)
-        graph = self.graphs.get(n)
+        key = (n, cache.visible)
+        graph = self.graphs.get(key)
         if graph is None:
 
             def step():
                 probs = decode_step(model, cache, self.tok, self.pos_now, idx, temperature, top_k, top_p, head_weight)
                 return draw(probs, self.uniforms.index_select(0, idx), temperature)
 
-            graph = self.graphs[n] = StepGraph(step, self.tok.device)
+            if self.pool is None and self.tok.device.type == "cuda":
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = self.graphs[key] = StepGraph(step, self.tok.device, self.pool)
             self.recorded += 1
         return graph.replay()
 
@@ -261,7 +271,7 @@ class StepGraph:
     tensors every time, refilled. Elsewhere the same contract emulated (tests/test_sampler.py): replay() runs fn again
     and copies its results into the outputs of the first run."""
 
-    def __init__(self, fn, device: torch.device):
+    def __init__(self, fn, device: torch.device, pool=None):
         self.fn, self.graph = fn, None
         if device.type != "cuda":
             self.outputs = fn()
@@ -273,7 +283,7 @@ class StepGraph:
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.outputs = fn()
 
     def replay(self) -> tuple[torch.Tensor, ...]:
@@ -471,6 +481,7 @@ def generate(
             if graphed:  # one replay: the body on every row, the head and the draw on the bucket of `rows`
                 if u is not None:
                     buffers.uniforms.copy_(u)
+                cache.visible = first + min(max_new_tokens, -(-(t + 1) // OWN_KEYS_BUCKET) * OWN_KEYS_BUCKET)
                 drawn, drawn_logp = buffers.step_graph(model, cache, head_rows, temperature, top_k, top_p, head_weight)
                 drawn, drawn_logp = drawn[:n], drawn_logp[:n]
                 continue

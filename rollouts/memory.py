@@ -31,7 +31,9 @@ framework workspace; `check_memory` keeps a 10% margin for those):
 - --compile: the compiled decode step's copy of the policy's weights (model.sampler.static_weights) and its KV caches
   (model.sampler.DecodeBuffers, one per decode shape) stay allocated from the first generate call to the end of the
   run, beside every stage: counted with the weights, the caches at every prompt-width bucket up to --max_prompt_len's
-  for --gen_prompts prompts (a run whose calls also take other numbers of prompts keeps more).
+  for --gen_prompts prompts (a run whose calls also take other numbers of prompts keeps more), and for each bucket
+  the memory pool of its recorded decode steps on a GPU (model.sampler.StepGraph: one step's scratch, its four
+  (rows, vocabulary) fp32 tensors at most; counted on a CPU too, where no pool exists: the estimate is for the GPU).
 """
 
 from dataclasses import dataclass
@@ -194,8 +196,11 @@ def step_memory(
     if cfg.compile:
         widths = [b for b in PROMPT_BUCKETS if b < bucket_width(P, policy.n_positions - R)]
         widths.append(bucket_width(P, policy.n_positions - R))
+        rows = sizes["gen_prompts"] * G
         compiled = gathered_policy + sum(
-            kv_cache_bytes(policy, sizes["gen_prompts"], G, w, R, dtype_bytes, shared) for w in widths
+            kv_cache_bytes(policy, sizes["gen_prompts"], G, w, R, dtype_bytes, shared)
+            + 4 * rows * policy.vocab_size * 4
+            for w in widths
         )
     return StepMemory(
         weights=weight_bytes(policy, reward_model, world, lora, cfg.frozen_cpu_offload) + compiled,

@@ -413,8 +413,9 @@ def test_bf16_with_the_default_attention_kernel_matches_fp32_on_left_padded_and_
 
 
 def test_compile_keeps_a_weights_copy_and_the_decode_caches_of_every_bucket_in_the_estimate():
-    """--compile's static weights copy and its DecodeBuffers' KV caches (one per prompt-width bucket up to
-    --max_prompt_len's) stay allocated for the run: the estimate adds them to the weights, and nothing else moves."""
+    """--compile's static weights copy, its DecodeBuffers' KV caches and its step graphs' memory pools (one per
+    prompt-width bucket up to --max_prompt_len's) stay allocated for the run: the estimate adds them to the weights,
+    and nothing else moves."""
     import grpo
     from rollouts.memory import kv_cache_bytes, param_count, step_memory
 
@@ -422,6 +423,8 @@ def test_compile_keeps_a_weights_copy_and_the_decode_caches_of_every_bucket_in_t
     plain = grpo.Config(max_prompt_len=300, max_new_tokens=50, gen_prompts=4, num_samples=8)
     compiled = grpo.Config(max_prompt_len=300, max_new_tokens=50, gen_prompts=4, num_samples=8, compile=True)
     a, b = step_memory(plain, gpt2, gpt2, 1, 2), step_memory(compiled, gpt2, gpt2, 1, 2)
-    caches = sum(kv_cache_bytes(gpt2, 4, 8, w, 50, 2, True) for w in (64, 128, 256, 512))  # 300 -> the 512 bucket
-    assert b.weights - a.weights == param_count(gpt2) * 2 + caches
+    widths = (64, 128, 256, 384)  # 300 -> the 384 bucket
+    caches = sum(kv_cache_bytes(gpt2, 4, 8, w, 50, 2, True) for w in widths)
+    pools = len(widths) * 4 * (4 * 8) * gpt2.vocab_size * 4  # the recorded steps' scratch: 4 (rows, V) fp32 tensors
+    assert b.weights - a.weights == param_count(gpt2) * 2 + caches + pools
     assert (a.generate, a.score, a.reference, a.update) == (b.generate, b.score, b.reference, b.update)

@@ -82,10 +82,10 @@ def test_memory_estimate_bounds_the_measured_peak_of_the_step_it_estimates():
 
 
 def test_compiled_decode_records_each_cuda_graph_once_under_fsdp2(tmp_path):
-    # sample_responses(compile=True) (inductor, reduce-overhead) over 9 calls of 9 prompt widths and 2 chunk sizes,
-    # then the same 9 again: the second pass records no CUDA graph and compiles nothing, every call of a shape reuses
-    # its buffers and the same copy of the weights, nothing is declined by cudagraph trees, and the tokens are the
-    # eager sampler's (tests/scripts/compiled_decode.py)
+    # sample_responses(compile=True) (each decode step recorded as a CUDA graph, model.sampler.StepGraph) over 9
+    # calls of 9 prompt widths and 2 chunk sizes, then the same 9 again: the second pass records no CUDA graph, every
+    # call of a shape reuses its buffers and the same copy of the weights, and the tokens are the eager sampler's
+    # (tests/scripts/compiled_decode.py)
     from tests.conftest import run_script
 
     out = tmp_path / "records.pt"

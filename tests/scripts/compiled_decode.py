@@ -9,8 +9,8 @@ its tokens equal the eager sampler's on the same draws.
 DEVICE "cpu" (default; gloo): the decode step is compiled with dynamo's "eager" backend (graph capture and guards, no
 code generation), so the test counts what a run would capture and recapture in seconds; inductor's code for the step
 is checked against eager in tests/test_sampler.py. DEVICE "cuda" (NCCL, one GPU per process; tests/test_gpu.py runs
-it as one process): the step a run compiles (inductor, mode reduce-overhead), and each record also counts the CUDA
-graphs recorded so far (every torch.cuda.CUDAGraph.capture_begin) and the steps cudagraph trees declined to record.
+it as one process): each decode step recorded as a CUDA graph (model.sampler.StepGraph, no dynamo), and each record
+also counts the CUDA graphs recorded so far (every torch.cuda.CUDAGraph.capture_begin).
 """
 
 import functools

@@ -12,8 +12,9 @@ compiled call - the median compiled call.
 GRPO: bench/grpo_step.py's step (grpo.train_step) at its configuration, --compile false and true, each with one
 warm-up step (the compiled run's pays the compilation: reported as such) and `repeats` timed steps.
 
-Compiled once per process: the compiled decode step is built once per device type (model/sampler.compiled_decode_step)
-and the GRPO run compiles again only for shapes it has not seen (a new prompt width gives a dynamic-shape graph).
+Once per process: on a GPU each decode shape's steps are recorded as CUDA graphs at their first use
+(model/sampler.StepGraph); on a CPU the compiled decode step is built once (model/sampler.compiled_decode_step) and the
+GRPO run compiles again only for shapes it has not seen (a new prompt width gives a dynamic-shape graph).
 """
 
 import statistics

@@ -20,7 +20,10 @@ Host work per token. On a GPU a small model's decode step is bound by the host d
 so the loop dispatches few: positions, masks and constants are built once per call, the stop test and the masks
 once after the loop, and the only host sync is the done check (every DONE_CHECK_EVERY_GPU tokens on a GPU);
 `python -m bench.decode_ops` counts the ops per token (docs/benchmarks.md). With `compile=True` (--compile) the
-decode step runs under torch.compile with static shapes inside (compiled_decode_step).
+decode runs on static shapes: on a GPU each step and its draw are recorded once as a CUDA graph and replayed
+(StepGraph: one launch per token instead of some hundreds), on a CPU the step runs under torch.compile
+(compiled_decode_step). On a GPU the head's weight is padded to aligned rows (padded_head_weight) and the
+shared-prefix attention takes its few-kernel form (model.gpt2.one_softmax_decode_attention), eager or not.
 """
 
 import contextlib
@@ -190,7 +193,7 @@ class DecodeBuffers:
         self.tok = torch.zeros(N, dtype=torch.long, device=device)
         self.uniforms = torch.zeros(N, 1, dtype=torch.float64, device=device)
         self.bucket_rows: dict[int, torch.Tensor] = {}
-        self.graphs: dict[tuple[int, int], StepGraph] = {}  # (head bucket, keys visible) -> its recorded step
+        self.graphs: dict[tuple, StepGraph] = {}  # (sampling options, head bucket, keys visible) -> its recorded step
         self.pool = None  # the memory pool the graphs share (they replay one at a time; step_graph)
         self.inputs: tuple = ()  # what the graphs were recorded over (check_graph_inputs)
         self.recorded = 0  # StepGraphs recorded with these buffers
@@ -215,10 +218,11 @@ class DecodeBuffers:
         """The tensors a compiled step reads in place (their addresses: CUDA graphs' static inputs)."""
         return [self.write_at, self.pos_now, *cache_tensors(self.decode)]
 
-    def check_graph_inputs(self, model, head_weight, temperature: float, top_k: int, top_p: float) -> None:
-        """Drop the recorded StepGraphs when what they were recorded over changed: the addresses of the weights (another
-        model of this shape, or its copy reallocated), of the caches, and the sampling options, which a graph
-        holds as constants. Called once per generate call, inside static_weights."""
+    def check_graph_inputs(self, model, head_weight) -> None:
+        """Drop the recorded StepGraphs when the tensors they were recorded over moved: the weights (another model of
+        this shape, or its copy reallocated) or the caches. (The sampling options, which a graph also holds as
+        constants, are in each graph's key: a run's greedy evaluations and its sampling keep their graphs side by
+        side.) Called once per generate call, inside static_weights."""
         params = list(model.parameters())
         if any(isinstance(p, DTensor) for p in params):
             raise ValueError(
@@ -228,7 +232,7 @@ class DecodeBuffers:
         tensors = [*params, *cache_tensors(self.decode), self.prefill.k, self.prefill.v]
         if head_weight is not None:
             tensors.append(head_weight)
-        inputs = (id(model), temperature, top_k, top_p, *(t.data_ptr() for t in tensors))
+        inputs = (id(model), *(t.data_ptr() for t in tensors))
         if inputs != self.inputs:
             # a fresh pool too: once its graphs are gone a pool cannot take another recording (the CUDA allocator
             # asserts it is in use; seen on an H100 when a second model of the same shape came to these buffers)
@@ -238,16 +242,16 @@ class DecodeBuffers:
 
     def step_graph(self, model, cache, head_rows, temperature: float, top_k: int, top_p: float, head_weight):
         """Feed self.tok (at cache.write_at, positions self.pos_now) and draw the next token of `head_rows` (a head
-        bucket, `rows` padded) with self.uniforms: one replay of the StepGraph of this head bucket and of the keys
-        the cache makes visible (cache.visible), recorded at its first use. Returns the graph's outputs (drawn (n,),
-        log-probs (n,)), refilled at every replay. The graphs share one memory pool: they replay one at a time and
-        their outputs are read before the next replay, so one graph's scratch memory may be another's."""
+        bucket, `rows` padded) with self.uniforms: one replay of the StepGraph of these sampling options, this head
+        bucket and the keys the cache makes visible (cache.visible), recorded at its first use. Returns the graph's
+        outputs (drawn (n,), log-probs (n,)), refilled at every replay. The graphs share one memory pool: they replay
+        one at a time and their outputs are read before the next replay, so one graph's scratch may be another's."""
         n = len(head_rows)
         idx = self.bucket_rows.get(n)
         if idx is None:
             idx = self.bucket_rows[n] = torch.empty(n, dtype=torch.long, device=self.tok.device)
         idx.copy_(head_rows)
-        key = (n, cache.visible)
+        key = (temperature, top_k, top_p, n, cache.visible)
         graph = self.graphs.get(key)
         if graph is None:
 
@@ -450,7 +454,7 @@ def generate(
     head_rows = None if not compile else buffers.head_rows
     with static_weights(model) if compile else contextlib.nullcontext():
         if graphed:
-            buffers.check_graph_inputs(model, head_weight, temperature, top_k, top_p)
+            buffers.check_graph_inputs(model, head_weight)
         drawn, drawn_logp = draw(probs, uniforms(), temperature)  # (N,) token 0 of every row
         for t in range(max_new_tokens):
             if rows is None:

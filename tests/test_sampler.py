@@ -350,7 +350,8 @@ def test_graphed_decode_equals_eager_and_records_each_head_bucket_once(monkeypat
 
 def test_graphed_decode_records_again_when_its_inputs_move():
     """A StepGraph holds the addresses of the weights and caches and the sampling options as constants: another
-    temperature, or another model of the same shape, records again; the same call again records nothing."""
+    temperature records graphs of its own beside the first ones, another model of the same shape drops them all
+    (with their memory pool) and records again; the same call again records nothing."""
     import model.sampler as sampler
 
     model, prompts, ids, mask = model_and_prompts()
@@ -360,12 +361,15 @@ def test_graphed_decode_records_again_when_its_inputs_move():
     first = buffers.recorded
     generate(model, ids, mask, generator=torch.Generator().manual_seed(0), **kw)
     assert buffers.recorded == first
-    buffers.pool = object()  # stands for a GPU's memory pool: dropped with the graphs (it cannot record again)
+    pool = buffers.pool = object()  # stands for a GPU's memory pool
     generate(model, ids, mask, generator=torch.Generator().manual_seed(0), temperature=0.5, **kw)
-    assert buffers.recorded == first + 1 and buffers.pool is None
+    assert buffers.recorded == first + 1 and buffers.pool is pool and len(buffers.graphs) == 2
+    generate(model, ids, mask, generator=torch.Generator().manual_seed(0), **kw)  # temperature 1's graph again
+    assert buffers.recorded == first + 1
     other, *_ = model_and_prompts(seed=1)
     out = generate(other, ids, mask, generator=torch.Generator().manual_seed(0), temperature=0.5, **kw)
-    assert buffers.recorded == first + 2
+    assert buffers.recorded == first + 2 and len(buffers.graphs) == 1
+    assert buffers.pool is None  # dropped with its graphs: a pool whose graphs are gone cannot record again
     eager = generate(
         other,
         ids,

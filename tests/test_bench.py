@@ -303,3 +303,48 @@ def test_decode_ops_per_token_and_per_layer(one_thread):
             decode_ops.ops_per_token(model, ids, mask, 4, share=True, check_every=8, short=2, long=5).values()
         )
     assert counts[2] <= 100 and 0 < counts[3] - counts[2] <= 30, counts
+
+
+def test_decode_floor_counts_by_hand_and_scoring_reads_each_prompt_once():
+    """bench/floor.py's GPU floor of a decode step on a tiny config, against the count by hand: the weights once
+    (12 L C^2 + V C + positions x C values), each prompt's keys and values once per group (2 L C values per position),
+    each row's own ones at new_tokens / 2 positions on average; FLOPs of the body and head for every row. And the
+    scoring stage's products count each prompt once (prefix sharing), not once per sample."""
+    from bench.floor import body_flops_per_token, decode_floor, gpu_stage_floors, stage_products
+    from bench.grpo_step import GRPOBenchConfig
+    from model.gpt2 import GPTConfig
+
+    cfg = GPTConfig(vocab_size=100, n_positions=16, n_layer=2, n_head=2, n_embd=8)
+    f = decode_floor(cfg, prompts=2, prompt_len=5, group=3, new_tokens=4, bytes_per_value=2)
+    assert f["weights_bytes"] == (12 * 2 * 64 + 100 * 8 + 16 * 8) * 2 == 4928
+    assert (f["prompt_kv_bytes"], f["own_kv_bytes"], f["bytes"]) == (2 * 5 * 64, 6 * 2 * 64, 4928 + 640 + 768)
+    assert body_flops_per_token(cfg, 7) == 2 * (24 * 64 + 4 * 7 * 8)
+    assert f["flops"] == 6 * (2 * (24 * 64 + 4 * 7 * 8) + 2 * 8 * 100)
+
+    b = GRPOBenchConfig(
+        "t",
+        "gpt2",
+        prompts=4,
+        num_samples=8,
+        num_kept=2,
+        selection="rso",
+        max_new_tokens=10,
+        prompt_len=20,
+        min_prompt_len=20,
+        gen_prompts=2,
+        micro_batch_size=4,
+        score_micro_batch_size=8,
+    )
+    counts = {
+        "sequences": 32,
+        "generated_tokens": 320,
+        "total_tokens": 4 * 20 * 8 + 320,
+        "trained_sequences": 8,
+        "trained_tokens": 8 * 30,
+    }
+    gpt2 = __import__("model.gpt2", fromlist=["PRESETS"]).PRESETS["gpt2"]
+    score = stage_products(b, counts, torch.device("cpu"))["score"]["body"]
+    assert score == (4 * 20 + 320) * body_flops_per_token(gpt2, 20 + 10 / 2)
+    floors = gpu_stage_floors(b, counts)
+    per_step = decode_floor(gpt2, 2, 20, 8, 10)["bytes"] / 3.35e12
+    assert floors["generate"] >= 2 * 9 * per_step * (1 - 1e-12) and floors["score"] == pytest.approx(score / 989e12)

@@ -33,7 +33,7 @@ from data.tldr import PROMPT_COLUMNS, PromptDataset, decode_responses, load_opti
 from evaluation.samples import sample_summaries
 from evaluation.summaries import reference_summaries
 from model.sampler import SampleOutput
-from model.weights import build_reward_model
+from model.weights import build_reward_model, freeze
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.rewards import load_function
 from rlhf.stats import best_of_n_index, best_of_n_kl, kl_estimate, mean_and_se, pair_outcomes
@@ -242,9 +242,9 @@ class Frontier:
         )
         self.reward_model = reward_model
         if cfg.frontier_reward_model:
-            self.reward_model = shard_model(build_reward_model(cfg.frontier_reward_model), run.dtype).to(run.device)
-            self.reward_model.requires_grad_(False)
-            self.reward_model.eval()
+            # frozen before sharding: shard_model gives a frozen model the hook that empties FSDP2's per-forward records
+            self.reward_model = shard_model(freeze(build_reward_model(cfg.frontier_reward_model)), run.dtype)
+            self.reward_model.to(run.device)
         self.gold_fn = load_function(cfg.frontier_gold_fn, "--frontier_gold_fn") if cfg.frontier_gold_fn else gold_fn
 
     @classmethod

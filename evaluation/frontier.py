@@ -256,6 +256,16 @@ class Frontier:
         args = (cfg.val_data, cfg.val_split, tok, cfg.max_prompt_len, max_new_tokens, run)
         return cls(cfg, *args, reward_model=reward_model, gold_fn=gold_fn)
 
+    def metric_names(self, prefix: str = "eval/") -> set[str]:
+        """The metrics evaluate() logs under `prefix`: measure's KL, length and, for each of score_samples' values that
+        applies (gold, proxy_raw and proxy, win_rate), its mean and standard error."""
+        values = ["gold"] if self.gold_fn is not None else []
+        if self.reward_model is not None:
+            values += ["proxy_raw", "proxy"] + (["win_rate"] if self.prompts.references is not None else [])
+        names = ["kl", "kl_se", "response_length", *values, *(v + "_se" for v in values)]
+        renamed = self.EVAL_NAMES | {"response_length": "sampled_length"}
+        return {prefix + renamed.get(k, k) for k in names}
+
     def evaluate(self, policy, reference, step: int, prefix: str = "eval/") -> dict[str, float]:
         generator = stream(self.seed, step, 0, "frontier", device=self.device)  # rank 0's stream on every rank
         out = measure(

@@ -775,16 +775,29 @@ def test_every_evaluation_option_combination_fails_at_start_or_runs_to_its_expor
 
 
 def test_a_best_metric_no_evaluation_logs_stops_before_the_first_training_step(inputs, tmp_path, capsys):
-    # not at the first evaluation after training, which left no checkpoint of the steps it trained
-    for case, script, extra, _ in [c for c in CASES if c[0].startswith("best_metric_not_logged")]:
-        out = tmp_path / case
-        code, message = run_cli(script, base_args(script, inputs, out) + extra(inputs, out) + ["--steps", "2"], capsys)
-        logged = (
-            [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
-            if (out / "metrics.jsonl").exists()
-            else []
-        )
-        assert code == 2 and all(step == 0 for step in logged), (case, logged, message)
+    # not at the first evaluation after training, which left no checkpoint of the steps it trained: with an evaluation
+    # at step 0 (--eval_every 1), with only the one after the last step (--eval_every 0), and on resume
+    for case, script, extra, expected in [c for c in CASES if c[0].startswith("best_metric_not_logged")]:
+        for every in ("1", "0"):
+            out = tmp_path / f"{case}_{every}"
+            args = base_args(script, inputs, out) + extra(inputs, out) + ["--steps", "2", "--eval_every", every]
+            code, message = run_cli(script, args, capsys)
+            logged = (
+                [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+                if (out / "metrics.jsonl").exists()
+                else []
+            )
+            assert code == 2 and all(step == 0 for step in logged), (case, every, logged, message)
+            assert expected[0] in message, (case, every, message)
+    # on resume (--best_metric may change freely): a run of one step, resumed for a second with a wrong name
+    out = tmp_path / "resumed"
+    args = base_args("dpo", inputs, out) + ["--val_data", str(inputs["pref"]), "--eval_every", "0"]
+    with helpers.exit_on_error():
+        dpo.main(parse_config(dpo.Config, args + ["--steps", "1"]))
+    capsys.readouterr()
+    code, message = run_cli("dpo", args + ["--steps", "2", "--best_metric", "val/acc"], capsys)
+    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    assert code == 2 and "--best_metric val/acc is not logged by this stage" in message and max(steps) == 1, message
 
 
 def test_every_option_that_names_a_model_has_its_kind_checked_in_every_script():

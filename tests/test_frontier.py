@@ -307,3 +307,21 @@ def test_the_command_line_draws_runs_without_a_gold_reward(tiny_demo, tmp_path, 
     Logger(tmp_path / "plain", {"seed": 0}, "test", "run", "disabled", enabled=True).finish()
     with pytest.raises(CompareError, match="plain: no eval/kl in its metrics.jsonl"):
         frontier.main([str(tmp_path / "plain"), *common, "--out", ""])
+
+
+def test_metric_names_are_the_ones_evaluate_logs(tmp_path):
+    # the stages check --best_metric against Frontier.metric_names before their first step, without evaluating
+    from types import SimpleNamespace
+
+    from evaluation.frontier import Frontier, FrontierConfig
+
+    paths = write_task(tmp_path / "data", seed=0)
+    policy, reference = two_policies()
+    torch.manual_seed(0)
+    reward_model = RewardModel(PRESETS["tiny"]).eval()
+    cfg = SimpleNamespace(**vars(FrontierConfig(frontier_prompts=2, frontier_samples=2)), seed=0)
+    run = SimpleNamespace(dtype=None, device=torch.device("cpu"))
+    for rm, gold in ((None, None), (reward_model, None), (reward_model, lambda prompt, response: 1.0)):
+        for source in (paths["sft_validation"], paths["preference_validation"]):  # with and without references
+            frontier = Frontier(cfg, str(source), "", get_tokenizer(), 64, 4, run, reward_model=rm, gold_fn=gold)
+            assert set(frontier.evaluate(policy, reference, 0)) == frontier.metric_names()

@@ -191,7 +191,7 @@ def main(cfg: Config) -> dict:
     if cfg.reference:
         reference_cfg = model_config(cfg.reference, kind="policy", option="--reference")
         limits.append((reference_cfg, "max_response_len", "reference"))
-    fit_context(cfg, *limits, *cfg.judge_limits(model_cfg))
+    fit_context(cfg, *limits, *cfg.judge_limits(model_cfg), *cfg.frontier_limits(model_cfg, "max_response_len"))
     run = start_run(cfg, {"stage": "dpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     world, device = run.world, run.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)

@@ -325,3 +325,15 @@ def test_metric_names_are_the_ones_evaluate_logs(tmp_path):
         for source in (paths["sft_validation"], paths["preference_validation"]):  # with and without references
             frontier = Frontier(cfg, str(source), "", get_tokenizer(), 64, 4, run, reward_model=rm, gold_fn=gold)
             assert set(frontier.evaluate(policy, reference, 0)) == frontier.metric_names()
+
+
+def test_frontier_points_read_a_torn_last_line_and_a_missing_standard_error(tmp_path):
+    # a kill mid-write leaves a torn last line; a standard error of one prompt and one sample is NaN, which the logger
+    # does not write (utils.logging keeps finite values only): the points read it as NaN
+    rows = [{"step": 0, "eval/kl": 0.0, "eval/gold": 0.5}, {"step": 1, "eval/kl": 0.1, "eval/kl_se": 0.01}]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "eval/k'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    points = frontier_points(tmp_path)
+    assert [p["step"] for p in points] == [0, 1]
+    assert points[0]["kl"] == 0.0 and math.isnan(points[0]["kl_se"]) and math.isnan(points[0]["gold_se"])
+    assert points[1]["kl_se"] == 0.01 and "gold" not in points[1]

@@ -498,6 +498,9 @@ def main(argv: list[str] | None = None) -> str:
     args = p.parse_args(argv)
     if args.best_of < 1 or args.best_of & (args.best_of - 1):
         p.error(f"--best_of must be a power of 2, got {args.best_of}")
+    # each model's kind before anything is read (a policy as --reward_model would score with a random head)
+    model_config(args.reference, kind="policy", option="--reference")
+    model_config(args.reward_model, kind="reward_model", option="--reward_model")
     methods = {}
     for options, members in group_runs([load_run(d) for d in args.runs]):
         seeds = [frontier_points(run.dir) for run in members]
@@ -529,9 +532,10 @@ if __name__ == "__main__":
     import sys
 
     from evaluation.compare import CompareError
+    from model.weights import ModelLoadError
 
     try:
         main()
-    except CompareError as e:
+    except (CompareError, ConfigError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -337,3 +337,19 @@ def test_frontier_points_read_a_torn_last_line_and_a_missing_standard_error(tmp_
     assert [p["step"] for p in points] == [0, 1]
     assert points[0]["kl"] == 0.0 and math.isnan(points[0]["kl_se"]) and math.isnan(points[0]["gold_se"])
     assert points[1]["kl_se"] == 0.01 and "gold" not in points[1]
+
+
+def test_the_command_line_checks_each_models_kind_in_one_line(tiny_demo, tmp_path):
+    # a reward model as --reference, a policy as --reward_model: one line naming the option, exit 2, no traceback
+    run = tmp_path / "run"
+    run.mkdir()
+    sft, rm = str(tiny_demo / "sft" / "hf"), str(tiny_demo / "rm" / "hf")
+    data = str(tiny_demo / "data" / "sft" / "validation.jsonl")
+    for reference, reward_model, option in ((rm, rm, "--reference"), (sft, sft, "--reward_model")):
+        cmd = [sys.executable, "-m", "evaluation.frontier", str(run), "--reference", reference]
+        cmd += ["--reward_model", reward_model, "--data", data, "--out", str(tmp_path / "f.png")]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {option} "), done.stderr[
+            -2000:
+        ]

@@ -429,7 +429,7 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
             )
             dirs.append(run_dir)
     groups = group_runs([load_run(d) for d in dirs])
-    text = table(groups, ABLATION_METRICS, {"train/kl", "gold/items_invented"}, last=5)
+    text = table(groups, ABLATION_METRICS, set(), last=5)
     Path(args.assets).mkdir(parents=True, exist_ok=True)
     plot(
         groups,

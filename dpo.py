@@ -26,7 +26,13 @@ from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import Frontier, FrontierConfig
 from evaluation.pairs import PairConfig, load_pairs
-from evaluation.preference import evaluate_policy, policy_logps, reference_logps, response_logprobs
+from evaluation.preference import (
+    evaluate_policy,
+    policy_logps,
+    preference_metric_names,
+    reference_logps,
+    response_logprobs,
+)
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig
 from model.weights import model_config, save_export
@@ -185,7 +191,7 @@ def main(cfg: Config) -> dict:
     if cfg.reference:
         reference_cfg = model_config(cfg.reference, kind="policy", option="--reference")
         limits.append((reference_cfg, "max_response_len", "reference"))
-    fit_context(cfg, *limits, *cfg.judge_limits(model_cfg))
+    fit_context(cfg, *limits, *cfg.judge_limits(model_cfg), *cfg.frontier_limits(model_cfg, "max_response_len"))
     run = start_run(cfg, {"stage": "dpo", "model_config": model_cfg.to_dict(), "lora": cfg.lora_meta()})
     world, device = run.world, run.device
     accum = accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world)
@@ -217,10 +223,15 @@ def main(cfg: Config) -> dict:
         samples = SampleLog(rows, "chosen", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed)
     # --frontier_prompts: eval/kl and rewards of temperature-1 samples at each evaluation (else None)
     frontier = Frontier.build(cfg, tok, run, cfg.max_response_len, judge.model if judge else None)
+    # --best_metric against what an evaluation logs, before the first training step whatever --eval_every is, and on
+    # resume (a free option): not at the first evaluation after training, which would leave no checkpoint
+    evaluated = frontier.metric_names() if frontier else set()
+    if ref_val is not None:
+        evaluated |= preference_metric_names("val/") | (judge.metric_names("val/") if judge else set())
+    check_best_metric(cfg, evaluated)
     first = frontier.evaluate(policy, reference, 0) if frontier and step == 0 and cfg.eval_every > 0 else {}
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
         first |= validate(policy, ref_val, data.val_set, cfg, device, judge, samples, run.logger, 0)
-        check_best_metric(cfg, first)  # before the first training step
     if first:
         run.logger.log(first, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)

@@ -20,7 +20,7 @@ from data.tldr import PREF_COLUMNS, SFT_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.preference import build_eval_set, evaluate_policy, evaluate_reward_model, format_table, log_results
 from evaluation.samples import JudgeConfig, summary_win_rate
-from model.weights import build_policy, build_reward_model, model_config
+from model.weights import build_policy, build_reward_model, freeze, model_config
 from utils.config import ConfigError, config_to_dict, fit_context, parse_config
 from utils.dist import cleanup_distributed, setup_distributed
 from utils.fsdp import resolve_dtype, shard_model
@@ -131,18 +131,19 @@ def main(cfg: Config) -> dict:
 
     # 3. models and scores
     if cfg.reward_model:
-        model = build_reward_model(cfg.reward_model)
-        model = shard_model(model, dtype).to(device)
+        # every model here is frozen before sharding (nothing trains): shard_model then empties FSDP2's per-forward
+        # records after each forward
+        model = shard_model(freeze(build_reward_model(cfg.reward_model)), dtype).to(device)
         results = evaluate_reward_model(model, eval_set, device, cfg.bootstrap_samples, cfg.seed)
         title = f"reward model {cfg.reward_model} on {name}"
     else:
-        policy, reference = build_policy(cfg.policy), build_policy(cfg.reference)
+        policy, reference = freeze(build_policy(cfg.policy)), freeze(build_policy(cfg.reference))
         policy, reference = shard_model(policy, dtype).to(device), shard_model(reference, dtype).to(device)
         results = evaluate_policy(policy, reference, eval_set, cfg.beta, device, cfg.bootstrap_samples, cfg.seed)
         title = f"policy {cfg.policy} vs reference {cfg.reference} (beta {cfg.beta}) on {name}"
         if cfg.judge:
             del reference
-            judge = shard_model(build_reward_model(cfg.judge), dtype).to(device)
+            judge = shard_model(freeze(build_reward_model(cfg.judge)), dtype).to(device)
             lengths = (cfg.max_prompt_len, cfg.max_new_tokens, 2 * cfg.micro_batch_size)
             results |= summary_win_rate(policy, judge, summary_rows, tok, *lengths, cfg.bootstrap_samples, cfg.seed)
 

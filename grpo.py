@@ -43,8 +43,8 @@ from data.synthetic import gold_reward as synthetic_gold_reward
 from data.tldr import ShardedLoader
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import Frontier, FrontierConfig
-from evaluation.preference import evaluate_policy, policy_logps
-from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table
+from evaluation.preference import evaluate_policy, policy_logps, preference_metric_names
+from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table, summary_metric_names
 from model.lora import LoRAConfig, trainable_summary
 from model.sampler import SampleOutput
 from model.weights import save_export
@@ -366,9 +366,14 @@ def main(cfg: Config) -> dict:
     ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
     # --frontier_prompts: KL to the reference and rewards of temperature-1 samples (eval/kl, ...); else None
     frontier = Frontier.build(cfg, tok, run, cfg.max_new_tokens, models.reward_model, gold_reward)
+    # --best_metric against what an evaluation logs, before the first training step whatever --eval_every is, and on
+    # resume (a free option): not at the first evaluation after training, which would leave no checkpoint
+    names = (summary_metric_names(spec, val) if val is not None else set()) | (
+        frontier.metric_names() if frontier else set()
+    )
+    check_best_metric(cfg, names | (preference_metric_names("eval/pref_") if pref else set()), keep["best_metric"])
     if step == 0 and cfg.eval_every > 0:
         evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device, frontier)
-        check_best_metric(cfg, evaluated, keep["best_metric"])  # before the first training step
         run.logger.log(evaluated, 0)
     batches_iter, metrics, stopping = iter(loader), {}, False
     models.policy.train()

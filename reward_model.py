@@ -24,7 +24,7 @@ import torch
 from data.tldr import PromptDataset
 from data.tokenizer import get_tokenizer
 from evaluation.pairs import PairConfig, load_pairs
-from evaluation.preference import evaluate_reward_model, reward_scores
+from evaluation.preference import evaluate_reward_model, preference_metric_names, reward_scores
 from model.weights import build_policy, build_reward_model, model_config, resolve_pooling, save_export
 from rlhf.losses import bradley_terry_loss
 from rlhf.stats import pair_outcomes
@@ -165,10 +165,12 @@ def main(cfg: Config) -> dict:
     run.say(f"reward model: {len(data.train)} pairs, world {world}, {accum} accumulation steps, {total_steps} steps")
     batches = data.step_batches(accum, cfg.overfit_batch)
     model.train()
+    # --best_metric against what validation logs, before the first training step whatever --eval_every is, and on
+    # resume (a free option): not at the first validation after training, which would leave no checkpoint
+    check_best_metric(cfg, preference_metric_names("val/") if data.val_set is not None else set())
     if data.val_set is not None and step == 0 and cfg.eval_every > 0:
         val = evaluate_reward_model(model, data.val_set, device, prefix_sharing=cfg.prefix_sharing)
         val = {f"val/{k}": v for k, v in val.items()}
-        check_best_metric(cfg, val)  # before the first training step
         run.logger.log(val, step=0)
     metrics, stopping = {}, False
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0

@@ -33,7 +33,7 @@ from data.tldr import PROMPT_COLUMNS, PromptDataset, decode_responses, load_opti
 from evaluation.samples import sample_summaries
 from evaluation.summaries import reference_summaries
 from model.sampler import SampleOutput
-from model.weights import build_reward_model
+from model.weights import build_reward_model, freeze, model_config
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.rewards import load_function
 from rlhf.stats import best_of_n_index, best_of_n_kl, kl_estimate, mean_and_se, pair_outcomes
@@ -42,6 +42,7 @@ from rollouts.sampling import model_rows, score
 from utils.config import ConfigError
 from utils.dist import stream
 from utils.fsdp import gathered_params, shard_model
+from utils.logging import read_rows
 
 METRICS = ("kl", "gold", "proxy", "proxy_raw", "win_rate")
 """What measure() reports, each with its standard error (name + "_se"); gold and win_rate only when they apply."""
@@ -67,6 +68,20 @@ class FrontierConfig:
     data.synthetic:gold_reward); empty: grpo.py's --gold_reward_fn, or none."""
     frontier_max_new_tokens: int = 0
     """Tokens of each sampled summary at most, the end token included; 0: the stage's response length."""
+
+    def frontier_limits(self, policy_cfg, response: str) -> list[tuple]:
+        """utils.config.fit_context's limits of the frontier's sampled summaries (--frontier_max_new_tokens, else the
+        stage's `response` option) in the policy and --frontier_reward_model; none without --frontier_prompts. Checks
+        that --frontier_reward_model is a reward model holding its normalisation (model.weights.model_config): its
+        proxy is logged normalized."""
+        if self.frontier_prompts <= 0:
+            return []
+        length = "frontier_max_new_tokens" if self.frontier_max_new_tokens else response
+        limits = [(policy_cfg, length, "policy")]
+        if self.frontier_reward_model:
+            rm_cfg = model_config(self.frontier_reward_model, kind="reward_model", option="--frontier_reward_model")
+            limits.append((rm_cfg, length, "frontier reward model"))
+        return limits
 
     def validate_frontier(self) -> None:
         for name in ("frontier_prompts", "frontier_max_new_tokens"):
@@ -242,9 +257,9 @@ class Frontier:
         )
         self.reward_model = reward_model
         if cfg.frontier_reward_model:
-            self.reward_model = shard_model(build_reward_model(cfg.frontier_reward_model), run.dtype).to(run.device)
-            self.reward_model.requires_grad_(False)
-            self.reward_model.eval()
+            # frozen before sharding: shard_model gives a frozen model the hook that empties FSDP2's per-forward records
+            self.reward_model = shard_model(freeze(build_reward_model(cfg.frontier_reward_model)), run.dtype)
+            self.reward_model.to(run.device)
         self.gold_fn = load_function(cfg.frontier_gold_fn, "--frontier_gold_fn") if cfg.frontier_gold_fn else gold_fn
 
     @classmethod
@@ -255,6 +270,16 @@ class Frontier:
             return None
         args = (cfg.val_data, cfg.val_split, tok, cfg.max_prompt_len, max_new_tokens, run)
         return cls(cfg, *args, reward_model=reward_model, gold_fn=gold_fn)
+
+    def metric_names(self, prefix: str = "eval/") -> set[str]:
+        """The metrics evaluate() logs under `prefix`: measure's KL, length and, for each of score_samples' values that
+        applies (gold, proxy_raw and proxy, win_rate), its mean and standard error."""
+        values = ["gold"] if self.gold_fn is not None else []
+        if self.reward_model is not None:
+            values += ["proxy_raw", "proxy"] + (["win_rate"] if self.prompts.references is not None else [])
+        names = ["kl", "kl_se", "response_length", *values, *(v + "_se" for v in values)]
+        renamed = self.EVAL_NAMES | {"response_length": "sampled_length"}
+        return {prefix + renamed.get(k, k) for k in names}
 
     def evaluate(self, policy, reference, step: int, prefix: str = "eval/") -> dict[str, float]:
         generator = stream(self.seed, step, 0, "frontier", device=self.device)  # rank 0's stream on every rank
@@ -319,17 +344,18 @@ def best_of_n(
 
 def frontier_points(run_dir: Path) -> list[dict[str, float]]:
     """Every evaluation of a run that measured the frontier (eval/kl in metrics.jsonl), in step order: the step and
-    each eval/ frontier metric without its prefix (win_rate_sampled read back as win_rate)."""
+    each eval/ frontier metric without its prefix (win_rate_sampled read back as win_rate). A line cut short by a kill
+    is skipped (utils.logging.read_rows); a standard error the log lacks (NaN, of one prompt and one sample: the logger
+    writes finite values only) is NaN."""
     points = []
-    for line in open(Path(run_dir) / "metrics.jsonl", encoding="utf-8"):
-        row = json.loads(line)
+    for row in read_rows(Path(run_dir) / "metrics.jsonl"):
         if "eval/kl" not in row:
             continue
         point = {"step": row["step"]}
         for name in METRICS:
             key = Frontier.EVAL_NAMES.get(name, name)
             if f"eval/{key}" in row:
-                point[name], point[name + "_se"] = row[f"eval/{key}"], row[f"eval/{key}_se"]
+                point[name], point[name + "_se"] = row[f"eval/{key}"], row.get(f"eval/{key}_se", math.nan)
         points.append(point)
     return points
 
@@ -472,6 +498,9 @@ def main(argv: list[str] | None = None) -> str:
     args = p.parse_args(argv)
     if args.best_of < 1 or args.best_of & (args.best_of - 1):
         p.error(f"--best_of must be a power of 2, got {args.best_of}")
+    # each model's kind before anything is read (a policy as --reward_model would score with a random head)
+    model_config(args.reference, kind="policy", option="--reference")
+    model_config(args.reward_model, kind="reward_model", option="--reward_model")
     methods = {}
     for options, members in group_runs([load_run(d) for d in args.runs]):
         seeds = [frontier_points(run.dir) for run in members]
@@ -503,9 +532,10 @@ if __name__ == "__main__":
     import sys
 
     from evaluation.compare import CompareError
+    from model.weights import ModelLoadError
 
     try:
         main()
-    except CompareError as e:
+    except (CompareError, ConfigError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -210,6 +210,13 @@ def evaluate_reward_model(
     return preference_summary(c, r, eval_set.chosen_longer, n_resamples, seed=seed)
 
 
+def preference_metric_names(prefix: str) -> set[str]:
+    """The metrics evaluate_reward_model and evaluate_policy log under `prefix`: preference_summary's keys, taken from
+    the function itself (one pair, one resample), so the names cannot drift from what it returns."""
+    one = torch.zeros(1)
+    return {prefix + k for k in preference_summary(one, one, one.bool(), n_resamples=1)}
+
+
 @torch.no_grad()  # the reference is frozen: no graph, no gradient
 def reference_logps(reference, micro_batches: list[dict], device, prefix_sharing: bool = True) -> list[torch.Tensor]:
     """The frozen reference's summed response log-probs (2B,) of every micro-batch of a step, its FSDP units gathered

@@ -12,7 +12,7 @@ import torch
 from data.tldr import SFT_COLUMNS, PromptDataset, decode_responses, load_rows, pad_prompts
 from evaluation.summaries import reference_summaries
 from model.sampler import SampleOutput
-from model.weights import build_reward_model, model_config
+from model.weights import build_reward_model, freeze, model_config
 from rlhf.stats import win_rate
 from rollouts.sampling import sample_responses, score
 from utils.config import ConfigError
@@ -209,8 +209,8 @@ class Judge:
     def __init__(self, cfg: JudgeConfig, tok, max_prompt_len: int, dtype, device, micro_batch_size: int, seed: int):
         rows = load_rows(cfg.summary_data, cfg.summary_split, SFT_COLUMNS)
         self.rows = rows[: cfg.summary_rows] if cfg.summary_rows else rows
-        self.model = shard_model(build_reward_model(cfg.judge), dtype).to(device)
-        self.model.requires_grad_(False)
+        # frozen before sharding: shard_model gives a frozen model the hook that empties FSDP2's per-forward records
+        self.model = shard_model(freeze(build_reward_model(cfg.judge)), dtype).to(device)
         self.tok, self.max_prompt_len, self.max_new_tokens = tok, max_prompt_len, cfg.max_new_tokens
         self.micro_batch_size, self.seed = micro_batch_size, seed
 

@@ -63,6 +63,18 @@ def evaluate_summaries(policy, reward_model, spec: RewardSpec, val: PromptSet, c
     return out
 
 
+def summary_metric_names(spec: RewardSpec, val: PromptSet) -> set[str]:
+    """Every metric evaluate_summaries may log on `val`: a function's eval/reward_<name> is logged only when it applies
+    to a validation prompt, so this may name one more than an evaluation logs (never one fewer)."""
+    rm = spec.rm_column is not None
+    names = {"eval/reward", "eval/end_fraction", "eval/response_length"} | ({"eval/reward_penalized"} if rm else set())
+    names |= {f"eval/reward_{s.name}" for s in spec.sources if s.fn is not None}
+    if rm and val.references is not None:
+        one = torch.zeros(1)
+        names |= {f"eval/{k}" for k in win_rate(one, one, n_resamples=1)}
+    return names
+
+
 def reference_win_rate(
     reward_model, val: PromptSet, policy_raw: torch.Tensor, counted: torch.Tensor, n_prompts: int, cfg
 ) -> dict:

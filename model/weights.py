@@ -160,6 +160,7 @@ MODEL_OPTIONS = {
     "sft_policy": "policy",
     "reward_model": "reward_model",
     "judge": "reward_model",
+    "frontier_reward_model": "reward_model",
 }
 
 

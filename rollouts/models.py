@@ -105,6 +105,7 @@ def check_models(cfg, sources: list[RewardSource]):
     if any(s.fn is None for s in sources):
         rm_cfg = model_config(cfg.reward_model, cfg.reward_random_init, kind="reward_model", option="--reward_model")
         limits.append((rm_cfg, "max_new_tokens", "reward model"))
+    limits += cfg.frontier_limits(model_cfg, "max_new_tokens")  # --frontier_prompts' samples and reward model
     fit_context(cfg, *limits)  # lowers a default --max_prompt_len to what fits
     return model_cfg
 

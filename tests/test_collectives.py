@@ -285,3 +285,38 @@ def test_dpo_reference_is_gathered_once_per_step(one_rank_group, monkeypatch):
     from_reference = [grp for grp in unshards if id(grp) in ref_groups]
     assert len(from_reference) == UNITS  # once per unit for the whole step
     assert len(unshards) - len(from_reference) >= 3 * CFG.n_layer  # the policy's blocks: every micro-batch's forward
+
+
+def test_judge_and_frontier_reward_models_keep_no_forward_records(one_rank_group, tmp_path):
+    """--judge's reward model (evaluation/samples.py Judge) and --frontier_reward_model's (evaluation/frontier.py
+    Frontier) are frozen before they are sharded, so shard_model gives them the hook that empties FSDP2's per-forward
+    records: after any number of forwards they hold none (sharded before freezing, each forward adds 2 x units)."""
+    from data.synthetic import write_task
+    from data.tokenizer import get_tokenizer
+    from evaluation.frontier import Frontier, FrontierConfig
+    from evaluation.samples import Judge, JudgeConfig
+    from model.gpt2 import PRESETS
+    from model.weights import save_hf
+
+    paths = write_task(tmp_path / "data", seed=0)
+    torch.manual_seed(0)
+    folder = tmp_path / "rm" / "hf"
+    save_hf(RewardModel(PRESETS["tiny"]).state_dict(), PRESETS["tiny"], folder)
+    tok = get_tokenizer()
+    cpu = torch.device("cpu")
+    judge = Judge(JudgeConfig(judge=str(folder), summary_data=str(paths["sft_validation"]), summary_rows=2), tok, 64,
+                  None, cpu, 2, seed=0)  # fmt: skip
+    frontier_cfg = SimpleNamespace(
+        **vars(FrontierConfig(frontier_prompts=2, frontier_reward_model=str(folder))), seed=0
+    )
+    run = SimpleNamespace(dtype=None, device=cpu)
+    frontier = Frontier(frontier_cfg, str(paths["sft_validation"]), "", tok, 64, 8, run)
+    units = PRESETS["tiny"].n_layer + 1
+    ids = torch.randint(0, 50000, (2, 12), generator=torch.Generator().manual_seed(0))
+    pos, mask = torch.arange(12).expand(2, 12), torch.ones(2, 12, dtype=torch.bool)
+    for model in (judge.model, frontier.reward_model):
+        assert sum(1 for m in model.modules() if hasattr(m, "_get_fsdp_state")) == units
+        with torch.no_grad():
+            for _ in range(5):
+                model(ids, pos, mask)
+        assert forward_order_records(model) == 0

@@ -210,16 +210,27 @@ def test_the_best_of_a_loss_is_its_minimum_and_the_options_override(tmp_path):
     assert text.splitlines()[-1] == "| all runs | 1 | 2.000 ± 0.000 | 3.000 ± 0.000 | 2.000 ± 0.000 | 1.000 ± 0.000 |"
 
 
-def test_every_metric_the_stages_log_has_a_direction_and_the_known_ones_are_right():
-    # the metric names of every stage's golden run (tests/golden): each has a direction or is a count or bound
+def logged_metric_names() -> set[str]:
+    """The metric names the stages log: those of every golden run (tests/golden) and every complete metric name
+    written as a string literal in the code outside tests/ (a name built from parts, "eval/{key}", is left out)."""
     import glob
 
+    root = Path(__file__).resolve().parents[1]
+    pattern = r'"((?:train|val|eval|sample|reward|gold|rs|norm)/[a-z0-9_/]+)"'
+    names = set()
+    for file in glob.glob(str(root / "tests" / "golden" / "*" / "*.json")):
+        names |= set(re.findall(pattern, Path(file).read_text()))
+    for file in root.glob("**/*.py"):
+        if not {"tests", ".venv"} & set(file.relative_to(root).parts):
+            names |= set(re.findall(pattern, file.read_text()))
+    return names
+
+
+def test_every_metric_the_stages_log_has_a_direction_and_the_known_ones_are_right():
+    # each metric the code logs has a direction or is a count or bound
     from utils.logging import metric_direction
 
-    names = set()
-    for file in glob.glob(str(Path(__file__).parent / "golden" / "*" / "*.json")):
-        text = Path(file).read_text()
-        names |= {m for m in re.findall(r'"([a-z_]+/[a-z0-9_/]+)"', text)}
+    names = logged_metric_names()
     assert len(names) > 50
     for name in names:
         last = name.split("/")[-1]
@@ -235,6 +246,14 @@ def test_every_metric_the_stages_log_has_a_direction_and_the_known_ones_are_righ
         "sample/response_length",
         "train/grad_norm",
         "train/ratio_deviation",
+        # shares and counts of what went wrong, and a standard error: lower is better (issue 43)
+        "sample/dropped_group_fraction",
+        "train/skipped",
+        "gold/items_invented",
+        "train/outside_top_k_p_fraction",
+        "train/mismatch/outside_band_fraction",
+        "reward/kl_penalty_mean",
+        "eval/kl_se",
     ]
     higher = [
         "eval/win_rate",
@@ -246,10 +265,12 @@ def test_every_metric_the_stages_log_has_a_direction_and_the_known_ones_are_righ
         "eval/end_fraction",
         "rs/acceptance_rate",
         "train/reward_margin",
+        "gold/items_correct",
+        "eval/gold",
     ]
     assert [metric_direction(m) for m in lower] == ["min"] * len(lower)
     assert [metric_direction(m) for m in higher] == ["max"] * len(higher)
-    assert set(lower + higher) <= names
+    assert set(lower + higher) <= names | {name + "_se" for name in names}  # each frontier mean has its error
 
 
 def test_seed_reruns_differing_in_free_options_or_their_changes_on_resume_group_with_their_siblings(tmp_path):

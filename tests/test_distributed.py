@@ -183,6 +183,15 @@ def test_rank_0_chooses_the_checkpoint_and_ranks_that_see_it_differently_stop(tm
             assert "rank 0: as written; rank 1: " in results[0] and "is missing" in results[0], results[0]
 
 
+def test_resume_from_is_chosen_by_rank_0(tmp_path):
+    # --resume_from a checkpoint folder whose state.pt rank 1 does not see: rank 0 says it is a checkpoint folder, so
+    # both ranks run the same collectives and resume from it (before: rank 1 took it for a run directory)
+    out = tmp_path / "resume_from.txt"
+    run_script(["tests/scripts/resume_views.py", str(tmp_path / "run"), str(out), "resume_from"], nproc=2)
+    results = [out.with_name(f"{out.name}.{rank}").read_text() for rank in (0, 1)]
+    assert results == ["step_00000002", "step_00000002"], results
+
+
 def test_dist_timeout_reaches_the_process_group(tmp_path):
     # rank 1 is busy for 8 s; under a 3 s timeout rank 0's barrier fails after 3 s (torch's gloo default: 30 minutes)
     out = tmp_path / "timeout.json"

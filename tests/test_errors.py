@@ -508,6 +508,58 @@ CASES = [
         ["--judge", "policy is a policy (a GPT-2 language model), not a reward model"],
     ),
     (
+        "policy_as_frontier_reward_model",
+        "dpo",
+        lambda f, out: [
+            "--frontier_prompts",
+            "2",
+            "--frontier_reward_model",
+            str(f["policy"]),
+            "--val_data",
+            str(f["pref"]),
+        ],
+        ["--frontier_reward_model", "policy is a policy (a GPT-2 language model), not a reward model"],
+    ),
+    (
+        "policy_as_frontier_reward_model_of_grpo",
+        "grpo",
+        lambda f, out: [
+            "--frontier_prompts",
+            "2",
+            "--frontier_reward_model",
+            str(f["policy"]),
+            "--frontier_data",
+            str(f["sft"]),
+        ],
+        ["--frontier_reward_model", "policy is a policy (a GPT-2 language model), not a reward model"],
+    ),
+    (
+        "frontier_reward_model_without_normalisation",
+        "dpo",
+        lambda f, out: [
+            "--frontier_prompts",
+            "2",
+            "--frontier_reward_model",
+            str(f["rm_no_norm"]),
+            "--val_data",
+            str(f["pref"]),
+        ],
+        ["--frontier_reward_model", "rm_no_norm is a reward model whose reward_normalization.json is missing"],
+    ),
+    (
+        "frontier_max_new_tokens_overflows",
+        "grpo",
+        lambda f, out: [
+            "--frontier_prompts",
+            "2",
+            "--frontier_data",
+            str(f["sft"]),
+            "--frontier_max_new_tokens",
+            "5000",
+        ],
+        ["--frontier_max_new_tokens 5000 leaves no room for a prompt in the policy's"],
+    ),
+    (
         "policy_as_judge_to_evaluate",
         "eval_preferences",
         lambda f, out: ["--policy", str(f["policy"]), "--reference", str(f["policy"]), "--judge", str(f["policy"])],
@@ -775,16 +827,29 @@ def test_every_evaluation_option_combination_fails_at_start_or_runs_to_its_expor
 
 
 def test_a_best_metric_no_evaluation_logs_stops_before_the_first_training_step(inputs, tmp_path, capsys):
-    # not at the first evaluation after training, which left no checkpoint of the steps it trained
-    for case, script, extra, _ in [c for c in CASES if c[0].startswith("best_metric_not_logged")]:
-        out = tmp_path / case
-        code, message = run_cli(script, base_args(script, inputs, out) + extra(inputs, out) + ["--steps", "2"], capsys)
-        logged = (
-            [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
-            if (out / "metrics.jsonl").exists()
-            else []
-        )
-        assert code == 2 and all(step == 0 for step in logged), (case, logged, message)
+    # not at the first evaluation after training, which left no checkpoint of the steps it trained: with an evaluation
+    # at step 0 (--eval_every 1), with only the one after the last step (--eval_every 0), and on resume
+    for case, script, extra, expected in [c for c in CASES if c[0].startswith("best_metric_not_logged")]:
+        for every in ("1", "0"):
+            out = tmp_path / f"{case}_{every}"
+            args = base_args(script, inputs, out) + extra(inputs, out) + ["--steps", "2", "--eval_every", every]
+            code, message = run_cli(script, args, capsys)
+            logged = (
+                [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+                if (out / "metrics.jsonl").exists()
+                else []
+            )
+            assert code == 2 and all(step == 0 for step in logged), (case, every, logged, message)
+            assert expected[0] in message, (case, every, message)
+    # on resume (--best_metric may change freely): a run of one step, resumed for a second with a wrong name
+    out = tmp_path / "resumed"
+    args = base_args("dpo", inputs, out) + ["--val_data", str(inputs["pref"]), "--eval_every", "0"]
+    with helpers.exit_on_error():
+        dpo.main(parse_config(dpo.Config, args + ["--steps", "1"]))
+    capsys.readouterr()
+    code, message = run_cli("dpo", args + ["--steps", "2", "--best_metric", "val/acc"], capsys)
+    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    assert code == 2 and "--best_metric val/acc is not logged by this stage" in message and max(steps) == 1, message
 
 
 def test_every_option_that_names_a_model_has_its_kind_checked_in_every_script():
@@ -805,6 +870,17 @@ def test_every_option_that_names_a_model_has_its_kind_checked_in_every_script():
             named = f"--{option}" in argv and f"--{option}" in fragments
             if named and any(" is a policy (" in f or " is a reward model (" in f for f in fragments):
                 covered.add((script, option))
+    # and every option whose help says it takes a model folder (a stage's hf/ export, a Hugging Face-format folder)
+    # is in MODEL_OPTIONS, so an option missing from the table fails here too
+    from utils.config import field_docs
+
+    untabled = [
+        (script, name)
+        for script, module in SCRIPTS.items()
+        for name, doc in field_docs(module.Config).items()
+        if name != "out_dir" and re.search(r"\bhf/|Hugging Face-format folder", doc) and name not in MODEL_OPTIONS
+    ]
+    assert not untabled, untabled
     unchecked = [
         (script, field.name)
         for script, module in SCRIPTS.items()

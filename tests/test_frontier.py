@@ -307,3 +307,49 @@ def test_the_command_line_draws_runs_without_a_gold_reward(tiny_demo, tmp_path, 
     Logger(tmp_path / "plain", {"seed": 0}, "test", "run", "disabled", enabled=True).finish()
     with pytest.raises(CompareError, match="plain: no eval/kl in its metrics.jsonl"):
         frontier.main([str(tmp_path / "plain"), *common, "--out", ""])
+
+
+def test_metric_names_are_the_ones_evaluate_logs(tmp_path):
+    # the stages check --best_metric against Frontier.metric_names before their first step, without evaluating
+    from types import SimpleNamespace
+
+    from evaluation.frontier import Frontier, FrontierConfig
+
+    paths = write_task(tmp_path / "data", seed=0)
+    policy, reference = two_policies()
+    torch.manual_seed(0)
+    reward_model = RewardModel(PRESETS["tiny"]).eval()
+    cfg = SimpleNamespace(**vars(FrontierConfig(frontier_prompts=2, frontier_samples=2)), seed=0)
+    run = SimpleNamespace(dtype=None, device=torch.device("cpu"))
+    for rm, gold in ((None, None), (reward_model, None), (reward_model, lambda prompt, response: 1.0)):
+        for source in (paths["sft_validation"], paths["preference_validation"]):  # with and without references
+            frontier = Frontier(cfg, str(source), "", get_tokenizer(), 64, 4, run, reward_model=rm, gold_fn=gold)
+            assert set(frontier.evaluate(policy, reference, 0)) == frontier.metric_names()
+
+
+def test_frontier_points_read_a_torn_last_line_and_a_missing_standard_error(tmp_path):
+    # a kill mid-write leaves a torn last line; a standard error of one prompt and one sample is NaN, which the logger
+    # does not write (utils.logging keeps finite values only): the points read it as NaN
+    rows = [{"step": 0, "eval/kl": 0.0, "eval/gold": 0.5}, {"step": 1, "eval/kl": 0.1, "eval/kl_se": 0.01}]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "eval/k'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    points = frontier_points(tmp_path)
+    assert [p["step"] for p in points] == [0, 1]
+    assert points[0]["kl"] == 0.0 and math.isnan(points[0]["kl_se"]) and math.isnan(points[0]["gold_se"])
+    assert points[1]["kl_se"] == 0.01 and "gold" not in points[1]
+
+
+def test_the_command_line_checks_each_models_kind_in_one_line(tiny_demo, tmp_path):
+    # a reward model as --reference, a policy as --reward_model: one line naming the option, exit 2, no traceback
+    run = tmp_path / "run"
+    run.mkdir()
+    sft, rm = str(tiny_demo / "sft" / "hf"), str(tiny_demo / "rm" / "hf")
+    data = str(tiny_demo / "data" / "sft" / "validation.jsonl")
+    for reference, reward_model, option in ((rm, rm, "--reference"), (sft, sft, "--reward_model")):
+        cmd = [sys.executable, "-m", "evaluation.frontier", str(run), "--reference", reference]
+        cmd += ["--reward_model", reward_model, "--data", data, "--out", str(tmp_path / "f.png")]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {option} "), done.stderr[
+            -2000:
+        ]

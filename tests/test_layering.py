@@ -77,3 +77,21 @@ def test_no_test_file_imports_another():
                 assert not node.module.split(".")[-1].startswith("test_"), (
                     f"{file.relative_to(ROOT)} imports {node.module}"
                 )
+
+
+def test_rollouts_docstring_names_every_module_and_every_importer():
+    # the package docstring says what each module holds and who imports the package: a new module or importer
+    # (outside tests/ and bench/, which it names as a whole) fails here until the docstring says so
+    doc = ast.get_docstring(ast.parse((ROOT / "rollouts" / "__init__.py").read_text()))
+    modules = [f.name for f in package_files("rollouts") if f.name != "__init__.py"]
+    importers = [
+        str(f.relative_to(ROOT))
+        for f in [
+            *(ROOT / f"{s}.py" for s in SCRIPTS),
+            *(g for p in PACKAGES - {"tests", "bench"} for g in package_files(p)),
+        ]
+        if f.parent.name != "rollouts" and "rollouts" in project_imports(f)
+    ]
+    assert modules and importers
+    missing = [name for name in modules + importers if name not in doc]
+    assert not missing, missing

@@ -360,13 +360,14 @@ def find_checkpoint(run_dir: str | Path, resume_from: str, meta: dict) -> Path |
 
     The run directory's own newest intact checkpoint comes first (so rerunning the same command after a crash
     continues where it stopped; a damaged newer one is named in a warning and skipped); otherwise --resume_from: a
-    checkpoint folder (holding state.pt; damaged: an error) or a run directory (its newest intact checkpoint). With
-    --resume false the run directory holds no checkpoint (utils.rundir.refuse_start_over)."""
+    checkpoint folder (holding state.pt; damaged: an error) or a run directory (its newest intact checkpoint), as rank
+    0 sees it (a collective: ranks that took it differently would run different collectives). With --resume false the
+    run directory holds no checkpoint (utils.rundir.refuse_start_over)."""
     rank, world = rank_and_world()
     path = newest_intact(run_dir, rank, world)
     if path is None and resume_from:
         source = Path(resume_from)
-        if (source / "state.pt").is_file():
+        if broadcast_object((source / "state.pt").is_file() if rank == 0 else None):
             path = source
             check_format(path, rank)
             problem = checkpoint_problem(path, rank, world)

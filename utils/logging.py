@@ -342,10 +342,27 @@ HEADLINES = {
     ),
 }
 """The metrics each stage's terminal table shows (those it logged); summary.json holds every evaluation metric."""
-LOWER_IS_BETTER = ("loss", "kl", "length", "grad_norm", "deviation", "gap", "seconds")
+LOWER_IS_BETTER = (
+    "loss",
+    "kl",
+    "length",
+    "grad_norm",
+    "deviation",
+    "gap",
+    "seconds",
+    "_se",
+    "skipped",
+    "invented",
+    "dropped_group_fraction",
+    "outside_top_k_p_fraction",
+    "outside_band_fraction",
+    "penalty_mean",
+)
 """Metrics whose last name part ends in one of these (losses, KL, lengths, gradient norms, ratio deviations, log-prob
-gaps, times) are best at their minimum; counts (n_...) and interval bounds (..._ci_...) have no best; every other
-metric (rewards, accuracies, win rates, rates, means of rewards) is best at its maximum."""
+gaps, times, standard errors, skipped steps, invented items, shares of dropped groups or of tokens outside the
+sampler's set or the mismatch band, KL penalties) are best at their minimum; counts (n_...) and interval bounds
+(..._ci_...) have no best; every other metric (rewards, accuracies, win rates, rates, means of rewards) is best at its
+maximum."""
 
 
 def metric_direction(metric: str) -> str | None:

@@ -43,7 +43,7 @@ from utils.config import ConfigError, OptimConfig, RunConfig, accumulation_steps
 from utils.dist import all_reduce_sum
 from utils.guard import exit_on_error
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
-from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, epoch_steps, finish, log_row, resume, start_run
 
 
 @dataclass
@@ -233,7 +233,7 @@ def main(cfg: Config) -> dict:
     if ref_val is not None and step == 0 and cfg.eval_every > 0:
         first |= validate(policy, ref_val, data.val_set, cfg, device, judge, samples, run.logger, 0)
     if first:
-        run.logger.log(first, 0)
+        log_row(run, first, 0)
     batches = data.step_batches(accum, cfg.overfit_batch)
     policy.train()
     metrics, stopping = {}, False

@@ -69,7 +69,7 @@ from utils.dist import all_reduce_sum, rank_and_world, stream
 from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
 from utils.logging import StageTimer, perf_metrics
 from utils.optim import build_optimizer, build_scheduler
-from utils.run import check_best_metric, end_of_step, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, finish, log_row, resume, start_run
 
 TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: the embedded task's gold reward
 
@@ -374,7 +374,7 @@ def main(cfg: Config) -> dict:
     check_best_metric(cfg, names | (preference_metric_names("eval/pref_") if pref else set()), keep["best_metric"])
     if step == 0 and cfg.eval_every > 0:
         evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device, frontier)
-        run.logger.log(evaluated, 0)
+        log_row(run, evaluated, 0)
     batches_iter, metrics, stopping = iter(loader), {}, False
     models.policy.train()
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0

@@ -42,7 +42,7 @@ from utils.dist import all_reduce_sum
 from utils.fsdp import shard_model
 from utils.guard import exit_on_error
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
-from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
+from utils.run import check_best_metric, end_of_step, epoch_steps, finish, log_row, resume, start_run
 
 
 @dataclass
@@ -171,7 +171,7 @@ def main(cfg: Config) -> dict:
     if data.val_set is not None and step == 0 and cfg.eval_every > 0:
         val = evaluate_reward_model(model, data.val_set, device, prefix_sharing=cfg.prefix_sharing)
         val = {f"val/{k}": v for k, v in val.items()}
-        run.logger.log(val, step=0)
+        log_row(run, val, 0)
     metrics, stopping = {}, False
     with run.stop:  # SIGTERM / SIGINT: finish the step, save, exit 0
         while step < total_steps and not stopping:
@@ -201,7 +201,7 @@ def main(cfg: Config) -> dict:
         prompts = PromptDataset(prompt_rows, tok, cfg.max_prompt_len, name="normalisation prompts").prompts
         norm = fit_normalization(model, policy, prompts, cfg, run.rank, world, device, step)
         del policy
-        run.logger.log(norm, step)
+        log_row(run, norm, step)
         metrics.update(norm)
         run.say(
             f"reward normalisation over {int(norm['norm/samples'])} samples of {policy_name}: raw mean "

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ import utils.checkpoint as checkpoint
 from rlhf.rewards import RewardSource
 from rollouts.sampling import RewardSpec, warn_constant_sources
 from tests import helpers
-from tests.conftest import ROOT, checkpoint_step
+from tests.conftest import ROOT, checkpoint_step, free_port, run_script
 from utils.checkpoint import CheckpointError, checkpoint_problem, find_checkpoint, read_tensors, save_checkpoint
 from utils.config import ConfigError, parse_config
 from utils.logging import Logger
@@ -423,6 +424,55 @@ def test_a_full_disk_while_writing_the_run_folder_stops_in_one_line_with_exit_4(
         assert checkpoint_step(out) == 1
     run_sft(rows, out, *evaluated)  # space again: the same command finishes the run
     assert (out / "hf" / "model.safetensors").is_file() and (out / "summary.json").is_file()
+
+
+FULL_DISK_CASES = {  # where rank 0's write fails: script, file, the text whose write fails ("": any), a resume
+    "step-0 validation row": ("reward_model", "metrics.jsonl", '"step": 0', False),
+    "step-0 sample table": ("dpo", "samples.jsonl", "", False),
+    "normalisation row": ("reward_model", "metrics.jsonl", "norm/", False),
+    "option record": ("dpo", "config.json.tmp", "", False),
+    "rows dropped on resume": ("reward_model", "metrics.jsonl.tmp", "", True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FULL_DISK_CASES)
+def test_a_full_disk_at_step_0_or_at_a_resume_stops_both_ranks_together_with_exit_4(tmp_path, case):
+    """Rank 0 writes the run folder; its failed write must stop rank 1 too, in the same agreement, before either
+    walks into a collective the other never joins (gloo: a connection error and a traceback; NCCL: a hang until
+    the process group's timeout)."""
+    script, name, trigger, resumed = FULL_DISK_CASES[case]
+    data = helpers.write_pref_rows(tmp_path / "pairs.jsonl")
+    out = tmp_path / "run"
+    norm = ["--norm_prompts", "2", "--norm_samples_per_prompt", "2", "--norm_batch_size", "2"]
+    extra = {"reward_model": norm if case == "normalisation row" else ["--norm_prompts", "0"], "dpo": []}[script]
+    args = [f"{script}.py", "--model", "tiny", "--random_init", "true", "--eval_every", "1", "--save_every", "1"]
+    args += [*extra, *helpers.pair_run_args(data, out, 1)]
+    args[args.index("--val_rows") + 1] = "4"
+    if resumed:
+        run_script(args, nproc=2, timeout=300)
+        args[args.index("--steps") + 1] = "2"
+    before = (out / "metrics.jsonl").read_text() if resumed else None
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
+    cmd += [f"--master_port={free_port()}", "tests/scripts/full_disk.py", str(tmp_path), name, trigger, *args]
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    ended = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    what = out / name.removesuffix(".tmp")
+    assert ended[0]["error"] == ended[1]["error"], (ended, done.stderr[-3000:])
+    kind, message, code = ended[0]["error"]
+    assert code == 4 and message.startswith(f"cannot write {what}: no space left on device; "), message
+    assert abs(ended[0]["time"] - ended[1]["time"]) < 10  # together, not one after the other's timeout
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {message}"], done.stderr[-3000:]
+    assert f'File "{ROOT}' not in done.stderr, done.stderr[-3000:]  # no traceback from our code (torchrun's own only)
+    codes = re.findall(r"exitcode {2}: (-?\d+)", done.stderr)  # torchrun may stop the slower rank once one is out
+    assert done.returncode != 0 and "4" in codes and set(codes) <= {"4", "-15"}, done.stderr[-3000:]
+    assert not list(out.rglob("*.tmp"))  # nothing torn: no temporary file left, every row whole
+    assert all(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+    if resumed:
+        assert (out / "metrics.jsonl").read_text() == before and checkpoint_step(out) == 1
+        assert checkpoint_problem(out / "checkpoints" / "step_00000001") is None
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -13,7 +13,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from utils.rundir import RunWriteError, drop_rows_after, stop_on_write_failure, write_record, write_text_atomic
+from utils.rundir import (
+    RECORD,
+    RunWriteError,
+    drop_rows_after,
+    stop_on_write_failure,
+    write_record,
+    write_text_atomic,
+)
 
 
 class Logger:
@@ -54,10 +61,12 @@ class Logger:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._truncate(self.run_dir / "metrics.jsonl")
-        self.file = open(self.run_dir / "metrics.jsonl", "a")
+        with stop_on_write_failure(str(self.run_dir / "metrics.jsonl"), self.run_dir):
+            self._truncate(self.run_dir / "metrics.jsonl")
+            self.file = open(self.run_dir / "metrics.jsonl", "a")
         if record:
-            write_record(self.run_dir, config)
+            with stop_on_write_failure(str(self.run_dir / RECORD), self.run_dir):
+                write_record(self.run_dir, config)
         if mode == "auto" and importlib.util.find_spec("wandb") is None:
             say("wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only")
             mode = "disabled"
@@ -90,7 +99,7 @@ class Logger:
     def log(self, metrics: dict, step: int) -> None:
         """Append a row to metrics.jsonl (and wandb). A write that fails here or in a table since the last row raises
         utils.rundir.RunWriteError (exit code 4, one line): the training scripts call this inside an agreement over
-        ranks (utils.run.end_of_step), so every rank stops together."""
+        ranks (utils.run.log_row), so every rank stops together."""
         if not self.enabled:
             return
         if self.write_failure is not None:
@@ -107,12 +116,13 @@ class Logger:
         if not self.enabled:
             return
         path = self.run_dir / f"{key.replace('/', '_')}.jsonl"
-        if key not in self.tables_opened:
-            self.tables_opened.add(key)
-            self._truncate(path)
         try:  # on rank 0 alone, inside an evaluation: a failure waits for the next log(), which every rank agrees on
-            with stop_on_write_failure(str(path), self.run_dir), open(path, "a") as f:
-                f.write(json.dumps({"step": step, "columns": columns, "rows": rows}) + "\n")
+            with stop_on_write_failure(str(path), self.run_dir):
+                if key not in self.tables_opened:
+                    self.tables_opened.add(key)
+                    self._truncate(path)
+                with open(path, "a") as f:
+                    f.write(json.dumps({"step": step, "columns": columns, "rows": rows}) + "\n")
         except RunWriteError as e:
             self.write_failure = self.write_failure or e
             return

@@ -220,19 +220,28 @@ def resume(
         run.best = run.loop_state.get("best")
         restore_loader(loader, run.checkpoint, run.loop_state)
         run.say(f"resumed from {run.checkpoint} at step {step}")
-    run.logger = Logger(
-        run.dir,
-        run.record or config_to_dict(cfg),
-        cfg.wandb_project,
-        cfg.run_name,
-        cfg.wandb_mode,
-        run.is_main,
-        resume_step=step,
-        group=cfg.wandb_group,
-        tags=cfg.wandb_tags,
-    )
+    # rank 0 drops the rows logged after the checkpoint and writes the option record: a full disk stops every rank
+    with all_ranks_agree("opening metrics.jsonl", run.device):
+        run.logger = Logger(
+            run.dir,
+            run.record or config_to_dict(cfg),
+            cfg.wandb_project,
+            cfg.run_name,
+            cfg.wandb_mode,
+            run.is_main,
+            resume_step=step,
+            group=cfg.wandb_group,
+            tags=cfg.wandb_tags,
+        )
     run.bar = progress(total_steps, step, run.is_main, run.meta["stage"])
     return step
+
+
+def log_row(run: Run, metrics: dict, step: int) -> None:
+    """Log a row of metrics.jsonl (a collective: call it on every rank): rank 0 writes, and a failed write, of this
+    row or of a table since the last one, stops every rank together with one line and exit code 4."""
+    with all_ranks_agree("writing metrics.jsonl", run.device):
+        run.logger.log(metrics, step)
 
 
 def end_of_step(
@@ -254,8 +263,7 @@ def end_of_step(
     every rank, only when saving: it may be a collective; resume() gives it back in run.loop_state). `frozen`: models
     without an optimizer whose weights the run changes (GRPO's refreshed reference), saved sharded with the model.
     Returns True when the run must stop (a signal came)."""
-    with all_ranks_agree("writing metrics.jsonl", run.device):  # rank 0 writes: a full disk stops every rank
-        run.logger.log(metrics, step)
+    log_row(run, metrics, step)
     run.bar.set_postfix(step_postfix(metrics), refresh=False)
     run.bar.update(1)
     metric = cfg.best_metric if best_metric is None else best_metric

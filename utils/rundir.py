@@ -424,9 +424,7 @@ def drop_rows_after(path: Path, resume_step: int, loud: bool = True) -> None:
             file=sys.stderr,
             flush=True,
         )
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))
 
 
 def check_wandb_login(mode: str) -> None:

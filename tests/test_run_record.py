@@ -465,7 +465,8 @@ def test_a_full_disk_at_step_0_or_at_a_resume_stops_both_ranks_together_with_exi
     assert abs(ended[0]["time"] - ended[1]["time"]) < 10  # together, not one after the other's timeout
     errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error:")]
     assert errors == [f"error: {message}"], done.stderr[-3000:]
-    assert f'File "{ROOT}' not in done.stderr, done.stderr[-3000:]  # no traceback from our code (torchrun's own only)
+    ours = [line for line in done.stderr.splitlines() if f'File "{ROOT}' in line and "site-packages" not in line]
+    assert ours == [], done.stderr[-3000:]  # no traceback from our code (torchrun's own only, in a venv maybe in ROOT)
     codes = re.findall(r"exitcode {2}: (-?\d+)", done.stderr)  # torchrun may stop the slower rank once one is out
     assert done.returncode != 0 and "4" in codes and set(codes) <= {"4", "-15"}, done.stderr[-3000:]
     assert not list(out.rglob("*.tmp"))  # nothing torn: no temporary file left, every row whole

@@ -223,8 +223,6 @@ def main(cfg: Config) -> dict:
         samples = SampleLog(rows, "chosen", tok, cfg.max_prompt_len, cfg.max_response_len, cfg.seed)
     # --frontier_prompts: eval/kl and rewards of temperature-1 samples at each evaluation (else None)
     frontier = Frontier.build(cfg, tok, run, cfg.max_response_len, judge.model if judge else None)
-    # --best_metric against what an evaluation logs, before the first training step whatever --eval_every is, and on
-    # resume (a free option): not at the first evaluation after training, which would leave no checkpoint
     evaluated = frontier.metric_names() if frontier else set()
     if ref_val is not None:
         evaluated |= preference_metric_names("val/") | (judge.metric_names("val/") if judge else set())

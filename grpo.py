@@ -366,8 +366,6 @@ def main(cfg: Config) -> dict:
     ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
     # --frontier_prompts: KL to the reference and rewards of temperature-1 samples (eval/kl, ...); else None
     frontier = Frontier.build(cfg, tok, run, cfg.max_new_tokens, models.reward_model, gold_reward)
-    # --best_metric against what an evaluation logs, before the first training step whatever --eval_every is, and on
-    # resume (a free option): not at the first evaluation after training, which would leave no checkpoint
     names = (summary_metric_names(spec, val) if val is not None else set()) | (
         frontier.metric_names() if frontier else set()
     )

@@ -165,8 +165,6 @@ def main(cfg: Config) -> dict:
     run.say(f"reward model: {len(data.train)} pairs, world {world}, {accum} accumulation steps, {total_steps} steps")
     batches = data.step_batches(accum, cfg.overfit_batch)
     model.train()
-    # --best_metric against what validation logs, before the first training step whatever --eval_every is, and on
-    # resume (a free option): not at the first validation after training, which would leave no checkpoint
     check_best_metric(cfg, preference_metric_names("val/") if data.val_set is not None else set())
     if data.val_set is not None and step == 0 and cfg.eval_every > 0:
         val = evaluate_reward_model(model, data.val_set, device, prefix_sharing=cfg.prefix_sharing)

@@ -44,6 +44,16 @@ def cuda_graph_recordings() -> Iterator[list[int]]:
         torch.cuda.CUDAGraph.capture_begin = begin
 
 
+# Published peaks of the GPUs lent here (NVIDIA H100 and H200 SXM datasheets): HBM bandwidth and dense bf16
+# tensor-core FLOP/s, keyed by a name torch.cuda.get_device_name contains. Measured on those machines (the device
+# tool's KINDS.md): a copy ~3.0 TB/s (H100) and ~4.3 TB/s (H200), a large bf16 product ~800 TFLOP/s on both; MFU and
+# floors against the published figures are conservative either way.
+GPU_PEAKS = {
+    "H100": {"bytes_per_s": 3.35e12, "flops_per_s": 989e12},
+    "H200": {"bytes_per_s": 4.8e12, "flops_per_s": 989e12},
+}
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

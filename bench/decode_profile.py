@@ -15,7 +15,6 @@ and 1,024 rows), the default prefix sharing, 56 new tokens forced (nothing stops
 
 import argparse
 import json
-import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,20 +22,9 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.floor import GPU_PEAKS, decode_floor
+from bench.floor import decode_floor
 from model.gpt2 import PRESETS, GPT2LMHeadModel
 from model.sampler import generate
-
-
-def timed(fn, device, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        common.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        common.synchronize(device)
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def kernel_summary(prof, tokens: int) -> dict:
@@ -73,12 +61,12 @@ def profile_rows(model, ids, mask, G: int, new: int, device, figure) -> None:
         call(mode == "compile")  # warm-up (the graphs' recording, or the compilation on a CPU)
         common.synchronize(device)
         warm = time.perf_counter() - t0
-        seconds[mode] = statistics.median(timed(lambda m=mode: call(m == "compile"), device, 3))
+        seconds[mode] = common.measure(lambda m=mode: call(m == "compile"), device, warmup=0, repeats=3).median
         figure(f"{N} rows: generate {mode}, s/call", seconds[mode], "s", warmup_s=warm)
         figure(f"{N} rows: generate {mode}, tok/s", N * new / seconds[mode], "tok/s")
     figure(f"{N} rows: compile / eager speed-up", seconds["eager"] / seconds["compile"], "x")
     floor = decode_floor(model.cfg, S, P, G, new, bytes_per_value=2)
-    peaks = GPU_PEAKS["H100 SXM"]
+    peaks = common.GPU_PEAKS["H100"]
     floor_s = max(floor["bytes"] / peaks["bytes_per_s"], floor["flops"] / peaks["flops_per_s"])
     figure(f"{N} rows: decode floor per token (H100)", 1e3 * floor_s, "ms", **floor)
     if device.type != "cuda":

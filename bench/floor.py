@@ -25,8 +25,9 @@ The products, with N sampled rows, K trained rows, prompts with T_p real tokens 
 Attention's own products (scores and values, 4 T C per token and layer) are counted with the body.
 
 On a GPU a decode step is bound by memory, not by its products: decode_floor counts the bytes a step must read (the
-weights once, each prompt's keys and values once per group, each row's own ones) and its FLOPs, against GPU_PEAKS,
-the datasheets' bandwidth and dense bf16 peak (bench/decode_profile.py sets the graphed step against it).
+weights once, each prompt's keys and values once per group, each row's own ones) and its FLOPs, against
+bench/common.py's GPU_PEAKS, the datasheets' bandwidth and dense bf16 peak (bench/decode_profile.py sets the recorded
+step against it).
 """
 
 import statistics
@@ -35,7 +36,7 @@ import time
 import torch
 
 from bench import common
-from bench.common import result
+from bench.common import GPU_PEAKS, result
 from bench.grpo_step import STAGES, GRPOBenchConfig, measure_steps
 from bench.trl_grpo import configs as side_by_side_configs
 from model.gpt2 import PRESETS
@@ -57,15 +58,6 @@ def mm_seconds(m: int, k: int, n: int, device: torch.device, repeats: int = 5) -
         common.synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
-
-
-# published peaks (NVIDIA H100 and H200 SXM datasheets): HBM bandwidth and dense bf16 tensor-core FLOP/s. Measured
-# on the machines lent here (the device tool's KINDS.md): a copy ~3.0 TB/s (H100) and ~4.3 TB/s (H200), a large bf16
-# product ~800 TFLOP/s on both; a floor against the published figures is a lower bound either way.
-GPU_PEAKS = {
-    "H100 SXM": {"bytes_per_s": 3.35e12, "flops_per_s": 989e12},
-    "H200 SXM": {"bytes_per_s": 4.8e12, "flops_per_s": 989e12},
-}
 
 
 def decode_floor(cfg, prompts: int, prompt_len: float, group: int, new_tokens: int, bytes_per_value: int = 2) -> dict:
@@ -131,7 +123,7 @@ def stage_products(bcfg: GRPOBenchConfig, counts: dict, device: torch.device) ->
     }
 
 
-def gpu_stage_floors(bcfg: GRPOBenchConfig, counts: dict, gpu: str = "H100 SXM") -> dict[str, float]:
+def gpu_stage_floors(bcfg: GRPOBenchConfig, counts: dict, gpu: str = "H100") -> dict[str, float]:
     """Seconds per stage a GPU cannot beat, from the step's token counts: each stage's products (stage_products) at
     the dense bf16 peak; for generate, the larger of that and its decode steps' reads (decode_floor per step, every
     generate call of gen_prompts prompts) at the memory bandwidth. The training and scoring stages' reads (weights

@@ -31,7 +31,7 @@ import torch
 import dpo
 import reward_model
 import sft
-from bench.common import measure, result
+from bench.common import GPU_PEAKS, measure, result
 from data.tldr import collate_pairs, collate_sft
 from data.tokenizer import END_ID
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
@@ -42,7 +42,6 @@ from utils.fsdp import resolve_dtype, shard_model
 from utils.optim import build_optimizer, clip_grad_norm
 
 BENCH = "train"
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, SXM datasheets
 MEASURED_PEAK_H100 = 800e12  # REFERENCE.md: a large bf16 matrix product on one H100
 
 
@@ -196,7 +195,7 @@ def peak_for(device: torch.device) -> tuple[float, str] | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next(((v, k) for k, v in PEAK_FLOPS.items() if k in name), None)
+    return next(((v["flops_per_s"], k) for k, v in GPU_PEAKS.items() if k in name), None)
 
 
 def throughput_rows(

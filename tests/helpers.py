@@ -2,6 +2,7 @@
 folders made up on the spot, a run's metrics, a script's command line run in this process, and the inputs of
 grpo.train_step on the CPU without a reward model."""
 
+import errno
 import json
 import os
 import random
@@ -178,3 +179,24 @@ def prompts_and_rewards(
         ids, mask, [tok.decode(p) for p in prompts], list(range(len(prompts))), applies, "test prompts"
     )
     return prompt_set, RewardSpec(sources, cfg.normalize_reward_fns, tok)
+
+
+class FullDiskFile:
+    """A file whose writes fail as on a full disk (ENOSPC): every write, or only those whose text holds `trigger`."""
+
+    def __init__(self, file, trigger: str = ""):
+        self.file, self.trigger = file, trigger
+
+    def write(self, text):
+        if self.trigger in text:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.file.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()

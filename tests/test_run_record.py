@@ -363,25 +363,6 @@ def test_a_full_disk_stops_the_save_in_one_line_and_leaves_the_earlier_checkpoin
     assert [m["step"] for m in resumed] == [1, 2]
 
 
-class _FullDiskFile:
-    """A file whose writes fail as on a full disk."""
-
-    def __init__(self, file):
-        self.file = file
-
-    def write(self, text):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def __getattr__(self, name):
-        return getattr(self.file, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.file.close()
-
-
 @pytest.mark.parametrize("where", ["export", "metrics.jsonl", "samples.jsonl", "summary.json"])
 def test_a_full_disk_while_writing_the_run_folder_stops_in_one_line_with_exit_4(
     rows, tmp_path, capsys, monkeypatch, where
@@ -412,7 +393,7 @@ def test_a_full_disk_while_writing_the_run_folder_stops_in_one_line_with_exit_4(
 
             def full_open(path, mode="r", *a, **k):
                 file = builtins.open(path, mode, *a, **k)
-                return _FullDiskFile(file) if Path(path).name == where else file
+                return helpers.FullDiskFile(file) if Path(path).name == where else file
 
             patch.setattr(run_logging, "open", full_open, raising=False)
         code, message = helpers.run_cli(sft, args, capsys)

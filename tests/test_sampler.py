@@ -32,6 +32,18 @@ def model_and_prompts(seed=0):
     return model, prompts, ids, mask
 
 
+def lora_model_and_prompts():
+    from model.lora import LoRAConfig, apply_lora
+
+    model, prompts, ids, mask = model_and_prompts()
+    apply_lora(model, LoRAConfig(lora_rank=2, lora_alpha=4.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model.eval(), ids, mask
+
+
 def training_logprobs(model, prompt, response, **proc):
     """Log-probs of `response` after `prompt` from one full forward pass, no padding, no cache."""
     ids = torch.tensor([prompt + response])
@@ -221,15 +233,8 @@ def compiled_equals_eager(model, ids, mask, prefix_sharing: bool):
 def test_compiled_decode_step_with_a_shared_prefix_and_lora_equals_eager():
     """--compile (inductor on CPU) on the default path: the prompt's cache stored once per group, a LoRA policy
     (adapters with non-zero B, so they change the logits)."""
-    from model.lora import LoRAConfig, apply_lora
-
-    model, prompts, ids, mask = model_and_prompts()
-    apply_lora(model, LoRAConfig(lora_rank=2, lora_alpha=4.0))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    compiled_equals_eager(model.eval(), ids, mask, prefix_sharing=True)
+    model, ids, mask = lora_model_and_prompts()
+    compiled_equals_eager(model, ids, mask, prefix_sharing=True)
 
 
 @pytest.mark.slow
@@ -297,18 +302,6 @@ def test_static_weights_swap_in_one_kept_copy_and_give_the_parameters_back():
             model.transformer.wte.weight.mul_(2.0)  # the next entry must see the new values
         expected = model(ids, pos)
     assert kept[0] == kept[1]
-
-
-def lora_model_and_prompts():
-    from model.lora import LoRAConfig, apply_lora
-
-    model, prompts, ids, mask = model_and_prompts()
-    apply_lora(model, LoRAConfig(lora_rank=2, lora_alpha=4.0))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    return model.eval(), ids, mask
 
 
 @pytest.mark.parametrize("one_softmax", [False, True])

@@ -197,7 +197,9 @@ def check_best_metric(cfg: RunConfig, evaluated: Iterable[str], best_metric: str
     """--best_metric (or `best_metric`, as end_of_step takes it) against the names of the metrics an evaluation logs
     (`evaluated`; a dict of metrics gives its names), before any training step: ConfigError when that evaluation logs
     metrics of its group but not it (update_best's check, which would otherwise stop the run at its first
-    evaluation, before that step's checkpoint)."""
+    evaluation, before that step's checkpoint). Every stage calls it before its first step whatever --eval_every is
+    (with 0 the first evaluation comes after training and a failure there would leave no checkpoint) and on resume
+    (a free option may change), with the names its evaluation code declares."""
     metric = cfg.best_metric if best_metric is None else best_metric
     update_best(None, dict.fromkeys(evaluated, 0.0), metric, cfg.best_mode, 0)
 

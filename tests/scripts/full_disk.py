@@ -9,7 +9,6 @@ that ends its main() (class, message, exit code) and the time it was raised, bef
 """
 
 import builtins
-import errno
 import importlib
 import io
 import json
@@ -20,29 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.helpers import FullDiskFile  # noqa: E402
 from utils.config import parse_config  # noqa: E402
 from utils.guard import exit_on_error  # noqa: E402
-
-
-class FullDiskFile:
-    """A file whose writes of `trigger` fail as on a full disk."""
-
-    def __init__(self, file, trigger: str):
-        self.file, self.trigger = file, trigger
-
-    def write(self, text):
-        if self.trigger in text:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return self.file.write(text)
-
-    def __getattr__(self, name):
-        return getattr(self.file, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.file.close()
 
 
 def fill_disk(name: str, trigger: str) -> None:

@@ -18,7 +18,8 @@ bias, no missing-end penalty) and win rate of the same samples, each with its st
 curve); its KL is log n - (n - 1)/n (rlhf.stats.best_of_n_kl, an upper bound).
 
 dpo.py and grpo.py call Frontier.evaluate at every evaluation when --frontier_prompts > 0 (eval/kl, ...);
-demo.py --frontier trains the grids and draws the picture (frontier_points, frontier_table, plot_frontier).
+demo.py --frontier_seeds trains the grids (experiments/embedded.py) and draws the picture (frontier_points,
+frontier_table, plot_frontier).
 """
 
 import json

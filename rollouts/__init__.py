@@ -4,5 +4,5 @@ sampled from the policy and scored by the reward sources (sampling.py), the trai
 policy update (update.py), the step's result and global metrics (metrics.py), and the reward model's normalisation
 over samples of the SFT policy (normalization.py). They run models or collectives, so they live neither in model/ (no
 distributed code) nor in rlhf/ (pure math). Importers: grpo.py; dpo.py (its policy and reference: models.py);
-reward_model.py (normalization.py); demo.py (sampling.py); evaluation/frontier.py, evaluation/preference.py,
+reward_model.py (normalization.py); evaluation/frontier.py, evaluation/preference.py, evaluation/probes.py,
 evaluation/samples.py and evaluation/summaries.py; the benchmark (bench/) and the tests."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"sft", "reward_model", "dpo", "grpo", "eval_preferences", "demo", "sample"}
-PACKAGES = {"model", "data", "rlhf", "rollouts", "evaluation", "utils", "bench", "tests"}
+PACKAGES = {"model", "data", "rlhf", "rollouts", "evaluation", "experiments", "utils", "bench", "tests"}
 
 
 def project_imports(file: Path) -> set[str]:
@@ -36,6 +36,7 @@ def test_packages_import_one_way():
         "data": {"data"},
         "rollouts": {"rollouts", "model", "data", "rlhf", "utils"},
         "evaluation": {"evaluation", "rollouts", "model", "data", "rlhf", "utils"},
+        "experiments": {"experiments", "evaluation", "rollouts", "model", "data", "rlhf", "utils"},
     }
     bad = []
     for package, ok in allowed.items():
@@ -65,7 +66,7 @@ def test_scripts_import_packages_never_scripts():
     for name in SCRIPTS:
         imported = project_imports(ROOT / f"{name}.py")
         assert not imported & SCRIPTS, f"{name}.py imports scripts {sorted(imported & SCRIPTS)}"
-    for package in ("model", "data", "rlhf", "rollouts", "evaluation", "utils"):
+    for package in ("model", "data", "rlhf", "rollouts", "evaluation", "experiments", "utils"):
         for file in package_files(package):
             assert not project_imports(file) & SCRIPTS, f"{file.relative_to(ROOT)} imports a script"
 

@@ -292,12 +292,12 @@ def test_appended_item_summaries_differ_by_one_item_worth_plus_or_minus_one():
 
 
 def test_demo_appended_item_gains_give_the_gold_reward_its_plus_and_minus_one(tmp_path):
-    """demo.appended_item_gains (the probe of whether the reward model pays for invented items) against the gold
-    reward read back from the token ids of the batches it scores: exactly +1 for the post's item, -1 for an invented
-    one; a scorer that counts response tokens gains the same for both."""
+    """evaluation.probes.appended_item_gains (the probe of whether the reward model pays for invented items) against
+    the gold reward read back from the token ids of the batches it scores: exactly +1 for the post's item, -1 for an
+    invented one; a scorer that counts response tokens gains the same for both."""
     import torch
 
-    import demo
+    from evaluation.probes import appended_item_gains
 
     tok = get_tokenizer()
     rows = [{"prompt": make_post(random.Random(i))["prompt"], "completion": " x"} for i in range(40)]
@@ -312,8 +312,8 @@ def test_demo_appended_item_gains_give_the_gold_reward_its_plus_and_minus_one(tm
         ]
         return torch.tensor([gold_reward(prompt, response) for prompt, response in texts])
 
-    assert demo.appended_item_gains(gold_scores, path, 40, seed=0) == {"append_correct": 1.0, "append_invented": -1.0}
-    lengths = demo.appended_item_gains(lambda b: b["response_mask"].sum(-1).float(), path, 33, seed=0)
+    assert appended_item_gains(gold_scores, path, 40, seed=0) == {"append_correct": 1.0, "append_invented": -1.0}
+    lengths = appended_item_gains(lambda b: b["response_mask"].sum(-1).float(), path, 33, seed=0)
     assert lengths["append_correct"] == lengths["append_invented"] == 4.0  # ",", " i", " am", " <feeling>"
 
 

@@ -1,0 +1,71 @@
+"""One runner for every experiment: an experiment is a list of `Run`s (a script with its options, run as a user would
+run it, or a step in this process), run in order."""
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Run:
+    """One run of an experiment: `script` with `options` (--name value each; a subprocess, under torchrun with more
+    than one process) or `call` in this process. `name` says what it makes (and is the method's name in a grid's
+    table); `done` is what exists once it has run, which `run_all(..., reuse=True)` keeps instead of running it."""
+
+    name: str
+    script: str = ""
+    options: dict = field(default_factory=dict)
+    call: Callable[[], object] | None = None
+    done: Path | None = None
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.options["out_dir"])
+
+
+def run_all(runs: list[Run], nproc: int, reuse: bool = False, after: Callable[[Run], object] | None = None) -> None:
+    """Each run in order, then `after(run)`. With `reuse`, a run whose `done` exists is kept, until the first run that
+    is not: every run after one that was redone is redone too."""
+    for run in runs:
+        reuse = reuse and run.done is not None and found(run.name, run.done)
+        if reuse:
+            continue
+        if run.call is not None:
+            run.call()
+        else:
+            run_script(run.script, run.options, nproc)
+        if after is not None:
+            after(run)
+
+
+def found(what: str, path: Path) -> bool:
+    """Whether `path` exists; says that it is reused when it does."""
+    if path.exists():
+        print(f"reusing {what}: {path}", flush=True)
+    return path.exists()
+
+
+def run_script(script: str, options: dict, nproc: int) -> None:
+    """`python script --k v ...` (torchrun with `nproc` > 1) from the repository's root, after emptying its out_dir:
+    every run of an experiment starts from scratch (the scripts refuse --resume false on top of existing checkpoints,
+    which they would overwrite). OMP_NUM_THREADS: the caller's, else the cores shared among the processes."""
+    shutil.rmtree(options["out_dir"], ignore_errors=True)
+    cmd = (
+        [sys.executable, script]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", script]
+    )
+    for k, v in options.items():
+        cmd += [f"--{k}", str(v)]
+    print("\n$ " + " ".join(cmd[1:] if nproc == 1 else ["torchrun", *cmd[3:]]), flush=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc))),
+    }
+    subprocess.run(cmd, cwd=ROOT, check=True, env=env)

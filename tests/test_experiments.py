@@ -1,0 +1,79 @@
+"""Experiments as data (experiments/): the runner's order and --reuse, and the declared grids' runs: each a command a
+user could type (the script parses its options), every arm with its own folder and wandb group."""
+
+from pathlib import Path
+
+import pytest
+
+from demo import parse_args
+from experiments.embedded import ABLATION, PREPARED, Demo, ablation_runs, frontier_runs, pipeline
+from experiments.runner import Run, run_all
+from utils.config import parse_config
+
+
+def test_run_all_runs_in_order_and_reuse_keeps_only_a_leading_run_that_is_done(tmp_path):
+    done = tmp_path / "a"
+    done.mkdir()
+    calls = []
+    runs = [
+        Run("a", call=lambda: calls.append("a"), done=done),
+        Run("b", call=lambda: calls.append("b"), done=tmp_path / "missing"),
+        Run("c", call=lambda: calls.append("c"), done=done),  # done, but after a run that was redone
+    ]
+    after = []
+    run_all(runs, 1, reuse=True, after=lambda run: after.append(run.name))
+    assert calls == ["b", "c"] and after == ["b", "c"]
+    calls.clear()
+    run_all(runs, 1)
+    assert calls == ["a", "b", "c"]
+
+
+def demo_for(tmp_path: Path, *argv: str) -> Demo:
+    paths = {name: tmp_path / f"{name}.jsonl" for name in ("sft_train", "sft_validation", "prompts_train")}
+    paths["preference_validation"] = tmp_path / "preference_validation.jsonl"
+    return Demo(tmp_path / "demo", paths, parse_args(["--out", str(tmp_path / "demo"), *argv]))
+
+
+def script_config(run: Run):
+    """The run's options parsed by its own script's Config, as its command line would be."""
+    import importlib
+
+    cls = importlib.import_module(run.script.removesuffix(".py")).Config
+    return parse_config(cls, [arg for k, v in run.options.items() for arg in (f"--{k}", str(v))])
+
+
+def test_the_pipeline_and_grids_are_commands_their_scripts_accept(tmp_path):
+    demo = demo_for(tmp_path, "--ablation_seeds", "2", "--frontier_seeds", "2")
+    runs = pipeline(demo)
+    assert [run.script for run in runs] == ["sft.py", "", "reward_model.py", "dpo.py", "grpo.py"]
+    assert [run.done is not None for run in runs] == [True] * PREPARED + [False] * (len(runs) - PREPARED)
+    scripts = [run for run in runs if run.script]
+    for run in scripts + ablation_runs(demo) + frontier_runs(demo):
+        cfg = script_config(run)
+        assert Path(cfg.out_dir) == run.out_dir, run.name
+
+    ablation = ablation_runs(demo)
+    assert len(ablation) == 2 * len(ABLATION) and len({run.out_dir for run in ablation}) == len(ablation)
+    for run in ablation:
+        cfg = script_config(run)
+        assert cfg.wandb_group == f"ablation-{run.name}" and cfg.selection == ABLATION[run.name]["selection"]
+
+    frontier = frontier_runs(demo)
+    names = [run.name for run in frontier]
+    # the method's first point, DPO's, the contrast's, then the rest of the grids; both seeds of each in a row
+    assert names[::2] == names[1::2]
+    assert names[::2] == [
+        "GRPO rso 64->8, beta 0.4",
+        "DPO beta 0.1",
+        "GRPO uniform 64->8, beta 0.4",
+        "GRPO rso 64->8, beta 0.1",
+        "DPO beta 0.3",
+    ]
+    assert [script_config(run).seed for run in frontier[:2]] == [0, 1]
+    assert len({run.out_dir for run in frontier}) == len(frontier)
+
+
+def test_an_unknown_ablation_variant_is_one_line_naming_it(tmp_path):
+    demo = demo_for(tmp_path, "--ablation_seeds", "1", "--ablation_variants", "rso", "rso_sometimes")
+    with pytest.raises(SystemExit, match="--ablation_variants: unknown rso_sometimes; expected some of rso, "):
+        ablation_runs(demo)

@@ -103,6 +103,21 @@ def gold_of_samples(
 
 
 @torch.no_grad()
+def eval_kl(policy_dir: Path, sft_dir: Path, prompts_file: Path, seed: int) -> float:
+    """KL(pi || pi_sft) of a policy's own summaries (the first 200 posts of a file x 8, temperature 1, 24 tokens): the
+    mean over the samples of log pi(y|x) - log pi_sft(y|x), each summed over the summary's tokens (eval/kl's
+    estimate, evaluation.frontier.measure); the KL at which methods are compared, unlike GRPO's per-token train/kl."""
+    from data.tokenizer import get_tokenizer
+    from evaluation.frontier import load_frontier_prompts, measure
+    from model.weights import build_policy
+
+    tok = get_tokenizer()
+    prompts = load_frontier_prompts(str(prompts_file), "validation", 200, tok, 192, 24)
+    policy, sft = build_policy(str(policy_dir)).eval(), build_policy(str(sft_dir)).eval()
+    return measure(policy, sft, prompts, 8, 24, tok, torch.Generator().manual_seed(seed))["kl"]
+
+
+@torch.no_grad()
 def score_margins(score, triples: list[tuple[list[int], list[int], list[int]]]) -> torch.Tensor:
     """score(prompt + first) - score(prompt + second) for each (prompt, first, second) of token ids, in batches of 32
     collate_pairs rows; `score` maps such a batch to a score per row."""
@@ -394,9 +409,13 @@ ABLATION_METRICS = [
     "gold/items_correct",
     "gold/items_invented",
     "reward/mean",
+    "eval/kl",
     "train/kl",
     "eval/pref_accuracy",
 ]
+"""The ablation's table: the gold reward and proxy of the last five steps' samples; eval/kl, the sequence KL of the
+policy's own temperature-1 samples to the SFT policy at the last evaluation (--frontier_prompts: where the variants are
+compared); train/kl, the per-token training metric over the kept samples (a tenth of eval/kl or less here)."""
 
 
 def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
@@ -418,6 +437,11 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
                 "grpo.py",
                 grpo_options(out, paths, pairs, args)
                 | options
+                | {  # eval/kl at every evaluation: the held-out posts (--val_data) x --frontier_samples
+                    "frontier_prompts": args.frontier_prompts,
+                    "frontier_samples": args.frontier_samples,
+                    "frontier_max_new_tokens": 24,
+                }
                 | {
                     "seed": seed,
                     "out_dir": run_dir,
@@ -435,7 +459,7 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
         groups,
         ["reward/gold_mean", "gold/items_correct", "reward/mean"],
         Path(args.assets) / "ablation.png",
-        "train/kl",
+        "eval/kl",
         5,
     )
     (out / "ablation.md").write_text(text + "\n")
@@ -485,6 +509,7 @@ def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
         24,
         n_max=args.frontier_best_of,
         gold_fn=gold_reward,
+        pool=args.frontier_pool,
     )
     print(f"best-of-n from the SFT policy, n up to {args.frontier_best_of}: {time.time() - t0:.0f} s", flush=True)
 
@@ -499,7 +524,7 @@ def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
             methods,
             Path(args.assets) / "frontier.png",
             f"embedded task: {args.frontier_prompts} held-out posts x {args.frontier_samples} samples per point "
-            f"(best-of-n: x {args.frontier_best_of}); error bars 1 standard error; one line per seed",
+            f"(best-of-n: pool of {args.frontier_pool}); error bars 1 standard error over posts; one line per seed",
         )
         return text
 
@@ -568,12 +593,19 @@ def summarize(out: Path, paths: dict, pairs: dict, args: argparse.Namespace, t0:
     grpo_rows = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
     tail = [r for r in grpo_rows if "train/kl" in r][-5:]  # the last five steps
     golds = {stage: gold(stage) for stage in ("sft", "dpo", "grpo")}
+    # where DPO and GRPO are compared: the sequence KL of each policy's own temperature-1 samples to the SFT policy
+    kls = {
+        stage: eval_kl(out / stage / "hf", out / "sft" / "hf", paths["sft_validation"], args.seed)
+        for stage in ("dpo", "grpo")
+    }
     summary = {
         "rm_accuracy": last("rm", "val/accuracy"),
         **reward_probes(out, pairs["validation"], paths["sft_validation"], args.seed),
         "dpo_accuracy": last("dpo", "val/accuracy"),
         **{f"{stage}_{name}": value for stage, parts in golds.items() for name, value in parts.items()},
-        "grpo_kl": sum(r["train/kl"] for r in tail) / len(tail),
+        "dpo_kl": kls["dpo"],
+        "grpo_kl": kls["grpo"],
+        "grpo_train_kl": sum(r["train/kl"] for r in tail) / len(tail),  # per token, kept training samples
         "grpo_proxy_reward": sum(r["reward/mean"] for r in tail) / len(tail),
         "grpo_pref_accuracy": last("grpo", "eval/pref_accuracy"),
         "seconds": time.time() - t0,
@@ -631,6 +663,12 @@ def add_frontier_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontier_prompts", type=int, default=100, help="held-out posts each frontier point samples")
     p.add_argument("--frontier_samples", type=int, default=4, help="temperature-1 samples per post of each point")
     p.add_argument("--frontier_best_of", type=int, default=64, help="best-of-n's largest n (a power of 2)")
+    p.add_argument(
+        "--frontier_pool",
+        type=int,
+        default=64,
+        help="reference samples per post from which best-of-n is estimated (every n-subset; >= --frontier_best_of)",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -517,11 +517,26 @@ def test_the_command_line_draws_runs_without_a_gold_reward(tiny_demo, tmp_path, 
         runs.append(str(tmp_path / f"seed{seed}"))
     data = str(tiny_demo / "data" / "sft" / "validation.jsonl")
     common = ["--reference", str(tiny_demo / "sft" / "hf"), "--reward_model", str(tiny_demo / "rm" / "hf")]
-    common += ["--data", data, "--prompts", "3", "--best_of", "2", "--max_new_tokens", "6", "--max_prompt_len", "192"]
+    common += [
+        "--data",
+        data,
+        "--prompts",
+        "3",
+        "--best_of",
+        "2",
+        "--pool",
+        "4",
+        "--max_new_tokens",
+        "6",
+        "--max_prompt_len",
+        "192",
+    ]
     text = frontier.main([*runs, *common, "--out", str(tmp_path / "f.png")])
-    assert text.splitlines()[0] == "| policy | seeds | kl | proxy | win_rate |"
-    assert "| best-of-2 (reference) | | 0.193 |" in text
-    assert "| all runs | 2 | 0.500 ± 0.000 (se 0.010) | 1.500 ± 0.707 (se 0.010) | 0.500 ± 0.000 (se 0.010) |" in text
+    assert text.splitlines()[0] == "| policy | seeds | kl | kl bound | proxy | win_rate |"
+    assert "| best-of-2 (reference, pool 4) | | " in text and " | 0.193 | " in text  # the bound beside the estimate
+    row = "| all runs | 2 | 0.500 ± 0.000 (se 0.010) | | 1.500 ± 0.707 (se 0.010) | 0.500 ± 0.000 (se 0.010) |"
+    assert row in text
+    assert "paired" not in text and "A - B" not in text  # runs without per-post values: no paired comparisons
     assert (tmp_path / "f.png").stat().st_size > 0 and (tmp_path / "f.json").is_file()
     Logger(tmp_path / "plain", {"seed": 0}, "test", "run", "disabled", enabled=True).finish()
     with pytest.raises(CompareError, match="plain: no eval/kl in its metrics.jsonl"):

@@ -75,8 +75,9 @@ class FrontierConfig:
     # --- evaluation and logging
     frontier_prompts: int = 0
     """Held-out prompts (the first N of --frontier_data) on which every evaluation also measures the policy's KL to
-    its reference and the reward of its temperature-1 samples (eval/kl, eval/kl_se, eval/gold, eval/proxy,
-    eval/win_rate_sampled, ...: docs/reporting.md); 0: not measured."""
+    its reference (grpo.py: the policy it started from, also when --ref_refresh_every moves the training reference)
+    and the reward of its temperature-1 samples (eval/kl, eval/kl_se, eval/gold, eval/proxy, eval/win_rate_sampled,
+    ...; per post in the run's frontier_posts.jsonl: docs/reporting.md); 0: not measured."""
     frontier_samples: int = 4
     """Summaries sampled at temperature 1 per prompt for --frontier_prompts."""
     frontier_data: str = ""
@@ -679,6 +680,12 @@ def frontier_table(curve: list[dict], methods: dict[str, list[list[dict]]], rows
             cells.append(f"{spread([p[c] for p in last])} (se {se:.3f})")
         lines.append(f"| {name} | {len(last)} | {cells[0]} | | " + " | ".join(cells[1:]) + " |")
     text = "\n".join(lines)
+    if "repeats" in curve[0]:
+        text += (
+            f"\n\nBest-of-n's pool: {curve[0]['pool']} summaries of each post from the reference, "
+            f"{100 * curve[0]['repeats']:.1f}% of them repeating an earlier one (one outcome: the KL from the pool is "
+            "below the bound as much as the reference repeats itself)"
+        )
     if not has_posts(curve, methods):
         return text
     text += f"\n\n{key}: variance components of each method's last evaluation (seeds x posts)\n\n"

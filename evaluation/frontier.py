@@ -612,9 +612,9 @@ def fit_curves(
         def fit(idx, kl_MP=kl_MP, y_MP=y_MP, form=form):
             d = kl_MP[:, idx].mean(1).clamp(min=0).sqrt()
             try:
-                return torch.tensor(gao_fit(d, y_MP[:, idx].mean(1) - baseline[idx].mean(), form))
+                return torch.tensor(gao_fit(d, y_MP[:, idx].mean(1) - baseline[idx].mean(), form), dtype=torch.float64)
             except ValueError:
-                return torch.tensor([math.nan, math.nan])
+                return torch.tensor([math.nan, math.nan], dtype=torch.float64)
 
         alpha, beta = fit(torch.arange(P)).tolist()
         if n_resamples > 0:  # (2, 2): rows low and high, columns alpha and beta
@@ -833,7 +833,9 @@ def main(argv: list[str] | None = None) -> str:
     """python -m evaluation.frontier RUN_DIR ... --reference DIR --reward_model DIR --data SOURCE: the table and the
     picture of runs that logged eval/kl (--frontier_prompts), grouped as evaluation/compare.py groups them (runs that
     differ only in seed are one method), with best-of-n from --reference on the first --prompts prompts of --data (the
-    runs' --frontier_data). Without a --gold_fn the picture draws proxy reward and win rate against KL."""
+    runs' --frontier_data); with per-post values (frontier_posts.jsonl) also each method minus best-of-n at its KL and
+    the fitted curves. Without a --gold_fn the picture draws proxy reward and win rate against KL; without runs,
+    best-of-n alone (e.g. its KL from two pool sizes)."""
     import argparse
 
     from data.tokenizer import get_tokenizer
@@ -841,7 +843,9 @@ def main(argv: list[str] | None = None) -> str:
     from model.weights import build_policy
 
     p = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", help="run directories (dpo.py / grpo.py --frontier_prompts N)")
+    p.add_argument(
+        "runs", nargs="*", help="run directories (dpo.py / grpo.py --frontier_prompts N); none: best-of-n alone"
+    )
     p.add_argument("--reference", required=True, help="the runs' reference policy (their --model): best-of-n from it")
     p.add_argument("--reward_model", required=True, help="the proxy (the runs' --frontier_reward_model)")
     p.add_argument("--data", required=True, help="the prompts (the runs' --frontier_data)")

@@ -375,6 +375,70 @@ def test_verdict_rows_pair_posts_and_match_kl():
     assert "| A - best-of-n | 0.250 | +0.167 |" in table and "| A - B | 0.250 | +0.500 | 0.000 |" in table
 
 
+def test_frontier_table_fits_gaos_forms_through_points_made_from_them(tmp_path):
+    """Best-of-n's points on R_bon and a method's evaluations (two seeds) on R_RL, alpha 1.2 and beta 0.3, each post's
+    gold the same gain over its own baseline: the fits give alpha and beta back with degenerate intervals, the table
+    holds the points (both KLs), the variance components, each method minus best-of-n at its KL and the fits, and
+    the picture draws."""
+    from evaluation.frontier import fit_curves, plot_frontier
+
+    base = [1.0, 2.0, 4.0]  # three posts, each its own reference gold
+
+    def point(kl, form, n=None):
+        gain = float(gao_curve(torch.tensor([math.sqrt(kl)], dtype=torch.float64), 1.2, 0.3, form)[0])
+        return post_point([kl] * 3, [b + gain for b in base], n)
+
+    curve = [
+        point(k, "bon", n) | {"kl_bound": best_of_n_kl(n), "pool": 64}
+        for n, k in ((1, 0.0), (2, 0.2), (4, 0.6), (8, 1.1))
+    ]
+    for p in curve:
+        p |= {"kl_se": 0.0, "gold_se": 0.0}
+    seeds = [[point(k, "rl") | {"kl_se": 0.0, "gold_se": 0.0} for k in (0.0, 0.3, 0.8)] for _ in range(2)]
+    methods = {"GRPO": seeds}
+    fits = fit_curves(curve, methods, n_resamples=50)
+    for name, form in (("best-of-n", "bon"), ("GRPO", "rl")):
+        f = fits[name]
+        assert f["form"] == form and (f["alpha"], f["beta"]) == pytest.approx((1.2, 0.3), abs=1e-9)
+        assert f["alpha_ci"] == pytest.approx([1.2, 1.2], abs=1e-9) and f["baseline"] == pytest.approx(7 / 3)
+    text = frontier_table(curve, methods)
+    assert "| policy | seeds | kl | kl bound | gold |" in text
+    assert "| best-of-8 (reference, pool 64) | | 1.100 ± 0.000 | 1.204 | " in text
+    assert "| GRPO | 2 | 3.437 | 0.882 | 0.000 | 1.528 | 0.000 |" in text  # seeds alike: only posts differ
+    assert "| GRPO - best-of-n | 0.800 |" in text
+    assert "| best-of-n | d (alpha - beta d) | 1.200 [1.200, 1.200] | 0.300 [0.300, 0.300] |" in text
+    assert "| GRPO | d (alpha - beta log d) | 1.200 [1.200, 1.200] | 0.300 [0.300, 0.300] |" in text
+    plot_frontier(curve, methods, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_evaluate_writes_per_post_values_that_frontier_points_reads(tmp_path):
+    """Frontier.evaluate at two steps with a run's logger: frontier_posts.jsonl holds each post's values, and
+    frontier_points gives them back with the logged means (the mean of the per-post values)."""
+    from types import SimpleNamespace
+
+    from evaluation.frontier import Frontier, FrontierConfig
+    from utils.logging import Logger
+
+    paths = write_task(tmp_path / "data", seed=0)
+    policy, reference = two_policies()
+    cfg = SimpleNamespace(**vars(FrontierConfig(frontier_prompts=3, frontier_samples=2)), seed=0)
+    logger = Logger(tmp_path / "run", {"seed": 0}, "test", "run", "disabled", enabled=True)
+    run = SimpleNamespace(dtype=None, device=torch.device("cpu"), logger=logger)
+    frontier = Frontier(cfg, str(paths["sft_validation"]), "", get_tokenizer(), 64, 4, run, gold_fn=lambda p, s: len(s))
+    for step in (0, 5):
+        logger.log(frontier.evaluate(policy, reference, step), step=step)
+    logger.finish()
+    points = frontier_points(tmp_path / "run")
+    assert [p["step"] for p in points] == [0, 5]
+    for p in points:
+        assert set(p["posts"]) == {"kl", "gold", "response_length"} and len(p["posts"]["kl"]) == 3
+        assert p["kl"] == pytest.approx(sum(p["posts"]["kl"]) / 3)
+        assert p["gold"] == pytest.approx(sum(p["posts"]["gold"]) / 3)
+        assert p["gold_se"] == pytest.approx(mean_and_se_over_posts(torch.tensor(p["posts"]["gold"]))[1])
+    assert points[0]["posts"] != points[1]["posts"]  # each evaluation its own samples (the generator keyed by step)
+
+
 class TableReward(torch.nn.Module):
     """A stand-in reward model for best_of_n: the raw score of a response is a fixed value per response token id
     (looked up in `table`), summed; gain 1 and bias 0."""
@@ -471,9 +535,12 @@ def test_a_tiny_frontier_run(tiny_demo, tmp_path):
             assert {"kl", "kl_se", "gold", "gold_se", "proxy", "proxy_raw", "win_rate"} <= set(p), name
     grpo = frontier_points(tiny_demo / "frontier" / "grpo_rso_beta0.4" / "seed0")
     assert grpo == record["methods"]["GRPO rso 8->8, beta 0.4"][0]
+    for p in grpo + record["best_of_n"]:  # per-post values on the 4 posts, averaging to the point
+        assert len(p["posts"]["gold"]) == 4 and p["gold"] == pytest.approx(sum(p["posts"]["gold"]) / 4)
     text = (tiny_demo / "frontier" / "frontier.md").read_text()
     assert text.strip() == frontier_table(record["best_of_n"], record["methods"]).strip()
     assert "| DPO beta 0.1 | 1 |" in text and "best-of-4" in text
+    assert "| DPO beta 0.1 - best-of-n |" in text and "| best-of-n | d (alpha - beta d) |" in text
 
 
 def test_compare_draws_evaluation_metrics_against_eval_kl_by_default(tmp_path, monkeypatch):

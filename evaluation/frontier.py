@@ -52,8 +52,9 @@ from rlhf.stats import (
     gao_fit,
     mean_and_se_over_posts,
     pair_outcomes,
+    posts_needed,
+    seeds_needed,
     sqrt_kl_interpolation,
-    units_needed,
     variance_components,
 )
 from rollouts.models import sharded_module
@@ -474,13 +475,13 @@ def path_at_kl(points: list[dict], kl: float, key: str, idx: torch.Tensor | None
     passes a resample); None beyond the path's largest KL."""
     kls = []
     for p in points:
-        v = torch.tensor(p["posts"]["kl"], dtype=torch.float64)
+        v = torch.as_tensor(p["posts"]["kl"], dtype=torch.float64)
         kls.append(float(v[idx].mean()) if idx is not None else float(v.mean()))
     where = sqrt_kl_interpolation(kls, kl)
     if where is None:
         return None
     i, j, w = where
-    v_i, v_j = (torch.tensor(points[k]["posts"][key], dtype=torch.float64) for k in (i, j))
+    v_i, v_j = (torch.as_tensor(points[k]["posts"][key], dtype=torch.float64) for k in (i, j))
     out = (1 - w) * v_i + w * v_j
     return out[idx] if idx is not None else out
 
@@ -495,11 +496,11 @@ def matched_difference(
     best-of-n does not reach A's KL."""
 
     def mean_kl(point):
-        v = torch.tensor(point["posts"]["kl"], dtype=torch.float64)
+        v = torch.as_tensor(point["posts"]["kl"], dtype=torch.float64)
         return float(v[idx].mean()) if idx is not None else float(v.mean())
 
     def last(points):
-        v = torch.tensor(points[-1]["posts"][key], dtype=torch.float64)
+        v = torch.as_tensor(points[-1]["posts"][key], dtype=torch.float64)
         return v[idx] if idx is not None else v
 
     k_a = mean_kl(a[-1])
@@ -537,9 +538,18 @@ def verdict_rows(
       with one seed the posts' alone;
     - distinguishable: the interval (with seeds when there are two or more) excludes 0;
     - detectable: the smallest true difference these seeds and posts detect (rlhf.stats.detectable_difference at 80%
-      power); posts_needed, seeds_needed: how many make `delta` detectable (rlhf.stats.units_needed: posts from the
-      per-post standard deviation of the difference, seeds from its seed-to-seed spread, NaN with one seed);
+      power); posts_needed: how many posts make `delta` detectable with these seeds, seeds_needed: how many seeds
+      with these posts (rlhf.stats.posts_needed, seeds_needed: from the measured components, posts' and seeds'; None
+      when the other count must grow first; seeds_needed NaN with one seed, which cannot measure the seeds' spread);
     - seeds, posts; "note" instead of the numbers when best-of-n does not reach A's KL."""
+
+    def as_tensors(points: list[dict]) -> list[dict]:  # per-post lists as tensors once, not in every resample
+        return [
+            p | {"posts": {k: torch.as_tensor(v, dtype=torch.float64) for k, v in p["posts"].items()}} for p in points
+        ]
+
+    curve = as_tensors(curve)
+    methods = {name: [as_tensors(points) for points in seeds] for name, seeds in methods.items()}
     rows = []
     for a_name, b_name in pairs:
         vs_bon = b_name == BEST_OF_N
@@ -561,8 +571,6 @@ def verdict_rows(
         lo, hi = bootstrap_interval(statistic, P, n_resamples, confidence, seed)[:, 0].tolist()
         mean_d, se_posts = mean_and_se_over_posts(d_SP.mean(0))
         interval = difference_interval(d_SP, confidence)
-        sd_post = math.sqrt(interval["var_post"] + interval["var_residual"] / S)
-        sd_seed = math.sqrt(interval["var_seed"] + interval["var_residual"] / P) if S > 1 else math.nan
         row |= {
             "kl": sum(k for _, k in matched) / S,
             "difference": mean_d,
@@ -572,8 +580,8 @@ def verdict_rows(
             **{k: interval[k] for k in ("se", "df", "ci_low", "ci_high", "var_seed", "var_post", "var_residual")},
             "distinguishable": interval["distinguishable"],
             "detectable": detectable_difference(interval["se"], interval["df"], confidence),
-            "posts_needed": units_needed(sd_post, delta, confidence),
-            "seeds_needed": units_needed(sd_seed, delta, confidence) if S > 1 else math.nan,
+            "posts_needed": posts_needed(interval, S, delta, confidence),
+            "seeds_needed": seeds_needed(interval, P, delta, confidence) if S > 1 else math.nan,
             "posts": P,
         }
         rows.append(row)
@@ -722,12 +730,14 @@ def verdict_table(rows: list[dict], key: str = "gold") -> str:
         if "note" in r:
             text += f"\n| {r['pair']} | {r['note']} | | | | | | | | |"
             continue
-        seeds_needed = "" if math.isnan(r["seeds_needed"]) else f", {r['seeds_needed']}"
+        posts = "more seeds first" if r["posts_needed"] is None else str(r["posts_needed"])
+        seeds = r["seeds_needed"]
+        seeds = "" if isinstance(seeds, float) else ", more posts first" if seeds is None else f", {seeds}"
         text += (
             f"\n| {r['pair']} | {r['kl']:.3f} | {r['difference']:+.3f} | {r['se_posts']:.3f} | "
             f"[{r['ci_posts_low']:+.3f}, {r['ci_posts_high']:+.3f}] | {r['se']:.3f} (df {r['df']:.1f}) | "
             f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] | {'yes' if r['distinguishable'] else 'no'} | "
-            f"{r['detectable']:.3f} | {r['posts_needed']}{seeds_needed} |"
+            f"{r['detectable']:.3f} | {posts}{seeds} |"
         )
     return text
 

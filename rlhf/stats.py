@@ -361,27 +361,63 @@ def detectable_difference(se: float, df: float, confidence: float = 0.95, power:
 
 
 def units_needed(sd: float, delta: float, confidence: float = 0.95, power: float = 0.8, at_most: int = 10**6) -> int:
-    """How many independent units (posts for a per-post standard deviation `sd`; seeds for the seed-to-seed standard
-    deviation of a run's value) make `delta` detectable: the smallest n >= 2 with
-    detectable_difference(sd / sqrt(n), n - 1) <= delta. Posts are paired within a seed, so `sd` is that of the
-    per-post difference; seeds are not paired, so `sd` is that of the per-seed difference."""
-    if not delta > 0 or not sd >= 0:
-        raise ValueError(f"units_needed needs delta > 0 and sd >= 0, got delta = {delta}, sd = {sd}")
+    """How many independent units of standard deviation `sd` (posts, or seeds) make `delta` detectable: the smallest
+    n >= 2 with detectable_difference(sd / sqrt(n), n - 1) <= delta (at_most when none up to it)."""
+    if not sd >= 0:
+        raise ValueError(f"units_needed needs sd >= 0, got {sd}")
+    n = smallest_detecting(lambda n: sd / math.sqrt(n), delta, confidence, power, at_most)
+    return at_most if n is None else n
+
+
+def smallest_detecting(se_of, delta: float, confidence: float, power: float, at_most: int) -> int | None:
+    """The smallest count n in [2, at_most] with detectable_difference(se_of(n), n - 1) <= delta (the error shrinks
+    as n grows), or None when even at_most does not reach it."""
+    if not delta > 0:
+        raise ValueError(f"delta must be > 0, got {delta}")
 
     def enough(n: int) -> bool:
-        return detectable_difference(sd / math.sqrt(n), n - 1, confidence, power) <= delta
+        return detectable_difference(se_of(n), n - 1, confidence, power) <= delta
 
-    if enough(2):
-        return 2
-    lo, hi = 2, 4
+    if not enough(at_most):
+        return None
+    lo, hi = 1, 2
     while not enough(hi):
-        if hi >= at_most:
-            return at_most
         lo, hi = hi, min(2 * hi, at_most)
-    while hi - lo > 1:  # enough(hi), not enough(lo)
+    while hi - lo > 1:  # enough(hi), not enough(lo) (or lo = 1)
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if enough(mid) else (mid, hi)
     return hi
+
+
+def seeds_needed(
+    components: dict, posts: int, delta: float, confidence: float = 0.95, power: float = 0.8, at_most: int = 1000
+) -> int | None:
+    """Seeds (runs per method) that make a difference `delta` detectable on `posts` posts, from variance_components
+    of a difference (S, P): the smallest S with detectable_difference of sqrt(var_seed / S + var_post / P +
+    var_residual / (S P)) at S - 1 degrees of freedom (seeds are the unit of the between-run part) <= delta. None
+    when no number of seeds reaches it: var_post / P does not shrink with seeds (the same posts in every run), so more
+    posts are needed first. A component that one seed cannot estimate (NaN) counts as 0."""
+    v_seed, v_post, v_res = (0.0 if math.isnan(components[k]) else components[k] for k in VARIANCES)
+    return smallest_detecting(
+        lambda S: math.sqrt(v_seed / S + v_post / posts + v_res / (S * posts)), delta, confidence, power, at_most
+    )
+
+
+def posts_needed(
+    components: dict, seeds: int, delta: float, confidence: float = 0.95, power: float = 0.8, at_most: int = 10**6
+) -> int | None:
+    """Posts that make a difference `delta` detectable with `seeds` seeds, from variance_components of a difference:
+    the smallest P with detectable_difference of sqrt(var_seed / S + var_post / P + var_residual / (S P)) at P - 1
+    degrees of freedom <= delta. None when no number of posts reaches it (var_seed / S alone is too large: more seeds
+    first). A component that one seed cannot estimate (NaN) counts as 0."""
+    v_seed, v_post, v_res = (0.0 if math.isnan(components[k]) else components[k] for k in VARIANCES)
+    return smallest_detecting(
+        lambda P: math.sqrt(v_seed / seeds + v_post / P + v_res / (seeds * P)), delta, confidence, power, at_most
+    )
+
+
+VARIANCES = ("var_seed", "var_post", "var_residual")
+"""variance_components' three components, in the order seeds_needed and posts_needed read them."""
 
 
 # ----------------------------------------------------------------------------------------------------

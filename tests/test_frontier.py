@@ -45,6 +45,8 @@ from rlhf.stats import (
     mean_and_se,
     mean_and_se_over_posts,
     paired_difference,
+    posts_needed,
+    seeds_needed,
     sqrt_kl_interpolation,
     t_quantile,
     units_needed,
@@ -327,6 +329,18 @@ def test_sizes_and_the_smallest_detectable_difference_by_hand():
     assert units_needed(0.0, 0.5) == 2
     # sd 0.7 per post, delta 0.05: about ((1.96 + 0.84) 0.7 / 0.05)^2 = 1,538 posts
     assert units_needed(0.7, 0.05) == pytest.approx(1540, abs=5)
+    # from variance components: the seeds' part alone (var_seed 0.01, nothing else) is units_needed(sd 0.1): 10 seeds
+    # ((2.262 + 0.883) / sqrt(10) = 0.9946 <= 1; 9: 1.065); the posts' part alone, units_needed(1, 0.5) = 34 posts
+    seeds_only = {"var_seed": 0.01, "var_post": 0.0, "var_residual": 0.0}
+    assert seeds_needed(seeds_only, 100, 0.1) == units_needed(1.0, 1.0) == 10
+    assert posts_needed({"var_seed": 0.0, "var_post": 1.0, "var_residual": 0.0}, 4, 0.5) == 34
+    assert posts_needed({"var_seed": math.nan, "var_post": 1.0, "var_residual": 0.0}, 1, 0.5) == 34  # one seed
+    # the residual shrinks with seeds x posts: 4 seeds of var_residual 4 are one seed of var_residual 1
+    assert posts_needed({"var_seed": 0.0, "var_post": 0.0, "var_residual": 4.0}, 4, 0.5) == 34
+    # var_post / P does not shrink with seeds (the same posts in every run): no number of seeds reaches 0.05 on 100
+    # posts of var_post 0.5 ((1.96 + 0.84) sqrt(0.005) = 0.198); var_seed / S alone: no number of posts
+    assert seeds_needed({"var_seed": 0.01, "var_post": 0.5, "var_residual": 1.0}, 100, 0.05) is None
+    assert posts_needed({"var_seed": 0.01, "var_post": 0.5, "var_residual": 1.0}, 2, 0.05) is None
 
 
 @pytest.mark.parametrize("form", ["bon", "rl"])

@@ -541,7 +541,8 @@ def verdict_rows(
       power); posts_needed: how many posts make `delta` detectable with these seeds, seeds_needed: how many seeds
       with these posts (rlhf.stats.posts_needed, seeds_needed: from the measured components, posts' and seeds'; None
       when the other count must grow first; seeds_needed NaN with one seed, which cannot measure the seeds' spread);
-    - seeds, posts; "note" instead of the numbers when best-of-n does not reach A's KL."""
+    - seeds, posts; "note" instead of the numbers when best-of-n does not reach A's KL (or two runs' paths share no
+      KL)."""
 
     def as_tensors(points: list[dict]) -> list[dict]:  # per-post lists as tensors once, not in every resample
         return [
@@ -559,7 +560,10 @@ def verdict_rows(
         row = {"pair": f"{a_name} - {b_name}", "a": a_name, "b": b_name, "seeds": S}
         matched = [matched_difference(a_seeds[s], b_seeds[s], key, vs_bon) for s in range(S)]
         if any(m is None for m in matched):
-            rows.append(row | {"note": "beyond best-of-n's largest n: a larger --frontier_best_of"})
+            note = (
+                "beyond best-of-n's largest n: a larger --frontier_best_of" if vs_bon else "no common KL on the paths"
+            )
+            rows.append(row | {"note": note})
             continue
         d_SP = torch.stack([d for d, _ in matched])  # (S, P)
         P = d_SP.shape[1]

@@ -319,9 +319,10 @@ def evaluate(
 ) -> dict:
     """Stage 8's evaluation (a collective): the policy's summaries of this rank's --val_data prompts (`val`) and the
     implicit reward's accuracy on its --pref_data pairs (`pref`, against the reference's log-probs `ref_pref`); with
-    --frontier_prompts (`frontier`) the KL to the reference and rewards of temperature-1 samples."""
+    --frontier_prompts (`frontier`) the KL to the policy the run started from (a frozen copy of it when
+    --ref_refresh_every refreshes the reference) and rewards of temperature-1 samples."""
     out = evaluate_summaries(models.policy, models.reward_model, spec, val, cfg, step) if val is not None else {}
-    out |= frontier.evaluate(models.policy, models.reference, step) if frontier is not None else {}
+    out |= frontier.evaluate(models.policy, models.starting_policy, step) if frontier is not None else {}
     if not pref:
         return out
     acc = evaluate_policy(models.policy, ref_pref, pref, cfg.beta, device, prefix_sharing=cfg.prefix_sharing)

@@ -9,8 +9,9 @@ changes of those on resume) form one group;
 each group is named by the options that differ between groups (those every group has; runs of different stages,
 which share few options, are named by their folders). For every metric the table gives, over the seeds of a group,
 the mean and the spread (sample standard deviation; 0 with one seed) of its value at the end of the run (the mean of
-its last --last logged values) and at its best: the minimum of a metric whose name says lower is better (losses, KL,
-lengths: utils.logging.metric_direction), else the maximum; --minimize and --maximize override. The picture
+its last --last logged values; an evaluation metric's last evaluation) and at its best: the minimum of a metric whose
+name says lower is better (losses, KL, lengths: utils.logging.metric_direction), else the maximum; --minimize and
+--maximize override. The picture
 draws each metric against the step and against another metric (--x; by default eval/kl, the KL of the policy's
 temperature-1 samples that --frontier_prompts measures at every evaluation, else train/kl: the reward-KL frontier),
 the mean over a group's seeds at each step. Evaluation metrics (val/, eval/: logged every --eval_every steps) are drawn
@@ -139,11 +140,13 @@ def mean_spread(values: list[float]) -> tuple[float, float]:
 
 def summarize(members: list[RunMetrics], metric: str, minimize: bool, last: int = 1) -> dict | None:
     """Over the runs of a group: mean and spread of the metric's final value (the mean of its `last` logged values in
-    each run) and of its best value; None when no run logged it."""
+    each run; an evaluation metric's last evaluation, never a mean over evaluations along training) and of its best
+    value; None when no run logged it."""
     series = [s for s in (r.series(metric) for r in members) if s]
     if not series:
         return None
     pick = min if minimize else max
+    last = 1 if is_evaluation(metric) else last
     final = mean_spread([statistics.fmean(v for _, v in s[-last:]) for s in series])
     best = mean_spread([pick(v for _, v in s) for s in series])
     return {"final": final, "best": best, "seeds": len(series)}
@@ -300,7 +303,11 @@ def main(argv: list[str] | None = None) -> str:
         "--maximize", nargs="*", default=[], help="metrics whose best value is the highest, whatever the name"
     )
     p.add_argument(
-        "--last", type=int, default=1, help="the final value of a metric: the mean of its last N logged values"
+        "--last",
+        type=int,
+        default=1,
+        help="the final value of a per-step metric: the mean of its last N logged values (an evaluation metric: "
+        "its last evaluation)",
     )
     p.add_argument(
         "--x",

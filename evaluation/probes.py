@@ -1,7 +1,7 @@
 """Probes of what the embedded task's stages learned (data/synthetic.py has a gold reward): summaries sampled from a
 policy and their gold reward and its parts, whether a scorer (a reward model, DPO's implicit reward, a policy's
 likelihood) checks a summary's items against the post (the swap probe) and what it pays for an appended item. demo.py
-reports them; tests/test_learning.py holds their thresholds."""
+reports them (with eval_kl, where DPO and GRPO are compared); tests/test_learning.py holds their thresholds."""
 
 import json
 from pathlib import Path
@@ -50,6 +50,21 @@ def gold_of_samples(
     parts = [gold_parts(prompt, text) for prompt, text in pairs]
     out = {"gold_reward": sum(gold_reward(prompt, text) for prompt, text in pairs) / len(pairs)}
     return out | {name: sum(p[name] for p in parts) / len(parts) for name in parts[0]}
+
+
+@torch.no_grad()
+def eval_kl(policy_dir: Path, sft_dir: Path, prompts_file: Path, seed: int) -> float:
+    """KL(pi || pi_sft) of a policy's own summaries (the first 200 posts of a file x 8, temperature 1, 24 tokens): the
+    mean over the samples of log pi(y|x) - log pi_sft(y|x), each summed over the summary's tokens (eval/kl's
+    estimate, evaluation.frontier.measure); the KL at which methods are compared, unlike GRPO's per-token train/kl."""
+    from data.tokenizer import get_tokenizer
+    from evaluation.frontier import load_frontier_prompts, measure
+    from model.weights import build_policy
+
+    tok = get_tokenizer()
+    prompts = load_frontier_prompts(str(prompts_file), "validation", 200, tok, 192, 24)
+    policy, sft = build_policy(str(policy_dir)).eval(), build_policy(str(sft_dir)).eval()
+    return measure(policy, sft, prompts, 8, 24, tok, torch.Generator().manual_seed(seed))["kl"]
 
 
 @torch.no_grad()

@@ -217,6 +217,17 @@ ABLATION = {
 }
 
 
+def ablation_measured(demo: Demo) -> dict:
+    """eval/kl at every evaluation, the KL where the variants are compared: the held-out posts (--val_data) x
+    --frontier_samples."""
+    args = demo.args
+    return {
+        "frontier_prompts": args.frontier_prompts,
+        "frontier_samples": args.frontier_samples,
+        "frontier_max_new_tokens": 24,
+    }
+
+
 def ablation_runs(demo: Demo) -> list[Run]:
     """GRPO once per variant of --ablation_variants (ABLATION) and seed (--ablation_seeds), each with a wandb group
     (its variant) and tags."""
@@ -227,9 +238,8 @@ def ablation_runs(demo: Demo) -> list[Run]:
     for name in demo.args.ablation_variants:
         variant = ABLATION[name]
         for seed in range(demo.args.ablation_seeds):
-            options = (
-                grpo_options(demo) | variant | {"seed": seed, "out_dir": demo.out / "ablation" / name / f"seed{seed}"}
-            )
+            options = grpo_options(demo) | variant | ablation_measured(demo)
+            options |= {"seed": seed, "out_dir": demo.out / "ablation" / name / f"seed{seed}"}
             options |= {"run_name": f"ablation-{name}-{seed}", "wandb_group": f"ablation-{name}"}
             options["wandb_tags"] = ",".join(f"{k}={v}" for k, v in variant.items())
             runs.append(Run(name, "grpo.py", options))

@@ -101,25 +101,27 @@ def standardizing_gain_bias(count: float, total: float, total_sq: float) -> tupl
 
 
 def mean_and_se(values_PG: torch.Tensor) -> tuple[float, float]:
-    """Mean of values (P, G) (G samples of each of P prompts) and its standard error, in float64.
+    """Mean of values (P, G) (G samples of each of P prompts) and its standard error over the prompts, in float64:
+    the sample std of the P per-prompt means / sqrt(P).
 
-    With G >= 2 the error is that of sampling on these prompts (stratified by prompt): the prompts are fixed, the
-    samples of prompt p independent draws with sample variance s_p^2, so Var(mean) = sum_p s_p^2 / (G P^2). Two
-    policies measured on the same prompts differ by this noise, not by how prompts differ. With G = 1 (one value per
-    prompt, e.g. best-of-n's kept sample) it is the error over prompts, std / sqrt(P), which also counts how prompts
-    differ (the larger of the two). NaN error when it cannot be estimated (one value)."""
+    The prompt is the unit of every error on the frontier: a policy's point, best-of-n's (one value per prompt), and
+    the paired difference of two policies on the same prompts (paired_difference) are all means over prompts, so their
+    errors are of one kind and a difference's error is that of its per-prompt differences, never a combination of
+    two points' errors. The per-prompt mean holds the sampling noise of the G samples, so the error counts both how
+    prompts differ and how samples of one prompt differ. NaN error with one prompt."""
     v = values_PG.double()
     if v.dim() != 2 or v.numel() == 0:
         raise ValueError(f"values must be (prompts, samples) and non-empty, got shape {tuple(v.shape)}")
-    P, G = v.shape
-    mean = float(v.mean())
-    if G >= 2:
-        se = math.sqrt(float(v.var(dim=1, correction=1).sum()) / G) / P
-    elif P >= 2:
-        se = float(v[:, 0].std(correction=1)) / math.sqrt(P)
-    else:
-        se = math.nan
-    return mean, se
+    return mean_and_se_over_posts(v.mean(1))
+
+
+def mean_and_se_over_posts(values_P: torch.Tensor) -> tuple[float, float]:
+    """Mean of one value per prompt (P,) and its standard error over the prompts, std / sqrt(P) (NaN for one)."""
+    v = values_P.double().flatten()
+    if v.numel() == 0:
+        raise ValueError("no values: need at least one prompt")
+    P = v.numel()
+    return float(v.mean()), (float(v.std(correction=1)) / math.sqrt(P) if P >= 2 else math.nan)
 
 
 def kl_estimate(logp_policy_PG: torch.Tensor, logp_reference_PG: torch.Tensor) -> tuple[float, float]:
@@ -151,3 +153,305 @@ def best_of_n_kl(n: int) -> float:
     if n < 1:
         raise ValueError(f"best-of-n needs n >= 1, got {n}")
     return math.log(n) - (n - 1) / n
+
+
+def binomial_ratio(c: torch.Tensor, n: int, N: int) -> torch.Tensor:
+    """C(c, n) / C(N, n) in float64 for counts c (any shape, 0 <= c <= N): the chance that a random n-subset of N
+    items falls within a given c of them; 0 for c < n."""
+    c = c.double()
+    log_ratio = (
+        torch.lgamma(c + 1) - torch.lgamma((c - n + 1).clamp(min=1)) - math.lgamma(N + 1) + math.lgamma(N - n + 1)
+    )
+    return torch.where(c >= n, log_ratio.exp(), torch.zeros_like(c))
+
+
+def tie_blocks(proxy_PN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each sample of each prompt's N samples (P, N): how many samples of its prompt the proxy scores strictly
+    below it (c_lo) and at or below it (c_hi); c_hi - c_lo is the size of its block of tied scores."""
+    proxy = proxy_PN.double()
+    sorted_PN = proxy.sort(dim=1).values
+    c_lo = torch.searchsorted(sorted_PN, proxy, right=False)
+    c_hi = torch.searchsorted(sorted_PN, proxy, right=True)
+    return c_lo, c_hi
+
+
+def best_of_n_weights(proxy_PN: torch.Tensor, n: int) -> torch.Tensor:
+    """Weights (P, N) float64, summing to 1 per prompt, such that sum_i w_i v_i is the expected value v of best-of-n
+    over every n-subset of a prompt's pool of N samples at once (unbiased for best-of-n from the sampling policy,
+    with far less variance than one subset; the estimator of pass@k, Chen et al. 2021, arXiv 2107.03374).
+
+    Sorted by the proxy without ties, the i-th smallest sample is the best of a random n-subset with probability
+    C(i-1, n-1) / C(N, n). With ties, best-of-n breaks a tie at random: for a block of b samples with the same score,
+    c_lo of the pool below it and c_hi = c_lo + b at or below, the subset's best lies in the block with probability
+    [C(c_hi, n) - C(c_lo, n)] / C(N, n) (all n in the c_hi, not all in the c_lo); given that, every sample of the
+    block is equally likely to be the one kept (the subset is a random one and the tie is broken at random), so each
+    gets 1/b of it: tied samples share the block's mean value. Without ties C(i, n) - C(i-1, n) = C(i-1, n-1)."""
+    P, N = proxy_PN.shape
+    if not 1 <= n <= N:
+        raise ValueError(f"best-of-n needs 1 <= n <= {N} samples per prompt, got n = {n}")
+    c_lo, c_hi = tie_blocks(proxy_PN)
+    return (binomial_ratio(c_hi, n, N) - binomial_ratio(c_lo, n, N)) / (c_hi - c_lo).double()
+
+
+def best_of_n_expected(values_PN: torch.Tensor, proxy_PN: torch.Tensor, n: int) -> torch.Tensor:
+    """Expected value (P,) of the sample best-of-n keeps, over every n-subset of each prompt's pool
+    (best_of_n_weights)."""
+    return (best_of_n_weights(proxy_PN, n) * values_PN.double()).sum(1)
+
+
+def best_of_n_pool_kl(proxy_PN: torch.Tensor, n: int) -> torch.Tensor:
+    """KL(best-of-n || pi_ref) (P,) of each prompt, from its pool of N samples of pi_ref, in nats.
+
+    With F the proxy's empirical CDF over the pool, best-of-n keeps a summary of score r with probability
+    F(r)^n - F(r-)^n; a summary drawn m times is one outcome of probability m / N under pi_ref, so repeats must carry
+    one score (evaluation.frontier gives a repeat its first occurrence's). Distinct summaries that tie share the
+    block's probability in proportion to their own (the tie broken at random, as in best_of_n_weights), so the
+    log-ratio is the block's, log((F(r)^n - F(r-)^n) / Q_r) with Q_r = F(r) - F(r-), and
+
+        KL = sum over blocks of tied scores (F(r)^n - F(r-)^n) log((F(r)^n - F(r-)^n) / Q_r).
+
+    Exact for the pool's empirical distribution; log n - (n - 1)/n (best_of_n_kl) is its limit for a pool of N
+    distinct untied samples as N grows, and an upper bound (Beirami et al. 2024, arXiv 2401.01879). The estimate is
+    biased low when n approaches N (no repeats: best_of_n_pool_bias; docs/reporting.md)."""
+    P, N = proxy_PN.shape
+    if not 1 <= n <= N:
+        raise ValueError(f"best-of-n needs 1 <= n <= {N} samples per prompt, got n = {n}")
+    c_lo, c_hi = tie_blocks(proxy_PN)
+    mass = (c_hi.double() / N) ** n - (c_lo.double() / N) ** n  # best-of-n's probability of the sample's block
+    block = (c_hi - c_lo).double()  # each block counted once per sample in it
+    return (mass / block * torch.log(mass / (block / N))).sum(1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Comparisons over posts: paired differences, bootstrap intervals, variance components over seeds and posts, sizes
+
+
+def bootstrap_interval(
+    statistic, n: int, n_resamples: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> torch.Tensor:
+    """Percentile bootstrap interval (2, K) of `statistic`, a function of the indices (n,) of a resample of n units
+    (posts) drawn with replacement that returns K numbers (a float or a tensor): the (1-c)/2 and (1+c)/2 quantiles over
+    n_resamples resamples. Use it when the statistic is more than a mean (a KL matched in each resample, a fit)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (n_resamples, n), generator=g)  # (S, n)
+    stats = torch.stack([torch.as_tensor(statistic(i), dtype=torch.float64).flatten() for i in idx])  # (S, K)
+    alpha = (1.0 - confidence) / 2
+    return torch.quantile(stats, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64), dim=0)
+
+
+def paired_difference(
+    a_P: torch.Tensor, b_P: torch.Tensor, n_resamples: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> dict[str, float]:
+    """A minus B measured on the same P posts (one value per post each): the mean of the per-post differences, its
+    standard error over posts (their std / sqrt(P)) and a percentile bootstrap interval over posts (bootstrap_ci).
+    The error of a difference on the same posts is this, not a combination of A's and B's own errors: what the posts
+    share cancels."""
+    d = a_P.double().flatten() - b_P.double().flatten()
+    mean, se = mean_and_se_over_posts(d)
+    lo, hi = bootstrap_ci(d, n_resamples, confidence, seed)
+    return {"difference": mean, "se": se, "ci_low": lo, "ci_high": hi, "posts": d.numel()}
+
+
+def sqrt_kl_interpolation(kls: list[float], at: float) -> tuple[int, int, float] | None:
+    """Where KL `at` falls on a path of points with KLs `kls` (best-of-n's n = 1, 2, 4, ...; a run's evaluations),
+    interpolating linearly in sqrt(KL) (the axis on which Gao et al. 2022 find gold smooth): (i, j, w) with the value
+    at `at` = (1 - w) v_i + w v_j, on the first segment that reaches it. A KL below the first point's (an estimate
+    below 0 near the reference) is the first point; None beyond the largest KL on the path (no extrapolation)."""
+    roots = [math.sqrt(max(k, 0.0)) for k in kls]
+    x = math.sqrt(max(at, 0.0))
+    if x <= roots[0]:
+        return 0, 0, 0.0
+    for i in range(len(roots) - 1):
+        lo, hi = sorted((roots[i], roots[i + 1]))
+        if lo <= x <= hi and hi > lo:
+            w = (x - roots[i]) / (roots[i + 1] - roots[i])
+            return i, i + 1, w
+    return None
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t with df degrees of freedom (df > 0, not necessarily whole), by bisection on
+    its CDF integrated numerically (Simpson's rule, 4,000 intervals: 1e-9 of the tables); the normal's for df > 1e4."""
+    if not 0.0 < p < 1.0 or not df > 0:
+        raise ValueError(f"t_quantile needs 0 < p < 1 and df > 0, got p = {p}, df = {df}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    if df > 1e4:
+        return float(torch.special.ndtri(torch.tensor(p, dtype=torch.float64)))
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(t: float) -> float:
+        u = torch.linspace(0.0, t, 4001, dtype=torch.float64)
+        f = torch.exp(log_c - (df + 1) / 2 * torch.log1p(u * u / df))
+        simpson = (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum()) * (t / 4000) / 3
+        return 0.5 + float(simpson)
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def variance_components(values_SP: torch.Tensor) -> dict[str, float]:
+    """A quantity measured for S seeds (runs) on the same P posts (S, P), e.g. gold per post of one method, or the
+    per-post difference of two methods within each seed: its mean and how much of the mean's error comes from seeds
+    and from posts, by the two-way crossed random-effects model without replication,
+
+        v_sp = mu + a_s + b_p + e_sp,   Var(mean) = var_seed / S + var_post / P + var_residual / (S P),
+
+    each component from the mean squares (MS_seed = P x the variance of the seeds' means, MS_post = S x that of the
+    posts' means, MS_res of what is left), clipped at 0: var_seed = (MS_seed - MS_res) / P, var_post =
+    (MS_post - MS_res) / S, var_residual = MS_res (the seed-by-post interaction and the sampling noise of each
+    per-post value). Seeds are the unit of the between-run part; the posts are paired within each seed. The
+    standard error's degrees of freedom are Satterthwaite's (for a t interval: difference_interval). One seed: no
+    seed component (NaN), the error over posts alone (df P - 1)."""
+    v = values_SP.double()
+    if v.dim() != 2 or v.shape[1] < 2:
+        raise ValueError(f"values must be (seeds, posts) with at least 2 posts, got shape {tuple(v.shape)}")
+    S, P = v.shape
+    mean = float(v.mean())
+    if S == 1:
+        _, se = mean_and_se_over_posts(v[0])
+        var_post = float(v[0].var(correction=1))
+        return {"mean": mean, "se": se, "df": P - 1, "var_seed": math.nan, "var_post": var_post, "var_residual": 0.0}
+    seed_means, post_means = v.mean(1), v.mean(0)
+    ms_seed = P * float(seed_means.var(correction=1))
+    ms_post = S * float(post_means.var(correction=1))
+    resid = v - seed_means[:, None] - post_means[None, :] + v.mean()
+    ms_res = float((resid**2).sum()) / ((S - 1) * (P - 1))
+    var_seed, var_post = (ms_seed - ms_res) / P, (ms_post - ms_res) / S
+    # Var(mean) x S P as a sum of mean squares, each (mean square, its df, its coefficient): which terms enter depends
+    # on which components were clipped at 0 (none: MS_seed + MS_post - MS_res; the seed's: MS_post; both: MS_res)
+    has_seed, has_post = float(var_seed > 0), float(var_post > 0)
+    terms = [
+        (ms_res, (S - 1) * (P - 1), 1.0 - has_seed - has_post),
+        (ms_seed, S - 1, has_seed),
+        (ms_post, P - 1, has_post),
+    ]
+    total = sum(c * ms for ms, _, c in terms)
+    var = total / (S * P)
+    parts = sum((c * ms) ** 2 / d for ms, d, c in terms if c != 0)
+    df = total**2 / parts if parts > 0 else math.inf
+    return {
+        "mean": mean,
+        "se": math.sqrt(max(var, 0.0)),
+        "df": df,
+        "var_seed": max(var_seed, 0.0),
+        "var_post": max(var_post, 0.0),
+        "var_residual": ms_res,
+    }
+
+
+def difference_interval(values_SP: torch.Tensor, confidence: float = 0.95) -> dict[str, float]:
+    """variance_components of per-post differences (S seeds, P posts) and the t interval mean +- t_df se that
+    includes the seed-to-seed spread; "distinguishable" when it excludes 0."""
+    out = variance_components(values_SP)
+    half = t_quantile((1 + confidence) / 2, out["df"]) * out["se"]
+    out |= {"ci_low": out["mean"] - half, "ci_high": out["mean"] + half}
+    return out | {"distinguishable": not (out["ci_low"] <= 0.0 <= out["ci_high"])}
+
+
+def detectable_difference(se: float, df: float, confidence: float = 0.95, power: float = 0.8) -> float:
+    """The smallest true difference a two-sided test at `confidence` finds with probability `power`, for an estimate
+    of standard error `se` with df degrees of freedom: (t_{(1+c)/2} + t_{power}) x se."""
+    return (t_quantile((1 + confidence) / 2, df) + t_quantile(power, df)) * se
+
+
+def units_needed(sd: float, delta: float, confidence: float = 0.95, power: float = 0.8, at_most: int = 10**6) -> int:
+    """How many independent units of standard deviation `sd` (posts, or seeds) make `delta` detectable: the smallest
+    n >= 2 with detectable_difference(sd / sqrt(n), n - 1) <= delta (at_most when none up to it)."""
+    if not sd >= 0:
+        raise ValueError(f"units_needed needs sd >= 0, got {sd}")
+    n = smallest_detecting(lambda n: sd / math.sqrt(n), delta, confidence, power, at_most)
+    return at_most if n is None else n
+
+
+def smallest_detecting(se_of, delta: float, confidence: float, power: float, at_most: int) -> int | None:
+    """The smallest count n in [2, at_most] with detectable_difference(se_of(n), n - 1) <= delta (the error shrinks
+    as n grows), or None when even at_most does not reach it."""
+    if not delta > 0:
+        raise ValueError(f"delta must be > 0, got {delta}")
+
+    def enough(n: int) -> bool:
+        return detectable_difference(se_of(n), n - 1, confidence, power) <= delta
+
+    if not enough(at_most):
+        return None
+    lo, hi = 1, 2
+    while not enough(hi):
+        lo, hi = hi, min(2 * hi, at_most)
+    while hi - lo > 1:  # enough(hi), not enough(lo) (or lo = 1)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+    return hi
+
+
+def seeds_needed(
+    components: dict, posts: int, delta: float, confidence: float = 0.95, power: float = 0.8, at_most: int = 1000
+) -> int | None:
+    """Seeds (runs per method) that make a difference `delta` detectable on `posts` posts, from variance_components
+    of a difference (S, P): the smallest S with detectable_difference of sqrt(var_seed / S + var_post / P +
+    var_residual / (S P)) at S - 1 degrees of freedom (seeds are the unit of the between-run part) <= delta. None
+    when no number of seeds reaches it: var_post / P does not shrink with seeds (the same posts in every run), so more
+    posts are needed first. A component that one seed cannot estimate (NaN) counts as 0."""
+    v_seed, v_post, v_res = (0.0 if math.isnan(components[k]) else components[k] for k in VARIANCES)
+    return smallest_detecting(
+        lambda S: math.sqrt(v_seed / S + v_post / posts + v_res / (S * posts)), delta, confidence, power, at_most
+    )
+
+
+def posts_needed(
+    components: dict, seeds: int, delta: float, confidence: float = 0.95, power: float = 0.8, at_most: int = 10**6
+) -> int | None:
+    """Posts that make a difference `delta` detectable with `seeds` seeds, from variance_components of a difference:
+    the smallest P with detectable_difference of sqrt(var_seed / S + var_post / P + var_residual / (S P)) at P - 1
+    degrees of freedom <= delta. None when no number of posts reaches it (var_seed / S alone is too large: more seeds
+    first). A component that one seed cannot estimate (NaN) counts as 0."""
+    v_seed, v_post, v_res = (0.0 if math.isnan(components[k]) else components[k] for k in VARIANCES)
+    return smallest_detecting(
+        lambda P: math.sqrt(v_seed / seeds + v_post / P + v_res / (seeds * P)), delta, confidence, power, at_most
+    )
+
+
+VARIANCES = ("var_seed", "var_post", "var_residual")
+"""variance_components' three components, in the order seeds_needed and posts_needed read them."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gao, Schulman and Hilton 2022 (arXiv 2210.10760, eqs. 1-2): gold gained against d = sqrt(KL)
+
+
+GAO_FORMS = {
+    "bon": lambda d: -d * d,  # R_bon(d) = d (alpha - beta d)
+    "rl": lambda d: -d * torch.log(torch.where(d > 0, d, torch.ones_like(d))),  # R_RL(d) = d (alpha - beta log d)
+}
+
+
+def gao_fit(d: torch.Tensor, gain: torch.Tensor, form: str) -> tuple[float, float]:
+    """(alpha, beta) of R(d) = alpha d + beta g(d), g(d) = -d^2 (form "bon") or -d log d ("rl", 0 at d = 0), by least
+    squares through points (d = sqrt(KL), gold gained over the reference); both forms are linear in alpha and beta,
+    so it is the 2x2 normal equations. At least 2 points with distinct d > 0."""
+    if form not in GAO_FORMS:
+        raise ValueError(f"form must be one of {', '.join(GAO_FORMS)}, got {form!r}")
+    d, y = d.double().flatten(), gain.double().flatten()
+    X = torch.stack([d, GAO_FORMS[form](d)], dim=1)  # (M, 2)
+    if int(torch.linalg.matrix_rank(X)) < 2:
+        raise ValueError("gao_fit needs at least 2 points with distinct d > 0")
+    A, b = X.T @ X, X.T @ y
+    alpha, beta = torch.linalg.solve(A, b).tolist()
+    return alpha, beta
+
+
+def gao_curve(d: torch.Tensor, alpha: float, beta: float, form: str) -> torch.Tensor:
+    """R(d) of a fitted form (gao_fit) at d."""
+    d = d.double()
+    return alpha * d + beta * GAO_FORMS[form](d)
+
+
+def best_of_n_pool_bias(n: int, N: int) -> float:
+    """best_of_n_pool_kl's value on a pool of N distinct untied samples minus log n - (n - 1)/n, its limit as the
+    pool grows: the bias of the estimate from a pool of N when no summary repeats (<= 0)."""
+    return float(best_of_n_pool_kl(torch.arange(N, dtype=torch.float64)[None], n)[0]) - best_of_n_kl(n)

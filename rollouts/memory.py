@@ -42,6 +42,7 @@ import torch
 
 from model.gpt2 import GPTConfig
 from model.sampler import PROMPT_BUCKETS, bucket_width
+from rollouts.options import keeps_start
 from utils.config import ConfigError
 
 GiB = 2**30
@@ -121,15 +122,22 @@ def score_bytes(
 
 
 def weight_bytes(
-    policy: GPTConfig, reward_model: GPTConfig | None, world: int, lora: bool, frozen_offload: bool = False
+    policy: GPTConfig,
+    reward_model: GPTConfig | None,
+    world: int,
+    lora: bool,
+    frozen_offload: bool = False,
+    start_copy: bool = False,
 ) -> int:
     """Policy (fp32 weights, gradients, AdamW moments; with LoRA the frozen base alone, the adapters are small),
-    reference (none with LoRA: the policy with adapters off) and reward model (fp32 shards, as FSDP keeps them; on
-    the host with `frozen_offload`), sharded over `world` ranks."""
+    reference (none with LoRA: the policy with adapters off), reward model and, with `start_copy`, the frozen copy of
+    the starting policy (rollouts.options.keeps_start) (fp32 shards, as FSDP keeps them; on the host with
+    `frozen_offload`), sharded over `world` ranks."""
     n = param_count(policy)
     total = n * (4 if lora else 16)
     if not frozen_offload:
         total += (0 if lora else n * 4) + (param_count(reward_model) * 4 if reward_model is not None else 0)
+        total += n * 4 if start_copy else 0
     return total // world
 
 
@@ -167,6 +175,7 @@ def step_memory(
     P, R, G, K, shared = cfg.max_prompt_len, cfg.max_new_tokens, cfg.num_samples, cfg.kept, cfg.prefix_sharing
     micro, score_micro = sizes["micro_batch_size"], sizes["score_micro_batch_size"]
     lora, math_attention = cfg.lora_enabled, cfg.deterministic
+    start_copy = keeps_start(cfg)  # a frozen copy of the starting policy (rollouts.models)
     # a micro-batch of consecutive rows spans at most ceil(rows / group) + 1 prompts
     train_prompts = min(micro, -(-micro // K) + 1)
     score_prompts = min(score_micro, -(-score_micro // G) + 1)
@@ -203,7 +212,7 @@ def step_memory(
             for w in widths
         )
     return StepMemory(
-        weights=weight_bytes(policy, reward_model, world, lora, cfg.frozen_cpu_offload) + compiled,
+        weights=weight_bytes(policy, reward_model, world, lora, cfg.frozen_cpu_offload, start_copy) + compiled,
         generate=gathered_policy + generate_bytes(policy, sizes["gen_prompts"], G, P, R, dtype_bytes, shared),
         score=score,
         reference=reference,

@@ -11,6 +11,7 @@ from model.lora import AdaptersOff, apply_lora, merge_adapters_, trainable_summa
 from model.weights import build_policy, build_reward_model, freeze, model_config
 from rlhf.rewards import RewardSource
 from rollouts.memory import check_memory, free_device_bytes
+from rollouts.options import keeps_start
 from utils.config import fit_context
 from utils.dist import all_reduce_max
 from utils.fsdp import copy_params_, resolve_dtype, shard_model
@@ -20,32 +21,41 @@ from utils.run import Run
 @dataclass
 class Models:
     """The trained policy, its frozen reference (with LoRA: the policy with adapters off) and the frozen reward model
-    (None when --rewards does not use it), all FSDP-sharded on the run's device."""
+    (None when --rewards does not use it), all FSDP-sharded on the run's device; and `start`, a frozen copy of the
+    starting policy kept when the reference is refreshed and the frontier is measured (keeps_start), else None."""
 
     policy: torch.nn.Module
     reference: torch.nn.Module
     reward_model: torch.nn.Module | None
+    start: torch.nn.Module | None = None
+
+    @property
+    def starting_policy(self) -> torch.nn.Module:
+        """The policy the run started from: the frozen copy when the reference is refreshed, else the reference."""
+        return self.start if self.start is not None else self.reference
 
 
 def build_models(cfg, sources: list[RewardSource], dtype, device) -> Models:
     """Build and shard the three models from grpo.Config's options (model, random_init, reward_model,
     reward_random_init, lora_*, activation_checkpointing, frozen_cpu_offload). The reference is a frozen copy of the
     starting weights (random init included); with LoRA it is the policy itself with adapters off, no copy. The
-    reward model is built only when a source needs it."""
+    reward model is built only when a source needs it. With keeps_start(cfg), a frozen copy of the starting weights
+    too (frozen before sharding: shard_model gives a frozen model the hook that empties FSDP2's per-forward records)."""
     policy = build_policy(cfg.model, cfg.random_init)
     reference = None if cfg.lora_enabled else freeze(copy.deepcopy(policy))
+    start = freeze(copy.deepcopy(policy)) if keeps_start(cfg) else None  # before LoRA: the base weights as they start
     if cfg.lora_enabled:
         apply_lora(policy, cfg)
     uses_rm = any(s.fn is None for s in sources)
     reward_model = freeze(build_reward_model(cfg.reward_model, cfg.reward_random_init)) if uses_rm else None
     shard_model(policy, dtype, activation_checkpointing=cfg.activation_checkpointing, compile_blocks=cfg.compile)
     policy.to(device)
-    for frozen in (reference, reward_model):
+    for frozen in (reference, reward_model, start):
         if frozen is not None:
             shard_model(frozen, dtype, cpu_offload=cfg.frozen_cpu_offload)
             if not cfg.frozen_cpu_offload:
                 frozen.to(device)
-    return Models(policy, AdaptersOff(policy) if reference is None else reference, reward_model)
+    return Models(policy, AdaptersOff(policy) if reference is None else reference, reward_model, start)
 
 
 def build_policy_and_reference(cfg, run: Run) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -10,6 +10,14 @@ from rlhf.grpo import Objective
 from utils.config import ConfigError
 
 
+def keeps_start(cfg) -> bool:
+    """Whether a GRPO run keeps a frozen copy of its starting policy beside the reference (rollouts.models): a
+    reference that --ref_refresh_every moves, and --frontier_prompts measuring eval/kl, the KL to the policy the run
+    started from that the frontier compares across methods. One more frozen copy of the policy's weights (on the host
+    with --frozen_cpu_offload; with LoRA the base weights, into which a refresh merges the adapters)."""
+    return cfg.ref_refresh_every > 0 and cfg.frontier_prompts > 0
+
+
 def require_positive(cfg, *names: str) -> None:
     """ConfigError naming the first of `names` whose value is not > 0."""
     for name in names:
@@ -137,7 +145,9 @@ class ObjectiveConfig:
     computed once before the first step (ratio exactly 1 there); 1: the detached current ones (ratio 1 in value)."""
     ref_refresh_every: int = 0
     """Make the current policy the new reference every N steps (with LoRA: merge the adapters into the base
-    weights); the KL term is exactly 0 right after. 0 keeps the starting policy as reference."""
+    weights); the KL term is exactly 0 right after. 0 keeps the starting policy as reference. With
+    --frontier_prompts, a frozen copy of the starting policy is kept too (one more copy of its weights), so that
+    eval/kl stays the KL to the policy the run started from."""
     entropy_coef: float = 0.0
     """Entropy bonus: subtract entropy_coef x the token entropy of the (temperature / top-k / top-p processed)
     policy from the loss, aggregated like the loss; 0 disables. Negative: an entropy penalty, which sharpens the

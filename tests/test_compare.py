@@ -69,6 +69,15 @@ def test_final_and_best_over_seeds_by_hand(runs):
     assert compare.mean_curve(rso, "eval/pref_accuracy") == [(3, pytest.approx(0.65))]
 
 
+def test_an_evaluation_metrics_final_value_is_its_last_evaluation(tmp_path):
+    # evaluations along training (eval/kl at steps 0, 10, 20) are not averaged into the final value as per-step
+    # metrics are: the KL at step 0 is the reference's 0
+    rows = [{"step": s, "eval/kl": 0.1 * s, "train/kl": 0.01 * s} for s in (0, 10, 20)]
+    run = compare.load_run(write_run(tmp_path / "run", {"seed": 0}, rows))
+    assert compare.summarize([run], "eval/kl", minimize=True, last=3)["final"] == pytest.approx((2.0, 0.0))
+    assert compare.summarize([run], "train/kl", minimize=True, last=3)["final"] == pytest.approx((0.1, 0.0))
+
+
 def test_command_prints_one_row_per_group_and_draws_the_curves(runs, tmp_path, capsys):
     out = tmp_path / "compare.png"
     text = compare.main(

@@ -1,6 +1,7 @@
 """The reward-KL frontier (evaluation/frontier.py, rlhf/stats.py): the KL estimate against the exact KL of one-token
 responses, best-of-n's selection and its KL formula on known rewards, and a tiny `demo.py --frontier_seeds` run."""
 
+import itertools
 import json
 import math
 import shutil
@@ -15,18 +16,42 @@ import torch.nn.functional as F
 from data.synthetic import write_task
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import (
+    BEST_OF_N,
     FrontierPrompts,
     best_of_n,
     frontier_points,
     frontier_table,
     measure,
     sequence_logprobs,
+    verdict_rows,
+    verdict_table,
 )
 from evaluation.samples import sample_summaries
 from model.gpt2 import PRESETS, GPT2LMHeadModel
 from model.heads import RewardModel
 from model.weights import save_hf
-from rlhf.stats import best_of_n_index, best_of_n_kl, kl_estimate, mean_and_se
+from rlhf.stats import (
+    best_of_n_expected,
+    best_of_n_index,
+    best_of_n_kl,
+    best_of_n_pool_bias,
+    best_of_n_pool_kl,
+    best_of_n_weights,
+    detectable_difference,
+    difference_interval,
+    gao_curve,
+    gao_fit,
+    kl_estimate,
+    mean_and_se,
+    mean_and_se_over_posts,
+    paired_difference,
+    posts_needed,
+    seeds_needed,
+    sqrt_kl_interpolation,
+    t_quantile,
+    units_needed,
+    variance_components,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["POST: my cat ate my homework\n\nTL;DR:", "POST: the landlord kept the deposit\n\nTL;DR:", "TL;DR:"]
@@ -64,23 +89,23 @@ def exact_kls(policy, reference, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def test_mean_and_se_by_hand():
-    values = torch.tensor([[1.0, 3.0], [2.0, 6.0]])  # within-prompt sample variances 2 and 8
+    values = torch.tensor([[1.0, 3.0], [2.0, 6.0]])  # per-prompt means 2 and 4
     mean, se = mean_and_se(values)
     assert mean == 3.0
-    assert se == pytest.approx(math.sqrt((2.0 + 8.0) / 2) / 2)  # sqrt(sum_p s_p^2 / G) / P
-    mean, se = mean_and_se(torch.tensor([[1.0], [3.0], [5.0]]))  # one value per prompt: over prompts
+    assert se == pytest.approx(math.sqrt(2.0) / math.sqrt(2))  # std of the prompts' means / sqrt(P)
+    mean, se = mean_and_se(torch.tensor([[1.0], [3.0], [5.0]]))  # one value per prompt: the same unit
     assert mean == 3.0 and se == pytest.approx(2.0 / math.sqrt(3))
-    assert math.isnan(mean_and_se(torch.tensor([[4.0]]))[1])
+    assert math.isnan(mean_and_se(torch.tensor([[4.0, 5.0]]))[1])  # one prompt: no error over prompts
     with pytest.raises(ValueError, match="prompts, samples"):
         mean_and_se(torch.zeros(3))
 
 
 def test_kl_estimate_is_the_mean_log_ratio():
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
-    ref = torch.tensor([[-1.5, -2.0], [-1.0, -2.0]])  # log-ratios 0.5, 0, 0.5, -1
+    ref = torch.tensor([[-1.5, -2.0], [-1.0, -2.0]])  # log-ratios 0.5, 0 | 0.5, -1: per-prompt means 0.25, -0.25
     kl, se = kl_estimate(logp, ref)
     assert kl == pytest.approx(0.0)
-    assert se == pytest.approx(math.sqrt((0.125 + 1.125) / 2) / 2)
+    assert se == pytest.approx(math.sqrt(0.125) / math.sqrt(2))
     with pytest.raises(ValueError, match="same shape"):
         kl_estimate(logp, ref[:, :1])
 
@@ -105,7 +130,10 @@ def test_kl_estimate_matches_the_exact_kl_of_one_token_responses():
         y = torch.multinomial(lp.exp(), 200_000, replacement=True, generator=g)  # (G,) tokens y ~ pi
         logp.append(lp[y])
         logq.append(lq[y])
-    kl, se = kl_estimate(torch.stack(logp), torch.stack(logq))
+    ratio = torch.stack(logp) - torch.stack(logq)  # (P, G)
+    kl, _ = kl_estimate(torch.stack(logp), torch.stack(logq))
+    # the error of sampling on these prompts (the exact KL is of the same prompts): sqrt(sum_p s_p^2 / G) / P
+    se = math.sqrt(float(ratio.var(dim=1).sum()) / ratio.shape[1]) / ratio.shape[0]
     assert abs(kl - exact) < 1e-3
     assert abs(kl - exact) <= 3 * se
     assert se < 1e-3 / 2
@@ -172,6 +200,259 @@ def test_best_of_n_kl_formula_and_its_exact_value_without_ties():
         best_of_n_kl(0)
 
 
+def brute_force_best_of_n(proxy: list[float], values: list[float], n: int) -> float:
+    """The mean over every n-subset of the pool of the value best-of-n keeps, a tie among the subset's best broken
+    at random (the tied members' mean value)."""
+    means = []
+    for subset in itertools.combinations(range(len(proxy)), n):
+        top = max(proxy[i] for i in subset)
+        tied = [values[i] for i in subset if proxy[i] == top]
+        means.append(sum(tied) / len(tied))
+    return sum(means) / len(means)
+
+
+def test_all_subsets_estimator_is_the_mean_over_every_subset_with_ties():
+    """A pool of N = 8 with a three-way and a two-way tie in the proxy (distinct values behind them), and one without
+    ties: for every n the estimator equals the brute-force mean over all C(8, n) subsets."""
+    pools = [
+        ([0.3, 1.0, 1.0, -2.0, 1.0, 0.7, 0.7, 2.5], [1.0, -3.0, 2.0, 0.5, 4.0, 7.0, -1.0, 0.25]),
+        ([5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]),
+        ([1.0] * 8, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]),  # all tied: the pool's mean for every n
+    ]
+    proxy = torch.tensor([p for p, _ in pools], dtype=torch.float64)
+    values = torch.tensor([v for _, v in pools], dtype=torch.float64)
+    for n in range(1, 9):
+        got = best_of_n_expected(values, proxy, n)
+        want = [brute_force_best_of_n(p, v, n) for p, v in pools]
+        assert got.tolist() == pytest.approx(want, abs=1e-12), n
+        assert best_of_n_weights(proxy, n).sum(1).tolist() == pytest.approx([1.0] * 3, abs=1e-12)
+    assert best_of_n_expected(values, proxy, 1).tolist() == pytest.approx(values.mean(1).tolist())
+    assert float(best_of_n_expected(values, proxy, 8)[1]) == pytest.approx(1.0)  # n = N: the pool's best, its value
+    with pytest.raises(ValueError, match="1 <= n <= 8"):
+        best_of_n_weights(proxy, 9)
+
+
+def exact_best_of_n_kl(q: list[float], reward: list[float], n: int) -> float:
+    """KL(best-of-n || q) of a discrete distribution q over outcomes with rewards (ties allowed), by enumerating every
+    n-tuple of draws: the kept draw is one of the tuple's best, a tie broken at random."""
+    p_bon = [0.0] * len(q)
+    for draws in itertools.product(range(len(q)), repeat=n):
+        prob = math.prod(q[k] for k in draws)
+        top = max(reward[k] for k in draws)
+        tied = [k for k in draws if reward[k] == top]
+        for k in tied:
+            p_bon[k] += prob / len(tied)
+    return sum(p * math.log(p / qk) for p, qk in zip(p_bon, q, strict=True) if p > 0)
+
+
+def test_pool_kl_is_the_exact_kl_of_the_pools_distribution():
+    """A pool of 8 holding outcome k m_k times (repeats: one outcome; two distinct outcomes tied in the proxy): the
+    estimate is the exact KL of best-of-n under q = m / 8, by enumeration of every n-tuple."""
+    counts, reward = [3, 1, 2, 2], [0.5, 1.0, 1.0, 2.0]
+    q = [c / 8 for c in counts]
+    proxy = torch.tensor([[r for r, c in zip(reward, counts, strict=True) for _ in range(c)]], dtype=torch.float64)
+    for n in range(1, 7):
+        assert float(best_of_n_pool_kl(proxy, n)[0]) == pytest.approx(exact_best_of_n_kl(q, reward, n), abs=1e-12)
+        assert float(best_of_n_pool_kl(proxy, n)[0]) < best_of_n_kl(n) or n == 1  # repeats: below the formula
+    # without repeats or ties the same check, and the exact value (i/m)^n - ((i-1)/m)^n per outcome
+    distinct = torch.tensor([[0.1, 0.5, 0.2, 0.9, 0.3]], dtype=torch.float64)
+    for n in (1, 2, 3, 5):
+        want = exact_best_of_n_kl([0.2] * 5, distinct[0].tolist(), n)
+        assert float(best_of_n_pool_kl(distinct, n)[0]) == pytest.approx(want, abs=1e-12)
+
+
+def test_pool_kl_approaches_the_formula_as_the_pool_grows_without_repeats():
+    for n in (2, 4, 16, 64):
+        errors = [
+            abs(float(best_of_n_pool_kl(torch.arange(N)[None].double(), n)[0]) - best_of_n_kl(n))
+            for N in (64, 1024, 100_000)
+        ]
+        assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-3, (n, errors)
+    assert best_of_n_pool_bias(64, 64) == pytest.approx(-0.041, abs=5e-4)  # docs/reporting.md's figures
+    assert best_of_n_pool_bias(64, 256) == pytest.approx(-0.003, abs=5e-4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Paired comparisons over posts, variance components over seeds and posts, sizes, fitted curves
+
+
+def test_paired_difference_is_the_error_of_the_per_post_differences():
+    a, b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0.0, 2.0, 1.0, 5.0])  # differences 1, 0, 2, -1
+    out = paired_difference(a, b)
+    assert out["difference"] == 0.5
+    assert out["se"] == pytest.approx(math.sqrt(5 / 3) / 2)  # sample variance 5/3, over sqrt(4) posts
+    assert out["ci_low"] <= 0.5 <= out["ci_high"] and out["posts"] == 4
+    # not the two points' errors combined: what the posts share cancels
+    combined = math.hypot(mean_and_se_over_posts(a)[1], mean_and_se_over_posts(b)[1])
+    assert combined == pytest.approx(math.sqrt(5 / 3 / 4 + 14 / 3 / 4)) and out["se"] < combined
+
+
+def test_sqrt_kl_interpolation_by_hand():
+    assert sqrt_kl_interpolation([0.0, 1.0, 4.0], 2.25) == (1, 2, 0.5)  # sqrt: 0, 1, 2; at 1.5
+    assert sqrt_kl_interpolation([0.0, 1.0, 4.0], 0.25) == (0, 1, 0.5)
+    assert sqrt_kl_interpolation([0.0, 1.0, 4.0], -0.1) == (0, 0, 0.0)  # below 0: the first point
+    assert sqrt_kl_interpolation([0.0, 1.0, 4.0], 4.01) is None  # no extrapolation
+
+
+def test_t_quantile_against_the_tables():
+    for p, df, want in ((0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 10, 2.2281), (0.8, 33, 0.8526)):
+        assert t_quantile(p, df) == pytest.approx(want, abs=1e-4)
+    assert t_quantile(0.025, 10) == pytest.approx(-2.2281, abs=1e-4)
+    assert t_quantile(0.975, 1e6) == pytest.approx(1.959964, abs=1e-6)
+
+
+def test_variance_components_by_hand():
+    """2 seeds x 3 posts: seeds' means 2 and 5, posts' means 2, 3, 5.5; MS_seed 13.5, MS_post 6.5, MS_res 1.5."""
+    v = torch.tensor([[1.0, 2.0, 3.0], [3.0, 4.0, 8.0]])
+    c = variance_components(v)
+    assert c["mean"] == 3.5
+    assert c["var_seed"] == pytest.approx(4.0) and c["var_post"] == pytest.approx(2.5)
+    assert c["var_residual"] == pytest.approx(1.5)
+    assert c["se"] ** 2 == pytest.approx(4.0 / 2 + 2.5 / 3 + 1.5 / 6)  # = (13.5 + 6.5 - 1.5) / 6
+    assert c["df"] == pytest.approx(18.5**2 / (13.5**2 + 6.5**2 / 2 + 1.5**2 / 2))
+    interval = difference_interval(v)
+    half = t_quantile(0.975, c["df"]) * c["se"]
+    assert (interval["ci_low"], interval["ci_high"]) == pytest.approx((3.5 - half, 3.5 + half))
+    assert not interval["distinguishable"]  # df 1.67: the t interval is wide
+    # equal seeds: no seed component, the error of the posts' means (MS_post / (S P))
+    same = variance_components(torch.tensor([[1.0, 2.0, 6.0], [1.0, 2.0, 6.0]]))
+    assert same["var_seed"] == 0.0 and same["se"] ** 2 == pytest.approx(2 * 7.0 / 6)
+    one = variance_components(torch.tensor([[1.0, 2.0, 6.0]]))
+    assert math.isnan(one["var_seed"]) and one["se"] == pytest.approx(math.sqrt(7.0 / 3)) and one["df"] == 2
+
+
+def test_sizes_and_the_smallest_detectable_difference_by_hand():
+    # (t_.975 + t_.8) se: with many degrees of freedom the normal's 1.95996 + 0.84162
+    assert detectable_difference(0.1, 1e6) == pytest.approx(0.280158, abs=1e-5)
+    # sd 1, delta 0.5: 34 units ((2.0345 + 0.8526) / sqrt(34) = 0.4951), 33 too few (0.5031)
+    assert units_needed(1.0, 0.5) == 34
+    assert units_needed(0.0, 0.5) == 2
+    # sd 0.7 per post, delta 0.05: about ((1.96 + 0.84) 0.7 / 0.05)^2 = 1,538 posts
+    assert units_needed(0.7, 0.05) == pytest.approx(1540, abs=5)
+    # from variance components: the seeds' part alone (var_seed 0.01, nothing else) is units_needed(sd 0.1): 10 seeds
+    # ((2.262 + 0.883) / sqrt(10) = 0.9946 <= 1; 9: 1.065); the posts' part alone, units_needed(1, 0.5) = 34 posts
+    seeds_only = {"var_seed": 0.01, "var_post": 0.0, "var_residual": 0.0}
+    assert seeds_needed(seeds_only, 100, 0.1) == units_needed(1.0, 1.0) == 10
+    assert posts_needed({"var_seed": 0.0, "var_post": 1.0, "var_residual": 0.0}, 4, 0.5) == 34
+    assert posts_needed({"var_seed": math.nan, "var_post": 1.0, "var_residual": 0.0}, 1, 0.5) == 34  # one seed
+    # the residual shrinks with seeds x posts: 4 seeds of var_residual 4 are one seed of var_residual 1
+    assert posts_needed({"var_seed": 0.0, "var_post": 0.0, "var_residual": 4.0}, 4, 0.5) == 34
+    # var_post / P does not shrink with seeds (the same posts in every run): no number of seeds reaches 0.05 on 100
+    # posts of var_post 0.5 ((1.96 + 0.84) sqrt(0.005) = 0.198); var_seed / S alone: no number of posts
+    assert seeds_needed({"var_seed": 0.01, "var_post": 0.5, "var_residual": 1.0}, 100, 0.05) is None
+    assert posts_needed({"var_seed": 0.01, "var_post": 0.5, "var_residual": 1.0}, 2, 0.05) is None
+
+
+@pytest.mark.parametrize("form", ["bon", "rl"])
+def test_gao_fit_recovers_alpha_and_beta(form):
+    d = torch.linspace(0.1, 2.0, 12, dtype=torch.float64)
+    exact = gao_curve(d, 1.2, 0.3, form)
+    assert gao_fit(d, exact, form) == pytest.approx((1.2, 0.3), abs=1e-10)
+    noise = 0.01 * torch.randn(12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert gao_fit(d, exact + noise, form) == pytest.approx((1.2, 0.3), abs=0.05)
+    assert float(gao_curve(torch.tensor([0.0]), 1.2, 0.3, form)[0]) == 0.0  # R(0) = 0: no gain at the reference
+    with pytest.raises(ValueError, match="distinct d > 0"):
+        gao_fit(torch.tensor([1.0, 1.0]), torch.tensor([0.5, 0.5]), form)
+
+
+def post_point(kl: list[float], gold: list[float], n: int | None = None) -> dict:
+    """A frontier point with per-post values (and its means), as frontier_points and best_of_n give them."""
+    point = {"kl": sum(kl) / len(kl), "gold": sum(gold) / len(gold), "posts": {"kl": kl, "gold": gold}}
+    return point | ({"n": n} if n is not None else {})
+
+
+def test_verdict_rows_pair_posts_and_match_kl():
+    """Best-of-n at KL 0 and 1 (mean over posts), a method at KL 0.25 (sqrt 0.5: best-of-n halfway in sqrt(KL)), and a
+    second method at KL 1 whose path passes KL 0.25 at its first evaluation: every difference by hand."""
+    curve = [post_point([0.0, 0.0, 0.0], [1.0, 2.0, 3.0], 1), post_point([1.0, 1.0, 1.0], [3.0, 2.0, 5.0], 2)]
+    a = [[post_point([0.0] * 3, [1.0, 2.0, 3.0]), post_point([0.25] * 3, [2.5, 2.5, 3.5])]]
+    b = [
+        [
+            post_point([0.0] * 3, [1.0, 2.0, 3.0]),
+            post_point([0.25] * 3, [2.0, 2.0, 3.0]),
+            post_point([1.0] * 3, [0.0] * 3),
+        ]
+    ]
+    rows = verdict_rows({"A": a, "B": b}, curve, [("A", BEST_OF_N), ("A", "B"), ("B", BEST_OF_N)], n_resamples=200)
+    # A - best-of-n at 0.25: best-of-n halfway, per post 2, 2, 4; A 2.5, 2.5, 3.5: differences 0.5, 0.5, -0.5
+    assert rows[0]["kl"] == 0.25 and rows[0]["difference"] == pytest.approx(1 / 6)
+    assert rows[0]["se_posts"] == pytest.approx(math.sqrt(1 / 3) / math.sqrt(3))
+    # A - B at A's KL (the smaller): B's path at 0.25 is its second evaluation: 0.5, 0.5, 0.5
+    assert rows[1]["kl"] == 0.25 and rows[1]["difference"] == pytest.approx(0.5) and rows[1]["se_posts"] == 0.0
+    # B at KL 1: best-of-n's largest n exactly
+    assert rows[2]["difference"] == pytest.approx(-10 / 3)
+    assert all(r["seeds"] == 1 and r["posts"] == 3 for r in rows)
+    assert math.isnan(rows[0]["seeds_needed"]) and rows[0]["posts_needed"] >= 2
+    beyond = verdict_rows({"B": b}, curve[:1] + [post_point([0.5] * 3, [1.0] * 3, 2)], [("B", BEST_OF_N)])
+    assert "beyond best-of-n" in beyond[0]["note"]
+    table = verdict_table(rows)
+    assert "| A - best-of-n | 0.250 | +0.167 |" in table and "| A - B | 0.250 | +0.500 | 0.000 |" in table
+
+
+def test_frontier_table_fits_gaos_forms_through_points_made_from_them(tmp_path):
+    """Best-of-n's points on R_bon and a method's evaluations (two seeds) on R_RL, alpha 1.2 and beta 0.3, each post's
+    gold the same gain over its own baseline: the fits give alpha and beta back with degenerate intervals, the table
+    holds the points (both KLs), the variance components, each method minus best-of-n at its KL and the fits, and
+    the picture draws."""
+    from evaluation.frontier import fit_curves, plot_frontier
+
+    base = [1.0, 2.0, 4.0]  # three posts, each its own reference gold
+
+    def point(kl, form, n=None):
+        gain = float(gao_curve(torch.tensor([math.sqrt(kl)], dtype=torch.float64), 1.2, 0.3, form)[0])
+        return post_point([kl] * 3, [b + gain for b in base], n)
+
+    curve = [
+        point(k, "bon", n) | {"kl_bound": best_of_n_kl(n), "pool": 64}
+        for n, k in ((1, 0.0), (2, 0.2), (4, 0.6), (8, 1.1))
+    ]
+    for p in curve:
+        p |= {"kl_se": 0.0, "gold_se": 0.0}
+    seeds = [[point(k, "rl") | {"kl_se": 0.0, "gold_se": 0.0} for k in (0.0, 0.3, 0.8)] for _ in range(2)]
+    methods = {"GRPO": seeds}
+    fits = fit_curves(curve, methods, n_resamples=50)
+    for name, form in (("best-of-n", "bon"), ("GRPO", "rl")):
+        f = fits[name]
+        assert f["form"] == form and (f["alpha"], f["beta"]) == pytest.approx((1.2, 0.3), abs=1e-9)
+        assert f["alpha_ci"] == pytest.approx([1.2, 1.2], abs=1e-9) and f["baseline"] == pytest.approx(7 / 3)
+    text = frontier_table(curve, methods)
+    assert "| policy | seeds | kl | kl bound | gold |" in text
+    assert "| best-of-8 (reference, pool 64) | | 1.100 ± 0.000 | 1.204 | " in text
+    assert "| GRPO | 2 | 3.437 | 0.882 | 0.000 | 1.528 | 0.000 |" in text  # seeds alike: only posts differ
+    assert "| GRPO - best-of-n | 0.800 |" in text
+    assert "| best-of-n | d (alpha - beta d) | 1.200 [1.200, 1.200] | 0.300 [0.300, 0.300] |" in text
+    assert "| GRPO | d (alpha - beta log d) | 1.200 [1.200, 1.200] | 0.300 [0.300, 0.300] |" in text
+    plot_frontier(curve, methods, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_evaluate_writes_per_post_values_that_frontier_points_reads(tmp_path):
+    """Frontier.evaluate at two steps with a run's logger: frontier_posts.jsonl holds each post's values, and
+    frontier_points gives them back with the logged means (the mean of the per-post values)."""
+    from types import SimpleNamespace
+
+    from evaluation.frontier import Frontier, FrontierConfig
+    from utils.logging import Logger
+
+    paths = write_task(tmp_path / "data", seed=0)
+    policy, reference = two_policies()
+    cfg = SimpleNamespace(**vars(FrontierConfig(frontier_prompts=3, frontier_samples=2)), seed=0)
+    logger = Logger(tmp_path / "run", {"seed": 0}, "test", "run", "disabled", enabled=True)
+    run = SimpleNamespace(dtype=None, device=torch.device("cpu"), logger=logger)
+    frontier = Frontier(cfg, str(paths["sft_validation"]), "", get_tokenizer(), 64, 4, run, gold_fn=lambda p, s: len(s))
+    for step in (0, 5):
+        logger.log(frontier.evaluate(policy, reference, step), step=step)
+    logger.finish()
+    points = frontier_points(tmp_path / "run")
+    assert [p["step"] for p in points] == [0, 5]
+    for p in points:
+        assert set(p["posts"]) == {"kl", "gold", "response_length"} and len(p["posts"]["kl"]) == 3
+        assert p["kl"] == pytest.approx(sum(p["posts"]["kl"]) / 3)
+        assert p["gold"] == pytest.approx(sum(p["posts"]["gold"]) / 3)
+        assert p["gold_se"] == pytest.approx(mean_and_se_over_posts(torch.tensor(p["posts"]["gold"]))[1])
+    assert points[0]["posts"] != points[1]["posts"]  # each evaluation its own samples (the generator keyed by step)
+
+
 class TableReward(torch.nn.Module):
     """A stand-in reward model for best_of_n: the raw score of a response is a fixed value per response token id
     (looked up in `table`), summed; gain 1 and bias 0."""
@@ -189,27 +470,43 @@ class TableReward(torch.nn.Module):
 
 
 def test_best_of_n_curve_on_known_rewards():
-    """One-token samples from the policy, a proxy that scores each token by a known table and a gold reward of the
-    text: for every n the kept sample is the proxy's best among the first n, the curve's proxy is its mean, and gold
-    follows the same rows."""
+    """One-token samples from a peaked policy (summaries repeat), a proxy that scores each token by a known table and a
+    gold reward of the text: for every n the curve's proxy and gold are the brute-force means over every n-subset of
+    each prompt's pool, its KL the exact KL of best-of-n over the pool's empirical distribution (a repeated token one
+    outcome), its bound the formula, and the per-post values average to the point."""
     policy, _ = two_policies()
+    with torch.no_grad():  # larger logits (the head is tied to wte): a peaked distribution, so tokens repeat
+        policy.transformer.wte.weight.mul_(30)
     tok = get_tokenizer()
     prompts = FrontierPrompts([tok.encode(p) for p in PROMPTS], PROMPTS)
     table = torch.randn(50257, generator=torch.Generator().manual_seed(3))
     gold = lambda prompt, text: float(len(text))  # noqa: E731  (a known function of the text)
-    curve = best_of_n(policy, prompts, TableReward(table), tok, torch.Generator().manual_seed(5), 1, 8, gold)
+    gen = torch.Generator().manual_seed(5)
+    curve = best_of_n(policy, prompts, TableReward(table), tok, gen, 1, n_max=8, gold_fn=gold, pool=8)
     assert [p["n"] for p in curve] == [1, 2, 4, 8]
-    assert [p["kl"] for p in curve] == [best_of_n_kl(n) for n in (1, 2, 4, 8)]
+    assert [p["kl_bound"] for p in curve] == [best_of_n_kl(n) for n in (1, 2, 4, 8)]
     _, _, samples = sample_summaries(policy, prompts.prompts, 8, 1, generator=torch.Generator().manual_seed(5))
-    scores = table[samples.response_ids[:, 0]].view(3, 8).double()
-    texts = [tok.decode([t]) for t in samples.response_ids[:, 0].tolist()]
+    tokens = samples.response_ids[:, 0].view(3, 8)
+    assert curve[0]["repeats"] > 0.2  # the check covers repeats
+    scores = table[tokens].double()
+    texts = [tok.decode([t]) for t in tokens.flatten().tolist()]
     golds = torch.tensor([len(t if t != "<|endoftext|>" else "\n") for t in texts], dtype=torch.float64).view(3, 8)
     for point in curve:
         n = point["n"]
-        kept = scores[:, :n].argmax(1)
-        assert point["proxy"] == pytest.approx(float(scores[:, :n].max(1).values.mean()))
-        assert point["gold"] == pytest.approx(float(golds.gather(1, kept[:, None]).mean()))
+        proxy = [brute_force_best_of_n(scores[p].tolist(), scores[p].tolist(), n) for p in range(3)]
+        gold_n = [brute_force_best_of_n(scores[p].tolist(), golds[p].tolist(), n) for p in range(3)]
+        assert point["posts"]["proxy"] == pytest.approx(proxy) and point["proxy"] == pytest.approx(sum(proxy) / 3)
+        assert point["posts"]["gold"] == pytest.approx(gold_n) and point["gold"] == pytest.approx(sum(gold_n) / 3)
+        kls = []
+        for p in range(3):
+            outcomes = sorted(set(tokens[p].tolist()))
+            q = [tokens[p].tolist().count(t) / 8 for t in outcomes]
+            kls.append(exact_best_of_n_kl(q, [float(table[t]) for t in outcomes], n))
+        assert point["posts"]["kl"] == pytest.approx(kls, abs=1e-12) and point["kl"] == pytest.approx(sum(kls) / 3)
+        assert point["kl"] <= point["kl_bound"] + 1e-12
     assert curve[-1]["proxy"] >= curve[0]["proxy"]
+    with pytest.raises(ValueError, match="pool"):
+        best_of_n(policy, prompts, TableReward(table), tok, gen, 1, n_max=8, pool=4)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,9 +549,12 @@ def test_a_tiny_frontier_run(tiny_demo, tmp_path):
             assert {"kl", "kl_se", "gold", "gold_se", "proxy", "proxy_raw", "win_rate"} <= set(p), name
     grpo = frontier_points(tiny_demo / "frontier" / "grpo_rso_beta0.4" / "seed0")
     assert grpo == record["methods"]["GRPO rso 8->8, beta 0.4"][0]
+    for p in grpo + record["best_of_n"]:  # per-post values on the 4 posts, averaging to the point
+        assert len(p["posts"]["gold"]) == 4 and p["gold"] == pytest.approx(sum(p["posts"]["gold"]) / 4)
     text = (tiny_demo / "frontier" / "frontier.md").read_text()
     assert text.strip() == frontier_table(record["best_of_n"], record["methods"]).strip()
     assert "| DPO beta 0.1 | 1 |" in text and "best-of-4" in text
+    assert "| DPO beta 0.1 - best-of-n |" in text and "| best-of-n | d (alpha - beta d) |" in text
 
 
 def test_compare_draws_evaluation_metrics_against_eval_kl_by_default(tmp_path, monkeypatch):
@@ -298,11 +598,26 @@ def test_the_command_line_draws_runs_without_a_gold_reward(tiny_demo, tmp_path, 
         runs.append(str(tmp_path / f"seed{seed}"))
     data = str(tiny_demo / "data" / "sft" / "validation.jsonl")
     common = ["--reference", str(tiny_demo / "sft" / "hf"), "--reward_model", str(tiny_demo / "rm" / "hf")]
-    common += ["--data", data, "--prompts", "3", "--best_of", "2", "--max_new_tokens", "6", "--max_prompt_len", "192"]
+    common += [
+        "--data",
+        data,
+        "--prompts",
+        "3",
+        "--best_of",
+        "2",
+        "--pool",
+        "4",
+        "--max_new_tokens",
+        "6",
+        "--max_prompt_len",
+        "192",
+    ]
     text = frontier.main([*runs, *common, "--out", str(tmp_path / "f.png")])
-    assert text.splitlines()[0] == "| policy | seeds | kl | proxy | win_rate |"
-    assert "| best-of-2 (reference) | | 0.193 |" in text
-    assert "| all runs | 2 | 0.500 ± 0.000 (se 0.010) | 1.500 ± 0.707 (se 0.010) | 0.500 ± 0.000 (se 0.010) |" in text
+    assert text.splitlines()[0] == "| policy | seeds | kl | kl bound | proxy | win_rate |"
+    assert "| best-of-2 (reference, pool 4) | | " in text and " | 0.193 | " in text  # the bound beside the estimate
+    row = "| all runs | 2 | 0.500 ± 0.000 (se 0.010) | | 1.500 ± 0.707 (se 0.010) | 0.500 ± 0.000 (se 0.010) |"
+    assert row in text
+    assert "paired" not in text and "A - B" not in text  # runs without per-post values: no paired comparisons
     assert (tmp_path / "f.png").stat().st_size > 0 and (tmp_path / "f.json").is_file()
     Logger(tmp_path / "plain", {"seed": 0}, "test", "run", "disabled", enabled=True).finish()
     with pytest.raises(CompareError, match="plain: no eval/kl in its metrics.jsonl"):

@@ -14,6 +14,7 @@ import torch
 
 import grpo
 from data.synthetic import write_task
+from data.tokenizer import get_tokenizer
 from grpo import Config, train_step
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.lora import AdaptersOff, LoRAConfig, apply_lora
@@ -379,3 +380,44 @@ def test_two_process_grpo_mixing_tasks_by_a_reward_column_with_a_refreshed_full_
     assert final["eval/reward"] > first["eval/reward"], (first, final)
     # the checkpoint at step 3 holds the reference refreshed at step 3: step 4's KL after resuming must match
     resume_from_step_3(run, args, read_metrics(run))
+
+
+# ----------------------------------------------------------------------------------------------------
+# eval/kl after a reference refresh: still the KL to the policy the run started from
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full_copy", "lora"])
+def test_eval_kl_after_a_reference_refresh_is_the_kl_to_the_starting_policy(lora, tmp_path):
+    """--ref_refresh_every 1 with --frontier_prompts: the reference becomes the policy after step 1, yet eval/kl at
+    step 2 is exactly the frontier's measurement of the exported policy against the starting one (the same samples:
+    its generator is keyed by the step), not against the refreshed reference."""
+    from evaluation.frontier import load_frontier_prompts, measure
+    from model.weights import build_policy
+    from utils.checkpoint import read_tensors
+    from utils.dist import stream
+
+    data = write_task(tmp_path / "data", n_sft_train=8, n_sft_val=8, n_pref_train=4, n_pref_val=4, n_prompts=16)
+    end_biased_policy(tmp_path / "policy")
+    run = tmp_path / "run"
+    args = grpo_args(tmp_path / "policy", data["prompts_train"], "", run, "--rewards", "tests.test_grpo_iterative:ends")
+    args = args[1:] + ["--steps", "2", "--eval_every", "1", "--save_every", "1", "--lr", "3e-2", "--beta", "0.0"]
+    args += ["--ref_refresh_every", "1", "--frontier_prompts", "3", "--frontier_samples", "6"]
+    args += ["--frontier_data", str(data["sft_validation"]), "--frontier_max_new_tokens", "8", "--seed", "1"]
+    args += ["--lora_rank", "4", "--lora_alpha", "8"] if lora else []
+    grpo.main(grpo.parse_config(Config, args))
+    logged = {m["step"]: m["eval/kl"] for m in read_metrics(run) if "eval/kl" in m}
+    assert set(logged) == {0, 1, 2} and logged[0] == pytest.approx(0.0, abs=1e-6)
+
+    tok = get_tokenizer()
+    prompts = load_frontier_prompts(str(data["sft_validation"]), "validation", 3, tok, 192, 8)
+    final, start = build_policy(str(run / "hf")).eval(), build_policy(str(tmp_path / "policy")).eval()
+
+    def kl(reference) -> float:
+        return measure(final, reference, prompts, 6, 8, tok, stream(1, 2, 0, "frontier"))["kl"]
+
+    assert logged[2] == pytest.approx(kl(start), rel=1e-4, abs=1e-6)
+    assert logged[2] > 0.05  # the policy moved; measured against the refreshed reference it would restart near 0
+    if not lora:  # the refreshed reference: the policy after step 1 (its checkpoint)
+        after_step_1 = copy.deepcopy(start)
+        after_step_1.load_state_dict(read_tensors(run / "checkpoints" / "step_00000001", "model"))
+        assert abs(kl(after_step_1) - logged[2]) > 0.02, (kl(after_step_1), logged[2])

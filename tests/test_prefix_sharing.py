@@ -215,6 +215,9 @@ def test_memory_terms_for_frozen_models_gathers_no_sync_gradients_and_math_atten
     # policy 16 (weights, gradients, two AdamW moments); over 2 ranks. Offloaded frozen models cost the device nothing.
     assert weight_bytes(gpt2, gpt2, 2, lora=False) == (16 + 4 + 4) * n // 2
     assert weight_bytes(gpt2, gpt2, 2, lora=False, frozen_offload=True) == 16 * n // 2
+    # a frozen copy of the starting policy (--ref_refresh_every with --frontier_prompts): 4 more bytes per parameter
+    assert weight_bytes(gpt2, gpt2, 2, lora=False, start_copy=True) == (16 + 4 + 4 + 4) * n // 2
+    assert weight_bytes(gpt2, gpt2, 2, lora=False, frozen_offload=True, start_copy=True) == 16 * n // 2
     assert weight_bytes(gpt2, None, 1, lora=True) == 4 * n  # LoRA: the frozen base; the reference is the policy itself
     # generation holds the whole gathered policy (bf16: 2 bytes per parameter) beside the KV cache and logits
     cfg = grpo.Config(max_prompt_len=512)

@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install demo ablation frontier lint test test-torch golden clean
+.PHONY: install demo ablation frontier verdict lint test test-torch golden clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ ablation: install  # GRPO's selection and global normalization, 3 seeds each, fr
 
 frontier: install  # the reward-KL frontier: DPO and GRPO grids, 2 seeds, best-of-n, from make demo's SFT policy and reward model
 	$(PY) demo.py --out runs/demo --frontier_seeds 2 --reuse
+
+verdict: install  # the method's contrasts paired over 400 held-out posts, 3 seeds each, and best-of-n, from make demo's SFT policy and reward model
+	$(PY) demo.py --out runs/demo --verdict_seeds 3 --reuse
 
 lint: install  # ruff's rules and formatting (pyproject.toml [tool.ruff]): `ruff format .` fixes the formatting
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -30,7 +30,8 @@ import json
 import time
 from pathlib import Path
 
-from experiments.embedded import ABLATION, PREPARED, Demo, ablation_runs, frontier_runs, pipeline
+from experiments import embedded
+from experiments.embedded import ABLATION, PREPARED, Demo, pipeline
 from experiments.runner import Run, run_all
 
 ABLATION_METRICS = [
@@ -52,7 +53,7 @@ def ablation(demo: Demo) -> str:
     then the comparison table and curves (evaluation/compare.py). Returns the table (markdown)."""
     from evaluation.compare import group_runs, load_run, plot, table
 
-    runs = ablation_runs(demo)
+    runs = embedded.ablation_runs(demo)
     run_all(runs, demo.args.nproc)
     groups = group_runs([load_run(run.out_dir) for run in runs])
     text = table(groups, ABLATION_METRICS, set(), last=5)
@@ -63,32 +64,20 @@ def ablation(demo: Demo) -> str:
     return text
 
 
-def frontier(demo: Demo) -> str:
-    """Best-of-n from the SFT policy on the frontier's held-out posts, then the frontier's runs
-    (experiments.embedded.frontier_runs), each measured at every evaluation on the first --frontier_prompts held-out
-    posts (KL to the SFT policy, gold and proxy reward of --frontier_samples temperature-1 samples per post); then
-    frontier.md (the table), frontier.json (every point) and assets/frontier.png, rewritten after every run so that a
-    run cut short keeps what it measured. Returns the table (markdown)."""
+def sft_best_of_n(demo: Demo, posts: Path, n_posts: int) -> list[dict]:
+    """Best-of-n from the SFT policy against the reward model on the first `n_posts` of `posts`: one pool of
+    --frontier_pool samples per post, every n up to --frontier_best_of (evaluation.frontier.best_of_n)."""
     from data.synthetic import gold_reward
     from data.tokenizer import get_tokenizer
-    from evaluation.frontier import best_of_n, frontier_points, frontier_table, load_frontier_prompts, plot_frontier
+    from evaluation.frontier import best_of_n, load_frontier_prompts
     from model.weights import build_policy, build_reward_model
     from utils.dist import stream
 
-    out, args = demo.out, demo.args
-    root = out / "frontier"
-    root.mkdir(parents=True, exist_ok=True)
-
-    # best-of-n from the SFT policy: one pass of --frontier_best_of samples per post
-    t0 = time.time()
-    tok = get_tokenizer()
-    prompts = load_frontier_prompts(
-        str(demo.paths["sft_validation"]), "validation", args.frontier_prompts, tok, 192, 24
-    )
+    t0, tok, args = time.time(), get_tokenizer(), demo.args
     curve = best_of_n(
-        build_policy(str(out / "sft" / "hf")).eval(),
-        prompts,
-        build_reward_model(str(out / "rm" / "hf")).eval(),
+        build_policy(str(demo.out / "sft" / "hf")).eval(),
+        load_frontier_prompts(str(posts), "validation", n_posts, tok, 192, 24),
+        build_reward_model(str(demo.out / "rm" / "hf")).eval(),
         tok,
         stream(args.seed, 0, 0, "best-of-n"),
         24,
@@ -97,7 +86,20 @@ def frontier(demo: Demo) -> str:
         pool=args.frontier_pool,
     )
     print(f"best-of-n from the SFT policy, n up to {args.frontier_best_of}: {time.time() - t0:.0f} s", flush=True)
+    return curve
 
+
+def frontier(demo: Demo) -> str:
+    """Best-of-n from the SFT policy on the frontier's held-out posts, then the frontier's runs
+    (experiments.embedded.frontier_runs), each measured at every evaluation on the first --frontier_prompts held-out
+    posts (KL to the SFT policy, gold and proxy reward of --frontier_samples temperature-1 samples per post); then
+    frontier.md (the table), frontier.json (every point) and assets/frontier.png, rewritten after every run so that a
+    run cut short keeps what it measured. Returns the table (markdown)."""
+    from evaluation.frontier import frontier_points, frontier_table, plot_frontier
+
+    args, root = demo.args, demo.out / "frontier"
+    root.mkdir(parents=True, exist_ok=True)
+    curve = sft_best_of_n(demo, demo.paths["sft_validation"], args.frontier_prompts)
     methods: dict[str, list[list[dict]]] = {}
 
     def record(run: Run | None = None) -> str:
@@ -115,7 +117,44 @@ def frontier(demo: Demo) -> str:
         )
         return text
 
-    run_all(frontier_runs(demo), args.nproc, after=record)
+    run_all(embedded.frontier_runs(demo), args.nproc, after=record)
+    return record()
+
+
+def verdict(demo: Demo) -> str:
+    """The verdict's runs (experiments.embedded.verdict_runs) on --verdict_prompts held-out posts, best-of-n on the
+    same posts; then verdict.md (each pair of VERDICT_PAIRS and each arm against best-of-n at matched KL, with
+    intervals over posts and with seeds; the frontier's table), verdict.json, assets/verdict.png (the frontier) and
+    assets/verdict_compute.png (gold against generated tokens and seconds), rewritten after every run."""
+    from evaluation import frontier as measured
+    from evaluation.plots import gold_against_compute
+
+    args, root, assets = demo.args, demo.out / "verdict", Path(demo.args.assets)
+    posts = embedded.verdict_posts(demo)
+    curve = sft_best_of_n(demo, posts, args.verdict_prompts)
+    methods: dict[str, list[list[dict]]] = {}
+    dirs: dict[str, list[Path]] = {}
+
+    def record(run: Run | None = None) -> str:
+        if run is not None:
+            methods.setdefault(run.name, []).append(measured.frontier_points(run.out_dir))
+            dirs.setdefault(run.name, []).append(run.out_dir)
+        if not methods:
+            return ""
+        pairs = [(a, b) for a, b in embedded.VERDICT_PAIRS if a in methods and b in methods]
+        rows = measured.verdict_rows(methods, curve, pairs + [(name, measured.BEST_OF_N) for name in methods])
+        text = measured.verdict_table(rows) + "\n\n" + measured.frontier_table(curve, methods)
+        (root / "verdict.md").write_text(text + "\n")
+        (root / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": rows}))
+        title = f"embedded task: {args.verdict_prompts} held-out posts x {args.frontier_samples} samples per point"
+        measured.plot_frontier(
+            curve, methods, assets / "verdict.png", title + f" (best-of-n: pool of {args.frontier_pool})"
+        )
+        gold_against_compute(dirs, assets / "verdict_compute.png", title)
+        return text
+
+    assets.mkdir(parents=True, exist_ok=True)
+    run_all(embedded.verdict_runs(demo, posts), args.nproc, after=record)
     return record()
 
 
@@ -215,6 +254,20 @@ def add_frontier_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_verdict_arguments(p: argparse.ArgumentParser) -> None:
+    """The verdict's options (make verdict); it shares the frontier's samples, pool, DPO steps and evaluation rows."""
+    p.add_argument(
+        "--verdict_seeds",
+        type=int,
+        default=0,
+        help="with N > 0: instead of DPO and GRPO, the verdict (make verdict): the method's contrasts "
+        "(experiments/embedded.py verdict_arms), N seeds each, and best-of-n, paired over the same held-out posts",
+    )
+    p.add_argument("--verdict_prompts", type=int, default=400, help="held-out posts every verdict run is measured on")
+    p.add_argument("--verdict_grpo_betas", type=float, nargs=2, default=[0.4, 0.1], help="the method's KL coefficients")
+    p.add_argument("--verdict_dpo_betas", type=float, nargs=2, default=[0.1, 0.3], help="DPO's betas")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The demo's command line."""
     p = argparse.ArgumentParser(
@@ -286,6 +339,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="which variants of ABLATION to run",
     )
     add_frontier_arguments(p)
+    add_verdict_arguments(p)
     p.add_argument(
         "--reuse",
         action="store_true",
@@ -312,6 +366,10 @@ def main() -> None:
     # 2.-4. SFT, pairs of SFT samples labelled by the gold reward, reward model (or, with --reuse, the ones in --out)
     runs = pipeline(demo)
     run_all(runs[:PREPARED], args.nproc, reuse=args.reuse)
+    if args.verdict_seeds > 0:
+        text = verdict(demo)
+        print(f"\n{text}\n\nwrote {out / 'verdict'} and {Path(args.assets) / 'verdict.png'} ({time.time() - t0:.0f} s)")
+        return
     if args.frontier_seeds > 0:
         text = frontier(demo)
         print(

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from demo import parse_args
-from experiments.embedded import ABLATION, PREPARED, Demo, ablation_runs, frontier_runs, pipeline
+from experiments.embedded import ABLATION, PREPARED, Demo, ablation_runs, frontier_runs, pipeline, verdict_runs
 from experiments.runner import Run, run_all
 from utils.config import parse_config
 
@@ -43,12 +43,12 @@ def script_config(run: Run):
 
 
 def test_the_pipeline_and_grids_are_commands_their_scripts_accept(tmp_path):
-    demo = demo_for(tmp_path, "--ablation_seeds", "2", "--frontier_seeds", "2")
+    demo = demo_for(tmp_path, "--ablation_seeds", "2", "--frontier_seeds", "2", "--verdict_seeds", "2")
     runs = pipeline(demo)
     assert [run.script for run in runs] == ["sft.py", "", "reward_model.py", "dpo.py", "grpo.py"]
     assert [run.done is not None for run in runs] == [True] * PREPARED + [False] * (len(runs) - PREPARED)
     scripts = [run for run in runs if run.script]
-    for run in scripts + ablation_runs(demo) + frontier_runs(demo):
+    for run in scripts + ablation_runs(demo) + frontier_runs(demo) + verdict_runs(demo, tmp_path / "posts.jsonl"):
         cfg = script_config(run)
         assert Path(cfg.out_dir) == run.out_dir, run.name
 
@@ -71,6 +71,12 @@ def test_the_pipeline_and_grids_are_commands_their_scripts_accept(tmp_path):
     ]
     assert [script_config(run).seed for run in frontier[:2]] == [0, 1]
     assert len({run.out_dir for run in frontier}) == len(frontier)
+
+    verdict = verdict_runs(demo, tmp_path / "posts.jsonl")
+    assert len(verdict) == 2 * 7 and [script_config(run).seed for run in verdict] == [0] * 7 + [1] * 7
+    plain, rso = script_config(verdict[3]), script_config(verdict[0])
+    assert (plain.num_samples, plain.selection, rso.num_samples, rso.selection) == (8, "all", 64, "rso")
+    assert all(script_config(run).frontier_prompts == 400 for run in verdict)
 
 
 def test_an_unknown_ablation_variant_is_one_line_naming_it(tmp_path):

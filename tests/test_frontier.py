@@ -557,6 +557,37 @@ def test_a_tiny_frontier_run(tiny_demo, tmp_path):
     assert "| DPO beta 0.1 - best-of-n |" in text and "| best-of-n | d (alpha - beta d) |" in text
 
 
+@pytest.mark.slow  # eight processes: the demo and seven runs, one per arm
+def test_a_tiny_verdict_run(tiny_demo, tmp_path):
+    cmd = [sys.executable, "demo.py", "--out", str(tiny_demo), "--reuse", "--assets", str(tmp_path)]
+    cmd += ["--verdict_seeds", "1", "--verdict_prompts", "6", "--frontier_dpo_steps", "2", "--grpo_steps", "2"]
+    cmd += [
+        "--frontier_samples",
+        "2",
+        "--frontier_best_of",
+        "4",
+        "--frontier_pool",
+        "8",
+        "--frontier_grpo_samples",
+        "8",
+    ]
+    cmd += ["--frontier_eval_rows", "8", "--wandb_mode", "disabled"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for picture in ("verdict.png", "verdict_compute.png"):
+        assert (tmp_path / picture).stat().st_size > 10_000
+    record = json.loads((tiny_demo / "verdict" / "verdict.json").read_text())
+    arms = ["rso", "rso_beta2", "uniform", "plain8", "per_group", "dpo", "dpo_beta2"]
+    assert list(record["methods"]) == arms
+    for seeds in record["methods"].values():
+        assert len(seeds[0][-1]["posts"]["gold"]) == 6  # every run measured on the verdict's six posts
+    pairs = [row["pair"] for row in record["rows"]]
+    contrasts = [("rso", "uniform"), ("rso", "plain8"), ("rso", "per_group"), ("rso", "dpo")]
+    assert pairs == [f"{a} - {b}" for a, b in contrasts] + [f"{arm} - best-of-n" for arm in arms], pairs
+    text = (tiny_demo / "verdict" / "verdict.md").read_text()
+    assert text.startswith("| pair (gold, A - B at matched KL) |")
+
+
 def test_compare_draws_evaluation_metrics_against_eval_kl_by_default(tmp_path, monkeypatch):
     """A run that logged eval/kl (--frontier_prompts) is drawn against it, not against the per-step train/kl."""
     from evaluation import compare

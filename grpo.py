@@ -16,8 +16,8 @@ One step (DeepSeekMath, arXiv 2402.03300, section 4); main() runs 0, 1, 8 and 9,
                           over the global batch); their weighted sum is the reward (rlhf/rewards.py)
     4. select             K = num_kept of G per prompt (RSO rejection sampling at temperature beta_rs, ...); with
                           --min_group_std the groups whose kept rewards tie are dropped (DAPO's dynamic sampling)
-    5. advantages         group normalization over the K selected (float64 statistics), then over the whole batch
-                          across ranks
+    5. advantages         --advantage's estimator over the K selected (GRPO's group normalization by default,
+                          float64 statistics), then whitened over the whole batch across ranks
     6. reference          log-probs of the selected responses under the frozen reference policy (with LoRA: the
                           policy with its adapters off); with mu > 1 also the sampling policy's; with --kl_in reward
                           beta x the KL estimate leaves each reward and the advantages are computed again
@@ -48,7 +48,7 @@ from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_tabl
 from model.lora import LoRAConfig, trainable_summary
 from model.sampler import SampleOutput
 from model.weights import save_export
-from rlhf.grpo import informative_groups, penalize_missing_end, select, sequence_kl
+from rlhf.grpo import ADVANTAGES, informative_groups, penalize_missing_end, select, sequence_kl
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards
 from rollouts.batches import (
     MicroBatch,
@@ -191,8 +191,10 @@ class Config(
             self, "prompts_per_step", "micro_batch_size", "score_micro_batch_size", "pref_max_response_len"
         )
         require_positive(self, "table_prompts", "reward_length_target")
-        if self.kept < 2 and self.scale_by_std:
-            raise ConfigError("group normalization with std scaling needs at least 2 kept samples per prompt")
+        if self.kept < (need := ADVANTAGES.facts.get(self.advantage, {}).get("min_kept", 1)):
+            raise ConfigError(
+                f"--advantage {self.advantage} needs at least {need} kept samples per prompt, got {self.kept}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -256,7 +258,7 @@ def train_step(
         rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]  # (B, K) rows of B*G
         # dynamic sampling (--min_group_std): drop the groups whose kept rewards (nearly) tie
         keep_B = informative_groups(scores.total[rows_BK], cfg.min_group_std)  # (B,)
-    # 5. advantages: group normalization over the *selected* samples, then over the global batch (all ranks)
+    # 5. advantages: --advantage over the *selected* samples, then whitened over the global batch (all ranks)
     with timer("advantages"):
         rewards_BK = scores.total[rows_BK]  # (B, K)
         advantages = kept_advantages(rewards_BK, keep_B, cfg)  # (B*K,)

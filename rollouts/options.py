@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhf.grpo import Objective
-from utils.config import ConfigError
+from rlhf.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, SELECTIONS, Objective
+from utils.config import ConfigError, option
 
 
 def require_positive(cfg, *names: str) -> None:
@@ -58,9 +58,8 @@ class SelectionConfig:
     """K of each prompt's G samples kept for the update (G: SamplingConfig's num_samples, which this group reads)."""
 
     # --- rewards and selection
-    selection: Literal["rso", "top_bottom", "uniform", "all"] = "rso"
-    """How K of the G samples are kept: rso (RSO rejection sampling, arXiv 2309.06657), top_bottom (the K/2 best
-    and K/2 worst), uniform (K at random), all (K = G)."""
+    selection: str = option("rso", choices=SELECTIONS)
+    """How K of the G samples are kept (rlhf/grpo.py SELECTIONS)."""
     num_kept: int = 8
     """K: samples kept per prompt for the update (ignored by --selection all)."""
     beta_rs: float = 2.0
@@ -73,7 +72,7 @@ class SelectionConfig:
     @property
     def kept(self) -> int:
         """K actually kept per prompt."""
-        return self.num_samples if self.selection == "all" else self.num_kept
+        return self.num_samples if SELECTIONS.facts.get(self.selection, {}).get("keeps_all") else self.num_kept
 
     def validate_selection(self) -> None:
         require_positive(self, "num_kept")
@@ -97,13 +96,14 @@ class SelectionConfig:
 @dataclass
 class ObjectiveConfig:
     # --- objective
-    scale_by_std: bool = True
-    """Divide by the group's std in group normalization; false gives Dr. GRPO's r - mean (arXiv 2503.20783)."""
+    advantage: str = option("grpo", choices=ADVANTAGES)
+    """Advantage estimator over each group's K kept samples (rlhf/grpo.py ADVANTAGES); the estimators that use
+    batch statistics take them over every kept sample of every rank."""
     global_norm: bool = True
-    """After group normalization, whiten the advantages over the whole batch across all ranks."""
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
-    """Aggregation: grpo (per-sequence mean, then mean over sequences), bnpo/dapo (mean over all tokens),
-    dr_grpo (sum / (sequences x max_new_tokens)); every normaliser is global over ranks and micro-batches."""
+    """After the advantage estimator, whiten the advantages over the whole batch across all ranks."""
+    loss_type: str = option("grpo", choices=AGGREGATIONS)
+    """Aggregation of the per-token loss (rlhf/grpo.py AGGREGATIONS); every normaliser is global over ranks and
+    micro-batches."""
     eps_low: float = 0.2
     """Clip the ratio below at 1 - eps_low."""
     eps_high: float = 0.2
@@ -112,19 +112,19 @@ class ObjectiveConfig:
     """token: one ratio pi/pi_old per token (GRPO); sequence: GSPO's (arXiv 2507.18071) one ratio per response,
     exp(mean over its tokens of the log-ratio), clipped per sequence, each sequence counting once whatever its
     length under every --loss_type. GSPO clips much tighter (eps_low 3e-4, eps_high 4e-4 in the paper)."""
-    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction: str = option("none", choices=ROLLOUT_CORRECTIONS)
     """Correct the policy loss for the sampler / trainer mismatch, rho = exp(training-forward log-prob - sampler
-    log-prob) at the sampling weights: tis multiplies it by min(rho, cap) (truncated importance sampling), mis by
-    rho, or 0 beyond the cap (masked); per token, or per sequence with --importance_level sequence. The mismatch is
-    logged whatever this is (train/mismatch/*)."""
+    log-prob) at the sampling weights, by weights from rho and --rollout_correction_cap (rlhf/grpo.py
+    ROLLOUT_CORRECTIONS); per token, or per sequence with --importance_level sequence. The mismatch is logged
+    whatever this is (train/mismatch/*)."""
     rollout_correction_cap: float = 3.0
     """The cap of --rollout_correction (> 0)."""
     beta: float = 0.04
     """Weight of the KL to the reference policy (also the beta of the implicit reward in evaluation)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token estimator of KL(pi || pi_ref), log r = ref - logp: k1 = -log r, k2 = (log r)^2 / 2,
-    k3 = r - 1 - log r (DeepSeekMath's). As a loss term k2's gradient is unbiased, k3's is the forward KL's and k1's
-    is 0 in expectation (arXiv 2512.21852; docs/grpo.md)."""
+    kl_estimator: str = option("k3", choices=KL_ESTIMATORS)
+    """Per-token estimator of KL(pi || pi_ref), log r = ref - logp (rlhf/grpo.py KL_ESTIMATORS). As a loss term
+    k2's gradient is unbiased, k3's is the forward KL's and k1's is 0 in expectation (arXiv 2512.21852;
+    docs/grpo.md)."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Where beta x KL goes: loss (a per-token term of the loss) or reward (beta x the response's summed estimate,
     detached, subtracted from its reward before group normalization; with k1 the unbiased policy-gradient choice).

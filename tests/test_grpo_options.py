@@ -268,7 +268,7 @@ def test_config_names_the_offending_option(capsys):
         (["--kl_ratio", "true", "--kl_in", "reward"], "--kl_ratio weights the loss's KL term: it needs --kl_in loss"),
         (["--rollout_correction_cap", "0"], "--rollout_correction_cap must be > 0, got 0.0"),
         (["--min_group_std", "-0.1"], "--min_group_std must be >= 0, got -0.1"),
-        (["--min_group_std", "0.1", "--num_kept", "1", "--scale_by_std", "false"], "it needs at least 2 kept samples"),
+        (["--min_group_std", "0.1", "--num_kept", "1", "--advantage", "dr_grpo"], "it needs at least 2 kept samples"),
         (["--importance_level", "segment"], "--importance_level: invalid choice: 'segment'"),
     ):
         with pytest.raises(SystemExit):
@@ -436,3 +436,60 @@ def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path
         # tie depends on the prompts drawn from the embedded task (the posts and the task's SFT summaries share one
         # stream): seeds 0, 1 and 3 give an odd number in 3 steps, seed 2 does not.
         assert any(d in (0.25, 0.75) for d in dropped), dropped
+
+
+# ----------------------------------------------------------------------------------------------------
+# Registries: each choice of the algorithm is a registered name, and the option that picks one lists the registry
+
+
+REGISTRIES = {
+    "selection": "SELECTIONS",
+    "advantage": "ADVANTAGES",
+    "loss_type": "AGGREGATIONS",
+    "kl_estimator": "KL_ESTIMATORS",
+    "rollout_correction": "ROLLOUT_CORRECTIONS",
+}
+
+
+@pytest.mark.parametrize("option", sorted(REGISTRIES))
+def test_each_choice_option_takes_and_lists_every_registered_name(option, capsys):
+    """--help and the generated docs list each registered name with its phrase; every name parses; any other is one
+    line naming the option."""
+    import rlhf.grpo
+    from utils.config import build_parser, options_markdown
+
+    registry = getattr(rlhf.grpo, REGISTRIES[option])
+    action = next(a for a in build_parser(Config)._actions if a.dest == option)
+    assert action.choices == list(registry) and len(registry) >= 3
+    table = options_markdown(Config)
+    for name in registry:
+        assert f"{name}: {registry.help[name]}" in action.help and f"{name}: {registry.help[name]}" in table
+        assert getattr(parse_config(Config, [f"--{option}", name, "--num_kept", "2"]), option) == name
+    with pytest.raises(SystemExit):
+        parse_config(Config, [f"--{option}", "nonesuch"])
+    assert f"--{option}: invalid choice: 'nonesuch'" in capsys.readouterr().err
+
+
+def test_a_registered_estimator_is_an_option_value_with_no_other_edit():
+    """The proof of the registry: a function under the decorator is selectable by --advantage, listed by --help, and
+    reached by rlhf.grpo.advantages; a name registered twice or looked up unregistered is a ValueError."""
+    from rlhf.grpo import ADVANTAGES, advantages
+    from utils.config import build_parser
+
+    @ADVANTAGES.register("test_sign", help="the sign of r", min_kept=3)
+    def sign(rewards_BK, reduce_sum=None):
+        return rewards_BK.sign().float()
+
+    try:
+        help_text = next(a.help for a in build_parser(Config)._actions if a.dest == "advantage")
+        assert "test_sign: the sign of r" in help_text
+        assert parse_config(Config, ["--advantage", "test_sign", "--num_kept", "4"]).advantage == "test_sign"
+        assert advantages(torch.tensor([[-2.0, 0.0, 3.0]]), "test_sign", False).tolist() == [-1.0, 0.0, 1.0]
+        with pytest.raises(SystemExit):  # its declared min_kept is checked against --num_kept
+            parse_config(Config, ["--advantage", "test_sign", "--num_kept", "2"])
+        with pytest.raises(ValueError, match="advantage estimator 'test_sign' is registered twice"):
+            ADVANTAGES.register("test_sign", help="again")(sign)
+    finally:
+        del ADVANTAGES["test_sign"], ADVANTAGES.help["test_sign"], ADVANTAGES.facts["test_sign"]
+    with pytest.raises(ValueError, match="unknown advantage estimator 'test_sign'; expected one of grpo, dr_grpo"):
+        advantages(torch.zeros(1, 2), "test_sign", False)

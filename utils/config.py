@@ -108,6 +108,25 @@ def own_fields(cls) -> set[str]:
     return set(inspect.get_annotations(cls)) - inherited
 
 
+def option(default, *, choices=None):
+    """A config field whose facts are declared beside it, for the parser and the checks to read (field metadata):
+    `choices`, the values it takes, e.g. a registry of rlhf/registry.py (read when the parser is built, so it lists
+    whatever is registered then; a mapping with a `help` dict of {name: phrase} has each phrase listed in --help)."""
+    metadata = {}
+    if choices is not None:
+        metadata["choices"] = choices
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def choices_help(choices) -> str:
+    """What --help appends for a field's `choices` that carry a phrase for each (a registry): "One of: name: phrase;
+    ..."; empty for plain choices, which argparse and the docs list by name."""
+    described = getattr(choices, "help", None)
+    if not described:
+        return ""
+    return "One of: " + "; ".join(f"{name}: {described[name]}" for name in choices) + "."
+
+
 def _parse_bool(s: str) -> bool:
     v = s.strip().lower()
     if v in ("1", "true", "yes", "y", "on"):
@@ -174,14 +193,17 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
         if section not in groups:
             groups[section] = parser.add_argument_group(section if section != OTHER else "other options")
         conv, choices = _converter(hints[f.name])
+        metavar = hints[f.name].__name__.upper() if isinstance(hints[f.name], type) else None
+        declared = f.metadata.get("choices")  # option(..., choices=REGISTRY)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        text = " ".join(filter(None, (docs.get(f.name, ""), choices_help(declared)))) or " "
         groups[section].add_argument(
             f"--{f.name}",
             type=conv,
-            choices=choices,
+            choices=list(declared) if declared is not None else choices,
             default=default,
-            help=(docs.get(f.name, "") or " ").replace("%", "%%"),
-            metavar=hints[f.name].__name__.upper() if isinstance(hints[f.name], type) else None,
+            help=text.replace("%", "%%"),
+            metavar=None if declared is not None else metavar,
         )
     return parser
 
@@ -449,7 +471,7 @@ def options_markdown(cls, section: str | None = None) -> str:
         out += ["| option | default | |", "|---|---|---|"]
         for a in actions:
             text = " ".join(a.help.replace("%%", "%").split())
-            if a.choices:
+            if a.choices and "One of: " not in text:
                 text += " One of: " + ", ".join(map(str, a.choices)) + "."
             out.append(
                 f"| `{a.option_strings[0]}` | {_markdown_default(a.default)} | {text.replace('|', chr(92) + '|')} |"

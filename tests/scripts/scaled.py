@@ -3,8 +3,8 @@ catch (tests/test_golden.py injects a 1% error into the KL estimator).
 
     python tests/scripts/scaled.py rlhf.grpo:k3_kl 1.01 grpo.py --option value ...
 
-The function is replaced on its module, so every caller that looks it up there (the module's own functions) gets the
-scaled one."""
+The function is replaced on its module and in the module's registries (rlhf/registry.py) that hold it, so every caller
+that looks it up there (the module's own functions, a registered name) gets the scaled one."""
 
 import importlib
 import runpy
@@ -23,6 +23,9 @@ def main(target: str, factor: float, argv: list[str]) -> None:
         return original(*args, **kwargs) * factor
 
     setattr(module, function_name, scaled)
+    for registry in [v for v in vars(module).values() if isinstance(v, dict)]:  # e.g. rlhf.grpo.KL_ESTIMATORS
+        for name in [name for name, fn in registry.items() if fn is original]:
+            registry[name] = scaled
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
 

@@ -44,7 +44,13 @@ from data.tldr import ShardedLoader
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import Frontier, FrontierConfig
 from evaluation.preference import evaluate_policy, policy_logps, preference_metric_names
-from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table, summary_metric_names
+from evaluation.summaries import (
+    SampleTableConfig,
+    evaluate_summaries,
+    load_eval_sets,
+    sample_table,
+    summary_metric_names,
+)
 from model.lora import LoRAConfig, trainable_summary
 from model.sampler import SampleOutput
 from model.weights import save_export
@@ -60,11 +66,27 @@ from rollouts.batches import (
 )
 from rollouts.metrics import StepResult, gold_metrics, step_metrics
 from rollouts.models import Models, build_models, check_models, check_step_fits, refresh_reference
-from rollouts.options import ObjectiveConfig, SamplingConfig, SelectionConfig, require_non_negative, require_positive
+from rollouts.options import (
+    ObjectiveConfig,
+    OffloadConfig,
+    SamplingConfig,
+    SelectionConfig,
+    require_non_negative,
+    require_positive,
+)
 from rollouts.prompts import PromptSet, prompt_set, training_prompts
 from rollouts.sampling import RewardSpec, Scores, rollout, source_values, warn_constant_sources
 from rollouts.update import batch_logprobs, policy_update
-from utils.config import ConfigError, DataConfig, DecodeConfig, OptimConfig, RunConfig, parse_config, require_nonempty
+from utils.config import (
+    ConfigError,
+    DataConfig,
+    DecodeConfig,
+    OptimConfig,
+    RunConfig,
+    option,
+    parse_config,
+    require_nonempty,
+)
 from utils.dist import all_reduce_sum, rank_and_world, stream
 from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
 from utils.logging import StageTimer, perf_metrics
@@ -84,25 +106,25 @@ class Config(
     SamplingConfig,
     SelectionConfig,
     ObjectiveConfig,
+    OffloadConfig,
     FrontierConfig,
+    SampleTableConfig,
 ):
-    """utils/config.py's option groups, GRPO's (rollouts/options.py: sampling, selection, objective) and the frontier's
-    (evaluation/frontier.py), with the script's own options below."""
+    """utils/config.py's option groups, GRPO's (rollouts/options.py: sampling, selection, objective, offload), the
+    frontier's (evaluation/frontier.py) and the sample tables' (evaluation/summaries.py), with the script's own options
+    below."""
 
     # --- models
-    model: str = "runs/sft/hf"
+    model: str = option("runs/sft/hf", model="policy")
     """Starting policy, also the frozen reference (with LoRA: the policy's own base weights, adapters off): a
     Hugging Face-format folder (sft.py's hf/), a hub name, or with --random_init a preset (tiny, small, ...)."""
     random_init: bool = False
     """Random GPT-2 initialisation of the preset named by --model (tests and smoke runs)."""
-    reward_model: str = "runs/rm/hf"
+    reward_model: str = option("runs/rm/hf", model="reward_model")
     """Reward model: reward_model.py's hf/ folder (its gain/bias come from reward_normalization.json), or with
     --reward_random_init a preset. Loaded only when --rewards names reward_model."""
     reward_random_init: bool = False
     """Random reward model of the preset named by --reward_model, gain 1 and bias 0 (tests and smoke runs)."""
-    frozen_cpu_offload: bool = False
-    """Keep the frozen models' (reference, reward model) sharded parameters on the CPU between uses (needs a GPU).
-    With LoRA the reference is the policy itself and is not offloaded."""
     # --- data
     val_rows: int = 256
     pref_data: str = "trl-lib/tldr-preference"
@@ -154,10 +176,6 @@ class Config(
     gold_parts_fn: str = ""
     """Optional "module:function" of (prompt text, response text) -> {name: number}, the parts of the gold reward,
     each logged as gold/<name> (its mean over every step's samples), e.g. data.synthetic:gold_parts."""
-    table_every: int = 20
-    """Log a table of sample responses every N steps; 0 disables."""
-    table_prompts: int = 2
-    """Prompts (with all their selected samples) in each table, from rank 0."""
     save_every: int = 50
     best_metric: str = "eval/reward"
     """Evaluation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned);

@@ -1,13 +1,13 @@
 """GRPO's option groups (grpo.py composes them into its Config, as it composes utils/config.py's): sampling, selection
 and objective, each a dataclass whose fields are command-line options (`--name VALUE`, help text the string under
-the field, `--help` section the `# --- SECTION` line above it) and whose validate_* method checks its own fields."""
+the field, `--help` section the `# --- SECTION` line above it) and whose validate_* method checks its own fields; and
+the offload of the frozen models, which dpo.py composes too."""
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 from rlhf.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, SELECTIONS, Objective
-from utils.config import ConfigError, option
+from utils.config import ConfigError, declared, option
 
 
 def require_positive(cfg, *names: str) -> None:
@@ -22,6 +22,14 @@ def require_non_negative(cfg, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+
+
+@dataclass
+class OffloadConfig:
+    # --- models
+    frozen_cpu_offload: bool = option(False, free=True)
+    """Keep the frozen models' sharded parameters (the reference; GRPO's reward model too) in CPU memory between uses
+    (needs a GPU). Unused where the reference is the policy itself (LoRA, without dpo.py's --reference)."""
 
 
 @dataclass
@@ -104,24 +112,24 @@ class ObjectiveConfig:
     loss_type: str = option("grpo", choices=AGGREGATIONS)
     """Aggregation of the per-token loss (rlhf/grpo.py AGGREGATIONS); every normaliser is global over ranks and
     micro-batches."""
-    eps_low: float = 0.2
+    eps_low: float = option(0.2, objective=True)
     """Clip the ratio below at 1 - eps_low."""
-    eps_high: float = 0.2
+    eps_high: float = option(0.2, objective=True)
     """Clip the ratio above at 1 + eps_high (DAPO's clip-higher uses 0.28)."""
-    importance_level: Literal["token", "sequence"] = "token"
+    importance_level: Literal["token", "sequence"] = option("token", objective=True)
     """token: one ratio pi/pi_old per token (GRPO); sequence: GSPO's (arXiv 2507.18071) one ratio per response,
     exp(mean over its tokens of the log-ratio), clipped per sequence, each sequence counting once whatever its
     length under every --loss_type. GSPO clips much tighter (eps_low 3e-4, eps_high 4e-4 in the paper)."""
-    rollout_correction: str = option("none", choices=ROLLOUT_CORRECTIONS)
+    rollout_correction: str = option("none", choices=ROLLOUT_CORRECTIONS, objective=True)
     """Correct the policy loss for the sampler / trainer mismatch, rho = exp(training-forward log-prob - sampler
     log-prob) at the sampling weights, by weights from rho and --rollout_correction_cap (rlhf/grpo.py
     ROLLOUT_CORRECTIONS); per token, or per sequence with --importance_level sequence. The mismatch is logged
     whatever this is (train/mismatch/*)."""
-    rollout_correction_cap: float = 3.0
+    rollout_correction_cap: float = option(3.0, objective=True)
     """The cap of --rollout_correction (> 0)."""
-    beta: float = 0.04
+    beta: float = option(0.04, objective=True)
     """Weight of the KL to the reference policy (also the beta of the implicit reward in evaluation)."""
-    kl_estimator: str = option("k3", choices=KL_ESTIMATORS)
+    kl_estimator: str = option("k3", choices=KL_ESTIMATORS, objective=True)
     """Per-token estimator of KL(pi || pi_ref), log r = ref - logp (rlhf/grpo.py KL_ESTIMATORS). As a loss term
     k2's gradient is unbiased, k3's is the forward KL's and k1's is 0 in expectation (arXiv 2512.21852;
     docs/grpo.md)."""
@@ -129,7 +137,7 @@ class ObjectiveConfig:
     """Where beta x KL goes: loss (a per-token term of the loss) or reward (beta x the response's summed estimate,
     detached, subtracted from its reward before group normalization; with k1 the unbiased policy-gradient choice).
     Selection uses the reward without it."""
-    kl_ratio: bool = False
+    kl_ratio: bool = option(False, objective=True)
     """Multiply the loss's KL estimate by the ratio pi/pi_old (pi_old detached, value 1 when on-policy): the
     gradient-corrected estimator, whose gradient is unbiased for k1 and k3 (--kl_in loss only)."""
     policy_epochs: int = 1
@@ -138,7 +146,7 @@ class ObjectiveConfig:
     ref_refresh_every: int = 0
     """Make the current policy the new reference every N steps (with LoRA: merge the adapters into the base
     weights); the KL term is exactly 0 right after. 0 keeps the starting policy as reference."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = option(0.0, objective=True)
     """Entropy bonus: subtract entropy_coef x the token entropy of the (temperature / top-k / top-p processed)
     policy from the loss, aggregated like the loss; 0 disables. Negative: an entropy penalty, which sharpens the
     policy towards its own most likely tokens (entropy minimisation)."""
@@ -149,10 +157,10 @@ class ObjectiveConfig:
     is computed (and logged) every step."""
 
     def objective(self) -> Objective:
-        """The loss's options bound once (rlhf/grpo.py Objective: its terms then take tensors only), each of its
-        fields read from this group's option of the same name; its beta is 0 with --kl_in reward (the KL is then in
-        the reward, not the loss)."""
-        bound = {f.name: getattr(self, f.name) for f in dataclasses.fields(Objective)}
+        """The loss's options bound once (rlhf/grpo.py Objective: its terms then take tensors only): the options that
+        declare `objective=True`, each the Objective field of its name; its beta is 0 with --kl_in reward (the KL is
+        then in the reward, not the loss)."""
+        bound = {name: getattr(self, name) for name in declared(self, "objective")}
         return Objective(**bound | {"beta": self.beta if self.kl_in == "loss" else 0.0})
 
     def validate_objective(self) -> None:

@@ -279,12 +279,12 @@ def test_config_names_the_offending_option(capsys):
 def test_each_option_group_checks_its_own_fields_and_binds_the_objective_from_its_options():
     """rollouts/options.py's groups, each alone: SamplingConfig, SelectionConfig and ObjectiveConfig name their own
     offending option; ObjectiveConfig.objective() reads every field of rlhf.grpo.Objective from the option of that
-    name (beta 0 with the KL in the reward)."""
+    name that declares objective=True (beta 0 with the KL in the reward)."""
     import dataclasses
 
     from rlhf.grpo import Objective
     from rollouts.options import ObjectiveConfig, SamplingConfig, SelectionConfig
-    from utils.config import ConfigError
+    from utils.config import ConfigError, declared
 
     with pytest.raises(ConfigError, match="--gen_prompts must be positive, got 0"):
         SamplingConfig(gen_prompts=0).validate_sampling()
@@ -302,6 +302,7 @@ def test_each_option_group_checks_its_own_fields_and_binds_the_objective_from_it
     values |= {"rollout_correction_cap": 2.5, "beta": 0.07, "kl_estimator": "k2", "kl_ratio": True}
     values |= {"entropy_coef": -0.01}
     assert {f.name for f in dataclasses.fields(Objective)} == set(values)  # a new Objective field is seen here
+    assert set(declared(ObjectiveConfig, "objective")) == set(values)  # and must be declared on its option
     assert ObjectiveConfig(**values).objective() == Objective(**values)
     assert ObjectiveConfig(**values, kl_in="reward").objective() == Objective(**values | {"beta": 0.0})
 

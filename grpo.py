@@ -335,7 +335,7 @@ def train_step(
 
 
 def evaluate(
-    models: Models, spec: RewardSpec, val, pref, ref_pref, cfg: Config, step: int, device, frontier=None
+    models: Models, spec: RewardSpec, val, pref, ref_pref, cfg: Config, step: int, device, *, frontier=None
 ) -> dict:
     """Stage 8's evaluation (a collective): the policy's summaries of this rank's --val_data prompts (`val`) and the
     implicit reward's accuracy on its --pref_data pairs (`pref`, against the reference's log-probs `ref_pref`); with
@@ -391,7 +391,7 @@ def main(cfg: Config) -> dict:
     )
     check_best_metric(cfg, names | (preference_metric_names("eval/pref_") if pref else set()), keep["best_metric"])
     if step == 0 and cfg.eval_every > 0:
-        evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device, frontier)
+        evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device, frontier=frontier)
         log_row(run, evaluated, 0)
     batches_iter, metrics, stopping = iter(loader), {}, False
     models.policy.train()
@@ -418,7 +418,7 @@ def main(cfg: Config) -> dict:
             generated, step_seconds = metrics.pop("perf/generated_tokens"), time.perf_counter() - t_step
             metrics.update(perf_metrics(seconds | result.seconds, step_seconds, generated, world))
             if cfg.eval_due(step, total_steps):
-                metrics.update(evaluate(models, spec, val, pref, ref_pref, cfg, step, device, frontier))
+                metrics.update(evaluate(models, spec, val, pref, ref_pref, cfg, step, device, frontier=frontier))
             if cfg.table_every > 0 and step % cfg.table_every == 0:
                 run.logger.table("samples", *sample_table(spec, prompts, result, cfg.table_prompts), step)
 

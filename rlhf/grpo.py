@@ -309,7 +309,7 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=KL_CLAMP)
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+def token_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) (any shape) by `estimator` (a name in KL_ESTIMATORS)."""
     return KL_ESTIMATORS[estimator](logp, ref_logp)
 
@@ -321,7 +321,7 @@ def sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, 
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     logp = torch.where(mask, logp, zero).clamp(min=LOGPROB_FLOOR)
     ref_logp = torch.where(mask, ref_logp, zero).clamp(min=LOGPROB_FLOOR)
-    return torch.where(mask, kl_estimate(logp, ref_logp, estimator), zero).sum(1)
+    return torch.where(mask, token_kl(logp, ref_logp, estimator), zero).sum(1)
 
 
 def clipped_surrogate(
@@ -523,7 +523,7 @@ class Objective:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(beta x the KL estimate (N, T), times pi / pi_old with kl_ratio (pi_old detached); the estimate (N, T))
         from floored log-probs."""
-        kl = kl_estimate(logp, ref_logp, self.kl_estimator)
+        kl = token_kl(logp, ref_logp, self.kl_estimator)
         if self.kl_ratio:
             kl_weighted = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) * kl
         else:

@@ -15,12 +15,12 @@ from rlhf.grpo import (
     dr_grpo_weights,
     grpo_weights,
     informative_groups,
-    kl_estimate,
     mismatch_stats,
     rollout_correction,
     sequence_clipped_surrogate,
     sequence_kl,
     spread_sequence_loss,
+    token_kl,
 )
 from tests.conftest import run_script
 from tests.helpers import end_biased_policy, read_metrics
@@ -173,14 +173,14 @@ def test_token_loss_is_its_three_terms_by_hand():
 
 def test_kl_estimators_by_hand():
     logp, ref = torch.tensor([-1.0, -0.5]), torch.tensor([-2.0, -0.5])  # logp - ref = 1, 0
-    assert torch.allclose(kl_estimate(logp, ref, "k1"), torch.tensor([1.0, 0.0]))
-    assert torch.allclose(kl_estimate(logp, ref, "k2"), torch.tensor([0.5, 0.0]))
-    assert torch.allclose(kl_estimate(logp, ref, "k3"), torch.tensor([math.exp(-1.0) + 1.0 - 1.0, 0.0]))
+    assert torch.allclose(token_kl(logp, ref, "k1"), torch.tensor([1.0, 0.0]))
+    assert torch.allclose(token_kl(logp, ref, "k2"), torch.tensor([0.5, 0.0]))
+    assert torch.allclose(token_kl(logp, ref, "k3"), torch.tensor([math.exp(-1.0) + 1.0 - 1.0, 0.0]))
     mask = ragged_mask([2, 1], 2)
     two = torch.stack([logp, logp]), torch.stack([ref, ref])
     assert torch.allclose(sequence_kl(*two, mask, "k1"), torch.tensor([1.0, 1.0]))  # the masked token leaves out
     with pytest.raises(ValueError, match="k4"):
-        kl_estimate(logp, ref, "k4")
+        token_kl(logp, ref, "k4")
 
 
 def toy_policy():
@@ -216,9 +216,7 @@ def test_expected_gradient_of_each_estimator_on_a_toy_categorical_policy():
     assert not torch.allclose(reverse, forward, atol=1e-3)  # the toy can tell them apart
 
     def in_loss(name, ratio=False):
-        return expected_gradient(
-            lambda lp, old, ref: (torch.exp(lp - old) if ratio else 1.0) * kl_estimate(lp, ref, name)
-        )
+        return expected_gradient(lambda lp, old, ref: (torch.exp(lp - old) if ratio else 1.0) * token_kl(lp, ref, name))
 
     assert torch.allclose(
         in_loss("k1"), torch.zeros(7, dtype=torch.float64), atol=1e-12
@@ -228,7 +226,7 @@ def test_expected_gradient_of_each_estimator_on_a_toy_categorical_policy():
     assert torch.allclose(in_loss("k3", ratio=True), reverse, atol=1e-12)  # --kl_ratio: corrected
     assert torch.allclose(in_loss("k1", ratio=True), reverse, atol=1e-12)
     # in the reward: a detached penalty through the policy gradient, -(r - beta k1) grad logp with r = 0, beta = 1
-    in_reward = expected_gradient(lambda lp, old, ref: kl_estimate(old, ref, "k1") * lp)
+    in_reward = expected_gradient(lambda lp, old, ref: token_kl(old, ref, "k1") * lp)
     assert torch.allclose(in_reward, reverse, atol=1e-12)
 
 

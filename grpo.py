@@ -54,7 +54,7 @@ from evaluation.summaries import (
 from model.lora import LoRAConfig, trainable_summary
 from model.sampler import SampleOutput
 from model.weights import save_export
-from rlhf.grpo import ADVANTAGES, informative_groups, penalize_missing_end, select, sequence_kl
+from rlhf.policy_gradient import ADVANTAGES, informative_groups, penalize_missing_end, select, sequence_kl
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards
 from rollouts.batches import (
     MicroBatch,

@@ -9,7 +9,7 @@ from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, PromptDataset, encode_respon
 from data.tokenizer import PAD_ID
 from evaluation.preference import build_eval_set, gather_pair_scores
 from model.sampler import SampleOutput
-from rlhf.grpo import penalize_missing_end
+from rlhf.policy_gradient import penalize_missing_end
 from rlhf.rewards import combine_sources, source_stats
 from rlhf.stats import win_rate
 from rollouts.prompts import PromptSet, prompt_set, source_applies

@@ -6,7 +6,7 @@ the offload of the frozen models, which dpo.py composes too."""
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhf.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, SELECTIONS, Objective
+from rlhf.policy_gradient import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, SELECTIONS, Objective
 from utils.config import ConfigError, declared, option
 
 
@@ -67,7 +67,7 @@ class SelectionConfig:
 
     # --- rewards and selection
     selection: str = option("rso", choices=SELECTIONS)
-    """How K of the G samples are kept (rlhf/grpo.py SELECTIONS)."""
+    """How K of the G samples are kept (rlhf/policy_gradient.py SELECTIONS)."""
     num_kept: int = 8
     """K: samples kept per prompt for the update (ignored by --selection all)."""
     beta_rs: float = 2.0
@@ -105,13 +105,13 @@ class SelectionConfig:
 class ObjectiveConfig:
     # --- objective
     advantage: str = option("grpo", choices=ADVANTAGES)
-    """Advantage estimator over each group's K kept samples (rlhf/grpo.py ADVANTAGES); the estimators that use
-    batch statistics take them over every kept sample of every rank."""
+    """Advantage estimator over each group's K kept samples (rlhf/policy_gradient.py ADVANTAGES); the estimators that
+    use batch statistics take them over every kept sample of every rank."""
     global_norm: bool = True
     """After the advantage estimator, whiten the advantages over the whole batch across all ranks."""
     loss_type: str = option("grpo", choices=AGGREGATIONS)
-    """Aggregation of the per-token loss (rlhf/grpo.py AGGREGATIONS); every normaliser is global over ranks and
-    micro-batches."""
+    """Aggregation of the per-token loss (rlhf/policy_gradient.py AGGREGATIONS); every normaliser is global over ranks
+    and micro-batches."""
     eps_low: float = option(0.2, objective=True)
     """Clip the ratio below at 1 - eps_low."""
     eps_high: float = option(0.2, objective=True)
@@ -122,7 +122,7 @@ class ObjectiveConfig:
     length under every --loss_type. GSPO clips much tighter (eps_low 3e-4, eps_high 4e-4 in the paper)."""
     rollout_correction: str = option("none", choices=ROLLOUT_CORRECTIONS, objective=True)
     """Correct the policy loss for the sampler / trainer mismatch, rho = exp(training-forward log-prob - sampler
-    log-prob) at the sampling weights, by weights from rho and --rollout_correction_cap (rlhf/grpo.py
+    log-prob) at the sampling weights, by weights from rho and --rollout_correction_cap (rlhf/policy_gradient.py
     ROLLOUT_CORRECTIONS); per token, or per sequence with --importance_level sequence. The mismatch is logged
     whatever this is (train/mismatch/*)."""
     rollout_correction_cap: float = option(3.0, objective=True)
@@ -130,8 +130,8 @@ class ObjectiveConfig:
     beta: float = option(0.04, objective=True)
     """Weight of the KL to the reference policy (also the beta of the implicit reward in evaluation)."""
     kl_estimator: str = option("k3", choices=KL_ESTIMATORS, objective=True)
-    """Per-token estimator of KL(pi || pi_ref), log r = ref - logp (rlhf/grpo.py KL_ESTIMATORS). As a loss term
-    k2's gradient is unbiased, k3's is the forward KL's and k1's is 0 in expectation (arXiv 2512.21852;
+    """Per-token estimator of KL(pi || pi_ref), log r = ref - logp (rlhf/policy_gradient.py KL_ESTIMATORS). As a loss
+    term k2's gradient is unbiased, k3's is the forward KL's and k1's is 0 in expectation (arXiv 2512.21852;
     docs/grpo.md)."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Where beta x KL goes: loss (a per-token term of the loss) or reward (beta x the response's summed estimate,
@@ -157,9 +157,9 @@ class ObjectiveConfig:
     is computed (and logged) every step."""
 
     def objective(self) -> Objective:
-        """The loss's options bound once (rlhf/grpo.py Objective: its terms then take tensors only): the options that
-        declare `objective=True`, each the Objective field of its name; its beta is 0 with --kl_in reward (the KL is
-        then in the reward, not the loss)."""
+        """The loss's options bound once (rlhf/policy_gradient.py Objective: its terms then take tensors only): the
+        options that declare `objective=True`, each the Objective field of its name; its beta is 0 with --kl_in reward
+        (the KL is then in the reward, not the loss)."""
         bound = {name: getattr(self, name) for name in declared(self, "objective")}
         return Objective(**bound | {"beta": self.beta if self.kl_in == "loss" else 0.0})
 

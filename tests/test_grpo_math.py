@@ -1,5 +1,5 @@
-"""rlhf/grpo.py: selection, advantages, the per-token loss and the aggregation variants, against values worked
-by hand, an independent loop implementation of RSO Algorithm 1, and invariances."""
+"""rlhf/policy_gradient.py: selection, advantages, the per-token loss and the aggregation variants, against values
+worked by hand, an independent loop implementation of RSO Algorithm 1, and invariances."""
 
 import math
 import random
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from rlhf.grpo import (
+from rlhf.policy_gradient import (
     ADVANTAGES,
     AGGREGATIONS,
     Objective,

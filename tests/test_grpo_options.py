@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo import Config
-from rlhf.grpo import (
+from rlhf.policy_gradient import (
     AGGREGATIONS,
     Objective,
     dr_grpo_weights,
@@ -276,11 +276,11 @@ def test_config_names_the_offending_option(capsys):
 
 def test_each_option_group_checks_its_own_fields_and_binds_the_objective_from_its_options():
     """rollouts/options.py's groups, each alone: SamplingConfig, SelectionConfig and ObjectiveConfig name their own
-    offending option; ObjectiveConfig.objective() reads every field of rlhf.grpo.Objective from the option of that
-    name that declares objective=True (beta 0 with the KL in the reward)."""
+    offending option; ObjectiveConfig.objective() reads every field of rlhf.policy_gradient.Objective from the option of
+    that name that declares objective=True (beta 0 with the KL in the reward)."""
     import dataclasses
 
-    from rlhf.grpo import Objective
+    from rlhf.policy_gradient import Objective
     from rollouts.options import ObjectiveConfig, SamplingConfig, SelectionConfig
     from utils.config import ConfigError, declared
 
@@ -454,10 +454,10 @@ REGISTRIES = {
 def test_each_choice_option_takes_and_lists_every_registered_name(option, capsys):
     """--help and the generated docs list each registered name with its phrase; every name parses; any other is one
     line naming the option."""
-    import rlhf.grpo
+    import rlhf.policy_gradient
     from utils.config import build_parser, options_markdown
 
-    registry = getattr(rlhf.grpo, REGISTRIES[option])
+    registry = getattr(rlhf.policy_gradient, REGISTRIES[option])
     action = next(a for a in build_parser(Config)._actions if a.dest == option)
     assert action.choices == list(registry) and len(registry) >= 3
     table = options_markdown(Config)
@@ -471,8 +471,8 @@ def test_each_choice_option_takes_and_lists_every_registered_name(option, capsys
 
 def test_a_registered_estimator_is_an_option_value_with_no_other_edit():
     """The proof of the registry: a function under the decorator is selectable by --advantage, listed by --help, and
-    reached by rlhf.grpo.advantages; a name registered twice or looked up unregistered is a ValueError."""
-    from rlhf.grpo import ADVANTAGES, advantages
+    reached by rlhf.policy_gradient.advantages; a name registered twice or looked up unregistered is a ValueError."""
+    from rlhf.policy_gradient import ADVANTAGES, advantages
     from utils.config import build_parser
 
     @ADVANTAGES.register("test_sign", help="the sign of r", min_kept=3)

@@ -98,8 +98,8 @@ def test_rollouts_docstring_names_every_module_and_every_importer():
 
 
 def test_no_function_of_the_grpo_script_or_the_math_takes_more_than_eight_positional_parameters():
-    # a function with a long positional signature wants a dataclass of its options (rlhf/grpo.py Objective) or
-    # keyword-only parameters: every function and method written in grpo.py and rlhf/ (a dataclass's generated
+    # a function with a long positional signature wants a dataclass of its options (rlhf/policy_gradient.py Objective)
+    # or keyword-only parameters: every function and method written in grpo.py and rlhf/ (a dataclass's generated
     # __init__ is not written there) takes at most 8 positional parameters besides self
     import importlib
     import inspect

@@ -121,7 +121,8 @@ def option(default, *, choices=None, free: bool = False, recorded: bool = True, 
         recorded   false: where or how the run is started, never compared on resume nor recorded (--out_dir, ...)
         model      the kind of model it names, "policy" or "reward_model" (model/weights.py KINDS): its script checks
                    it through model_config(..., kind=, option=) before building anything (tests/test_errors.py)
-        objective  a field of the GRPO loss's Objective (rlhf/grpo.py), bound from this option (rollouts/options.py)
+        objective  a field of the GRPO loss's Objective (rlhf/policy_gradient.py), bound from this option
+                   (rollouts/options.py)
     """
     facts = {"choices": choices, "free": free or None, "recorded": None if recorded else False}
     facts |= {"model": model or None, "objective": objective or None}

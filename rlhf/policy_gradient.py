@@ -1,4 +1,5 @@
-"""GRPO math as pure functions: selection of K of G samples, advantages, the per-token loss and its aggregation.
+"""The policy-gradient math of grpo.py as pure functions: selection of K of G samples, advantages (GRPO's, Dr. GRPO's,
+RLOO's, REINFORCE++'s), the per-token loss and its aggregation.
 
 Order of reward processing in grpo.py, per prompt with G samples:
 

@@ -39,7 +39,8 @@ from model.weights import model_config, save_export
 from rlhf.losses import preference_loss
 from rlhf.stats import pair_outcomes
 from rollouts.models import build_policy_and_reference
-from utils.config import ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config
+from rollouts.options import OffloadConfig
+from utils.config import ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, option, parse_config
 from utils.dist import all_reduce_sum
 from utils.guard import exit_on_error
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
@@ -48,14 +49,14 @@ from utils.run import check_best_metric, end_of_step, epoch_steps, finish, log_r
 
 @dataclass
 # shared options; --judge: win rate; --frontier_prompts: KL to the reference and rewards of samples
-class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig, FrontierConfig):
+class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig, FrontierConfig, OffloadConfig):
     # --- models
-    model: str = "runs/sft/hf"
+    model: str = option("runs/sft/hf", model="policy")
     """Starting policy: an SFT export (Hugging Face-format folder), a hub name (gpt2, ...), or with
     --random_init a preset (tiny, small, gpt2, ...)."""
     random_init: bool = False
     """Start from random GPT-2 initialisation of the preset named by --model instead of loading weights."""
-    reference: str = ""
+    reference: str = option("", model="policy")
     """Frozen reference policy; empty: the starting policy (the usual choice): a frozen copy of it, or with LoRA the
     policy's own base weights (adapters off, no copy)."""
     # --- objective
@@ -70,9 +71,6 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig, Fronti
     """Dtype the frozen reference is stored and run in: bf16, fp32, or auto (the policy's compute dtype, --dtype: then
     the policy and its reference compute alike, the implicit reward is 0 at step 0 and the first sigmoid loss is log
     2). Unused with LoRA and no --reference (the reference is then the policy's base weights)."""
-    frozen_cpu_offload: bool = False
-    """Keep the frozen reference's FSDP shards in CPU memory between forward passes (needs a GPU). Unused with LoRA
-    and no --reference."""
     # shared options, with this stage's defaults
     lr: float = 1e-6
     eval_every: int = 100

@@ -21,7 +21,7 @@ from data.tokenizer import get_tokenizer
 from evaluation.preference import build_eval_set, evaluate_policy, evaluate_reward_model, format_table, log_results
 from evaluation.samples import JudgeConfig, summary_win_rate
 from model.weights import build_policy, build_reward_model, freeze, model_config
-from utils.config import ConfigError, config_to_dict, fit_context, parse_config
+from utils.config import ConfigError, config_to_dict, fit_context, option, parse_config
 from utils.dist import cleanup_distributed, setup_distributed
 from utils.fsdp import resolve_dtype, shard_model
 from utils.guard import all_ranks_agree, exit_on_error
@@ -32,11 +32,11 @@ from utils.rundir import check_run_dir, lock_run_dir, release_run_dir
 @dataclass
 class Config(JudgeConfig):  # --judge (with --policy): the win rate against reference summaries
     # --- models
-    reward_model: str = ""
+    reward_model: str = option("", model="reward_model")
     """Reward model to evaluate: a Hugging Face-format folder (reward_model.py's hf/) or hub name."""
-    policy: str = ""
+    policy: str = option("", model="policy")
     """Policy to evaluate with its implicit reward (DPO/GRPO hf/ folder); needs --reference."""
-    reference: str = ""
+    reference: str = option("", model="policy")
     """Reference policy of the implicit reward (usually the SFT model the policy started from)."""
     beta: float = 0.1
     """beta of the implicit reward beta * log(pi/pi_ref) (does not change the accuracy, only the scores)."""

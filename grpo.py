@@ -16,8 +16,8 @@ One step (DeepSeekMath, arXiv 2402.03300, section 4); main() runs 0, 1, 8 and 9,
                           over the global batch); their weighted sum is the reward (rlhf/rewards.py)
     4. select             K = num_kept of G per prompt (RSO rejection sampling at temperature beta_rs, ...); with
                           --min_group_std the groups whose kept rewards tie are dropped (DAPO's dynamic sampling)
-    5. advantages         group normalization over the K selected (float64 statistics), then over the whole batch
-                          across ranks
+    5. advantages         --advantage's estimator over the K selected (GRPO's group normalization by default,
+                          float64 statistics), then whitened over the whole batch across ranks
     6. reference          log-probs of the selected responses under the frozen reference policy (with LoRA: the
                           policy with its adapters off); with mu > 1 also the sampling policy's; with --kl_in reward
                           beta x the KL estimate leaves each reward and the advantages are computed again
@@ -44,11 +44,17 @@ from data.tldr import ShardedLoader
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import Frontier, FrontierConfig
 from evaluation.preference import evaluate_policy, policy_logps, preference_metric_names
-from evaluation.summaries import evaluate_summaries, load_eval_sets, sample_table, summary_metric_names
+from evaluation.summaries import (
+    SampleTableConfig,
+    evaluate_summaries,
+    load_eval_sets,
+    sample_table,
+    summary_metric_names,
+)
 from model.lora import LoRAConfig, trainable_summary
 from model.sampler import SampleOutput
 from model.weights import save_export
-from rlhf.grpo import informative_groups, penalize_missing_end, select, sequence_kl
+from rlhf.policy_gradient import ADVANTAGES, informative_groups, penalize_missing_end, select, sequence_kl
 from rlhf.rewards import RewardSource, combine_sources, load_function, normalize_sources, parse_rewards
 from rollouts.batches import (
     MicroBatch,
@@ -60,11 +66,27 @@ from rollouts.batches import (
 )
 from rollouts.metrics import StepResult, gold_metrics, step_metrics
 from rollouts.models import Models, build_models, check_models, check_step_fits, refresh_reference
-from rollouts.options import ObjectiveConfig, SamplingConfig, SelectionConfig, require_non_negative, require_positive
+from rollouts.options import (
+    ObjectiveConfig,
+    OffloadConfig,
+    SamplingConfig,
+    SelectionConfig,
+    require_non_negative,
+    require_positive,
+)
 from rollouts.prompts import PromptSet, prompt_set, training_prompts
 from rollouts.sampling import RewardSpec, Scores, rollout, source_values, warn_constant_sources
 from rollouts.update import batch_logprobs, policy_update
-from utils.config import ConfigError, DataConfig, DecodeConfig, OptimConfig, RunConfig, parse_config, require_nonempty
+from utils.config import (
+    ConfigError,
+    DataConfig,
+    DecodeConfig,
+    OptimConfig,
+    RunConfig,
+    option,
+    parse_config,
+    require_nonempty,
+)
 from utils.dist import all_reduce_sum, rank_and_world, stream
 from utils.guard import NonFiniteGuard, check_rewards, exit_on_error
 from utils.logging import StageTimer, perf_metrics
@@ -84,25 +106,25 @@ class Config(
     SamplingConfig,
     SelectionConfig,
     ObjectiveConfig,
+    OffloadConfig,
     FrontierConfig,
+    SampleTableConfig,
 ):
-    """utils/config.py's option groups, GRPO's (rollouts/options.py: sampling, selection, objective) and the frontier's
-    (evaluation/frontier.py), with the script's own options below."""
+    """utils/config.py's option groups, GRPO's (rollouts/options.py: sampling, selection, objective, offload), the
+    frontier's (evaluation/frontier.py) and the sample tables' (evaluation/summaries.py), with the script's own options
+    below."""
 
     # --- models
-    model: str = "runs/sft/hf"
+    model: str = option("runs/sft/hf", model="policy")
     """Starting policy, also the frozen reference (with LoRA: the policy's own base weights, adapters off): a
     Hugging Face-format folder (sft.py's hf/), a hub name, or with --random_init a preset (tiny, small, ...)."""
     random_init: bool = False
     """Random GPT-2 initialisation of the preset named by --model (tests and smoke runs)."""
-    reward_model: str = "runs/rm/hf"
+    reward_model: str = option("runs/rm/hf", model="reward_model")
     """Reward model: reward_model.py's hf/ folder (its gain/bias come from reward_normalization.json), or with
     --reward_random_init a preset. Loaded only when --rewards names reward_model."""
     reward_random_init: bool = False
     """Random reward model of the preset named by --reward_model, gain 1 and bias 0 (tests and smoke runs)."""
-    frozen_cpu_offload: bool = False
-    """Keep the frozen models' (reference, reward model) sharded parameters on the CPU between uses (needs a GPU).
-    With LoRA the reference is the policy itself and is not offloaded."""
     # --- data
     val_rows: int = 256
     pref_data: str = "trl-lib/tldr-preference"
@@ -154,10 +176,6 @@ class Config(
     gold_parts_fn: str = ""
     """Optional "module:function" of (prompt text, response text) -> {name: number}, the parts of the gold reward,
     each logged as gold/<name> (its mean over every step's samples), e.g. data.synthetic:gold_parts."""
-    table_every: int = 20
-    """Log a table of sample responses every N steps; 0 disables."""
-    table_prompts: int = 2
-    """Prompts (with all their selected samples) in each table, from rank 0."""
     save_every: int = 50
     best_metric: str = "eval/reward"
     """Evaluation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned);
@@ -191,8 +209,10 @@ class Config(
             self, "prompts_per_step", "micro_batch_size", "score_micro_batch_size", "pref_max_response_len"
         )
         require_positive(self, "table_prompts", "reward_length_target")
-        if self.kept < 2 and self.scale_by_std:
-            raise ConfigError("group normalization with std scaling needs at least 2 kept samples per prompt")
+        if self.kept < (need := ADVANTAGES.facts.get(self.advantage, {}).get("min_kept", 1)):
+            raise ConfigError(
+                f"--advantage {self.advantage} needs at least {need} kept samples per prompt, got {self.kept}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -256,7 +276,7 @@ def train_step(
         rows_BK = idx_BK + G * torch.arange(idx_BK.shape[0], device=device)[:, None]  # (B, K) rows of B*G
         # dynamic sampling (--min_group_std): drop the groups whose kept rewards (nearly) tie
         keep_B = informative_groups(scores.total[rows_BK], cfg.min_group_std)  # (B,)
-    # 5. advantages: group normalization over the *selected* samples, then over the global batch (all ranks)
+    # 5. advantages: --advantage over the *selected* samples, then whitened over the global batch (all ranks)
     with timer("advantages"):
         rewards_BK = scores.total[rows_BK]  # (B, K)
         advantages = kept_advantages(rewards_BK, keep_B, cfg)  # (B*K,)
@@ -315,7 +335,7 @@ def train_step(
 
 
 def evaluate(
-    models: Models, spec: RewardSpec, val, pref, ref_pref, cfg: Config, step: int, device, frontier=None
+    models: Models, spec: RewardSpec, val, pref, ref_pref, cfg: Config, step: int, device, *, frontier=None
 ) -> dict:
     """Stage 8's evaluation (a collective): the policy's summaries of this rank's --val_data prompts (`val`) and the
     implicit reward's accuracy on its --pref_data pairs (`pref`, against the reference's log-probs `ref_pref`); with
@@ -372,7 +392,7 @@ def main(cfg: Config) -> dict:
     )
     check_best_metric(cfg, names | (preference_metric_names("eval/pref_") if pref else set()), keep["best_metric"])
     if step == 0 and cfg.eval_every > 0:
-        evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device, frontier)
+        evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device, frontier=frontier)
         log_row(run, evaluated, 0)
     batches_iter, metrics, stopping = iter(loader), {}, False
     models.policy.train()
@@ -399,7 +419,7 @@ def main(cfg: Config) -> dict:
             generated, step_seconds = metrics.pop("perf/generated_tokens"), time.perf_counter() - t_step
             metrics.update(perf_metrics(seconds | result.seconds, step_seconds, generated, world))
             if cfg.eval_due(step, total_steps):
-                metrics.update(evaluate(models, spec, val, pref, ref_pref, cfg, step, device, frontier))
+                metrics.update(evaluate(models, spec, val, pref, ref_pref, cfg, step, device, frontier=frontier))
             if cfg.table_every > 0 and step % cfg.table_every == 0:
                 run.logger.table("samples", *sample_table(spec, prompts, result, cfg.table_prompts), step)
 

@@ -36,6 +36,7 @@ from utils.config import (
     RunConfig,
     accumulation_steps,
     fit_context,
+    option,
     parse_config,
 )
 from utils.dist import all_reduce_sum
@@ -48,7 +49,7 @@ from utils.run import check_best_metric, end_of_step, epoch_steps, finish, log_r
 @dataclass
 class Config(RunConfig, OptimConfig, PairConfig, DecodeConfig):  # run, optimisation, preference-pair, decode options
     # --- models
-    model: str = "runs/sft/hf"
+    model: str = option("runs/sft/hf", model="policy")
     """Starting weights: an SFT export (Hugging Face-format folder; a new scalar head is added), a reward-model
     folder (its head is kept), a hub name (gpt2, ...), or with --random_init a preset (tiny, small, gpt2, ...)."""
     random_init: bool = False
@@ -63,7 +64,7 @@ class Config(RunConfig, OptimConfig, PairConfig, DecodeConfig):  # run, optimisa
     """Response tokens kept, including the "\\n" end token (also the sampling length of the normalisation)."""
     lr: float = 1e-5
     # --- sampling (of the SFT responses that fit the reward normalisation)
-    sft_policy: str = ""
+    sft_policy: str = option("", model="policy")
     """Policy whose samples fit the reward normalisation: an SFT export folder or hub name; empty: --model
     (with --random_init, a random policy of that preset)."""
     norm_prompts: int = 256

@@ -22,7 +22,7 @@ from data.tldr import PROMPT_COLUMNS, PromptDataset, decode_responses, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.samples import reward_of_samples, sample_summaries, tldr_prompt
 from model.weights import build_policy, build_reward_model, model_config
-from utils.config import ConfigError, fit_context, parse_config
+from utils.config import ConfigError, fit_context, option, parse_config
 from utils.fsdp import resolve_dtype
 from utils.guard import exit_on_error
 from utils.host import cpu_memory_settings
@@ -31,7 +31,7 @@ from utils.host import cpu_memory_settings
 @dataclass
 class Config:
     # --- models
-    policy: str = "runs/grpo/hf"
+    policy: str = option("runs/grpo/hf", model="policy")
     """Policy to sample from: a Hugging Face-format folder (any stage's hf/), a hub name, or with --random_init a
     preset (tiny, small, ...)."""
     random_init: bool = False
@@ -63,7 +63,7 @@ class Config:
     max_prompt_len: int = 512
     """Prompt tokens kept (the end of a longer post is cut); lowered to what the policy's positions hold."""
     # --- models
-    reward_model: str = ""
+    reward_model: str = option("", model="reward_model")
     """Score every summary with this reward model (reward_model.py's hf/ folder); empty: no score."""
     # --- evaluation and logging
     jsonl: bool = False

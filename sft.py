@@ -23,7 +23,16 @@ from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.losses import sft_loss_sum
-from utils.config import ConfigError, DataConfig, OptimConfig, RunConfig, accumulation_steps, fit_context, parse_config
+from utils.config import (
+    ConfigError,
+    DataConfig,
+    OptimConfig,
+    RunConfig,
+    accumulation_steps,
+    fit_context,
+    option,
+    parse_config,
+)
 from utils.dist import all_reduce_sum, stream, stream_seed
 from utils.fsdp import shard_model
 from utils.guard import exit_on_error
@@ -35,7 +44,7 @@ from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resum
 @dataclass
 class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, JudgeConfig):  # shared options; --judge: win rate
     # --- models
-    model: str = "gpt2"
+    model: str = option("gpt2", model="policy")
     """Starting weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local Hugging Face-format
     folder, or with --random_init a preset (tiny, small, gpt2, ...)."""
     random_init: bool = False

@@ -5,7 +5,7 @@
 
 A run is a run directory holding metrics.jsonl and config.json (both written by utils/logging.Logger). Runs whose
 configs are equal apart from the options in IGNORED (the seed, the run's name and folder, logging and saving cadences,
-changes of those on resume) form one group;
+changes of those on resume: what the options declare) form one group;
 each group is named by the options that differ between groups (those every group has; runs of different stages,
 which share few options, are named by their folders). For every metric the table gives, over the seeds of a group,
 the mean and the spread (sample standard deviation; 0 with one seed) of its value at the end of the run (the mean of
@@ -36,8 +36,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 # metrics logged at evaluations only: drawn as points, never smoothed across evaluations
+import evaluation.frontier  # noqa: E402
+import evaluation.pairs  # noqa: E402
+import evaluation.samples  # noqa: E402
+import evaluation.summaries  # noqa: E402
+import model.lora  # noqa: E402
+import rollouts.options  # noqa: E402
+import utils.config  # noqa: E402
+from utils.config import declared, option_groups  # noqa: E402
 from utils.logging import EVALUATION_PREFIXES, metric_direction  # noqa: E402
-from utils.rundir import FREE_OPTIONS, NOT_RECORDED, RESUME_CHANGES  # noqa: E402
+from utils.rundir import RESUME_CHANGES  # noqa: E402
 
 DEFAULT_METRICS = (
     "eval/gold",
@@ -60,9 +68,16 @@ class CompareError(ValueError):
 
 
 # Options that do not change what a run computes, or that every run has its own value of: the options a run may change
-# on resume without asking (utils.rundir.FREE_OPTIONS) but --steps, where and how it was started (NOT_RECORDED), the
-# seed and the device.
-IGNORED = (FREE_OPTIONS - {"steps"}) | NOT_RECORDED | {"seed", "device"}
+# on resume without asking (declared free beside each option: utils.config.option) but --steps, where and how it was
+# started (declared recorded=False), the seed and the device. Read from the option groups of the packages (a package
+# does not import the scripts; tests/test_compare.py checks that every script's declared options are covered).
+OPTION_GROUPS = option_groups(
+    utils.config, rollouts.options, model.lora, evaluation.pairs, evaluation.samples, evaluation.summaries,
+    evaluation.frontier,
+)  # fmt: skip
+IGNORED = frozenset(
+    {name for group in OPTION_GROUPS for fact in ("free", "recorded") for name in declared(group, fact)} - {"steps"}
+) | {"seed", "device"}
 
 
 @dataclass

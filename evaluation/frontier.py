@@ -59,7 +59,7 @@ from rlhf.stats import (
 )
 from rollouts.models import sharded_module
 from rollouts.sampling import model_rows, score
-from utils.config import ConfigError
+from utils.config import ConfigError, option
 from utils.dist import stream
 from utils.fsdp import gathered_params, shard_model
 from utils.logging import read_rows
@@ -84,7 +84,7 @@ class FrontierConfig:
     frontier_data: str = ""
     """Prompts for --frontier_prompts (a prompt column; a completion column adds the win rate against it): a hub
     dataset name, a .jsonl/.parquet file or a folder; empty: the stage's --val_data (its distinct prompts)."""
-    frontier_reward_model: str = ""
+    frontier_reward_model: str = option("", model="reward_model")
     """The proxy reward model (reward_model.py's hf/ folder) scoring the samples; empty: grpo.py's --reward_model,
     dpo.py's --judge, or none."""
     frontier_gold_fn: str = ""

@@ -15,7 +15,7 @@ from model.sampler import SampleOutput
 from model.weights import build_reward_model, freeze, model_config
 from rlhf.stats import win_rate
 from rollouts.sampling import sample_responses, score
-from utils.config import ConfigError
+from utils.config import ConfigError, option
 from utils.dist import rank_and_world, stream
 from utils.fsdp import shard_model
 from utils.logging import EvalProgress
@@ -153,7 +153,7 @@ def summary_win_rate(
 @dataclass
 class JudgeConfig:
     # --- evaluation and logging
-    judge: str = ""
+    judge: str = option("", model="reward_model")
     """A reward model (reward_model.py's hf/ folder) that judges the policy's greedy summaries of --summary_data
     against their reference summaries (in a training stage, at every evaluation): the win rate (docs/reporting.md);
     empty: none."""

@@ -1,17 +1,20 @@
 """The reward of held-out summaries: one greedy (or sampled) summary per validation prompt, scored by every reward
 source; GRPO's evaluation next to the implicit-reward preference accuracy (evaluation/preference.py)."""
 
+from dataclasses import dataclass
+
 import torch
 
 from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, PromptDataset, encode_response, load_optional_column, load_rows
 from data.tokenizer import PAD_ID
 from evaluation.preference import build_eval_set, gather_pair_scores
 from model.sampler import SampleOutput
-from rlhf.grpo import penalize_missing_end
+from rlhf.policy_gradient import penalize_missing_end
 from rlhf.rewards import combine_sources, source_stats
 from rlhf.stats import win_rate
 from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, rollout, score, source_values
+from utils.config import option
 from utils.dist import all_reduce_sum, rank_and_world, stream
 from utils.logging import EvalProgress
 
@@ -111,6 +114,15 @@ def reference_summaries(texts: list, tok, max_new_tokens: int, device) -> Sample
         torch.zeros(ids.shape, device=device),
         torch.ones(len(encoded), dtype=torch.bool, device=device),
     )
+
+
+@dataclass
+class SampleTableConfig:
+    # --- evaluation and logging
+    table_every: int = option(20, free=True)
+    """Log a table of sample responses every N steps; 0 disables."""
+    table_prompts: int = option(2, free=True)
+    """Prompts (with all their selected samples) in each table, from rank 0."""
 
 
 def sample_table(spec: RewardSpec, prompts: PromptSet, result, n_prompts: int) -> tuple[list[str], list[list]]:

@@ -207,13 +207,13 @@ def label_policy_pairs(
 # sqrt(K / (K - 1)) (tests/test_grpo_math.py), so it is also switched on and off after Dr. GRPO's centring, where it
 # sets the batch's scale.
 ABLATION = {
-    "rso": {"selection": "rso", "global_norm": "true", "scale_by_std": "true"},
-    "uniform": {"selection": "uniform", "global_norm": "true", "scale_by_std": "true"},
-    "top_bottom": {"selection": "top_bottom", "global_norm": "true", "scale_by_std": "true"},
-    "all": {"selection": "all", "global_norm": "true", "scale_by_std": "true"},
-    "rso_no_global_norm": {"selection": "rso", "global_norm": "false", "scale_by_std": "true"},
-    "rso_centred": {"selection": "rso", "global_norm": "true", "scale_by_std": "false"},
-    "rso_centred_no_global_norm": {"selection": "rso", "global_norm": "false", "scale_by_std": "false"},
+    "rso": {"selection": "rso", "global_norm": "true", "advantage": "grpo"},
+    "uniform": {"selection": "uniform", "global_norm": "true", "advantage": "grpo"},
+    "top_bottom": {"selection": "top_bottom", "global_norm": "true", "advantage": "grpo"},
+    "all": {"selection": "all", "global_norm": "true", "advantage": "grpo"},
+    "rso_no_global_norm": {"selection": "rso", "global_norm": "false", "advantage": "grpo"},
+    "rso_centred": {"selection": "rso", "global_norm": "true", "advantage": "dr_grpo"},
+    "rso_centred_no_global_norm": {"selection": "rso", "global_norm": "false", "advantage": "dr_grpo"},
 }
 
 

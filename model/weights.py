@@ -151,19 +151,6 @@ def load_config(name_or_path: str) -> GPTConfig:
         raise ModelLoadError(f"{cfg_file} is not a GPT-2 config.json ({type(e).__name__}: {e})") from None
 
 
-# The kind each option that names a model must be of, in every script that has it (reward_model.py's --model takes
-# either: a policy gets a new head). tests/test_errors.py walks every script's options against this table.
-MODEL_OPTIONS = {
-    "model": "policy",
-    "reference": "policy",
-    "policy": "policy",
-    "sft_policy": "policy",
-    "reward_model": "reward_model",
-    "judge": "reward_model",
-    "frontier_reward_model": "reward_model",
-}
-
-
 def model_kind(name_or_path: str, cfg_file: Path | None = None) -> str:
     """ "policy" or "reward_model": the model's config.json "model_kind", else its architecture (see the module
     docstring). `cfg_file`: its config.json where _resolve_files found it (a hub model's, in the Hugging Face cache);
@@ -218,8 +205,9 @@ def model_config(
     """The GPTConfig that build_policy / build_reward_model would build, without reading any weights: scripts call
     it first, so a wrong model name or folder fails before data is tokenized or anything is put on a GPU. With
     `kind` ("policy" or "reward_model") a loaded model must be of that kind (check_kind; `option` names it in the
-    error, and any error about the folder); a random preset is whatever is built from it. MODEL_OPTIONS names the kind
-    of every option that names a model; every script checks each of its own here before building anything."""
+    error, and any error about the folder); a random preset is whatever is built from it. Each option that names a
+    model declares its kind beside it (utils/config.py option(..., model=KIND)); every script checks each of its own
+    here before building anything."""
     if random_init:
         if name_or_path not in PRESETS:
             raise ModelLoadError(f"--random_init needs a preset name ({', '.join(PRESETS)}), got '{name_or_path}'")

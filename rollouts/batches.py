@@ -7,7 +7,7 @@ import torch
 
 from model.gpt2 import SharedPrefix
 from model.sampler import SampleOutput
-from rlhf.grpo import advantages
+from rlhf.policy_gradient import advantages
 from rollouts.sampling import micro_batch_rows, model_rows
 from utils.config import ConfigError
 from utils.dist import all_reduce_max, all_reduce_sum
@@ -102,10 +102,11 @@ def with_advantages(batches: list[MicroBatch], advantages_N: torch.Tensor) -> li
 
 
 def kept_advantages(rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg) -> torch.Tensor:
-    """Advantages (B*K,): those of the kept groups (`keep_B`), globally normalized over the kept groups of every rank
-    only; 0 for the groups dynamic sampling dropped (--min_group_std), which are not trained on."""
+    """Advantages (B*K,): those of the kept groups (`keep_B`) by --advantage, its batch statistics and the global
+    normalization over the kept groups of every rank only; 0 for the groups dynamic sampling dropped
+    (--min_group_std), which are not trained on."""
     adv_BK = torch.zeros(rewards_BK.shape, dtype=torch.float32, device=rewards_BK.device)
-    adv_N = advantages(rewards_BK[keep_B], cfg.scale_by_std, cfg.global_norm, all_reduce_sum)  # (kept groups * K,)
+    adv_N = advantages(rewards_BK[keep_B], cfg.advantage, cfg.global_norm, all_reduce_sum)  # (kept groups * K,)
     adv_BK[keep_B] = adv_N.view(-1, rewards_BK.shape[1])
     return adv_BK.flatten()
 

@@ -24,7 +24,7 @@ class StepResult:
     scores: Scores  # every reward source's values and the training reward
     idx_BK: torch.Tensor  # (B, K) kept columns of each prompt's group
     rows_BK: torch.Tensor  # (B, K) kept rows of the samples
-    selection_stats: dict  # per prompt (B,): candidates visited and rounds (rlhf/grpo.py select)
+    selection_stats: dict  # per prompt (B,): candidates visited and rounds (rlhf/policy_gradient.py select)
     rewards_BK: torch.Tensor  # (B, K) the kept samples' rewards
     advantages: torch.Tensor  # (B*K,), 0 in the groups --min_group_std dropped
     batches: list[MicroBatch]  # the update's micro-batches

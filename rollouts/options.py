@@ -1,13 +1,13 @@
 """GRPO's option groups (grpo.py composes them into its Config, as it composes utils/config.py's): sampling, selection
 and objective, each a dataclass whose fields are command-line options (`--name VALUE`, help text the string under
-the field, `--help` section the `# --- SECTION` line above it) and whose validate_* method checks its own fields."""
+the field, `--help` section the `# --- SECTION` line above it) and whose validate_* method checks its own fields; and
+the offload of the frozen models, which dpo.py composes too."""
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhf.grpo import Objective
-from utils.config import ConfigError
+from rlhf.policy_gradient import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, SELECTIONS, Objective
+from utils.config import ConfigError, declared, option
 
 
 def keeps_start(cfg) -> bool:
@@ -30,6 +30,14 @@ def require_non_negative(cfg, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+
+
+@dataclass
+class OffloadConfig:
+    # --- models
+    frozen_cpu_offload: bool = option(False, free=True)
+    """Keep the frozen models' sharded parameters (the reference; GRPO's reward model too) in CPU memory between uses
+    (needs a GPU). Unused where the reference is the policy itself (LoRA, without dpo.py's --reference)."""
 
 
 @dataclass
@@ -66,9 +74,8 @@ class SelectionConfig:
     """K of each prompt's G samples kept for the update (G: SamplingConfig's num_samples, which this group reads)."""
 
     # --- rewards and selection
-    selection: Literal["rso", "top_bottom", "uniform", "all"] = "rso"
-    """How K of the G samples are kept: rso (RSO rejection sampling, arXiv 2309.06657), top_bottom (the K/2 best
-    and K/2 worst), uniform (K at random), all (K = G)."""
+    selection: str = option("rso", choices=SELECTIONS)
+    """How K of the G samples are kept (rlhf/policy_gradient.py SELECTIONS)."""
     num_kept: int = 8
     """K: samples kept per prompt for the update (ignored by --selection all)."""
     beta_rs: float = 2.0
@@ -81,7 +88,7 @@ class SelectionConfig:
     @property
     def kept(self) -> int:
         """K actually kept per prompt."""
-        return self.num_samples if self.selection == "all" else self.num_kept
+        return self.num_samples if SELECTIONS.facts.get(self.selection, {}).get("keeps_all") else self.num_kept
 
     def validate_selection(self) -> None:
         require_positive(self, "num_kept")
@@ -105,39 +112,40 @@ class SelectionConfig:
 @dataclass
 class ObjectiveConfig:
     # --- objective
-    scale_by_std: bool = True
-    """Divide by the group's std in group normalization; false gives Dr. GRPO's r - mean (arXiv 2503.20783)."""
+    advantage: str = option("grpo", choices=ADVANTAGES)
+    """Advantage estimator over each group's K kept samples (rlhf/policy_gradient.py ADVANTAGES); the estimators that
+    use batch statistics take them over every kept sample of every rank."""
     global_norm: bool = True
-    """After group normalization, whiten the advantages over the whole batch across all ranks."""
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
-    """Aggregation: grpo (per-sequence mean, then mean over sequences), bnpo/dapo (mean over all tokens),
-    dr_grpo (sum / (sequences x max_new_tokens)); every normaliser is global over ranks and micro-batches."""
-    eps_low: float = 0.2
+    """After the advantage estimator, whiten the advantages over the whole batch across all ranks."""
+    loss_type: str = option("grpo", choices=AGGREGATIONS)
+    """Aggregation of the per-token loss (rlhf/policy_gradient.py AGGREGATIONS); every normaliser is global over ranks
+    and micro-batches."""
+    eps_low: float = option(0.2, objective=True)
     """Clip the ratio below at 1 - eps_low."""
-    eps_high: float = 0.2
+    eps_high: float = option(0.2, objective=True)
     """Clip the ratio above at 1 + eps_high (DAPO's clip-higher uses 0.28)."""
-    importance_level: Literal["token", "sequence"] = "token"
+    importance_level: Literal["token", "sequence"] = option("token", objective=True)
     """token: one ratio pi/pi_old per token (GRPO); sequence: GSPO's (arXiv 2507.18071) one ratio per response,
     exp(mean over its tokens of the log-ratio), clipped per sequence, each sequence counting once whatever its
     length under every --loss_type. GSPO clips much tighter (eps_low 3e-4, eps_high 4e-4 in the paper)."""
-    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction: str = option("none", choices=ROLLOUT_CORRECTIONS, objective=True)
     """Correct the policy loss for the sampler / trainer mismatch, rho = exp(training-forward log-prob - sampler
-    log-prob) at the sampling weights: tis multiplies it by min(rho, cap) (truncated importance sampling), mis by
-    rho, or 0 beyond the cap (masked); per token, or per sequence with --importance_level sequence. The mismatch is
-    logged whatever this is (train/mismatch/*)."""
-    rollout_correction_cap: float = 3.0
+    log-prob) at the sampling weights, by weights from rho and --rollout_correction_cap (rlhf/policy_gradient.py
+    ROLLOUT_CORRECTIONS); per token, or per sequence with --importance_level sequence. The mismatch is logged
+    whatever this is (train/mismatch/*)."""
+    rollout_correction_cap: float = option(3.0, objective=True)
     """The cap of --rollout_correction (> 0)."""
-    beta: float = 0.04
+    beta: float = option(0.04, objective=True)
     """Weight of the KL to the reference policy (also the beta of the implicit reward in evaluation)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token estimator of KL(pi || pi_ref), log r = ref - logp: k1 = -log r, k2 = (log r)^2 / 2,
-    k3 = r - 1 - log r (DeepSeekMath's). As a loss term k2's gradient is unbiased, k3's is the forward KL's and k1's
-    is 0 in expectation (arXiv 2512.21852; docs/grpo.md)."""
+    kl_estimator: str = option("k3", choices=KL_ESTIMATORS, objective=True)
+    """Per-token estimator of KL(pi || pi_ref), log r = ref - logp (rlhf/policy_gradient.py KL_ESTIMATORS). As a loss
+    term k2's gradient is unbiased, k3's is the forward KL's and k1's is 0 in expectation (arXiv 2512.21852;
+    docs/grpo.md)."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Where beta x KL goes: loss (a per-token term of the loss) or reward (beta x the response's summed estimate,
     detached, subtracted from its reward before group normalization; with k1 the unbiased policy-gradient choice).
     Selection uses the reward without it."""
-    kl_ratio: bool = False
+    kl_ratio: bool = option(False, objective=True)
     """Multiply the loss's KL estimate by the ratio pi/pi_old (pi_old detached, value 1 when on-policy): the
     gradient-corrected estimator, whose gradient is unbiased for k1 and k3 (--kl_in loss only)."""
     policy_epochs: int = 1
@@ -148,7 +156,7 @@ class ObjectiveConfig:
     weights); the KL term is exactly 0 right after. 0 keeps the starting policy as reference. With
     --frontier_prompts, a frozen copy of the starting policy is kept too (one more copy of its weights), so that
     eval/kl stays the KL to the policy the run started from."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = option(0.0, objective=True)
     """Entropy bonus: subtract entropy_coef x the token entropy of the (temperature / top-k / top-p processed)
     policy from the loss, aggregated like the loss; 0 disables. Negative: an entropy penalty, which sharpens the
     policy towards its own most likely tokens (entropy minimisation)."""
@@ -159,10 +167,10 @@ class ObjectiveConfig:
     is computed (and logged) every step."""
 
     def objective(self) -> Objective:
-        """The loss's options bound once (rlhf/grpo.py Objective: its terms then take tensors only), each of its
-        fields read from this group's option of the same name; its beta is 0 with --kl_in reward (the KL is then in
-        the reward, not the loss)."""
-        bound = {f.name: getattr(self, f.name) for f in dataclasses.fields(Objective)}
+        """The loss's options bound once (rlhf/policy_gradient.py Objective: its terms then take tensors only): the
+        options that declare `objective=True`, each the Objective field of its name; its beta is 0 with --kl_in reward
+        (the KL is then in the reward, not the loss)."""
+        bound = {name: getattr(self, name) for name in declared(self, "objective")}
         return Objective(**bound | {"beta": self.beta if self.kl_in == "loss" else 0.0})
 
     def validate_objective(self) -> None:

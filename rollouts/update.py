@@ -1,14 +1,14 @@
 """GRPO's stage 7, the policy update (grpo.py train_step), and the log-probs of stage 6: every response token's
-processed log-prob (and entropy) under a model, the per-micro-batch loss composed of rlhf/grpo.py's Objective terms,
-and cfg.policy_epochs optimizer steps over a step's micro-batches. `cfg` is grpo.py's Config."""
+processed log-prob (and entropy) under a model, the per-micro-batch loss composed of rlhf/policy_gradient.py's Objective
+terms, and cfg.policy_epochs optimizer steps over a step's micro-batches. `cfg` is grpo.py's Config."""
 
 from contextlib import nullcontext
 from functools import partial
 
 import torch
 
-from rlhf.grpo import AGGREGATIONS, Objective, mismatch_stats
 from rlhf.logprobs import linear_processed_logprobs
+from rlhf.policy_gradient import AGGREGATIONS, Objective, mismatch_stats
 from rollouts.batches import MicroBatch
 from rollouts.metrics import update_metrics
 from rollouts.models import sharded_module
@@ -58,8 +58,8 @@ def batch_logprobs(model, batches: list[MicroBatch], cfg, gather: bool) -> list[
 def diagnostics(logp: torch.Tensor, old: torch.Tensor, batch: MicroBatch) -> tuple[dict, dict]:
     """What the loss does not use, of one micro-batch (no graph), as named fp64 sums and maxima over its response
     tokens: the sampler / trainer mismatch at the sampling weights (`old`: the training forward's log-probs there;
-    rlhf/grpo.py mismatch_stats), and the tokens outside the training forward's top-k / top-p set with the |log-prob
-    gap| to the sampler on the others."""
+    rlhf/policy_gradient.py mismatch_stats), and the tokens outside the training forward's top-k / top-p set with the
+    |log-prob gap| to the sampler on the others."""
     mask = batch.response_mask
     with torch.no_grad():
         mismatch = mismatch_stats(old, batch.sampler_logprobs, mask)
@@ -122,8 +122,9 @@ def policy_update(
     skip that optimizer and scheduler step).
 
     Every aggregation is sum(w * loss) / Z with token weights w from the mask and a normaliser Z summed over
-    micro-batches and ranks before any backward (rlhf/grpo.py); utils/optim.py accumulate_micro_batches scales each
-    rank's loss so the reduced gradient is that of the global loss, for any world size and micro-batch size."""
+    micro-batches and ranks before any backward (rlhf/policy_gradient.py); utils/optim.py accumulate_micro_batches
+    scales each rank's loss so the reduced gradient is that of the global loss, for any world size and micro-batch
+    size."""
     objective = cfg.objective()
     weigh = AGGREGATIONS[cfg.loss_type]
     weights = [weigh(b.response_mask, cfg.max_new_tokens) for b in batches]  # (token weights (n, R), Z part)

@@ -305,3 +305,22 @@ def test_seed_reruns_differing_in_free_options_or_their_changes_on_resume_group_
         {"option_changes": []},
         {"option_changes": [{"step": 1, "options": {"lr": [0.1, 0.2]}}]},
     ]
+
+
+def test_ignored_options_are_what_every_script_declares_free_or_unrecorded():
+    """compare.IGNORED reads the declarations of the packages' option groups (a package does not import the scripts):
+    each script's options declared free on resume (but --steps) or unrecorded are among them, a shared option a
+    script redeclares with its own default (grpo.py's --eval_every) included, and nothing else but --seed and
+    --device is."""
+    import dpo
+    import eval_preferences
+    import grpo
+    import reward_model
+    import sft
+    from utils.config import declared
+
+    scripts = (sft, reward_model, dpo, grpo, eval_preferences)
+    names = {n for s in scripts for fact in ("free", "recorded") for n in declared(s.Config, fact)} - {"steps"}
+    assert "eval_every" in grpo.Config.__annotations__ and "eval_every" in names
+    assert {"table_every", "frozen_cpu_offload", "keep_last", "out_dir"} <= names
+    assert compare.IGNORED == names | {"seed", "device"}

@@ -853,39 +853,39 @@ def test_a_best_metric_no_evaluation_logs_stops_before_the_first_training_step(i
 
 
 def test_every_option_that_names_a_model_has_its_kind_checked_in_every_script():
-    # each script's options named in model.weights.MODEL_OPTIONS must have a case above giving a folder of the other
-    # kind, answered by one line naming the option (reward_model.py's --model takes either kind): a new model option
-    # fails here until its script checks it through model_config
-    import dataclasses
+    # each script option that declares the kind of model it names (utils.config.option(..., model=KIND)) must have a
+    # case above giving a folder of the other kind, answered by one line naming the option (reward_model.py's --model
+    # takes either kind): a new model option fails here until its script checks it through model_config
     from collections import defaultdict
     from pathlib import Path
 
-    from model.weights import MODEL_OPTIONS
+    from model.weights import KINDS
+    from utils.config import declared, field_docs
 
+    kinds = {script: declared(module.Config, "model") for script, module in SCRIPTS.items()}
+    assert {kind for declared_kinds in kinds.values() for kind in declared_kinds.values()} == set(KINDS)
     dummy = defaultdict(lambda: Path("folder"))
     covered = set()
     for _, script, extra, fragments in CASES:
         argv = extra(dummy, Path("out"))
-        for option in MODEL_OPTIONS:
+        for option in kinds[script]:
             named = f"--{option}" in argv and f"--{option}" in fragments
             if named and any(" is a policy (" in f or " is a reward model (" in f for f in fragments):
                 covered.add((script, option))
     # and every option whose help says it takes a model folder (a stage's hf/ export, a Hugging Face-format folder)
-    # is in MODEL_OPTIONS, so an option missing from the table fails here too
-    from utils.config import field_docs
-
-    untabled = [
+    # declares its kind, so an option that does not fails here too
+    undeclared = [
         (script, name)
         for script, module in SCRIPTS.items()
         for name, doc in field_docs(module.Config).items()
-        if name != "out_dir" and re.search(r"\bhf/|Hugging Face-format folder", doc) and name not in MODEL_OPTIONS
+        if name != "out_dir" and re.search(r"\bhf/|Hugging Face-format folder", doc) and name not in kinds[script]
     ]
-    assert not untabled, untabled
+    assert not undeclared, undeclared
     unchecked = [
-        (script, field.name)
-        for script, module in SCRIPTS.items()
-        for field in dataclasses.fields(module.Config)
-        if field.name in MODEL_OPTIONS and (script, field.name) not in covered | {("reward_model", "model")}
+        (script, option)
+        for script, declared_kinds in kinds.items()
+        for option in declared_kinds
+        if (script, option) not in covered | {("reward_model", "model")}
     ]
     assert not unchecked, unchecked
 

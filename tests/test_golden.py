@@ -132,7 +132,9 @@ def test_a_one_percent_kl_error_fails_the_tolerance_comparison(tmp_path):
     # the absolute floor must not hide small terms: GRPO with its k3 KL estimate multiplied by 1.01 (the loss's KL term
     # and the logged KL both 1% off) fails the comparison another machine would make (tolerance mode, against every
     # set); unscaled, the same run passes it (test_stage_reproduces_its_golden_numbers)
-    scaled = run("grpo_rso", tmp_path / "scaled", wrapper=("tests/scripts/scaled.py", "rlhf.grpo:k3_kl", "1.01"))
+    scaled = run(
+        "grpo_rso", tmp_path / "scaled", wrapper=("tests/scripts/scaled.py", "rlhf.policy_gradient:k3_kl", "1.01")
+    )
     for _, record in records("grpo_rso"):
         want = {k: v for k, v in record.items() if k != "machine"}
         want["params"] = {k: v for k, v in want["params"].items() if k != "sha256"}

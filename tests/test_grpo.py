@@ -14,7 +14,7 @@ from grpo import Config, train_step
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.sampler import END_ID, SampleOutput
 from model.weights import build_policy, freeze
-from rlhf.grpo import AGGREGATIONS, global_normalize
+from rlhf.policy_gradient import AGGREGATIONS, global_normalize
 from rollouts.batches import build_training_batches
 from rollouts.models import Models
 from rollouts.sampling import RewardSpec

@@ -1,5 +1,5 @@
-"""rlhf/grpo.py: selection, advantages, the per-token loss and the aggregation variants, against values worked
-by hand, an independent loop implementation of RSO Algorithm 1, and invariances."""
+"""rlhf/policy_gradient.py: selection, advantages, the per-token loss and the aggregation variants, against values
+worked by hand, an independent loop implementation of RSO Algorithm 1, and invariances."""
 
 import math
 import random
@@ -7,10 +7,12 @@ import random
 import pytest
 import torch
 
-from rlhf.grpo import (
+from rlhf.policy_gradient import (
+    ADVANTAGES,
     AGGREGATIONS,
     Objective,
     advantages,
+    batch_whitened_reward,
     clipped_surrogate,
     dr_grpo_weights,
     global_normalize,
@@ -18,6 +20,7 @@ from rlhf.grpo import (
     group_normalize,
     grpo_weights,
     k3_kl,
+    leave_one_out,
     penalize_missing_end,
     select_all,
     select_rso,
@@ -158,6 +161,84 @@ def test_a_group_that_scored_all_alike_gets_exactly_zero_advantage(K):
     assert group_normalize(r).dtype == torch.float32
 
 
+def test_rloo_is_the_leave_one_out_baseline_by_hand():
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740): A_i = r_i - (1 / (K - 1)) sum_{j != i} r_j."""
+    r = torch.tensor([[1.0, 2.0, 3.0, 6.0], [5.0, 5.0, 5.0, 5.0]])  # sum 12: the others' means 11/3, 10/3, 3, 2
+    want = torch.tensor([[1 - 11 / 3, 2 - 10 / 3, 3 - 3.0, 6 - 2.0], [0.0, 0.0, 0.0, 0.0]])
+    assert torch.allclose(leave_one_out(r), want, atol=1e-6)
+    assert torch.equal(leave_one_out(r)[1], torch.zeros(4))  # exactly 0 for a tie (float64 statistics)
+    assert torch.allclose(leave_one_out(r), group_center(r) * 4 / 3, atol=1e-6)  # K / (K - 1) (r - mean)
+    assert torch.equal(ADVANTAGES["rloo"](r, None), leave_one_out(r))
+
+
+def test_rloo_gradient_is_unbiased_for_independent_samples():
+    """The leave-one-out baseline does not depend on the sample it is subtracted from, so with K = 2 independent
+    samples of a categorical policy E[(1/K) sum_i A_i grad log pi(y_i)] is exactly grad E[r] (enumerating every
+    pair); GRPO's std-normalized advantage of the same pairs is not an estimate of it (it is +-1/sqrt(2) whatever the
+    gap, the std is taken within the pair)."""
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(3, generator=g, dtype=torch.float64).requires_grad_()
+    reward = torch.tensor([0.3, -1.0, 2.0], dtype=torch.float64)
+    logp = theta.log_softmax(0)
+    (true_grad,) = torch.autograd.grad((logp.exp() * reward).sum(), theta, retain_graph=True)
+    estimates = {"rloo": torch.zeros(3, dtype=torch.float64), "grpo": torch.zeros(3, dtype=torch.float64)}
+    for y1 in range(3):
+        for y2 in range(3):
+            r_BK = reward[[y1, y2]][None]  # (1, 2)
+            p = float((logp[y1] + logp[y2]).detach().exp())  # probability of the pair
+            for name in estimates:
+                a = ADVANTAGES[name](r_BK, None)[0].double()
+                (grad,) = torch.autograd.grad((a[0] * logp[y1] + a[1] * logp[y2]) / 2, theta, retain_graph=True)
+                estimates[name] += p * grad
+    assert torch.allclose(estimates["rloo"], true_grad, atol=1e-12)
+    assert not torch.allclose(estimates["grpo"], true_grad, atol=1e-2)
+
+
+def test_reinforce_pp_whitens_the_reward_over_the_global_batch_by_hand():
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): A = (r - mean_batch r) / std_batch r over every sample of the
+    global batch, no group baseline. Two ranks of one group each: rank 0 holds [1, 2], rank 1 [3, 6]; batch mean 3,
+    population variance (4 + 1 + 0 + 9) / 4 = 3.5."""
+    rank0, rank1 = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 6.0]])
+
+    def reduce_with(other):  # what all_reduce_sum returns on this rank: its stats plus the other rank's
+        o = other.double()
+        return lambda t: t + torch.stack([torch.tensor(float(o.numel()), dtype=torch.float64), o.sum(), (o * o).sum()])
+
+    a0 = batch_whitened_reward(rank0, reduce_with(rank1))
+    a1 = batch_whitened_reward(rank1, reduce_with(rank0))
+    assert torch.allclose(a0, (rank0 - 3.0) / math.sqrt(3.5), atol=1e-6)
+    assert torch.allclose(a1, (rank1 - 3.0) / math.sqrt(3.5), atol=1e-6)
+    # no group baseline: the same rewards grouped otherwise get the same advantages, and one sample per prompt works
+    both = torch.cat([rank0, rank1])  # (2, 2)
+    assert torch.allclose(batch_whitened_reward(both.view(4, 1)).view(2, 2), batch_whitened_reward(both), atol=1e-6)
+    assert torch.allclose(advantages(both, "reinforce_pp", False), torch.cat([a0, a1]).flatten(), atol=1e-6)
+    # the paper's variant with a baseline (group mean subtracted, then the batch normalisation): dr_grpo + global norm
+    centred = torch.tensor([-0.5, 0.5, -1.5, 1.5])  # population std sqrt(1.25)
+    assert torch.allclose(advantages(both, "dr_grpo", True), centred / math.sqrt(1.25), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(ADVANTAGES))
+def test_every_advantage_estimator_sees_only_the_kept_groups(name):
+    """rollouts/batches.py kept_advantages: the groups dynamic sampling dropped get 0 and take no part in any
+    estimator's statistics (a batch's or the global normalization's): the kept groups' advantages are those of the
+    kept groups alone, whatever the dropped groups' rewards."""
+    from types import SimpleNamespace
+
+    from rollouts.batches import kept_advantages
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(3, 4, generator=g)
+    keep = torch.tensor([True, False, True])
+    for global_norm in (False, True):
+        cfg = SimpleNamespace(advantage=name, global_norm=global_norm)
+        got = kept_advantages(rewards, keep, cfg).view(3, 4)
+        assert torch.equal(got[1], torch.zeros(4))
+        alone = advantages(rewards[keep], name, global_norm).view(2, 4)
+        assert torch.equal(got[keep], alone)
+        rewards[1] = 100.0  # the dropped group's rewards change nothing
+        assert torch.equal(kept_advantages(rewards, keep, cfg).view(3, 4), got)
+
+
 def test_global_normalization_by_hand():
     a = torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3, population var (4 + 1 + 0 + 9) / 4 = 3.5
     out = global_normalize(a, eps=0.0)
@@ -172,13 +253,13 @@ def test_after_std_group_normalization_global_normalization_is_one_constant_fact
     advantages are 0, which shrinks the pooled std). What the ablation of --global_norm can show depends on this."""
     K = 8
     rewards = torch.randn(5, K, generator=torch.Generator().manual_seed(0))
-    local, pooled = advantages(rewards, True, False), advantages(rewards, True, True)
+    local, pooled = advantages(rewards, "grpo", False), advantages(rewards, "grpo", True)
     assert torch.allclose(pooled, local * math.sqrt(K / (K - 1)), atol=1e-3)  # eps 1e-4 in the group std
     rewards[0] = 1.0  # one degenerate group of five: the others are scaled up by a further sqrt(5 / 4)
-    local, pooled = advantages(rewards, True, False), advantages(rewards, True, True)
+    local, pooled = advantages(rewards, "grpo", False), advantages(rewards, "grpo", True)
     assert torch.allclose(pooled[K:], local[K:] * math.sqrt(K / (K - 1) * 5 / 4), atol=1e-3)
     # Dr. GRPO's centring keeps each group's own scale; there global whitening sets the scale of the whole batch
-    centred = advantages(rewards, False, True)
+    centred = advantages(rewards, "dr_grpo", True)
     assert centred.double().std(unbiased=False) == pytest.approx(1.0, abs=1e-6)
 
 

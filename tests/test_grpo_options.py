@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from grpo import Config
-from rlhf.grpo import (
+from rlhf.policy_gradient import (
     AGGREGATIONS,
     Objective,
     dr_grpo_weights,
     grpo_weights,
     informative_groups,
-    kl_estimate,
     mismatch_stats,
     rollout_correction,
     sequence_clipped_surrogate,
     sequence_kl,
     spread_sequence_loss,
+    token_kl,
 )
 from tests.conftest import run_script
 from tests.helpers import end_biased_policy, read_metrics
@@ -173,14 +173,14 @@ def test_token_loss_is_its_three_terms_by_hand():
 
 def test_kl_estimators_by_hand():
     logp, ref = torch.tensor([-1.0, -0.5]), torch.tensor([-2.0, -0.5])  # logp - ref = 1, 0
-    assert torch.allclose(kl_estimate(logp, ref, "k1"), torch.tensor([1.0, 0.0]))
-    assert torch.allclose(kl_estimate(logp, ref, "k2"), torch.tensor([0.5, 0.0]))
-    assert torch.allclose(kl_estimate(logp, ref, "k3"), torch.tensor([math.exp(-1.0) + 1.0 - 1.0, 0.0]))
+    assert torch.allclose(token_kl(logp, ref, "k1"), torch.tensor([1.0, 0.0]))
+    assert torch.allclose(token_kl(logp, ref, "k2"), torch.tensor([0.5, 0.0]))
+    assert torch.allclose(token_kl(logp, ref, "k3"), torch.tensor([math.exp(-1.0) + 1.0 - 1.0, 0.0]))
     mask = ragged_mask([2, 1], 2)
     two = torch.stack([logp, logp]), torch.stack([ref, ref])
     assert torch.allclose(sequence_kl(*two, mask, "k1"), torch.tensor([1.0, 1.0]))  # the masked token leaves out
     with pytest.raises(ValueError, match="k4"):
-        kl_estimate(logp, ref, "k4")
+        token_kl(logp, ref, "k4")
 
 
 def toy_policy():
@@ -216,9 +216,7 @@ def test_expected_gradient_of_each_estimator_on_a_toy_categorical_policy():
     assert not torch.allclose(reverse, forward, atol=1e-3)  # the toy can tell them apart
 
     def in_loss(name, ratio=False):
-        return expected_gradient(
-            lambda lp, old, ref: (torch.exp(lp - old) if ratio else 1.0) * kl_estimate(lp, ref, name)
-        )
+        return expected_gradient(lambda lp, old, ref: (torch.exp(lp - old) if ratio else 1.0) * token_kl(lp, ref, name))
 
     assert torch.allclose(
         in_loss("k1"), torch.zeros(7, dtype=torch.float64), atol=1e-12
@@ -228,7 +226,7 @@ def test_expected_gradient_of_each_estimator_on_a_toy_categorical_policy():
     assert torch.allclose(in_loss("k3", ratio=True), reverse, atol=1e-12)  # --kl_ratio: corrected
     assert torch.allclose(in_loss("k1", ratio=True), reverse, atol=1e-12)
     # in the reward: a detached penalty through the policy gradient, -(r - beta k1) grad logp with r = 0, beta = 1
-    in_reward = expected_gradient(lambda lp, old, ref: kl_estimate(old, ref, "k1") * lp)
+    in_reward = expected_gradient(lambda lp, old, ref: token_kl(old, ref, "k1") * lp)
     assert torch.allclose(in_reward, reverse, atol=1e-12)
 
 
@@ -268,7 +266,7 @@ def test_config_names_the_offending_option(capsys):
         (["--kl_ratio", "true", "--kl_in", "reward"], "--kl_ratio weights the loss's KL term: it needs --kl_in loss"),
         (["--rollout_correction_cap", "0"], "--rollout_correction_cap must be > 0, got 0.0"),
         (["--min_group_std", "-0.1"], "--min_group_std must be >= 0, got -0.1"),
-        (["--min_group_std", "0.1", "--num_kept", "1", "--scale_by_std", "false"], "it needs at least 2 kept samples"),
+        (["--min_group_std", "0.1", "--num_kept", "1", "--advantage", "dr_grpo"], "it needs at least 2 kept samples"),
         (["--importance_level", "segment"], "--importance_level: invalid choice: 'segment'"),
     ):
         with pytest.raises(SystemExit):
@@ -278,13 +276,13 @@ def test_config_names_the_offending_option(capsys):
 
 def test_each_option_group_checks_its_own_fields_and_binds_the_objective_from_its_options():
     """rollouts/options.py's groups, each alone: SamplingConfig, SelectionConfig and ObjectiveConfig name their own
-    offending option; ObjectiveConfig.objective() reads every field of rlhf.grpo.Objective from the option of that
-    name (beta 0 with the KL in the reward)."""
+    offending option; ObjectiveConfig.objective() reads every field of rlhf.policy_gradient.Objective from the option of
+    that name that declares objective=True (beta 0 with the KL in the reward)."""
     import dataclasses
 
-    from rlhf.grpo import Objective
+    from rlhf.policy_gradient import Objective
     from rollouts.options import ObjectiveConfig, SamplingConfig, SelectionConfig
-    from utils.config import ConfigError
+    from utils.config import ConfigError, declared
 
     with pytest.raises(ConfigError, match="--gen_prompts must be positive, got 0"):
         SamplingConfig(gen_prompts=0).validate_sampling()
@@ -302,6 +300,7 @@ def test_each_option_group_checks_its_own_fields_and_binds_the_objective_from_it
     values |= {"rollout_correction_cap": 2.5, "beta": 0.07, "kl_estimator": "k2", "kl_ratio": True}
     values |= {"entropy_coef": -0.01}
     assert {f.name for f in dataclasses.fields(Objective)} == set(values)  # a new Objective field is seen here
+    assert set(declared(ObjectiveConfig, "objective")) == set(values)  # and must be declared on its option
     assert ObjectiveConfig(**values).objective() == Objective(**values)
     assert ObjectiveConfig(**values, kl_in="reward").objective() == Objective(**values | {"beta": 0.0})
 
@@ -436,3 +435,60 @@ def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path
         # tie depends on the prompts drawn from the embedded task (the posts and the task's SFT summaries share one
         # stream): seeds 0, 1 and 3 give an odd number in 3 steps, seed 2 does not.
         assert any(d in (0.25, 0.75) for d in dropped), dropped
+
+
+# ----------------------------------------------------------------------------------------------------
+# Registries: each choice of the algorithm is a registered name, and the option that picks one lists the registry
+
+
+REGISTRIES = {
+    "selection": "SELECTIONS",
+    "advantage": "ADVANTAGES",
+    "loss_type": "AGGREGATIONS",
+    "kl_estimator": "KL_ESTIMATORS",
+    "rollout_correction": "ROLLOUT_CORRECTIONS",
+}
+
+
+@pytest.mark.parametrize("option", sorted(REGISTRIES))
+def test_each_choice_option_takes_and_lists_every_registered_name(option, capsys):
+    """--help and the generated docs list each registered name with its phrase; every name parses; any other is one
+    line naming the option."""
+    import rlhf.policy_gradient
+    from utils.config import build_parser, options_markdown
+
+    registry = getattr(rlhf.policy_gradient, REGISTRIES[option])
+    action = next(a for a in build_parser(Config)._actions if a.dest == option)
+    assert action.choices == list(registry) and len(registry) >= 3
+    table = options_markdown(Config)
+    for name in registry:
+        assert f"{name}: {registry.help[name]}" in action.help and f"{name}: {registry.help[name]}" in table
+        assert getattr(parse_config(Config, [f"--{option}", name, "--num_kept", "2"]), option) == name
+    with pytest.raises(SystemExit):
+        parse_config(Config, [f"--{option}", "nonesuch"])
+    assert f"--{option}: invalid choice: 'nonesuch'" in capsys.readouterr().err
+
+
+def test_a_registered_estimator_is_an_option_value_with_no_other_edit():
+    """The proof of the registry: a function under the decorator is selectable by --advantage, listed by --help, and
+    reached by rlhf.policy_gradient.advantages; a name registered twice or looked up unregistered is a ValueError."""
+    from rlhf.policy_gradient import ADVANTAGES, advantages
+    from utils.config import build_parser
+
+    @ADVANTAGES.register("test_sign", help="the sign of r", min_kept=3)
+    def sign(rewards_BK, reduce_sum=None):
+        return rewards_BK.sign().float()
+
+    try:
+        help_text = next(a.help for a in build_parser(Config)._actions if a.dest == "advantage")
+        assert "test_sign: the sign of r" in help_text
+        assert parse_config(Config, ["--advantage", "test_sign", "--num_kept", "4"]).advantage == "test_sign"
+        assert advantages(torch.tensor([[-2.0, 0.0, 3.0]]), "test_sign", False).tolist() == [-1.0, 0.0, 1.0]
+        with pytest.raises(SystemExit):  # its declared min_kept is checked against --num_kept
+            parse_config(Config, ["--advantage", "test_sign", "--num_kept", "2"])
+        with pytest.raises(ValueError, match="advantage estimator 'test_sign' is registered twice"):
+            ADVANTAGES.register("test_sign", help="again")(sign)
+    finally:
+        del ADVANTAGES["test_sign"], ADVANTAGES.help["test_sign"], ADVANTAGES.facts["test_sign"]
+    with pytest.raises(ValueError, match="unknown advantage estimator 'test_sign'; expected one of grpo, dr_grpo"):
+        advantages(torch.zeros(1, 2), "test_sign", False)

@@ -96,3 +96,30 @@ def test_rollouts_docstring_names_every_module_and_every_importer():
     assert modules and importers
     missing = [name for name in modules + importers if name not in doc]
     assert not missing, missing
+
+
+def test_no_function_of_the_grpo_script_or_the_math_takes_more_than_eight_positional_parameters():
+    # a function with a long positional signature wants a dataclass of its options (rlhf/policy_gradient.py Objective)
+    # or keyword-only parameters: every function and method written in grpo.py and rlhf/ (a dataclass's generated
+    # __init__ is not written there) takes at most 8 positional parameters besides self
+    import importlib
+    import inspect
+
+    modules = ["grpo"] + [f"rlhf.{f.stem}" for f in package_files("rlhf")]
+    too_long, seen = [], 0
+    for name in modules:
+        module = importlib.import_module(name)
+        functions = [f for f in vars(module).values() if inspect.isfunction(f) and f.__module__ == name]
+        for cls in [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == name]:
+            functions += [f for f in vars(cls).values() if inspect.isfunction(f)]
+        for f in functions:
+            if f.__code__.co_filename != module.__file__:
+                continue  # generated (a dataclass's __init__)
+            seen += 1
+            kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            params = inspect.signature(f).parameters.values()
+            positional = [p.name for p in params if p.kind in kinds and p.name not in ("self", "cls")]
+            if len(positional) > 8:
+                too_long.append(f"{name}.{f.__qualname__}: {len(positional)} ({', '.join(positional)})")
+    assert seen > 50
+    assert not too_long, too_long

@@ -1,7 +1,7 @@
 """rlhf/logprobs.py: the chunked log-probs and entropy equal the unchunked functions they replace (model/sampler.py's
-processed_logprobs, rlhf/grpo.py's token_entropy of the processed logits) in value and gradient, for temperature,
-top-k, top-p, padded rows and targets outside the top-k / top-p set; nothing of size (positions x V) is saved for
-the backward; the processing is the sampler's, bit for bit."""
+processed_logprobs, rlhf/policy_gradient.py's token_entropy of the processed logits) in value and gradient, for
+temperature, top-k, top-p, padded rows and targets outside the top-k / top-p set; nothing of size (positions x V) is
+saved for the backward; the processing is the sampler's, bit for bit."""
 
 import math
 
@@ -10,8 +10,8 @@ import torch
 
 from model import sampler
 from rlhf import logprobs
-from rlhf.grpo import LOGPROB_FLOOR, token_entropy
 from rlhf.logprobs import linear_processed_logprobs, processed_logprobs
+from rlhf.policy_gradient import LOGPROB_FLOOR, token_entropy
 
 SETTINGS = [
     {},

@@ -20,7 +20,7 @@ from model.heads import RewardModel
 from model.lora import apply_lora
 from model.sampler import SampleOutput, generate
 from model.weights import freeze
-from rlhf.grpo import AGGREGATIONS
+from rlhf.policy_gradient import AGGREGATIONS
 from rollouts.memory import GiB, check_memory, kv_cache_bytes, step_memory, update_bytes
 from rollouts.sampling import score
 from rollouts.update import micro_batch_loss

@@ -179,12 +179,26 @@ def test_changed_options_stop_the_resume_and_allow_appends_them_with_their_step(
 def test_free_options_are_recorded_without_asking_and_compared_after_earlier_changes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"lr": 1.0, "steps": 2, "seed": 1, "out_dir": "a"}))
     options = {"lr": 1.0, "steps": 5, "seed": 1, "out_dir": "b", "resume_changes": "refuse"}
-    record = options_record(tmp_path, options, 2, allow=False)
+    declared = {"free": sft_free(), "unrecorded": sft_unrecorded()}  # what sft.py's options declare
+    assert {"steps", "keep_last"} <= declared["free"] and "out_dir" in declared["unrecorded"]
+    record = options_record(tmp_path, options, 2, allow=False, **declared)
     assert record["option_changes"] == [{"step": 2, "options": {"steps": [2, 5]}}]  # out_dir: where, not what
     (tmp_path / "config.json").write_text(json.dumps(record))
-    assert options_record(tmp_path, options, 4, allow=False) == record  # nothing changed since: nothing appended
+    assert options_record(tmp_path, options, 4, allow=False, **declared) == record  # nothing changed since
     with pytest.raises(ConfigError, match=r"\(--seed 1 -> 2\)"):
-        options_record(tmp_path, {**options, "seed": 2}, 4, allow=False)
+        options_record(tmp_path, {**options, "seed": 2}, 4, allow=False, **declared)
+
+
+def sft_free() -> set[str]:
+    from utils.config import declared
+
+    return set(declared(sft.Config, "free"))
+
+
+def sft_unrecorded() -> set[str]:
+    from utils.config import declared
+
+    return set(declared(sft.Config, "recorded"))
 
 
 def test_the_options_check_holds_with_config_json_deleted_emptied_or_lacking_a_key(rows, tmp_path, capsys):
@@ -218,10 +232,11 @@ def test_the_options_check_holds_with_config_json_deleted_emptied_or_lacking_a_k
 def test_an_option_the_record_lacks_compares_against_its_default_and_joins_the_record(tmp_path):
     saved = {"lr": 1.0, "seed": 1}  # the record of a run started before --judge existed
     defaults = {"lr": 3e-4, "seed": 0, "judge": ""}
-    record = options_record(tmp_path, {"lr": 1.0, "seed": 1, "judge": ""}, 2, False, saved, defaults)
+    declared = {"free": sft_free(), "unrecorded": sft_unrecorded()}
+    record = options_record(tmp_path, {"lr": 1.0, "seed": 1, "judge": ""}, 2, False, saved, defaults, **declared)
     assert record == {"lr": 1.0, "seed": 1, "judge": ""}
     with pytest.raises(ConfigError, match=r"\(--judge  -> rm/hf\)"):
-        options_record(tmp_path, {"lr": 1.0, "seed": 1, "judge": "rm/hf"}, 2, False, saved, defaults)
+        options_record(tmp_path, {"lr": 1.0, "seed": 1, "judge": "rm/hf"}, 2, False, saved, defaults, **declared)
 
 
 def test_config_json_is_written_atomically_and_only_when_it_changes(tmp_path):
@@ -581,8 +596,16 @@ def test_model_kinds_of_exports_hub_names_and_plain_transformers_folders(tmp_pat
 
 
 def test_the_docs_name_every_option_that_may_change_on_resume():
-    from utils.rundir import FREE_OPTIONS, NOT_RECORDED
+    # every option a script declares free on resume, or unrecorded (utils.config.option), is named in docs/errors.md
+    import dpo
+    import eval_preferences
+    import grpo
+    import reward_model
+    from utils.config import declared
 
     section = (ROOT / "docs" / "errors.md").read_text().split("## The run directory")[1]
-    missing = sorted(name for name in FREE_OPTIONS | NOT_RECORDED if f"`--{name}`" not in section)
+    scripts = (sft, reward_model, dpo, grpo, eval_preferences)
+    names = {name for s in scripts for fact in ("free", "recorded") for name in declared(s.Config, fact)}
+    assert {"steps", "table_every", "frozen_cpu_offload", "wandb_tags", "out_dir", "resume_changes"} <= names
+    missing = sorted(name for name in names if f"`--{name}`" not in section)
     assert not missing, missing

@@ -108,6 +108,59 @@ def own_fields(cls) -> set[str]:
     return set(inspect.get_annotations(cls)) - inherited
 
 
+def option(default, *, choices=None, free: bool = False, recorded: bool = True, model: str = "", objective=False):
+    """A config field whose facts are declared beside it, in its metadata, for the parser and the checks to read
+    (`declared`):
+
+        choices    the values it takes, e.g. a registry of rlhf/registry.py (read when the parser is built, so it
+                   lists whatever is registered then; a mapping with a `help` dict of {name: phrase} has each phrase
+                   listed in --help)
+        free       a resume may change it without --resume_changes allow, the change recorded (it changes no number:
+                   the run's length, cadences and names, memory savers; utils/rundir.py options_record); compare.py
+                   groups runs that differ in it
+        recorded   false: where or how the run is started, never compared on resume nor recorded (--out_dir, ...)
+        model      the kind of model it names, "policy" or "reward_model" (model/weights.py KINDS): its script checks
+                   it through model_config(..., kind=, option=) before building anything (tests/test_errors.py)
+        objective  a field of the GRPO loss's Objective (rlhf/policy_gradient.py), bound from this option
+                   (rollouts/options.py)
+    """
+    facts = {"choices": choices, "free": free or None, "recorded": None if recorded else False}
+    facts |= {"model": model or None, "objective": objective or None}
+    return dataclasses.field(default=default, metadata={k: v for k, v in facts.items() if v is not None})
+
+
+def declared(cls, fact: str) -> dict[str, Any]:
+    """{option name: its declared `fact`} for the fields of the config class (or instance) `cls` that declare it
+    (`option`), merged over its dataclass bases: a script that redeclares a shared option to give it another default
+    keeps what the shared declaration says."""
+    cls = cls if isinstance(cls, type) else type(cls)
+    out: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            out |= {f.name: f.metadata[fact] for f in dataclasses.fields(klass) if fact in f.metadata}
+    return out
+
+
+def option_groups(*modules) -> list[type]:
+    """The config dataclasses defined in `modules` (each a module object), in order: what a package that cannot
+    import the scripts (evaluation/compare.py) reads the declarations of."""
+    return [
+        v
+        for m in modules
+        for v in vars(m).values()
+        if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__module__ == m.__name__
+    ]
+
+
+def choices_help(choices) -> str:
+    """What --help appends for a field's `choices` that carry a phrase for each (a registry): "One of: name: phrase;
+    ..."; empty for plain choices, which argparse and the docs list by name."""
+    described = getattr(choices, "help", None)
+    if not described:
+        return ""
+    return "One of: " + "; ".join(f"{name}: {described[name]}" for name in choices) + "."
+
+
 def _parse_bool(s: str) -> bool:
     v = s.strip().lower()
     if v in ("1", "true", "yes", "y", "on"):
@@ -174,14 +227,17 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
         if section not in groups:
             groups[section] = parser.add_argument_group(section if section != OTHER else "other options")
         conv, choices = _converter(hints[f.name])
+        metavar = hints[f.name].__name__.upper() if isinstance(hints[f.name], type) else None
+        declared = f.metadata.get("choices")  # option(..., choices=REGISTRY)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        text = " ".join(filter(None, (docs.get(f.name, ""), choices_help(declared)))) or " "
         groups[section].add_argument(
             f"--{f.name}",
             type=conv,
-            choices=choices,
+            choices=list(declared) if declared is not None else choices,
             default=default,
-            help=(docs.get(f.name, "") or " ").replace("%", "%%"),
-            metavar=hints[f.name].__name__.upper() if isinstance(hints[f.name], type) else None,
+            help=text.replace("%", "%%"),
+            metavar=None if declared is not None else metavar,
         )
     return parser
 
@@ -291,7 +347,7 @@ class DataConfig:
 @dataclasses.dataclass
 class OptimConfig:
     # --- batch sizes and optimisation
-    steps: int = 0
+    steps: int = option(0, free=True)
     """Optimizer steps (GRPO: steps of rollouts and updates); 0 means one epoch over the training rows."""
     lr: float = 3e-5
     """Peak learning rate (AdamW)."""
@@ -333,25 +389,25 @@ PER_RANK_METRICS = ("perf/",)
 @dataclasses.dataclass
 class RunConfig:
     # --- evaluation and logging
-    eval_every: int = 100
+    eval_every: int = option(100, free=True)
     """Evaluate every N steps and after the last; 0: only after the last; -1: never."""
     # --- run
-    save_every: int = 500
+    save_every: int = option(500, free=True)
     """Resumable checkpoint every N steps (and at the end); 0 saves only at the end."""
-    keep_last: int = 2
+    keep_last: int = option(2, free=True)
     """Resumable checkpoints kept (the best one is kept as well)."""
-    best_metric: str = "val/loss"
+    best_metric: str = option("val/loss", free=True)
     """Evaluation metric whose best value keeps its checkpoint (named in checkpoints/best.json, never pruned); a new
     best is saved when it appears. Empty disables."""
-    best_mode: Literal["min", "max"] = "min"
+    best_mode: Literal["min", "max"] = option("min", free=True)
     """min: a lower --best_metric is better; max: a higher one."""
-    out_dir: str = "runs/stage"
+    out_dir: str = option("runs/stage", recorded=False)
     """Run directory: checkpoints/, hf/ (the Hugging Face-format export), metrics.jsonl, wandb/."""
-    resume: bool = True
+    resume: bool = option(True, recorded=False)
     """Resume from the newest checkpoint in --out_dir when there is one (false refuses to start over on top of one)."""
-    resume_from: str = ""
+    resume_from: str = option("", recorded=False)
     """Start from this checkpoint (a checkpoint folder, or another run directory) when --out_dir has none yet."""
-    resume_changes: Literal["refuse", "allow"] = "refuse"
+    resume_changes: Literal["refuse", "allow"] = option("refuse", recorded=False)
     """A resume whose options differ from the run's record (--out_dir/config.json) in one that changes the result:
     refuse (stop, listing each change) or allow (continue, the change and its step appended to the record).
     docs/errors.md lists the options that may change freely."""
@@ -364,7 +420,7 @@ class RunConfig:
     """auto (cuda when available), cuda or cpu."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute dtype: bf16, fp32, or auto (bf16 on GPU, fp32 on CPU). Gradients are reduced in fp32."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = option(False, free=True)
     """Recompute block activations in backward to save memory."""
     deterministic: bool = False
     """Bit-exact on GPU: the same command on the same machine (GPU model, world size, versions) gives the same numbers
@@ -372,21 +428,21 @@ class RunConfig:
     CUBLAS_WORKSPACE_CONFIG=:4096:8, and attention on the math kernel (flash, memory-efficient and cuDNN attention
     backward accumulate in a nondeterministic order); slower, and attention keeps its (T, T) scores. CPU runs are
     bit-exact without it."""
-    dist_timeout_minutes: float = 30.0
+    dist_timeout_minutes: float = option(30.0, free=True)
     """Process-group timeout: a collective that waits longer than this for another rank fails the run (NCCL and gloo
     alike) instead of hanging. Raise it when one rank alone does something slow while the others wait (the
     rank-0 Hugging Face export of a large model on a slow disk)."""
     # --- evaluation and logging
-    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = option("auto", free=True)
     """online, offline, disabled, or auto (online with a wandb login, offline otherwise, disabled when wandb is not
     installed). metrics.jsonl is written in every mode."""
-    wandb_project: str = "tldr-rlhf"
+    wandb_project: str = option("tldr-rlhf", free=True)
     """wandb project."""
-    run_name: str = "run"
+    run_name: str = option("run", free=True)
     """wandb run name."""
-    wandb_group: str = ""
+    wandb_group: str = option("", free=True)
     """wandb group (runs that differ only in seed share one, e.g. "selection=rso,global_norm=true"); empty: none."""
-    wandb_tags: str = ""
+    wandb_tags: str = option("", free=True)
     """Comma-separated wandb tags, e.g. the options that set this run apart ("selection=rso,global_norm=false")."""
 
     def validate_run(self) -> None:
@@ -449,7 +505,7 @@ def options_markdown(cls, section: str | None = None) -> str:
         out += ["| option | default | |", "|---|---|---|"]
         for a in actions:
             text = " ".join(a.help.replace("%%", "%").split())
-            if a.choices:
+            if a.choices and "One of: " not in text:
                 text += " One of: " + ", ".join(map(str, a.choices)) + "."
             out.append(
                 f"| `{a.option_strings[0]}` | {_markdown_default(a.default)} | {text.replace('|', chr(92) + '|')} |"

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from utils.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, read_options, save_checkpoint
-from utils.config import ConfigError, RunConfig, config_to_dict
+from utils.config import ConfigError, RunConfig, config_to_dict, declared
 from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
 from utils.fsdp import full_model_state, resolve_dtype
 from utils.guard import NonFiniteGuard, StopSignal, all_ranks_agree
@@ -142,7 +142,10 @@ def start_run(cfg: RunConfig, meta: dict) -> Run:
     if checkpoint is not None and checkpoint.parent.parent.resolve() == run_dir.resolve():  # its own: a resume
         step, allow = int(checkpoint.name.split("_")[-1]), cfg.resume_changes == "allow"
         defaults = config_to_dict(type(cfg)())  # what an option the record lacks was, before it could be set
-        record = options_record(run_dir, record, step, allow, read_options(checkpoint), defaults)
+        free, unrecorded = declared(cfg, "free"), declared(cfg, "recorded")  # declared beside each option
+        record = options_record(
+            run_dir, record, step, allow, read_options(checkpoint), defaults, free=free, unrecorded=unrecorded
+        )
     torch.manual_seed(cfg.seed)
     guard = NonFiniteGuard(meta["stage"], cfg.on_nonfinite, info.device)
     return Run(info, run_dir, meta, checkpoint, resolve_dtype(cfg.dtype, info.device), guard, record=record)

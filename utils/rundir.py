@@ -14,10 +14,11 @@ warning line. flock works across machines on NFS (Linux 2.6.12 and later) and Lu
 
 config.json (what evaluation/compare.py groups runs by) holds the options the run was started with, written
 atomically and only when it changes, with a copy in every checkpoint that a resume checks against; every later
-change is appended to its "option_changes" list as {"step", "options": {name: [old, new]}}: free options
-(FREE_OPTIONS: the length of the run, evaluation, logging and checkpoint cadence, memory savers) without asking,
-the others only with --resume_changes allow; where the run is and how it was started (NOT_RECORDED: --out_dir,
---resume, --resume_from, --resume_changes) are neither compared nor recorded.
+change is appended to its "option_changes" list as {"step", "options": {name: [old, new]}}: free options (declared
+`option(..., free=True)` beside the option, utils/config.py: the length of the run, evaluation, logging and checkpoint
+cadence, memory savers) without asking, the others only with --resume_changes allow; where the run is and how it was
+started (declared `recorded=False`: --out_dir, --resume, --resume_from, --resume_changes) are neither compared nor
+recorded.
 
 drop_rows_after repairs metrics.jsonl and the table files of a resumed run; write_text_atomic writes a file whole or
 not at all; describe_write_failure says in one line why a write failed (a full disk: the bytes needed and free).
@@ -32,6 +33,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Collection
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,34 +51,6 @@ except ImportError:  # not POSIX: no lock
 LOCK = ".lock"
 RECORD = "config.json"
 RESUME_CHANGES = "option_changes"
-
-# Options that may differ on a resume without --resume_changes allow (each change is still recorded): how long the
-# run goes on, when it evaluates, logs and saves, the wandb names, and memory savers that compute the same numbers.
-# --steps also moves the end of the cosine schedule, so the steps after the resume follow the new one. Every other
-# option changes what a step computes.
-FREE_OPTIONS = frozenset(
-    {
-        "steps",
-        "eval_every",
-        "save_every",
-        "keep_last",
-        "best_metric",
-        "best_mode",
-        "table_every",
-        "table_prompts",
-        "dist_timeout_minutes",
-        "activation_checkpointing",
-        "frozen_cpu_offload",
-        "wandb_mode",
-        "wandb_project",
-        "run_name",
-        "wandb_group",
-        "wandb_tags",
-    }
-)
-
-# How a run is started or where it is, not what it is: never compared, never recorded as a change
-NOT_RECORDED = frozenset({"out_dir", "resume", "resume_from", "resume_changes"})
 
 _held: dict[str, int] = {}  # lock file -> open descriptor, for this process's runs
 
@@ -322,16 +296,25 @@ def _read_record(file: Path) -> tuple[dict | None, str]:
 
 
 def options_record(
-    run_dir: str | Path, options: dict, step: int, allow: bool, saved: dict | None = None, defaults: dict | None = None
+    run_dir: str | Path,
+    options: dict,
+    step: int,
+    allow: bool,
+    saved: dict | None = None,
+    defaults: dict | None = None,
+    *,
+    free: Collection[str],
+    unrecorded: Collection[str],
 ) -> dict:
     """The record (what config.json holds) of a run resumed from its own checkpoint at `step`: the options it was
     started with, and its list of changes. The checkpoint's own copy (`saved`, see utils.checkpoint.save_checkpoint)
     is the record compared against, so a config.json deleted, emptied or edited cannot let a change through (a
     config.json that is missing or unreadable is named in a warning and written again from it); a checkpoint without
     one is compared against config.json. Options that differ from the recorded ones (started with, after the changes
-    so far) are appended with the step; a change outside FREE_OPTIONS is a ConfigError listing each (old -> new)
-    unless `allow`. An option the record lacks (added to the code after the run started) compares against its value
-    in `defaults` and joins the record with it. With no record at all, `options`, with a warning."""
+    so far) are appended with the step; a change of an option outside `free` is a ConfigError listing each
+    (old -> new) unless `allow`; the options in `unrecorded` are neither compared nor recorded (the script's
+    declarations: utils.config.declared). An option the record lacks (added to the code after the run started) compares
+    against its value in `defaults` and joins the record with it. With no record at all, `options`, with a warning."""
     file = Path(run_dir) / RECORD
     on_disk, problem = _read_record(file)
     if saved is not None:
@@ -347,7 +330,7 @@ def options_record(
         )
         return options
     defaults = defaults or {}
-    lacking = {k: defaults[k] for k in options if k not in record and k in defaults and k not in NOT_RECORDED}
+    lacking = {k: defaults[k] for k in options if k not in record and k in defaults and k not in unrecorded}
     history = record.get(RESUME_CHANGES, [])
     current = {k: v for k, v in record.items() if k != RESUME_CHANGES} | lacking
     record = {**current, RESUME_CHANGES: history} if history else current
@@ -357,9 +340,9 @@ def options_record(
     changed = {
         k: [current[k], v]
         for k, v in options.items()
-        if k in current and k not in NOT_RECORDED and not _same(current[k], v)
+        if k in current and k not in unrecorded and not _same(current[k], v)
     }
-    refused = {k: v for k, v in changed.items() if k not in FREE_OPTIONS}
+    refused = {k: v for k, v in changed.items() if k not in free}
     if refused and not allow:
         changes = ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in refused.items())
         raise ConfigError(

@@ -23,7 +23,7 @@ from grpo import Config, batch_logprobs, build_training_batches, policy_update  
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.sampler import SampleOutput  # noqa: E402
 from model.weights import freeze  # noqa: E402
-from rlhf.grpo import global_normalize, group_normalize  # noqa: E402
+from rlhf.policy_gradient import global_normalize, group_normalize  # noqa: E402
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402
 from utils.fsdp import shard_model  # noqa: E402
 

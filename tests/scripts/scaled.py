@@ -1,10 +1,10 @@
 """Run a top-level script with one function of the project multiplied by a factor: the error a golden comparison must
 catch (tests/test_golden.py injects a 1% error into the KL estimator).
 
-    python tests/scripts/scaled.py rlhf.grpo:k3_kl 1.01 grpo.py --option value ...
+    python tests/scripts/scaled.py rlhf.policy_gradient:k3_kl 1.01 grpo.py --option value ...
 
-The function is replaced on its module, so every caller that looks it up there (the module's own functions) gets the
-scaled one."""
+The function is replaced on its module and in the module's registries (rlhf/registry.py) that hold it, so every caller
+that looks it up there (the module's own functions, a registered name) gets the scaled one."""
 
 import importlib
 import runpy
@@ -23,6 +23,10 @@ def main(target: str, factor: float, argv: list[str]) -> None:
         return original(*args, **kwargs) * factor
 
     setattr(module, function_name, scaled)
+    # and in the module's registries, e.g. rlhf.policy_gradient.KL_ESTIMATORS
+    for registry in [v for v in vars(module).values() if isinstance(v, dict)]:
+        for name in [name for name, fn in registry.items() if fn is original]:
+            registry[name] = scaled
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
 

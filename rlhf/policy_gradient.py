@@ -1,4 +1,5 @@
-"""GRPO math as pure functions: selection of K of G samples, advantages, the per-token loss and its aggregation.
+"""The policy-gradient math of grpo.py as pure functions: selection of K of G samples, advantages (GRPO's, Dr. GRPO's,
+RLOO's, REINFORCE++'s), the per-token loss and its aggregation.
 
 Order of reward processing in grpo.py, per prompt with G samples:
 
@@ -6,13 +7,17 @@ Order of reward processing in grpo.py, per prompt with G samples:
     2. penalty        r_pen = r_raw - missing_end_penalty * (1 - has_end)             raw RM units
     3. normalize      r     = gain * r_pen + bias                                      RM's fitted gain/bias
     4. selection      K of the G samples, from r (RSO / top-bottom / uniform / all)
-    5. group norm     A = (r - mean_K(r)) / (std_K(r) + eps)   over the K *selected* samples (no std: Dr. GRPO)
+    5. advantage      by --advantage (ADVANTAGES) over the K *selected* samples, e.g. GRPO's
+                      A = (r - mean_K(r)) / (std_K(r) + eps); Dr. GRPO's r - mean_K(r); RLOO's leave-one-out
     6. global norm    A = (A - mean(A)) / (std(A) + eps)        over every selected sample on every rank
 
 The penalty is applied in raw units before the gain/bias, so penalised and unpenalised rewards share one scale
-(a constant written over already-normalised rewards would mix two scales). Group and
-global normalization are invariant to the gain and bias (up to eps); the penalty in normalised units is
-gain * missing_end_penalty.
+(a constant written over already-normalised rewards would mix two scales). GRPO's group normalization and global
+normalization are invariant to the gain and bias (up to eps); the centred estimators (dr_grpo, rloo) keep the gain
+as their scale unless global normalization follows. The penalty in normalised units is gain * missing_end_penalty.
+
+Each choice of the algorithm (selection rule, advantage estimator, KL estimator, rollout correction, loss
+aggregation) is a function registered by name where it is defined (rlhf/registry.py); the option names it.
 
 Shapes: B prompts, G samples per prompt, K selected, N = B * K sequences, T response tokens.
 """
@@ -22,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from rlhf.registry import Registry
 
 # ----------------------------------------------------------------------------------------------------
 # Rewards
@@ -33,11 +40,15 @@ def penalize_missing_end(raw_rewards_N: torch.Tensor, has_end_N: torch.Tensor, p
 
 
 # ----------------------------------------------------------------------------------------------------
-# Selection of K of G samples per prompt. Each returns (indices (B, K) long, sorted ascending, stats) where
-# indices are columns of the (B, G) reward matrix and stats holds per-prompt (B,) tensors: "visited" (candidates
-# examined; acceptance rate = K / visited) and "rounds" (passes over the candidates), so callers can reduce
-# them over ranks. Random numbers are fp32 from the given generator
-# (bf16's 8-bit mantissa would make the acceptance probabilities coarse).
+# Selection of K of G samples per prompt (--selection: SELECTIONS). Each takes (rewards (B, G), K, the RSO
+# temperature beta, a torch.Generator), using what it needs, and returns (indices (B, K) long, sorted ascending,
+# stats) where indices are columns of the (B, G) reward matrix and stats holds per-prompt (B,) tensors: "visited"
+# (candidates examined; acceptance rate = K / visited) and "rounds" (passes over the candidates), so callers can
+# reduce them over ranks. Random numbers are fp32 from the given generator
+# (bf16's 8-bit mantissa would make the acceptance probabilities coarse). A registration declaring keeps_all keeps
+# every sample (K = G whatever --num_kept says).
+
+SELECTIONS = Registry("selection")
 
 
 def _one_pass(rewards_BG: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -47,14 +58,20 @@ def _one_pass(rewards_BG: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"visited": torch.full((B,), float(G), device=device), "rounds": torch.ones(B, device=device)}
 
 
-def select_all(rewards_BG: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Keep every sample (K = G)."""
+@SELECTIONS.register("all", help="every sample (K = G)", keeps_all=True)
+def select_all(
+    rewards_BG: torch.Tensor, k: int = 0, beta: float = 0.0, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, dict]:
+    """Keep every sample (K = G; `k` is not read)."""
     B, G = rewards_BG.shape
     idx = torch.arange(G, device=rewards_BG.device).expand(B, G).clone()
     return idx, _one_pass(rewards_BG)
 
 
-def select_top_bottom(rewards_BG: torch.Tensor, k: int) -> tuple[torch.Tensor, dict]:
+@SELECTIONS.register("top_bottom", help="the K/2 best and K/2 worst")
+def select_top_bottom(
+    rewards_BG: torch.Tensor, k: int, beta: float = 0.0, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, dict]:
     """The K/2 highest- and K/2 lowest-rewarded samples of each prompt (K even, K <= G)."""
     B, G = rewards_BG.shape
     if k % 2 or not 0 < k <= G:
@@ -64,8 +81,9 @@ def select_top_bottom(rewards_BG: torch.Tensor, k: int) -> tuple[torch.Tensor, d
     return idx.sort(dim=1).values, _one_pass(rewards_BG)
 
 
+@SELECTIONS.register("uniform", help="K at random")
 def select_uniform(
-    rewards_BG: torch.Tensor, k: int, generator: torch.Generator | None = None
+    rewards_BG: torch.Tensor, k: int, beta: float = 0.0, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, dict]:
     """K samples of each prompt uniformly at random, without replacement."""
     B, G = rewards_BG.shape
@@ -76,6 +94,7 @@ def select_uniform(
     return idx.sort(dim=1).values, _one_pass(rewards_BG)
 
 
+@SELECTIONS.register("rso", help="RSO rejection sampling at temperature --beta_rs (arXiv 2309.06657)")
 def select_rso(
     rewards_BG: torch.Tensor, k: int, beta: float, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, dict]:
@@ -130,28 +149,23 @@ def select_rso(
     return idx, {"visited": visited, "rounds": rounds}
 
 
-SELECTIONS = ("rso", "top_bottom", "uniform", "all")
-
-
 def select(
     rewards_BG: torch.Tensor, method: str, k: int, beta_rs: float, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, dict]:
-    """Columns (B, K) of the kept samples of each prompt's group by `method` (one of SELECTIONS; "all" keeps G), and
-    per-prompt stats: candidates visited and rounds."""
-    if method == "rso":
-        return select_rso(rewards_BG, k, beta_rs, generator)
-    if method == "top_bottom":
-        return select_top_bottom(rewards_BG, k)
-    if method == "uniform":
-        return select_uniform(rewards_BG, k, generator)
-    if method == "all":
-        return select_all(rewards_BG)
-    raise ValueError(f"unknown selection {method!r}; expected one of {SELECTIONS}")
+    """Columns (B, K) of the kept samples of each prompt's group by `method` (a name in SELECTIONS), and per-prompt
+    stats: candidates visited and rounds."""
+    return SELECTIONS[method](rewards_BG, k, beta_rs, generator)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Advantages
+# Advantages (--advantage: ADVANTAGES). Each estimator takes the rewards (B, K) of the K kept samples of B groups and
+# `reduce_sum`, which sums a tensor over ranks (the estimators that use batch statistics read the global batch
+# through it), and returns advantages (B, K) fp32. What it sees is what selection kept and dynamic sampling did not
+# drop: the statistics of a group are those of its K kept samples, a batch's those of every kept group of every
+# rank. --global_norm then whitens the result over that same global batch, whichever estimator made it. A
+# registration declaring min_kept needs at least that many kept samples per group.
 
+ADVANTAGES = Registry("advantage estimator")
 
 # Group statistics are computed in float64 and the advantages returned in fp32. In fp32 the mean of K identical
 # rewards is often a few ulp off the reward itself (the partial sums round), so a group that scored all alike would
@@ -160,18 +174,32 @@ def select(
 # K < 2**29, so the float64 mean of identical rewards is the reward itself and their advantages are exactly 0.
 
 
-def group_normalize(rewards_BK: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+@ADVANTAGES.register("grpo", help="GRPO's (r - mean) / (std + eps) within each group (arXiv 2402.03300)", min_kept=2)
+def group_normalize(rewards_BK: torch.Tensor, reduce_sum=None, eps: float = 1e-4) -> torch.Tensor:
     """GRPO outcome advantage (DeepSeekMath, arXiv 2402.03300, section 4.1.2): (r - mean) / (std + eps) within each
     prompt's group (B, K), statistics in float64, result fp32. std is the sample std (Bessel-corrected), as in TRL."""
     r = rewards_BK.double()
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).float()
 
 
-def group_center(rewards_BK: torch.Tensor) -> torch.Tensor:
+@ADVANTAGES.register("dr_grpo", help="Dr. GRPO's r - mean within each group, no std (arXiv 2503.20783)")
+def group_center(rewards_BK: torch.Tensor, reduce_sum=None) -> torch.Tensor:
     """Dr. GRPO advantage (Liu et al. 2025, arXiv 2503.20783): r - mean within each group (mean in float64, result
     fp32), no std division, which would up-weight prompts whose samples all score alike (too easy or too hard)."""
     r = rewards_BK.double()
     return (r - r.mean(1, keepdim=True)).float()
+
+
+@ADVANTAGES.register("rloo", help="RLOO's r minus the mean of the group's other K - 1 (arXiv 2402.14740)", min_kept=2)
+def leave_one_out(rewards_BK: torch.Tensor, reduce_sum=None) -> torch.Tensor:
+    """RLOO advantage (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!"; Ahmadian et al. 2024,
+    arXiv 2402.14740, section 3.3): each sample's reward minus the mean reward of the other K - 1 samples of its
+    group, r_i - (sum_j r_j - r_i) / (K - 1) = K / (K - 1) (r_i - mean). The baseline does not depend on the sample
+    it is subtracted from, so for K samples drawn independently from the policy (--selection all or uniform) the
+    gradient stays unbiased; no std division. Statistics in float64, result fp32; K >= 2."""
+    r = rewards_BK.double()
+    K = r.shape[1]
+    return (r - (r.sum(1, keepdim=True) - r) / (K - 1)).float()
 
 
 def informative_groups(rewards_BK: torch.Tensor, min_std: float) -> torch.Tensor:
@@ -184,9 +212,13 @@ def informative_groups(rewards_BK: torch.Tensor, min_std: float) -> torch.Tensor
     return rewards_BK.double().std(1) >= min_std
 
 
+def _no_reduce(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def global_normalize(
     advantages: torch.Tensor,
-    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
     eps: float = 1e-8,
 ) -> torch.Tensor:
     """Whiten advantages over the whole batch: (A - mean) / (std + eps), population std.
@@ -202,15 +234,29 @@ def global_normalize(
     return ((a - mean) / (var.sqrt() + eps)).to(advantages.dtype)
 
 
+@ADVANTAGES.register("reinforce_pp", help="REINFORCE++'s r whitened over the global batch, no group (arXiv 2501.03262)")
+def batch_whitened_reward(
+    rewards_BK: torch.Tensor, reduce_sum: Callable[[torch.Tensor], torch.Tensor] = _no_reduce
+) -> torch.Tensor:
+    """REINFORCE++ advantage (Hu et al. 2025, arXiv 2501.03262, section 3): A = r(x, y) - beta sum_{i>=t} KL(i),
+    normalised over the global batch, (A - mean_batch A) / std_batch A; no group baseline, so it needs no group of
+    samples per prompt (K >= 1). Here the reward is the response's outcome reward: with --kl_in reward it already
+    holds minus beta x the response's summed KL estimate (the paper's A at its first token; the paper subtracts each
+    token's remaining KL), with --kl_in loss the KL is a loss term instead. The batch is every kept sample of every
+    rank (`reduce_sum`); population std, eps 1e-8 (global_normalize). The paper's other variant, REINFORCE++ w/
+    baseline (group mean subtracted, then the same global normalisation), is --advantage dr_grpo --global_norm true."""
+    return global_normalize(rewards_BK.float(), reduce_sum)
+
+
 def advantages(
     rewards_BK: torch.Tensor,
-    scale_by_std: bool,
+    estimator: str,
     global_norm: bool,
-    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
 ) -> torch.Tensor:
-    """Advantages (B*K,) of the kept samples: group normalization (or Dr. GRPO's centring without std), then, with
-    global_norm, whitening over the whole batch across ranks (`reduce_sum` sums over ranks)."""
-    a = (group_normalize(rewards_BK) if scale_by_std else group_center(rewards_BK)).flatten()  # (B*K,)
+    """Advantages (B*K,) of the kept samples by `estimator` (a name in ADVANTAGES), then, with global_norm, whitened
+    over the whole batch across ranks (`reduce_sum` sums over ranks)."""
+    a = ADVANTAGES[estimator](rewards_BK, reduce_sum).flatten()  # (B*K,)
     return global_normalize(a, reduce_sum) if global_norm else a
 
 
@@ -228,13 +274,6 @@ LOG_RATIO_CLAMP = 20.0
 KL_CLAMP = 10.0
 
 
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || pi_ref) per token (DeepSeekMath eq. 4):
-    exp(ref - logp) - (ref - logp) - 1, >= 0, unbiased for samples from pi; clamped at KL_CLAMP."""
-    log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=KL_CLAMP)
-
-
 # KL estimators (Schulman, "Approximating KL divergence", 2020) of KL(pi || pi_ref) per token, with samples from pi
 # and log r = ref - logp: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. k1 and k3 are unbiased in value; what
 # the update uses is their gradient (arXiv 2512.21852 compares them). Differentiated as a loss term, on-policy:
@@ -244,22 +283,36 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 # and in the reward (detached, through the policy gradient), k1 gives E[k1 grad logp] = grad KL(pi || pi_ref).
 # Weighting k1 or k3 by the ratio rho = pi / pi_old (pi_old detached; value 1 on-policy) makes the loss term an
 # importance-sampled estimate of KL(pi || pi_ref) whose gradient is unbiased: E_old[grad(rho k)] = grad E_pi[k].
-# tests/test_grpo_options.py checks each of these exactly on a toy categorical policy.
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# tests/test_grpo_options.py checks each of these exactly on a toy categorical policy. Each estimator takes
+# (logp, ref_logp) of any shape; log-ratios are clamped to +-LOG_RATIO_CLAMP and the estimate to +-KL_CLAMP.
+KL_ESTIMATORS = Registry("KL estimator")
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) (any shape) by `estimator` (one of KL_ESTIMATORS): k1 = logp - ref,
-    k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1. Log-ratios are clamped to +-LOG_RATIO_CLAMP
-    and the estimate to +-KL_CLAMP (k1 can be negative; k2 and k3 are >= 0)."""
-    if estimator == "k3":
-        return k3_kl(logp, ref_logp)
+@KL_ESTIMATORS.register("k1", help="-log r (can be negative)")
+def k1_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = logp - ref per token, clamped to +-KL_CLAMP."""
     log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if estimator == "k1":
-        return (-log_ratio).clamp(-KL_CLAMP, KL_CLAMP)
-    if estimator == "k2":
-        return (0.5 * log_ratio * log_ratio).clamp(max=KL_CLAMP)
-    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+    return (-log_ratio).clamp(-KL_CLAMP, KL_CLAMP)
+
+
+@KL_ESTIMATORS.register("k2", help="(log r)^2 / 2")
+def k2_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = (logp - ref)^2 / 2 per token, >= 0; clamped at KL_CLAMP."""
+    log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (0.5 * log_ratio * log_ratio).clamp(max=KL_CLAMP)
+
+
+@KL_ESTIMATORS.register("k3", help="r - 1 - log r, DeepSeekMath's")
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || pi_ref) per token (DeepSeekMath eq. 4):
+    exp(ref - logp) - (ref - logp) - 1, >= 0, unbiased for samples from pi; clamped at KL_CLAMP."""
+    log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=KL_CLAMP)
+
+
+def token_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) (any shape) by `estimator` (a name in KL_ESTIMATORS)."""
+    return KL_ESTIMATORS[estimator](logp, ref_logp)
 
 
 def sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -269,7 +322,7 @@ def sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, 
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     logp = torch.where(mask, logp, zero).clamp(min=LOGPROB_FLOOR)
     ref_logp = torch.where(mask, ref_logp, zero).clamp(min=LOGPROB_FLOOR)
-    return torch.where(mask, kl_estimate(logp, ref_logp, estimator), zero).sum(1)
+    return torch.where(mask, token_kl(logp, ref_logp, estimator), zero).sum(1)
 
 
 def clipped_surrogate(
@@ -314,7 +367,30 @@ def spread_sequence_loss(loss_N: torch.Tensor, weights_NT: torch.Tensor) -> torc
     return torch.where(weights_NT > 0, loss_N[:, None] / seq_weight.clamp(min=1e-12), 0.0)
 
 
-ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+# Rollout corrections (--rollout_correction: ROLLOUT_CORRECTIONS): each takes the sampler / trainer probability ratios
+# rho and the cap, and returns (the weights, where they differ from rho: beyond the cap), both rho's shape.
+ROLLOUT_CORRECTIONS = Registry("rollout correction")
+
+
+@ROLLOUT_CORRECTIONS.register("none", help="no correction")
+def no_correction(rho: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight 1 everywhere."""
+    return torch.ones_like(rho), torch.zeros_like(rho, dtype=torch.bool)
+
+
+@ROLLOUT_CORRECTIONS.register("tis", help="truncated importance sampling, min(rho, cap)")
+def truncated_importance(rho: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = min(rho, cap) (Yao et al. 2025, "off-policy RL" note)."""
+    return rho.clamp(max=cap), rho > cap
+
+
+@ROLLOUT_CORRECTIONS.register("mis", help="masked importance sampling, rho or 0 beyond the cap")
+def masked_importance(rho: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = rho if rho <= cap else 0: tokens / sequences beyond the cap drop out."""
+    beyond = rho > cap
+    return torch.where(beyond, 0.0, rho), beyond
+
+
 MISMATCH_BAND = (0.9, 1.1)  # a token whose trainer / sampler probability ratio lies outside counts as mismatched
 
 
@@ -336,19 +412,14 @@ def rollout_correction(
     `level` "token": one rho per token, weights (N, T); "sequence": rho = exp(mean over the response of the log
     gap), GSPO's length-normalised ratio, one weight per sequence (N, 1). Returns the weights (1 where masked and
     for method "none") and where they differ from rho (N, T) (truncated or masked; False for "none")."""
-    if method not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"unknown rollout correction {method!r}; expected one of {ROLLOUT_CORRECTIONS}")
+    weigh = ROLLOUT_CORRECTIONS[method]
     m = mask & torch.isfinite(train_logp) & torch.isfinite(sampler_logp)
     gap = torch.where(m, train_logp - sampler_logp, 0.0).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (N, T)
     if level == "sequence":
         gap = (gap.sum(1) / m.sum(1).clamp(min=1)).unsqueeze(1)  # (N, 1)
     elif level != "token":
         raise ValueError(f"unknown importance level {level!r}; expected token or sequence")
-    rho = torch.exp(gap)
-    if method == "none":
-        return torch.ones_like(rho), torch.zeros_like(mask)
-    beyond = rho > cap
-    w = rho.clamp(max=cap) if method == "tis" else torch.where(beyond, 0.0, rho)
+    w, beyond = weigh(torch.exp(gap), cap)
     return w, beyond.expand_as(mask) & mask
 
 
@@ -403,12 +474,8 @@ class Objective:
     def __post_init__(self):
         if self.importance_level not in ("token", "sequence"):
             raise ValueError(f"unknown importance level {self.importance_level!r}; expected token or sequence")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
-        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
-            raise ValueError(
-                f"unknown rollout correction {self.rollout_correction!r}; expected one of {ROLLOUT_CORRECTIONS}"
-            )
+        KL_ESTIMATORS.check(self.kl_estimator)
+        ROLLOUT_CORRECTIONS.check(self.rollout_correction)
 
     @property
     def needs_entropy(self) -> bool:
@@ -457,7 +524,7 @@ class Objective:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(beta x the KL estimate (N, T), times pi / pi_old with kl_ratio (pi_old detached); the estimate (N, T))
         from floored log-probs."""
-        kl = kl_estimate(logp, ref_logp, self.kl_estimator)
+        kl = token_kl(logp, ref_logp, self.kl_estimator)
         if self.kl_ratio:
             kl_weighted = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) * kl
         else:
@@ -504,9 +571,12 @@ class Objective:
 # and a normaliser Z that is a sum over sequences. So Z can be summed over micro-batches and ranks before any
 # backward pass, and the gradient does not depend on how the batch is split. Each returns (w (N, T), Z part).
 # A row without response tokens (the filler micro-batches that keep ranks in step when --min_group_std dropped
-# groups) has w = 0 and adds nothing to Z.
+# groups) has w = 0 and adds nothing to Z. --loss_type names one of AGGREGATIONS.
+
+AGGREGATIONS = Registry("loss aggregation")
 
 
+@AGGREGATIONS.register("grpo", help="per-sequence mean, then mean over sequences")
 def grpo_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`grpo` (DeepSeekMath eq. 3): mean over each sequence's tokens, then mean over sequences:
     w_it = 1 / |o_i|, Z = number of sequences."""
@@ -514,6 +584,8 @@ def grpo_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor,
     return m / m.sum(1, keepdim=True).clamp(min=1.0), mask.any(1).sum().float()
 
 
+@AGGREGATIONS.register("dapo", help="mean over all tokens, as bnpo")
+@AGGREGATIONS.register("bnpo", help="mean over all tokens")
 def token_mean_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`bnpo` / `dapo` (DAPO, arXiv 2503.14476, eq. 12): mean over every response token of the global batch,
     so long sequences count per token: w_it = 1, Z = number of tokens."""
@@ -521,18 +593,11 @@ def token_mean_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.T
     return m, m.sum()
 
 
+@AGGREGATIONS.register("dr_grpo", help="sum / (sequences x max_new_tokens)")
 def dr_grpo_weights(mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`dr_grpo` (Dr. GRPO, arXiv 2503.20783): no per-sequence 1/|o_i|; a constant normaliser
     Z = number of sequences x max_new_tokens, w_it = 1."""
     return mask.float(), mask.any(1).sum().float() * max_new_tokens
-
-
-AGGREGATIONS: dict[str, Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]] = {
-    "grpo": grpo_weights,
-    "bnpo": token_mean_weights,
-    "dapo": token_mean_weights,
-    "dr_grpo": dr_grpo_weights,
-}
 
 
 def token_entropy(logits_BTV: torch.Tensor) -> torch.Tensor:

@@ -239,6 +239,18 @@ def test_an_option_the_record_lacks_compares_against_its_default_and_joins_the_r
         options_record(tmp_path, {"lr": 1.0, "seed": 1, "judge": "rm/hf"}, 2, False, saved, defaults, **declared)
 
 
+def test_an_option_the_code_no_longer_has_refuses_the_resume_unless_allowed(tmp_path, capsys):
+    saved = {"lr": 1.0, "seed": 1, "scale_by_std": False}  # the record of a run started before --advantage existed
+    defaults = {"lr": 3e-4, "seed": 0, "advantage": "grpo"}
+    declared = {"free": sft_free(), "unrecorded": sft_unrecorded()}
+    options = {"lr": 1.0, "seed": 1, "advantage": "grpo"}
+    with pytest.raises(ConfigError, match=r"recorded with options this code no longer has \(--scale_by_std False; "):
+        options_record(tmp_path, options, 2, False, saved, defaults, **declared)
+    record = options_record(tmp_path, options | {"advantage": "dr_grpo"}, 2, True, saved, defaults, **declared)
+    assert record["option_changes"] == [{"step": 2, "options": {"advantage": ["grpo", "dr_grpo"]}}]
+    assert "without the recorded options --scale_by_std" in capsys.readouterr().err
+
+
 def test_config_json_is_written_atomically_and_only_when_it_changes(tmp_path):
     write_record(tmp_path, {"lr": 1.0})
     inode = (tmp_path / "config.json").stat().st_ino

@@ -314,7 +314,8 @@ def options_record(
     so far) are appended with the step; a change of an option outside `free` is a ConfigError listing each
     (old -> new) unless `allow`; the options in `unrecorded` are neither compared nor recorded (the script's
     declarations: utils.config.declared). An option the record lacks (added to the code after the run started) compares
-    against its value in `defaults` and joins the record with it. With no record at all, `options`, with a warning."""
+    against its value in `defaults` and joins the record with it; an option the record holds that `options` lacks (the
+    code no longer declares it) is a ConfigError unless `allow`. With no record at all, `options`, with a warning."""
     file = Path(run_dir) / RECORD
     on_disk, problem = _read_record(file)
     if saved is not None:
@@ -343,6 +344,18 @@ def options_record(
         if k in current and k not in unrecorded and not _same(current[k], v)
     }
     refused = {k: v for k, v in changed.items() if k not in free}
+    # an option the run was recorded with that this code no longer declares (renamed or retired): what it set may now
+    # be another option's default, so a resume would change the run without a word
+    retired = {k: v for k, v in current.items() if k not in options and k not in unrecorded}
+    if retired and not allow:
+        names = ", ".join(f"--{k} {v}" for k, v in retired.items())
+        raise ConfigError(
+            f"--out_dir {run_dir} holds a run recorded with options this code no longer has ({names}; {file}): "
+            f"check what replaced them (docs/errors.md) and pass their values, then --resume_changes allow to "
+            f"continue from step {step}, or use another --out_dir for a new run"
+        )
+    if retired:
+        warn(f"continuing from step {step} without the recorded options " + ", ".join(f"--{k}" for k in retired))
     if refused and not allow:
         changes = ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in refused.items())
         raise ConfigError(

@@ -18,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -66,17 +67,24 @@ OTHER = "other"
 _SECTION_LINE = re.compile(r"^\s*# --- ([^(:]+?)\s*(?:[(:].*)?$")  # a note may follow in parentheses or after ":"
 
 
+@functools.cache
+def _class_source(klass) -> tuple[list[str], list[ast.stmt]] | None:
+    """A class's source lines and the statements of its body (None without source); read and parsed once: every
+    parse of a script's options reads each of its option groups' docs and sections several times."""
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+    except (OSError, TypeError):
+        return None
+    return source.splitlines(), ast.parse(source).body[0].body
+
+
 def _class_fields(cls):
     """(field name, its AnnAssign node, the next statement, the class's source lines) for each field written in the
     body of `cls` and of its dataclass bases, base classes first."""
     for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
+        if not dataclasses.is_dataclass(klass) or (parsed := _class_source(klass)) is None:
             continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):
-            continue
-        lines, body = source.splitlines(), ast.parse(source).body[0].body
+        lines, body = parsed
         for node, nxt in zip(body, body[1:] + [None], strict=True):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 yield node.target.id, node, nxt, lines

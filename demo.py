@@ -264,59 +264,60 @@ def found(what: str, path: Path) -> bool:
 
 
 def run_sft(out: Path, paths: dict, args, common: dict) -> None:
-    run_stage(
-        "sft.py",
-        {
-            "model": args.model,
-            "random_init": "true",
-            "train_data": paths["sft_train"],
-            "val_data": paths["sft_validation"],
-            "val_rows": 128,
-            "steps": args.sft_steps,
-            "batch_size": 32,
-            "micro_batch_size": 32 // args.nproc,
-            "lr": args.sft_lr,
-            "warmup_steps": 10,
-            "eval_every": 200,
-            "save_every": 0,
-            "max_prompt_len": 192,
-            "max_response_len": 32,
-            "prompt_loss_weight": args.prompt_loss_weight,
-            "out_dir": out / "sft",
-            "run_name": "demo-sft",
-            **common,
-        },
-        args.nproc,
-    )
+    run_stage("sft.py", sft_options(out, paths, args) | common, args.nproc)
+
+
+def sft_options(out: Path, paths: dict, args) -> dict:
+    """sft.py's options in the demo: the tiny preset from random weights on the task's SFT rows."""
+    return {
+        "model": args.model,
+        "random_init": "true",
+        "train_data": paths["sft_train"],
+        "val_data": paths["sft_validation"],
+        "val_rows": 128,
+        "steps": args.sft_steps,
+        "batch_size": 32,
+        "micro_batch_size": 32 // args.nproc,
+        "lr": args.sft_lr,
+        "warmup_steps": 10,
+        "eval_every": 200,
+        "save_every": 0,
+        "max_prompt_len": 192,
+        "max_response_len": 32,
+        "prompt_loss_weight": args.prompt_loss_weight,
+        "out_dir": out / "sft",
+        "run_name": "demo-sft",
+    }
 
 
 def run_reward_model(out: Path, pairs: dict, args, common: dict) -> None:
-    run_stage(
-        "reward_model.py",
-        {
-            "model": out / "sft" / "hf",
-            "train_data": pairs["train"],
-            "val_data": pairs["validation"],
-            "val_rows": 256,
-            "steps": args.rm_steps,
-            "batch_size": 32,
-            "micro_batch_size": 32 // args.nproc,
-            "lr": 2e-3,
-            "min_lr_ratio": 1.0,
-            "pooling": args.rm_pooling,
-            "warmup_steps": 5,
-            "eval_every": 50,
-            "save_every": 0,
-            "max_prompt_len": 192,
-            "max_response_len": 32,
-            "norm_prompts": 64,
-            "norm_samples_per_prompt": 4,
-            "out_dir": out / "rm",
-            "run_name": "demo-rm",
-            **common,
-        },
-        args.nproc,
-    )
+    run_stage("reward_model.py", reward_model_options(out, pairs, args) | common, args.nproc)
+
+
+def reward_model_options(out: Path, pairs: dict, args) -> dict:
+    """reward_model.py's options in the demo: from the SFT policy, on the labelled pairs of its own samples, normalised
+    on its samples."""
+    return {
+        "model": out / "sft" / "hf",
+        "train_data": pairs["train"],
+        "val_data": pairs["validation"],
+        "val_rows": 256,
+        "steps": args.rm_steps,
+        "batch_size": 32,
+        "micro_batch_size": 32 // args.nproc,
+        "lr": 2e-3,
+        "min_lr_ratio": 1.0,
+        "pooling": args.rm_pooling,
+        "warmup_steps": 5,
+        "eval_every": 50,
+        "save_every": 0,
+        "max_prompt_len": 192,
+        "max_response_len": 32,
+        "norm_prompts": 64,
+        "norm_samples_per_prompt": 4,
+        "out_dir": out / "rm",
+        "run_name": "demo-rm",
+    }
 
 
 def dpo_options(out: Path, pairs: dict, args) -> dict:

@@ -72,6 +72,7 @@ FREE_OPTIONS = frozenset(
         "run_name",
         "wandb_group",
         "wandb_tags",
+        "tensorboard",
     }
 )
 

@@ -307,7 +307,7 @@ _WRONG = object()
 
 
 def _typed(value, tp):
-    """`value` (not a string) as a value of type `tp`, or _WRONG."""
+    """`value` (not a string) as a value of type `tp`, or _WRONG. Null is the empty string for a string option."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None:
@@ -316,6 +316,8 @@ def _typed(value, tp):
         origin = typing.get_origin(tp)
     if origin is Literal:
         tp = type(typing.get_args(tp)[0])
+    if tp is str and value is None:  # YAML's `key:` with nothing after it: the empty string, as `--key ""` gives
+        return ""
     if tp is bool:
         return value if isinstance(value, bool) else _WRONG
     if isinstance(value, bool):  # True is an int to Python, never a number of steps

@@ -403,8 +403,10 @@ ABLATION_METRICS = [
 def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
     """GRPO once per variant of ABLATION and seed (--ablation_seeds), every run from the same SFT policy and reward
     model, each with a wandb group (its variant) and tags; then the comparison table and curves
-    (evaluation/compare.py). Returns the table (markdown)."""
+    (evaluation/compare.py), also as TensorBoard events in --out/ablation and, with --wandb_mode, a wandb run in the
+    group "ablation". Returns the table (markdown)."""
     from evaluation.compare import group_runs, load_run, plot, table
+    from utils.logging import markdown_rows, publish_picture
 
     unknown = sorted(set(args.ablation_variants) - set(ABLATION))
     if unknown:
@@ -440,6 +442,14 @@ def ablation(out: Path, paths: dict, pairs: dict, args) -> str:
         5,
     )
     (out / "ablation.md").write_text(text + "\n")
+    publish_picture(
+        Path(args.assets) / "ablation.png",
+        out / "ablation",
+        "ablation",
+        markdown_rows(text),
+        wandb_mode=args.wandb_mode,
+        wandb_group="ablation",
+    )
     return text
 
 
@@ -455,12 +465,15 @@ def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
     at every evaluation on the first --frontier_prompts held-out posts (dpo.py / grpo.py --frontier_prompts: KL to
     the SFT policy, gold and proxy reward of --frontier_samples temperature-1 samples per post); best-of-n from the
     SFT policy on the same posts; then frontier.md (the table), frontier.json (every point) and assets/frontier.png,
-    rewritten after every run so that a run cut short keeps what it measured. Returns the table (markdown)."""
+    rewritten after every run so that a run cut short keeps what it measured; at the end the picture and the table also
+    as TensorBoard events in --out/frontier and, with --wandb_mode, a wandb run in the group "frontier". Returns the
+    table (markdown)."""
     from data.synthetic import gold_reward
     from data.tokenizer import get_tokenizer
     from evaluation.frontier import best_of_n, frontier_points, frontier_table, load_frontier_prompts, plot_frontier
     from model.weights import build_policy, build_reward_model
     from utils.dist import stream
+    from utils.logging import markdown_rows, publish_picture
 
     root = out / "frontier"
     root.mkdir(parents=True, exist_ok=True)
@@ -518,7 +531,16 @@ def frontier(out: Path, paths: dict, pairs: dict, args) -> str:
         frontier_run(stage, selection, beta, seed, run_dir, out, paths, pairs, args, measured)
         methods.setdefault(name, []).append(frontier_points(run_dir))
         record()
-    return record()
+    text = record()
+    publish_picture(
+        Path(args.assets) / "frontier.png",
+        root,
+        "frontier",
+        markdown_rows(text),
+        wandb_mode=args.wandb_mode,
+        wandb_group="frontier",
+    )
+    return text
 
 
 def frontier_run(stage, selection, beta, seed, run_dir: Path, out: Path, paths: dict, pairs: dict, args, measured):

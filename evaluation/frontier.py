@@ -475,11 +475,13 @@ def main(argv: list[str] | None = None) -> str:
     """python -m evaluation.frontier RUN_DIR ... --reference DIR --reward_model DIR --data SOURCE: the table and the
     picture of runs that logged eval/kl (--frontier_prompts), grouped as evaluation/compare.py groups them (runs that
     differ only in seed are one method), with best-of-n from --reference on the first --prompts prompts of --data (the
-    runs' --frontier_data). Without a --gold_fn the picture draws proxy reward and win rate against KL."""
+    runs' --frontier_data). Without a --gold_fn the picture draws proxy reward and win rate against KL. The picture and
+    the table also go into the runs' common folder as TensorBoard events and, with --wandb_mode, to wandb
+    (evaluation.compare.publish)."""
     import argparse
 
     from data.tokenizer import get_tokenizer
-    from evaluation.compare import CompareError, group_runs, label, load_run
+    from evaluation.compare import CompareError, add_publish_arguments, group_runs, label, load_run, publish
     from model.weights import build_policy
 
     p = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
@@ -495,14 +497,15 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--best_of", type=int, default=64, help="best-of-n's largest n, a power of 2")
     p.add_argument("--seed", type=int, default=0, help="seed of best-of-n's samples")
     p.add_argument("--out", default="frontier.png", help="the picture; frontier.json beside it holds every point")
+    add_publish_arguments(p)
     args = p.parse_args(argv)
     if args.best_of < 1 or args.best_of & (args.best_of - 1):
         p.error(f"--best_of must be a power of 2, got {args.best_of}")
     # each model's kind before anything is read (a policy as --reward_model would score with a random head)
     model_config(args.reference, kind="policy", option="--reference")
     model_config(args.reward_model, kind="reward_model", option="--reward_model")
-    methods = {}
-    for options, members in group_runs([load_run(d) for d in args.runs]):
+    methods, runs = {}, [load_run(d) for d in args.runs]
+    for options, members in group_runs(runs):
         seeds = [frontier_points(run.dir) for run in members]
         empty = [str(run.dir) for run, points in zip(members, seeds, strict=True) if not points]
         if empty:
@@ -524,6 +527,7 @@ def main(argv: list[str] | None = None) -> str:
     plot_frontier(curve, methods, out, f"{args.prompts} prompts of {args.data}; error bars 1 standard error")
     out.with_suffix(".json").write_text(json.dumps({"best_of_n": curve, "methods": methods}, indent=1))
     text = frontier_table(curve, methods)
+    publish(args, out, "frontier", text, runs)
     print(f"{text}\n\nwrote {out} and {out.with_suffix('.json')}")
     return text
 

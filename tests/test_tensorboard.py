@@ -320,7 +320,7 @@ def test_a_published_picture_is_an_image_and_its_table_text_in_its_folder(tmp_pa
     png = tmp_path / "compare.png"
     fig.savefig(png, dpi=50)
     plt.close(fig)
-    publish_picture(png, "compare", (["variant", "reward"], [["rso", 0.5], ["uniform|all", 0.25]]))
+    publish_picture(png, tmp_path, "compare", (["variant", "reward"], [["rso", 0.5], ["uniform|all", 0.25]]))
     events = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "tensors": 0})
     events.Reload()
     (image,) = events.Images("compare")

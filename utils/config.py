@@ -113,7 +113,7 @@ def own_fields(cls) -> set[str]:
     return set(inspect.get_annotations(cls)) - inherited
 
 
-def _parse_bool(s: str) -> bool:
+def parse_bool(s: str) -> bool:
     v = s.strip().lower()
     if v in ("1", "true", "yes", "y", "on"):
         return True
@@ -134,7 +134,7 @@ def _converter(tp) -> tuple[Any, list | None]:
         inner, choices = _converter(args[0])
         return (lambda s: None if s.lower() in ("none", "null", "") else inner(s)), choices
     if tp is bool:
-        return _parse_bool, None
+        return parse_bool, None
     if tp in (int, float, str):
         return tp, None
     raise TypeError(f"config type {tp} is not supported")

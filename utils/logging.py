@@ -279,8 +279,16 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
     return "\n".join([head] + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
 
 
+def markdown_rows(text: str) -> tuple[list[str], list[list[str]]]:
+    """The columns and rows of a markdown table as evaluation/compare.py and evaluation/frontier.py print it (a head
+    line, a |---| line, a line per row; no cell holds a "|")."""
+    lines = [[cell.strip() for cell in line.strip()[1:-1].split("|")] for line in text.strip().splitlines()]
+    return lines[0], lines[2:]
+
+
 def publish_picture(
     png: Path,
+    folder: Path,
     tag: str,
     table: tuple[list[str], list[list]] | None = None,
     tensorboard: bool = True,
@@ -290,15 +298,15 @@ def publish_picture(
     run_name: str = "",
 ) -> None:
     """A picture drawn from finished runs (evaluation/compare.py's comparison, evaluation/frontier.py's frontier) and
-    its table, where the runs' own curves are: TensorBoard events in the PNG's folder under `tag` (the runs' common
-    folder, so `tensorboard --logdir runs/` shows it beside them; the table as text under `tag`/table), and with
-    `wandb_mode` not disabled a wandb run of its own (job type `tag`) in `wandb_group`, the group of the runs it draws,
-    holding the picture and the table."""
-    png = Path(png)
+    its table, where the runs' own curves are: TensorBoard events in `folder`, the runs' common folder, under `tag`
+    (`tensorboard --logdir runs/` shows it beside them; the table as text under `tag`/table), and, with `wandb_mode`
+    not disabled, a wandb run of its own (job type `tag`, its files in `folder`) in `wandb_group`, the group of the
+    runs it draws, holding the picture and the table. A failed write of the event file: one line, exit code 4."""
+    folder = Path(folder)
     if tensorboard and tensorboard_installed():
-        with stop_on_write_failure(str(png.parent / EVENT_FILES), png.parent):
-            writer = TensorBoardFile(png.parent)
-            writer.image(tag, png.read_bytes(), 0)
+        with stop_on_write_failure(str(folder / EVENT_FILES), folder):
+            writer = TensorBoardFile(folder)
+            writer.image(tag, Path(png).read_bytes(), 0)
             if table is not None:
                 writer.text(f"{tag}/table", markdown_table(*table), 0)
             writer.close()
@@ -313,7 +321,7 @@ def publish_picture(
         group=wandb_group or None,
         job_type=tag,
         mode=mode,
-        dir=str(png.parent),
+        dir=str(folder),
         settings=wandb.Settings(silent=True),
     )
     logged = {tag: wandb.Image(str(png))}
@@ -321,6 +329,8 @@ def publish_picture(
         logged[f"{tag}/table"] = wandb.Table(columns=table[0], data=table[1])
     run.log(logged)
     run.finish()
+    if mode == "offline":
+        say(f"wandb: offline run in {Path(run.dir).parent}; upload it with: wandb sync {Path(run.dir).parent}")
 
 
 def wandb_login() -> bool:

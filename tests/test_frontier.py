@@ -271,7 +271,7 @@ def test_compare_draws_evaluation_metrics_against_eval_kl_by_default(tmp_path, m
     log.finish()
     drawn = {}
     monkeypatch.setattr(compare, "plot", lambda groups, metrics, out, x, smooth: drawn.update(metrics=metrics, x=x))
-    text = compare.main([str(tmp_path / "run"), "--out", str(tmp_path / "c.png")])
+    text = compare.main([str(tmp_path / "run"), "--out", str(tmp_path / "c.png"), "--tensorboard", "false"])  # no PNG
     assert drawn == {"metrics": ["eval/gold", "train/kl"], "x": "eval/kl"}
     assert "eval/gold (final)" in text
     groups = compare.group_runs([compare.load_run(tmp_path / "run")])

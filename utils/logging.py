@@ -304,9 +304,10 @@ def publish_picture(
     runs it draws, holding the picture and the table. A failed write of the event file: one line, exit code 4."""
     folder = Path(folder)
     if tensorboard and tensorboard_installed():
+        picture = Path(png).read_bytes()
         with stop_on_write_failure(str(folder / EVENT_FILES), folder):
             writer = TensorBoardFile(folder)
-            writer.image(tag, Path(png).read_bytes(), 0)
+            writer.image(tag, picture, 0)
             if table is not None:
                 writer.text(f"{tag}/table", markdown_table(*table), 0)
             writer.close()

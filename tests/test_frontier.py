@@ -255,6 +255,14 @@ def test_a_tiny_frontier_run(tiny_demo, tmp_path):
     text = (tiny_demo / "frontier" / "frontier.md").read_text()
     assert text.strip() == frontier_table(record["best_of_n"], record["methods"]).strip()
     assert "| DPO beta 0.1 | 1 |" in text and "best-of-4" in text
+    # the picture and its table as TensorBoard events beside the runs (their own event files are in their folders)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tiny_demo / "frontier"), size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    assert [i.encoded_image_string for i in events.Images("frontier")] == [(tmp_path / "frontier.png").read_bytes()]
+    (table,) = events.Tensors("frontier/table")
+    assert "DPO beta 0.1 | 1 |" in table.tensor_proto.string_val[0].decode()
 
 
 def test_compare_draws_evaluation_metrics_against_eval_kl_by_default(tmp_path, monkeypatch):

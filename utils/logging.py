@@ -128,7 +128,7 @@ class Logger:
         if self.tensorboard is not None:
             with stop_on_write_failure(str(self.tensorboard.path), self.run_dir):
                 self.tensorboard.scalars(clean, step)
-                self.tensorboard.flush()  # its thread's write error surfaces here, inside the ranks' agreement
+                self.tensorboard.flush()  # on disk now: a failure is this row's, inside the ranks' agreement
         if self.run is not None:
             self.run.log(clean, step=step)
 
@@ -205,7 +205,6 @@ class TensorBoardFile:
         if resume_step == 0:
             for old in folder.glob(EVENT_FILES):
                 old.unlink()
-        self.Event = Event
         self.path = folder / f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
         self.file = open(self.path, "ab")
         self.records = RecordWriter(self.file)
@@ -219,7 +218,9 @@ class TensorBoardFile:
         self.records.write(event.SerializeToString())
 
     def add(self, summary, step: int = 0) -> None:
-        self._write(self.Event(wall_time=time.time(), step=step, summary=summary))
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        self._write(Event(wall_time=time.time(), step=step, summary=summary))
 
     def scalars(self, metrics: dict, step: int) -> None:
         """Every finite number of `metrics` under its own name at `step` (strings are metrics.jsonl's alone)."""
@@ -244,8 +245,10 @@ class TensorBoardFile:
         """A PNG file's bytes as they are (no decoding and re-encoding): TensorBoard shows an encoded image."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk, first after the 8-byte signature
-        image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)  # 4: RGBA
+        # the IHDR chunk, first after the 8-byte signature: width, height, bit depth, colour type
+        width, height, _, colour = struct.unpack(">IIBB", png[16:26])
+        channels = {0: 1, 4: 2, 2: 3, 6: 4}.get(colour, 0)  # grey, grey + alpha, RGB, RGBA (3: a palette)
+        image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=png)
         self.add(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
 
     def hparams(self, options: dict, metrics: tuple[str, ...]) -> None:

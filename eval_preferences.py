@@ -79,8 +79,8 @@ class Config(JudgeConfig):  # --judge (with --policy): the win rate against refe
     run_name: str = "eval_preferences"
     """wandb run name."""
     tensorboard: bool = True
-    """TensorBoard event files in --out_dir beside metrics.jsonl (the results at step 0, the accuracy tables as text,
-    the options as hyperparameters); used with --out_dir."""
+    """TensorBoard event files in --out_dir beside metrics.jsonl (the results at step 0, the accuracy tables as text;
+    a training run's options stay its hyperparameters); used with --out_dir."""
 
     def validate(self) -> None:
         if bool(self.reward_model) == bool(self.policy):

@@ -261,6 +261,25 @@ def test_a_resumed_run_reads_as_one_run_and_a_fresh_start_as_a_new_one(tmp_path)
     assert len(list(tmp_path.glob(EVENT_FILES))) == 1 and scalars(tmp_path, "x") == [(1, 7.0)]
 
 
+def test_a_later_evaluation_in_a_runs_folder_adds_its_numbers_and_leaves_the_runs_options(tmp_path):
+    """eval_preferences.py --out_dir on a training run's folder (a Logger without `record`, appending): its results
+    join the run's, and the run's options stay its hyperparameters."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    run = Logger(tmp_path, {"lr": 0.1}, "p", "n", "disabled", True, resume_step=0, tensorboard=True)
+    run.log({"x": 1.0}, 1)
+    run.finish()
+    time.sleep(1.1)  # a file of its own
+    later = Logger(tmp_path, {"lr": 9.0}, "p", "n", "disabled", True, record=False, tensorboard=True)
+    later.log({"eval/accuracy": 0.75}, 0)
+    later.finish()
+    assert scalars(tmp_path, "x") == [(1, 1.0)] and scalars(tmp_path, "eval/accuracy") == [(0, 0.75)]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    assert plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams["lr"].number_value == 0.1
+
+
 def test_without_the_tensorboard_package_a_run_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(

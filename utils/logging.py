@@ -55,8 +55,8 @@ class Logger:
         evaluation/compare.py reads.
 
         tensorboard: TensorBoard event files in the run directory as well (TensorBoardFile): every number of a row at
-        its step, the tables as text, and the config's options as hyperparameters with `hparam_metrics` (the stage's
-        headlines) as the HParams view's metric columns. Its writes fail as metrics.jsonl's do."""
+        its step, the tables as text, and with `record` the config's options as hyperparameters with `hparam_metrics`
+        (the stage's headlines) as the HParams view's metric columns. Its writes fail as metrics.jsonl's do."""
         self.enabled = enabled
         self.run = None
         self.file = None
@@ -80,9 +80,10 @@ class Logger:
         if tensorboard and tensorboard_installed():
             with stop_on_write_failure(str(self.run_dir / EVENT_FILES), self.run_dir):
                 self.tensorboard = TensorBoardFile(self.run_dir, resume_step)
-            with stop_on_write_failure(str(self.tensorboard.path), self.run_dir):
-                self.tensorboard.hparams(config, hparam_metrics)
-                self.tensorboard.flush()
+            if record:  # a run's own options; eval_preferences.py in a training run's folder leaves them alone
+                with stop_on_write_failure(str(self.tensorboard.path), self.run_dir):
+                    self.tensorboard.hparams(config, hparam_metrics)
+                    self.tensorboard.flush()
         if mode == "auto" and importlib.util.find_spec("wandb") is None:
             say("wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only")
             mode = "disabled"

@@ -31,26 +31,22 @@ import time
 from pathlib import Path
 
 from experiments import embedded
-from experiments.embedded import ABLATION, PREPARED, Demo, pipeline
+from experiments.embedded import ABLATION, ABLATION_METRICS, PREPARED, Demo, pipeline
 from experiments.runner import Run, run_all
 
-ABLATION_METRICS = [
-    "reward/gold_mean",
-    "gold/items_correct",
-    "gold/items_invented",
-    "reward/mean",
-    "eval/kl",
-    "train/kl",
-    "eval/pref_accuracy",
-]
-"""The ablation's table: the gold reward and proxy of the last five steps' samples; eval/kl, the sequence KL of the
-policy's own temperature-1 samples to the SFT policy at the last evaluation (--frontier_prompts: where the variants are
-compared); train/kl, the per-token training metric over the kept samples (a tenth of eval/kl or less here)."""
+
+def publish(demo: Demo, picture: str, folder: Path, text: str) -> None:
+    """A grid's picture and table as TensorBoard events in its folder and, with --wandb_mode, a wandb run in the group
+    named for the grid (utils.logging.publish_picture)."""
+    from utils.logging import markdown_rows, publish_picture
+
+    png, tag = Path(demo.args.assets) / picture, picture.removesuffix(".png")
+    publish_picture(png, folder, tag, markdown_rows(text), wandb_mode=demo.args.wandb_mode, wandb_group=tag)
 
 
 def ablation(demo: Demo) -> str:
     """The ablation's runs (experiments.embedded.ablation_runs), every one from the same SFT policy and reward model;
-    then the comparison table and curves (evaluation/compare.py). Returns the table (markdown)."""
+    then the comparison table and curves (evaluation/compare.py), published (`publish`). Returns the table."""
     from evaluation.compare import group_runs, load_run, plot, table
 
     runs = embedded.ablation_runs(demo)
@@ -61,6 +57,7 @@ def ablation(demo: Demo) -> str:
     metrics = ["reward/gold_mean", "gold/items_correct", "reward/mean"]
     plot(groups, metrics, Path(demo.args.assets) / "ablation.png", "eval/kl", 5)
     (demo.out / "ablation.md").write_text(text + "\n")
+    publish(demo, "ablation.png", demo.out / "ablation", text)
     return text
 
 
@@ -94,7 +91,7 @@ def frontier(demo: Demo) -> str:
     (experiments.embedded.frontier_runs), each measured at every evaluation on the first --frontier_prompts held-out
     posts (KL to the SFT policy, gold and proxy reward of --frontier_samples temperature-1 samples per post); then
     frontier.md (the table), frontier.json (every point) and assets/frontier.png, rewritten after every run so that a
-    run cut short keeps what it measured. Returns the table (markdown)."""
+    run cut short keeps what it measured; at the end the picture and table published (`publish`). Returns the table."""
     from evaluation.frontier import frontier_points, frontier_table, plot_frontier
 
     args, root = demo.args, demo.out / "frontier"
@@ -118,7 +115,9 @@ def frontier(demo: Demo) -> str:
         return text
 
     run_all(embedded.frontier_runs(demo), args.nproc, after=record)
-    return record()
+    text = record()
+    publish(demo, "frontier.png", root, text)
+    return text
 
 
 def verdict(demo: Demo) -> str:
@@ -155,7 +154,9 @@ def verdict(demo: Demo) -> str:
 
     assets.mkdir(parents=True, exist_ok=True)
     run_all(embedded.verdict_runs(demo, posts), args.nproc, after=record)
-    return record()
+    text = record()
+    publish(demo, "verdict.png", root, text)
+    return text
 
 
 def summarize(demo: Demo, t0: float) -> None:

@@ -78,6 +78,9 @@ class Config(JudgeConfig):  # --judge (with --policy): the win rate against refe
     """wandb project."""
     run_name: str = "eval_preferences"
     """wandb run name."""
+    tensorboard: bool = True
+    """TensorBoard event files in --out_dir beside metrics.jsonl (the results at step 0, the accuracy tables as text;
+    a training run's options stay its hyperparameters); used with --out_dir."""
 
     def validate(self) -> None:
         if bool(self.reward_model) == bool(self.policy):
@@ -159,7 +162,14 @@ def main(cfg: Config) -> dict:
             )
     if cfg.out_dir:
         logger = Logger(
-            cfg.out_dir, config_to_dict(cfg), cfg.wandb_project, cfg.run_name, cfg.wandb_mode, rank == 0, record=False
+            cfg.out_dir,
+            config_to_dict(cfg),
+            cfg.wandb_project,
+            cfg.run_name,
+            cfg.wandb_mode,
+            rank == 0,
+            record=False,
+            tensorboard=cfg.tensorboard,
         )
         log_results(logger, results, step=0, prefix="eval/")
         logger.finish()

@@ -17,9 +17,11 @@ temperature-1 samples that --frontier_prompts measures at every evaluation, else
 the mean over a group's seeds at each step. Evaluation metrics (val/, eval/: logged every --eval_every steps) are drawn
 as their points, each at its value, never smoothed; per-step metrics are smoothed by a centred moving average of
 --smooth logged steps, which the panel's title says. The picture goes next to the runs (their common folder) or
-where --out says. A missing folder, or a metric no run logged, ends the command with one line (exit code 2) naming
-it, and for a metric, the metrics that exist. A line of metrics.jsonl that is not a whole JSON row (a run still
-writing) is skipped with one warning line.
+where --out says, and into the runs' common folder as TensorBoard events (`tensorboard --logdir` over it shows the
+picture and the table beside the runs' curves; --tensorboard false: not) and, with --wandb_mode, into a wandb run of
+its own in the runs' wandb group. A missing folder, or a metric no run logged, ends the command with one line (exit
+code 2) naming it, and for a metric, the metrics that exist. A line of metrics.jsonl that is not a whole JSON row (a
+run still writing) is skipped with one warning line.
 """
 
 import argparse
@@ -35,7 +37,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-# metrics logged at evaluations only: drawn as points, never smoothed across evaluations
 import evaluation.frontier  # noqa: E402
 import evaluation.pairs  # noqa: E402
 import evaluation.samples  # noqa: E402
@@ -43,8 +44,8 @@ import evaluation.summaries  # noqa: E402
 import model.lora  # noqa: E402
 import rollouts.options  # noqa: E402
 import utils.config  # noqa: E402
-from utils.config import declared, option_groups  # noqa: E402
-from utils.logging import EVALUATION_PREFIXES, metric_direction  # noqa: E402
+from utils.config import declared, option_groups, parse_bool  # noqa: E402
+from utils.logging import EVALUATION_PREFIXES, markdown_rows, metric_direction, publish_picture  # noqa: E402
 from utils.rundir import RESUME_CHANGES  # noqa: E402
 
 DEFAULT_METRICS = (
@@ -294,6 +295,40 @@ def default_out(run_dirs: list[str]) -> Path:
     return (common.parent if len(paths) == 1 else common) / "compare.png"
 
 
+def add_publish_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the picture is shown besides its PNG (publish): TensorBoard events and a wandb run."""
+    p.add_argument(
+        "--tensorboard",
+        type=parse_bool,
+        default=True,
+        help="also write the picture and the table as TensorBoard events in the runs' common folder",
+    )
+    p.add_argument(
+        "--wandb_mode",
+        default="disabled",
+        choices=["auto", "online", "offline", "disabled"],
+        help="also log the picture and the table to a wandb run of their own (auto: online with a login)",
+    )
+    p.add_argument("--wandb_project", default="tldr-rlhf", help="wandb project")
+    p.add_argument(
+        "--wandb_group",
+        default=None,
+        help="wandb group of that run; default: the runs' own group when they all share one",
+    )
+
+
+def publish(args: argparse.Namespace, png: Path, tag: str, text: str, runs: list[RunMetrics]) -> None:
+    """The picture `png` and its markdown table `text` as TensorBoard events in the runs' common folder and, with
+    --wandb_mode, in a wandb run named `tag` in --wandb_group (default: the runs' group when they share one)."""
+    groups = {r.config.get("wandb_group", "") for r in runs}
+    group = args.wandb_group if args.wandb_group is not None else (groups.pop() if len(groups) == 1 else "")
+    folder = Path(os.path.commonpath([str(r.dir.resolve()) for r in runs]))
+    folder = folder.parent if len(runs) == 1 else folder
+    publish_picture(
+        png, folder, tag, markdown_rows(text), args.tensorboard, args.wandb_mode, args.wandb_project, group, tag
+    )
+
+
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -342,6 +377,7 @@ def main(argv: list[str] | None = None) -> str:
         default=None,
         help="PNG of the curves; default: compare.png in the runs' common folder; empty: no picture",
     )
+    add_publish_arguments(p)
     args = p.parse_args(argv)
     if args.smooth < 1 or args.last < 1:
         p.error(f"--smooth and --last must be >= 1, got {args.smooth} and {args.last}")
@@ -362,6 +398,7 @@ def main(argv: list[str] | None = None) -> str:
     out = default_out(args.runs) if args.out is None else Path(args.out) if args.out else None
     if out is not None:
         plot(groups, metrics, out, x, args.smooth)
+        publish(args, out, "compare", text, runs)
         print(f"\nwrote {out}")
     return text
 

@@ -849,11 +849,12 @@ def main(argv: list[str] | None = None) -> str:
     differ only in seed are one method), with best-of-n from --reference on the first --prompts prompts of --data (the
     runs' --frontier_data); with per-post values (frontier_posts.jsonl) also each method minus best-of-n at its KL and
     the fitted curves. Without a --gold_fn the picture draws proxy reward and win rate against KL; without runs,
-    best-of-n alone (e.g. its KL from two pool sizes)."""
+    best-of-n alone (e.g. its KL from two pool sizes). The picture and the table also go into the runs' common folder
+    as TensorBoard events and, with --wandb_mode, to wandb (evaluation.compare.publish)."""
     import argparse
 
     from data.tokenizer import get_tokenizer
-    from evaluation.compare import CompareError, group_runs, label, load_run
+    from evaluation.compare import CompareError, add_publish_arguments, group_runs, label, load_run, publish
     from model.weights import build_policy
 
     p = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
@@ -878,6 +879,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of best-of-n's samples")
     p.add_argument("--out", default="frontier.png", help="the picture; frontier.json beside it holds every point")
+    add_publish_arguments(p)
     args = p.parse_args(argv)
     if args.best_of < 1 or args.best_of & (args.best_of - 1):
         p.error(f"--best_of must be a power of 2, got {args.best_of}")
@@ -886,8 +888,8 @@ def main(argv: list[str] | None = None) -> str:
     # each model's kind before anything is read (a policy as --reward_model would score with a random head)
     model_config(args.reference, kind="policy", option="--reference")
     model_config(args.reward_model, kind="reward_model", option="--reward_model")
-    methods = {}
-    for options, members in group_runs([load_run(d) for d in args.runs]):
+    methods, runs = {}, [load_run(d) for d in args.runs]
+    for options, members in group_runs(runs):
         seeds = [frontier_points(run.dir) for run in members]
         empty = [str(run.dir) for run, points in zip(members, seeds, strict=True) if not points]
         if empty:
@@ -911,6 +913,7 @@ def main(argv: list[str] | None = None) -> str:
     plot_frontier(curve, methods, out, title)
     out.with_suffix(".json").write_text(json.dumps({"best_of_n": curve, "methods": methods}, indent=1))
     text = frontier_table(curve, methods)
+    publish(args, out, "frontier", text, runs)
     print(f"{text}\n\nwrote {out} and {out.with_suffix('.json')}")
     return text
 

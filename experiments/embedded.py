@@ -217,6 +217,20 @@ ABLATION = {
 }
 
 
+ABLATION_METRICS = [
+    "reward/gold_mean",
+    "gold/items_correct",
+    "gold/items_invented",
+    "reward/mean",
+    "eval/kl",
+    "train/kl",
+    "eval/pref_accuracy",
+]
+"""The ablation's table: the gold reward and proxy of the last five steps' samples; eval/kl, the sequence KL of the
+policy's own temperature-1 samples to the SFT policy at the last evaluation (--frontier_prompts: where the variants are
+compared); train/kl, the per-token training metric over the kept samples (a tenth of eval/kl or less here)."""
+
+
 def ablation_measured(demo: Demo) -> dict:
     """eval/kl at every evaluation, the KL where the variants are compared: the held-out posts (--val_data) x
     --frontier_samples."""

@@ -182,13 +182,14 @@ def prompts_and_rewards(
 
 
 class FullDiskFile:
-    """A file whose writes fail as on a full disk (ENOSPC): every write, or only those whose text holds `trigger`."""
+    """A file whose writes fail as on a full disk (ENOSPC): every write, or only those whose text (or bytes, read as
+    latin-1: a TensorBoard record holds its tags as they are) holds `trigger`."""
 
     def __init__(self, file, trigger: str = ""):
         self.file, self.trigger = file, trigger
 
     def write(self, text):
-        if self.trigger in text:
+        if self.trigger in (text if isinstance(text, str) else bytes(text).decode("latin-1")):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return self.file.write(text)
 

@@ -324,3 +324,37 @@ def test_ignored_options_are_what_every_script_declares_free_or_unrecorded():
     assert "eval_every" in grpo.Config.__annotations__ and "eval_every" in names
     assert {"table_every", "frozen_cpu_offload", "keep_last", "out_dir"} <= names
     assert compare.IGNORED == names | {"seed", "device"}
+
+
+def test_the_picture_and_the_table_go_to_tensorboard_and_wandb_in_the_runs_group(runs, tmp_path):
+    """The comparison beside the runs: TensorBoard events in their common folder (the PNG's bytes as they are, the
+    table's rows as text) and an offline wandb run of its own holding both, in the group the runs share."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "pictures" / "compare.png"
+    out.parent.mkdir()
+    text = compare.main([*map(str, runs), "--metrics", "reward/mean", "--out", str(out), "--wandb_mode", "offline"])
+    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    (image,) = events.Images("compare")
+    assert image.encoded_image_string == out.read_bytes()
+    (table,) = events.Tensors("compare/table")
+    shown = table.tensor_proto.string_val[0].decode()
+    assert shown.splitlines()[2:] == text.splitlines()[2:]  # the rows as they are printed ("=" and "±" need no escape)
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert len(list(run.glob("files/media/images/compare_*.png"))) == 1
+    (logged,) = run.glob("files/media/table/compare/table_*.table.json")
+    assert json.loads(logged.read_text())["data"][0][:2] == ["selection=rso", "2"]
+
+
+def test_the_wandb_run_of_the_picture_joins_the_group_the_runs_share(runs, tmp_path, monkeypatch):
+    published = []
+    monkeypatch.setattr(compare, "publish_picture", lambda *args: published.append(args))
+    for run, group in zip(runs, ["ablation", "ablation", "ablation", "other"], strict=True):
+        config = json.loads((run / "config.json").read_text())
+        (run / "config.json").write_text(json.dumps(config | {"wandb_group": group}))
+    compare.main([*map(str, runs[:3]), "--metrics", "reward/mean", "--out", str(tmp_path / "a.png")])
+    compare.main([*map(str, runs), "--metrics", "reward/mean", "--out", str(tmp_path / "b.png")])
+    compare.main([*map(str, runs), "--metrics", "reward/mean", "--out", str(tmp_path / "c.png"), "--wandb_group", "g"])
+    # (png, folder, tag, table, tensorboard, wandb_mode, project, group, run name)
+    assert [(p[1], p[7]) for p in published] == [(tmp_path, "ablation"), (tmp_path, ""), (tmp_path, "g")]

@@ -247,6 +247,13 @@ def log_case(case: str, script: str, message: str, code: int, f) -> None:
             log.write(json.dumps({"case": case, "script": script, "code": code, "message": message}) + "\n")
 
 
+def config_file(out, text: str) -> list[str]:
+    """`--config FILE` for a YAML file of `text` beside the run directory `out`."""
+    path = out.parent / "run.yaml"
+    path.write_text(text)
+    return ["--config", str(path)]
+
+
 # ----------------------------------------------------------------------------------------------------
 # The catalogue: (case, script, extra arguments (f = the inputs, out = a fresh run directory), expected fragments)
 
@@ -733,6 +740,19 @@ CASES = [
             "no network (cannot connect to 127.0.0.1:9",
             "Pass a local .jsonl/.json/.parquet file",
         ],
+    ),
+    # --config FILE
+    (
+        "config_unknown_key",
+        "sft",
+        lambda f, out: config_file(out, "lr: 1.0e-4\nlrr: 1.0e-3\n"),
+        ["--config ", "run.yaml: unknown option 'lrr'; did you mean lr?"],
+    ),
+    (
+        "config_wrong_type",
+        "dpo",
+        lambda f, out: config_file(out, "beta: 0.1\nsteps: 1.5\n"),
+        ["--config ", "run.yaml: steps: expected an integer, got 1.5 (float)"],
     ),
 ]
 

@@ -555,6 +555,14 @@ def test_a_tiny_frontier_run(tiny_demo, tmp_path):
     assert text.strip() == frontier_table(record["best_of_n"], record["methods"]).strip()
     assert "| DPO beta 0.1 | 1 |" in text and "best-of-4" in text
     assert "| DPO beta 0.1 - best-of-n |" in text and "| best-of-n | d (alpha - beta d) |" in text
+    # the picture and its table as TensorBoard events beside the runs (their own event files are in their folders)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tiny_demo / "frontier"), size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    assert [i.encoded_image_string for i in events.Images("frontier")] == [(tmp_path / "frontier.png").read_bytes()]
+    (table,) = events.Tensors("frontier/table")
+    assert "DPO beta 0.1 | 1 |" in table.tensor_proto.string_val[0].decode()
 
 
 @pytest.mark.slow  # eight processes: the demo and seven runs, one per arm
@@ -602,7 +610,7 @@ def test_compare_draws_evaluation_metrics_against_eval_kl_by_default(tmp_path, m
     log.finish()
     drawn = {}
     monkeypatch.setattr(compare, "plot", lambda groups, metrics, out, x, smooth: drawn.update(metrics=metrics, x=x))
-    text = compare.main([str(tmp_path / "run"), "--out", str(tmp_path / "c.png")])
+    text = compare.main([str(tmp_path / "run"), "--out", str(tmp_path / "c.png"), "--tensorboard", "false"])  # no PNG
     assert drawn == {"metrics": ["eval/gold", "train/kl"], "x": "eval/kl"}
     assert "eval/gold (final)" in text
     groups = compare.group_runs([compare.load_run(tmp_path / "run")])

@@ -440,6 +440,7 @@ FULL_DISK_CASES = {  # where rank 0's write fails: script, file, the text whose 
     "normalisation row": ("reward_model", "metrics.jsonl", "norm/", False),
     "option record": ("dpo", "config.json.tmp", "", False),
     "rows dropped on resume": ("reward_model", "metrics.jsonl.tmp", "", True),
+    "TensorBoard event file": ("reward_model", "events.out.tfevents.*", "", False),
 }
 
 

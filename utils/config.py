@@ -6,6 +6,11 @@ true/false/1/0/yes/no. A misspelled option, a value of the wrong type or a faile
 with exit code 2 and one line, `error: ...`, naming the option and what was expected (printed by rank 0 only, so a
 torchrun launch does not repeat it once per process).
 
+`--config FILE` (every script) reads options from a YAML or TOML file whose keys are the options' names; the command
+line overrides the file. A string in the file is read as the command line reads it (so YAML's `lr: 1e-6`, a string to
+a YAML 1.1 reader, is a number); any other value must have the option's type. An unknown key or a wrong type ends the
+process with exit code 2 and one line naming the file and the key.
+
 `--help` lists the options by section (SECTIONS; a comment line `# --- SECTION` among a config's fields starts
 one), each section with the script's own options first, then the shared ones. The option tables in docs/ are the
 same listing in markdown, generated from it and checked against it by tests/test_docs.py:
@@ -169,7 +174,7 @@ def choices_help(choices) -> str:
     return "One of: " + "; ".join(f"{name}: {described[name]}" for name in choices) + "."
 
 
-def _parse_bool(s: str) -> bool:
+def parse_bool(s: str) -> bool:
     v = s.strip().lower()
     if v in ("1", "true", "yes", "y", "on"):
         return True
@@ -190,7 +195,7 @@ def _converter(tp) -> tuple[Any, list | None]:
         inner, choices = _converter(args[0])
         return (lambda s: None if s.lower() in ("none", "null", "") else inner(s)), choices
     if tp is bool:
-        return _parse_bool, None
+        return parse_bool, None
     if tp in (int, float, str):
         return tp, None
     raise TypeError(f"config type {tp} is not supported")
@@ -228,6 +233,13 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
         valid=[f.name for f in fields],
         usage="%(prog)s [--OPTION VALUE ...] (every option below, grouped by what it sets)",  # argparse's own lists
     )  # every option: dozens of lines above the first group
+    parser.add_argument(
+        "--config",
+        default="",
+        metavar="FILE",
+        help="a YAML (.yaml, .yml) or TOML (.toml) file of options, its keys the options' names (configs/ holds the "
+        "reference runs); the command line overrides it",
+    )
     order = list(SECTIONS) + sorted({sections.get(f.name, OTHER) for f in fields} - set(SECTIONS) - {OTHER}) + [OTHER]
     groups = {}
     for f in sorted(fields, key=lambda f: (order.index(sections.get(f.name, OTHER)), f.name not in own)):
@@ -251,16 +263,134 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
 
 
 def parse_config(cls: type[T], argv: list[str] | None = None, description: str | None = None) -> T:
-    """Build `cls` from its defaults overridden by `--field value` arguments."""
+    """Build `cls` from its defaults, overridden by the options of a --config file, overridden by `--field value`
+    arguments."""
     parser = build_parser(cls, description)
-    args = parser.parse_args(argv)
-    cfg = cls(**vars(args))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    path = config_file_argument(argv)
+    if path:
+        try:
+            parser.set_defaults(**read_config_file(path, cls))
+        except ConfigError as e:
+            parser.error(str(e))
+    args = vars(parser.parse_args(argv))
+    del args["config"]  # its options are in args: config.json records the merged options, not the file's name
+    cfg = cls(**args)
     if hasattr(cfg, "validate"):
         try:
             cfg.validate()
         except ValueError as e:  # ConfigError, or a plain ValueError from a validate() written elsewhere
             parser.error(str(e))
     return cfg
+
+
+def config_file_argument(argv: list[str]) -> str:
+    """The FILE of `--config FILE` (or `--config=FILE`) in `argv`, read before the other options so that theirs
+    override the file's; "" without one."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default="")
+    known, _ = pre.parse_known_args(argv)
+    return known.config
+
+
+def read_config_file(path: str, cls) -> dict:
+    """Option name -> value of a --config file (YAML or TOML by its suffix) for `cls`'s fields, each checked against
+    the field's type (_file_value). ConfigError naming the file and the key: an unknown key, a wrong type, a file that
+    is missing, unreadable or not a mapping of names to values."""
+    where = f"--config {path}"
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml"):
+        raise ConfigError(f"{where}: expected a .yaml, .yml or .toml file")
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot be read ({e.strerror or e})") from None
+    try:
+        if suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10: the same parser as the package tomli (pyproject.toml)
+                import tomli as tomllib
+            options = tomllib.loads(text)
+        else:
+            import yaml
+
+            options = yaml.safe_load(text)
+    except Exception as e:  # yaml.YAMLError, tomllib.TOMLDecodeError: a syntax error, with its line
+        raise ConfigError(f"{where}: not valid {suffix[1:].upper()}: {' '.join(str(e).split())}") from None
+    options = {} if options is None else options  # an empty YAML file
+    if not isinstance(options, dict):
+        raise ConfigError(f"{where}: expected a mapping of option names to values, got a {type(options).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    values = {}
+    for key, value in options.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise ConfigError(f"{where}: unknown option {key!r}{hint}")
+        try:
+            values[key] = _file_value(value, hints[key])
+        except ValueError as e:
+            raise ConfigError(f"{where}: {key}: {e}") from None
+    return values
+
+
+def _type_name(tp) -> str:
+    """What a value of type `tp` is, in words, for an error message."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return _type_name(inner) + " or null"
+    return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+def _file_value(value, tp):
+    """A config file's `value` for a field of type `tp`: a string is read as the command line reads it; any other
+    value must be of the field's type (an integer for a number, a number for an integer only when whole is refused:
+    `steps: 1.5` is a mistake, not 1). ValueError saying what was expected."""
+    conv, choices = _converter(tp)
+    expected = f"expected {_type_name(tp)}, got {value!r}"
+    if isinstance(value, str):
+        try:
+            out = conv(value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            raise ValueError(expected) from None
+    else:
+        out = _typed(value, tp)
+        if out is _WRONG:
+            raise ValueError(f"{expected} ({type(value).__name__})")
+    if choices is not None and out is not None and out not in choices:
+        raise ValueError(expected)
+    return out
+
+
+_WRONG = object()
+
+
+def _typed(value, tp):
+    """`value` (not a string) as a value of type `tp`, or _WRONG. Null is the empty string for a string option."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        origin = typing.get_origin(tp)
+    if origin is Literal:
+        tp = type(typing.get_args(tp)[0])
+    if tp is str and value is None:  # YAML's `key:` with nothing after it: the empty string, as `--key ""` gives
+        return ""
+    if tp is bool:
+        return value if isinstance(value, bool) else _WRONG
+    if isinstance(value, bool):  # True is an int to Python, never a number of steps
+        return _WRONG
+    if tp is int:
+        return value if isinstance(value, int) else _WRONG
+    if tp is float:
+        return float(value) if isinstance(value, (int, float)) else _WRONG
+    return _WRONG
 
 
 def require_nonempty(cfg, *names: str) -> None:
@@ -452,6 +582,10 @@ class RunConfig:
     """wandb group (runs that differ only in seed share one, e.g. "selection=rso,global_norm=true"); empty: none."""
     wandb_tags: str = option("", free=True)
     """Comma-separated wandb tags, e.g. the options that set this run apart ("selection=rso,global_norm=false")."""
+    tensorboard: bool = option(True, free=True)
+    """TensorBoard event files in --out_dir beside metrics.jsonl (`tensorboard --logdir runs/` shows every run): each
+    metric at its step, the sample tables as text, the options as hyperparameters. Needs the tensorboard package
+    (without it, one line says so and the run goes on); changes no number."""
 
     def validate_run(self) -> None:
         require_nonempty(self, "out_dir")
@@ -505,7 +639,7 @@ def options_markdown(cls, section: str | None = None) -> str:
     help); with `section`, that section's table alone."""
     out = []
     for group in build_parser(cls)._action_groups:
-        actions = [a for a in group._group_actions if a.dest != "help"]
+        actions = [a for a in group._group_actions if a.dest not in ("help", "config")]  # docs: --config in prose
         if not actions or section not in (None, group.title):
             continue
         if section is None:

@@ -1,10 +1,13 @@
-"""Metrics on rank 0: wandb (online, offline or disabled), a metrics.jsonl file in the run directory that
-tests and plots read, and tqdm progress bars."""
+"""Metrics on rank 0: a metrics.jsonl file in the run directory that tests and plots read, TensorBoard event files
+beside it (--tensorboard), wandb (online, offline or disabled), and tqdm progress bars; publish_picture puts a picture
+drawn from finished runs (the comparison, the frontier) in the same two places."""
 
 import importlib.util
 import json
 import math
 import os
+import socket
+import struct
 import sys
 import time
 from collections import defaultdict
@@ -36,6 +39,8 @@ class Logger:
         group: str = "",
         tags: str = "",
         record: bool = True,
+        tensorboard: bool = False,
+        hparam_metrics: tuple[str, ...] = (),
     ):
         """mode: "online", "offline", "disabled", or "auto" (online when a wandb login is found, else offline; disabled,
         with one line saying so, when wandb is not installed).
@@ -47,7 +52,11 @@ class Logger:
 
         group, tags: the wandb group and comma-separated tags (empty: none). With `record`, the config is also the
         run's record of options, config.json in the run directory (utils.rundir.write_record), which
-        evaluation/compare.py reads."""
+        evaluation/compare.py reads.
+
+        tensorboard: TensorBoard event files in the run directory as well (TensorBoardFile): every number of a row at
+        its step, the tables as text, and with `record` the config's options as hyperparameters with `hparam_metrics`
+        (the stage's headlines) as the HParams view's metric columns. Its writes fail as metrics.jsonl's do."""
         self.enabled = enabled
         self.run = None
         self.file = None
@@ -57,6 +66,7 @@ class Logger:
         self.started = time.perf_counter()
         self.logged = 0  # rows this process logged (0: a rerun of a finished run)
         self.write_failure: RunWriteError | None = None  # a table's failed write, raised by the next log()
+        self.tensorboard: TensorBoardFile | None = None
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -67,11 +77,18 @@ class Logger:
         if record:
             with stop_on_write_failure(str(self.run_dir / RECORD), self.run_dir):
                 write_record(self.run_dir, config)
+        if tensorboard and tensorboard_installed():
+            with stop_on_write_failure(str(self.run_dir / EVENT_FILES), self.run_dir):
+                self.tensorboard = TensorBoardFile(self.run_dir, resume_step)
+            if record:  # a run's own options; eval_preferences.py in a training run's folder leaves them alone
+                with stop_on_write_failure(str(self.tensorboard.path), self.run_dir):
+                    self.tensorboard.hparams(config, hparam_metrics)
+                    self.tensorboard.flush()
         if mode == "auto" and importlib.util.find_spec("wandb") is None:
             say("wandb: --wandb_mode auto -> disabled (wandb is not installed): metrics.jsonl only")
             mode = "disabled"
         if mode == "auto":
-            login = bool(os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file())
+            login = wandb_login()
             mode = "online" if login else "offline"
             say(f"wandb: --wandb_mode auto -> {mode} ({'a' if login else 'no'} login in WANDB_API_KEY or ~/.netrc)")
         if mode != "disabled":
@@ -109,6 +126,10 @@ class Logger:
         with stop_on_write_failure(str(self.run_dir / "metrics.jsonl"), self.run_dir):
             self.file.write(json.dumps({"step": step, **{k: v for k, v in clean.items() if _jsonable(v)}}) + "\n")
             self.file.flush()
+        if self.tensorboard is not None:
+            with stop_on_write_failure(str(self.tensorboard.path), self.run_dir):
+                self.tensorboard.scalars(clean, step)
+                self.tensorboard.flush()  # on disk now: a failure is this row's, inside the ranks' agreement
         if self.run is not None:
             self.run.log(clean, step=step)
 
@@ -123,6 +144,10 @@ class Logger:
                     self._truncate(path)
                 with open(path, "a") as f:
                     f.write(json.dumps({"step": step, "columns": columns, "rows": rows}) + "\n")
+            if self.tensorboard is not None:
+                with stop_on_write_failure(str(self.tensorboard.path), self.run_dir):
+                    self.tensorboard.text(key, markdown_table(columns, rows), step)
+                    self.tensorboard.flush()
         except RunWriteError as e:
             self.write_failure = self.write_failure or e
             return
@@ -139,10 +164,183 @@ class Logger:
     def finish(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.tensorboard is not None:
+            with stop_on_write_failure(str(self.tensorboard.path), self.run_dir):
+                self.tensorboard.close()
         if self.run is not None:
             self.run.finish()
             if self.offline:
                 say(self.offline_note())
+
+
+# ----------------------------------------------------------------------------------------------------
+# TensorBoard: event files in the run directory, so that `tensorboard --logdir runs/` shows every run side by side
+
+EVENT_FILES = "events.out.tfevents.*"
+
+
+def tensorboard_installed() -> bool:
+    """Whether the tensorboard package is there; one line saying what goes without it when it is not."""
+    if importlib.util.find_spec("tensorboard") is not None:
+        return True
+    say("tensorboard: not installed (pip install tensorboard, or --tensorboard false): no event files")
+    return False
+
+
+class TensorBoardFile:
+    """One TensorBoard event file in `folder`, written by rank 0 in this thread: TensorBoard's record format (a length,
+    the protobuf of one event, checksums) appended to a file opened here, so a failed write raises where the row is
+    logged, as metrics.jsonl's does (torch's SummaryWriter writes from a thread of its own, whose error would surface
+    one row later with a traceback of that thread). A row's numbers are one event of many values, not one each.
+
+    resume_step: as Logger's. 0 (a fresh start) deletes the folder's earlier event files, as metrics.jsonl is emptied;
+    a later step writes TensorBoard's purge marker at the step after it, so that what a killed run logged after that
+    checkpoint is hidden and the folder reads as one run; None keeps everything (a later evaluation of a finished
+    run)."""
+
+    def __init__(self, folder: Path, resume_step: int | None = None):
+        # imported here, not at the module's top: TensorBoard's protobufs are for rank 0 of a run that writes them
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        if resume_step == 0:
+            for old in folder.glob(EVENT_FILES):
+                old.unlink()
+        self.path = folder / f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
+        self.file = open(self.path, "ab")
+        self.records = RecordWriter(self.file)
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if resume_step:
+            purge = SessionLog(status=SessionLog.START)  # hides the earlier files' events at this step and later
+            self._write(Event(wall_time=time.time(), step=resume_step + 1, session_log=purge))
+        self.flush()
+
+    def _write(self, event) -> None:
+        self.records.write(event.SerializeToString())
+
+    def add(self, summary, step: int = 0) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        self._write(Event(wall_time=time.time(), step=step, summary=summary))
+
+    def scalars(self, metrics: dict, step: int) -> None:
+        """Every finite number of `metrics` under its own name at `step` (strings are metrics.jsonl's alone)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [
+            Summary.Value(tag=k, simple_value=v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and math.isfinite(v)
+        ]
+        if values:
+            self.add(Summary(value=values), step)
+
+    def text(self, tag: str, markdown: str, step: int) -> None:
+        from torch.utils.tensorboard.summary import text
+
+        summary = text(tag, markdown)
+        summary.value[0].tag = tag  # torch names it TAG/text_summary
+        self.add(summary, step)
+
+    def image(self, tag: str, png: bytes, step: int) -> None:
+        """A PNG file's bytes as they are (no decoding and re-encoding): TensorBoard shows an encoded image."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # the IHDR chunk, first after the 8-byte signature: width, height, bit depth, colour type
+        width, height, _, colour = struct.unpack(">IIBB", png[16:26])
+        channels = {0: 1, 4: 2, 2: 3, 6: 4}.get(colour, 0)  # grey, grey + alpha, RGB, RGBA (3: a palette)
+        image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=png)
+        self.add(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+
+    def hparams(self, options: dict, metrics: tuple[str, ...]) -> None:
+        """The options (numbers, strings, booleans; not the record's list of changes) as the run's hyperparameters,
+        and `metrics` as the HParams view's columns (it reads their values from this run's scalars)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        values = {k: v for k, v in options.items() if isinstance(v, (int, float, str))}
+        values |= {k: str(v).lower() for k, v in values.items() if isinstance(v, bool)}  # true/false, not 1.0/0.0
+        for summary in hparams(values, dict.fromkeys(metrics, 0.0)):
+            self.add(summary)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """A table as markdown (TensorBoard's text view renders it), every cell's text shown as it is: markdown's own
+    characters escaped, "<" not taken for HTML, a line break a <br>."""
+
+    def cell(value) -> str:
+        text = str(value)
+        for char in "\\`*_[]#|":
+            text = text.replace(char, "\\" + char)
+        return text.replace("<", "&lt;").replace("\n", "<br>")
+
+    head = "| " + " | ".join(map(cell, columns)) + " |\n|" + "---|" * len(columns)
+    return "\n".join([head] + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
+
+
+def markdown_rows(text: str) -> tuple[list[str], list[list[str]]]:
+    """The columns and rows of a markdown table as evaluation/compare.py and evaluation/frontier.py print it (a head
+    line, a |---| line, a line per row; no cell holds a "|")."""
+    lines = [[cell.strip() for cell in line.strip()[1:-1].split("|")] for line in text.strip().splitlines()]
+    return lines[0], lines[2:]
+
+
+def publish_picture(
+    png: Path,
+    folder: Path,
+    tag: str,
+    table: tuple[list[str], list[list]] | None = None,
+    tensorboard: bool = True,
+    wandb_mode: str = "disabled",
+    wandb_project: str = "tldr-rlhf",
+    wandb_group: str = "",
+    run_name: str = "",
+) -> None:
+    """A picture drawn from finished runs (evaluation/compare.py's comparison, evaluation/frontier.py's frontier) and
+    its table, where the runs' own curves are: TensorBoard events in `folder`, the runs' common folder, under `tag`
+    (`tensorboard --logdir runs/` shows it beside them; the table as text under `tag`/table), and, with `wandb_mode`
+    not disabled, a wandb run of its own (job type `tag`, its files in `folder`) in `wandb_group`, the group of the
+    runs it draws, holding the picture and the table. A failed write of the event file: one line, exit code 4."""
+    folder = Path(folder)
+    if tensorboard and tensorboard_installed():
+        picture = Path(png).read_bytes()
+        with stop_on_write_failure(str(folder / EVENT_FILES), folder):
+            writer = TensorBoardFile(folder)
+            writer.image(tag, picture, 0)
+            if table is not None:
+                writer.text(f"{tag}/table", markdown_table(*table), 0)
+            writer.close()
+    if wandb_mode == "disabled" or importlib.util.find_spec("wandb") is None:
+        return
+    import wandb
+
+    mode = wandb_mode if wandb_mode != "auto" else ("online" if wandb_login() else "offline")
+    run = wandb.init(
+        project=wandb_project,
+        name=run_name or tag,
+        group=wandb_group or None,
+        job_type=tag,
+        mode=mode,
+        dir=str(folder),
+        settings=wandb.Settings(silent=True),
+    )
+    logged = {tag: wandb.Image(str(png))}
+    if table is not None:
+        logged[f"{tag}/table"] = wandb.Table(columns=table[0], data=table[1])
+    run.log(logged)
+    run.finish()
+    if mode == "offline":
+        say(f"wandb: offline run in {Path(run.dir).parent}; upload it with: wandb sync {Path(run.dir).parent}")
+
+
+def wandb_login() -> bool:
+    """A wandb login: WANDB_API_KEY or an entry in ~/.netrc (--wandb_mode auto goes online with one)."""
+    return bool(os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file())
 
 
 def _jsonable(v) -> bool:

@@ -3,7 +3,8 @@ disk (ENOSPC; rank 0 writes the run's files), to check that every rank stops tog
 
     python -m torch.distributed.run --nproc_per_node=2 tests/scripts/full_disk.py OUT_DIR FILE TRIGGER SCRIPT ARGS...
 
-FILE: the name of the file whose writes fail (metrics.jsonl, samples.jsonl, metrics.jsonl.tmp, config.json.tmp);
+FILE: the name of the file whose writes fail (metrics.jsonl, samples.jsonl, metrics.jsonl.tmp, config.json.tmp), or a
+pattern of names (events.out.tfevents.*: TensorBoard's event file);
 TRIGGER: only a write whose text holds it fails ("": every write). Each rank writes OUT_DIR/rank{r}.json: the exception
 that ends its main() (class, message, exit code) and the time it was raised, before exit_on_error prints and exits.
 """
@@ -15,6 +16,7 @@ import json
 import os
 import sys
 import time
+from fnmatch import fnmatch
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -25,13 +27,14 @@ from utils.guard import exit_on_error  # noqa: E402
 
 
 def fill_disk(name: str, trigger: str) -> None:
-    """builtins.open and io.open (Path.write_text's) give a FullDiskFile for a file called `name` opened to write."""
+    """builtins.open and io.open (Path.write_text's) give a FullDiskFile for a file whose name matches `name` (a name or
+    a pattern) opened to write."""
     real_open = io.open
 
     def full_open(path, mode="r", *args, **kwargs):
         file = real_open(path, mode, *args, **kwargs)
         writes = any(c in mode for c in "wax+")
-        return FullDiskFile(file, trigger) if writes and Path(os.fsdecode(path)).name == name else file
+        return FullDiskFile(file, trigger) if writes and fnmatch(Path(os.fsdecode(path)).name, name) else file
 
     builtins.open = io.open = full_open
 

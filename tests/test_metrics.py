@@ -1,0 +1,87 @@
+"""Every metric the code logs is declared (utils/metrics.py): tiny runs of every stage, with the options that add
+metrics (--judge, --frontier_prompts, the gold functions, dynamic sampling, ...), and the names they logged."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dpo
+import eval_preferences
+import grpo
+import reward_model
+import sft
+from tests.golden.stages import DATA, configurations
+from utils.logging import HEADLINES, metric_direction
+
+
+def run(module, argv: list[str]) -> None:
+    module.main(module.parse_config(module.Config, argv))
+
+
+def logged_names(folder: Path) -> set[str]:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {k for row in rows for k in row} - {"step"}
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory) -> dict[str, set[str]]:
+    """stage -> the metric names its tiny runs logged (the golden configurations, plus every option that adds some)."""
+    tmp = tmp_path_factory.mktemp("metrics")
+    stages = configurations()
+    rm = tmp / "reward_model"
+    run(reward_model, stages["reward_model"][1](rm)[1:])
+    judge = ["--judge", str(rm / "hf"), "--summary_data", str(DATA / "sft" / "validation.jsonl")]
+    judge += ["--summary_split", "validation", "--summary_rows", "2"]
+    frontier = ["--frontier_prompts", "2", "--frontier_samples", "2", "--frontier_max_new_tokens", "6"]
+    gold = ["--gold_reward_fn", "data.synthetic:gold_reward", "--gold_parts_fn", "data.synthetic:gold_parts"]
+    run(sft, stages["sft"][1](tmp / "sft")[1:] + judge)
+    run(dpo, stages["dpo"][1](tmp / "dpo")[1:] + judge + frontier + ["--frontier_reward_model", str(rm / "hf")])
+    extra = ["--min_group_std", "0.01", "--kl_in", "reward", "--rollout_correction", "tis", "--policy_epochs", "2"]
+    grpo_argv = stages["grpo_rso"][1](tmp / "grpo")[1:] + frontier + gold + extra
+    run(grpo, grpo_argv + ["--steps", "2", "--eval_every", "2", "--entropy_coef", "0.01"])
+    evaluated = tmp / "eval_preferences"
+    pairs = ["--val_data", str(DATA / "preference" / "validation.jsonl"), "--val_split", "validation"]
+    pairs += ["--out_dir", str(evaluated), "--device", "cpu", "--wandb_mode", "disabled"]
+    run(eval_preferences, ["--reward_model", str(rm / "hf"), *pairs])
+    names = {stage: logged_names(tmp / stage) for stage in ("sft", "reward_model", "dpo", "grpo")}
+    return names | {"eval_preferences": logged_names(evaluated)}
+
+
+# The directions and headlines before the metrics were declared beside their code (utils/logging.py's name tables
+# LOWER_IS_BETTER and HEADLINES): a declaration must keep each.
+MINIMIZED = {
+    "eval/kl", "eval/kl_se", "eval/gold_se", "eval/proxy_se", "eval/proxy_raw_se", "eval/win_rate_sampled_se",
+    "eval/sampled_length", "eval/response_length", "eval/pref_bt_loss", "val/bt_loss", "eval/bt_loss", "val/loss",
+    "train/loss", "train/kl", "train/epoch_1/kl", "train/epoch_2/kl", "train/grad_norm", "train/ratio_deviation",
+    "train/epoch_1/ratio_deviation", "train/epoch_2/ratio_deviation",
+    "train/mismatch/max_abs_log_gap", "train/mismatch/mean_abs_log_gap", "train/mismatch/outside_band_fraction",
+    "train/outside_top_k_p_fraction", "train/skipped", "sample/response_length", "sample/selected_response_length",
+    "sample/dropped_group_fraction", "reward/kl_penalty_mean", "gold/items_invented", "perf/step_seconds",
+    "perf/advantages_seconds", "perf/generate_seconds", "perf/reference_seconds", "perf/sample_seconds",
+    "perf/score_seconds", "perf/select_seconds", "perf/update_seconds", "val/win_rate_se",
+}  # fmt: skip
+NO_BEST_PARTS = ("n_", "_ci_")
+
+
+def test_every_logged_metric_keeps_its_direction(logged):
+    for stage, names in logged.items():
+        for name in sorted(names):
+            last = name.split("/")[-1]
+            want = None if last.startswith("n_") or "_ci_" in last else "min" if name in MINIMIZED else "max"
+            assert metric_direction(name) == want, (stage, name)
+
+
+def test_headlines_are_the_stages_own():
+    assert HEADLINES == {
+        "sft": ("train/loss", "val/loss", "val/win_rate", "val/win_rate_ci_low", "val/win_rate_ci_high"),
+        "reward_model": ("train/loss", "train/accuracy", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high"),
+        "dpo": (
+            "train/loss", "train/reward_margin", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high",
+            "val/win_rate", "val/win_rate_ci_low", "val/win_rate_ci_high",
+        ),
+        "grpo": (
+            "reward/mean", "train/kl", "eval/reward", "eval/win_rate", "eval/win_rate_ci_low", "eval/win_rate_ci_high",
+            "eval/pref_accuracy", "eval/end_fraction", "eval/response_length",
+        ),
+    }  # fmt: skip

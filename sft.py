@@ -37,6 +37,7 @@ from utils.dist import all_reduce_sum, stream, stream_seed
 from utils.fsdp import shard_model
 from utils.guard import exit_on_error
 from utils.logging import track
+from utils.metrics import metric
 from utils.optim import accumulate_micro_batches, build_optimization, guarded_step, step_throughput
 from utils.run import check_best_metric, end_of_step, epoch_steps, finish, resume, start_run
 
@@ -172,6 +173,9 @@ def accumulate_gradients(
 
     sums = accumulate_micro_batches(model, micro_batches, loss_of, world, n_tokens)
     return float(all_reduce_sum(sum(sums, torch.zeros((), device=device))) / n_tokens)
+
+
+metric("val/loss", "min", "token-averaged NLL of the validation summaries", headline=("sft",))
 
 
 @torch.no_grad()

@@ -27,7 +27,8 @@ from evaluation.summaries import sample_table
 from rollouts.metrics import step_metrics
 from rollouts.sampling import RewardSpec
 from utils.config import config_to_dict
-from utils.logging import HEADLINES, Logger, perf_metrics
+from utils.logging import Logger, perf_metrics
+from utils.metrics import headlines
 
 
 def spread(values: list[float], scale: float, unit: str) -> str:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
                 True,
                 resume_step=0,
                 tensorboard=name == "with",
-                hparam_metrics=HEADLINES["grpo"],
+                hparam_metrics=headlines("grpo"),
             )
             for name in ("with", "without")
         }

@@ -10,8 +10,8 @@ each group is named by the options that differ between groups (those every group
 which share few options, are named by their folders). For every metric the table gives, over the seeds of a group,
 the mean and the spread (sample standard deviation; 0 with one seed) of its value at the end of the run (the mean of
 its last --last logged values; an evaluation metric's last evaluation) and at its best: the minimum of a metric whose
-name says lower is better (losses, KL, lengths: utils.logging.metric_direction), else the maximum; --minimize and
---maximize override. The picture
+declaration says lower is better (losses, KL, lengths: the run's metrics_declared.json, utils/metrics.py), else the
+maximum; --minimize and --maximize override. The picture
 draws each metric against the step and against another metric (--x; by default eval/kl, the KL of the policy's
 temperature-1 samples that --frontier_prompts measures at every evaluation, else train/kl: the reward-KL frontier),
 the mean over a group's seeds at each step. Evaluation metrics (val/, eval/: logged every --eval_every steps) are drawn
@@ -29,7 +29,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -45,7 +45,10 @@ import model.lora  # noqa: E402
 import rollouts.options  # noqa: E402
 import utils.config  # noqa: E402
 from utils.config import declared, option_groups, parse_bool  # noqa: E402
-from utils.logging import EVALUATION_PREFIXES, markdown_rows, metric_direction, publish_picture  # noqa: E402
+import rollouts.metrics  # noqa: E402, F401 (its metrics' declarations, for a run logged without its own)
+import utils.optim  # noqa: E402, F401
+from utils.logging import markdown_rows, publish_picture, read_declarations  # noqa: E402
+from utils.metrics import EVALUATION_PREFIXES, metric_direction  # noqa: E402
 from utils.rundir import RESUME_CHANGES  # noqa: E402
 
 DEFAULT_METRICS = (
@@ -86,6 +89,7 @@ class RunMetrics:
     dir: Path
     config: dict
     rows: list[dict]
+    declared: dict = field(default_factory=dict)  # its metrics' declarations (utils.metrics.DECLARED_FILE)
 
     def series(self, key: str) -> list[tuple[int, float]]:
         """(step, value) of every line that logged `key`, in step order (a value logged twice at a step: the last)."""
@@ -112,7 +116,7 @@ def load_run(run_dir: str | Path) -> RunMetrics:
                 f"warning: {metrics}: line {number} is not a whole JSON row ({line[:60]!r}); skipped", file=sys.stderr
             )
     try:
-        return RunMetrics(run_dir, json.loads(config.read_text()), rows)
+        return RunMetrics(run_dir, json.loads(config.read_text()), rows, read_declarations(run_dir))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CompareError(f"{config}: cannot be read ({type(e).__name__}: {e}); expected the run's options") from None
 
@@ -172,10 +176,17 @@ def label(options: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in options.items()) or "all runs"
 
 
-def best_is_minimum(metric: str, minimize: set[str], maximize: set[str]) -> bool:
-    """Whether `metric`'s best is its minimum: named in --minimize, or not in --maximize and lower-is-better by
-    utils.logging.metric_direction (losses, KL, lengths, ...)."""
-    return metric in minimize or (metric not in maximize and metric_direction(metric) == "min")
+def direction(metric: str, runs: list[RunMetrics]) -> str | None:
+    """The direction in which `metric` improves (utils.metrics): as the first of `runs` that logged it declares it
+    (metrics_declared.json), else as this process declares it (a run logged before runs recorded declarations)."""
+    declared = next((r.declared[metric] for r in runs if metric in r.declared), None)
+    return declared["direction"] if declared is not None else metric_direction(metric)
+
+
+def best_is_minimum(metric: str, minimize: set[str], maximize: set[str], runs: list[RunMetrics] = ()) -> bool:
+    """Whether `metric`'s best is its minimum: named in --minimize, or not in --maximize and declared lower-is-better
+    (direction: losses, KL, lengths, ...)."""
+    return metric in minimize or (metric not in maximize and direction(metric, list(runs)) == "min")
 
 
 def table(
@@ -192,7 +203,7 @@ def table(
     for options, members in groups:
         cells = [label(options), str(len(members))]
         for m in metrics:
-            s = summarize(members, m, best_is_minimum(m, minimize, maximize), last)
+            s = summarize(members, m, best_is_minimum(m, minimize, maximize, members), last)
             cells += ["n/a", "n/a"] if s is None else [f"{s[w][0]:.3f} ± {s[w][1]:.3f}" for w in ("final", "best")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -346,8 +357,8 @@ def main(argv: list[str] | None = None) -> str:
         "--minimize",
         nargs="*",
         default=[],
-        help="metrics whose best value is the lowest, beyond those whose name says so (losses, KL, lengths: "
-        "utils.logging.LOWER_IS_BETTER)",
+        help="metrics whose best value is the lowest, beyond those declared so (losses, KL, lengths: the runs' "
+        "metrics_declared.json)",
     )
     p.add_argument(
         "--maximize", nargs="*", default=[], help="metrics whose best value is the highest, whatever the name"

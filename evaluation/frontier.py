@@ -63,9 +63,22 @@ from utils.config import ConfigError, option
 from utils.dist import stream
 from utils.fsdp import gathered_params, shard_model
 from utils.logging import read_rows
+from utils.metrics import metric
 
 METRICS = ("kl", "gold", "proxy", "proxy_raw", "win_rate")
 """What measure() reports, each with its standard error (name + "_se"); gold and win_rate only when they apply."""
+LOGGED = {  # summarize_posts' values -> the metric a training stage logs each as at an evaluation (its declaration);
+    # the samples' win rate and length are named apart from grpo.py's eval/win_rate and eval/response_length (its
+    # greedy summaries')
+    "kl": metric("eval/kl", "min", "KL to the reference of the policy's temperature-1 samples (--frontier_prompts)"),
+    "gold": metric("eval/gold", "max", "mean gold reward of those samples (--frontier_gold_fn or the stage's)"),
+    "proxy": metric("eval/proxy", "max", "mean normalised proxy reward-model score of those samples"),
+    "proxy_raw": metric("eval/proxy_raw", "max", "mean raw proxy reward-model score of those samples"),
+    "win_rate": metric("eval/win_rate_sampled", "max", "share of those samples the proxy scores above the reference"),
+    "response_length": metric("eval/sampled_length", "min", "mean response tokens of those samples"),
+}
+for _name in METRICS:
+    LOGGED[_name + "_se"] = metric(LOGGED[_name] + "_se", "min", f"standard error over the posts of {LOGGED[_name]}")
 POSTS_TABLE = "frontier_posts"
 """The table (utils.logging.Logger.table: frontier_posts.jsonl in the run directory) of every evaluation's per-post
 values: the unit of the paired comparisons (verdict_rows)."""
@@ -286,9 +299,6 @@ class Frontier:
     the run's models) and the gold function, built once; evaluate() gives the policy's point (a collective under
     FSDP: every rank calls it and computes the same numbers)."""
 
-    EVAL_NAMES = {"win_rate": "win_rate_sampled", "win_rate_se": "win_rate_sampled_se"}
-    """Keys renamed in the stage's metrics: grpo.py's eval/win_rate is its greedy summaries'."""
-
     def __init__(
         self,
         cfg,
@@ -334,8 +344,7 @@ class Frontier:
         if self.reward_model is not None:
             values += ["proxy_raw", "proxy"] + (["win_rate"] if self.prompts.references is not None else [])
         names = ["kl", "kl_se", "response_length", *values, *(v + "_se" for v in values)]
-        renamed = self.EVAL_NAMES | {"response_length": "sampled_length"}
-        return {prefix + renamed.get(k, k) for k in names}
+        return {prefix + LOGGED[k].removeprefix("eval/") for k in names}
 
     def evaluate(self, policy, reference, step: int, prefix: str = "eval/") -> dict[str, float]:
         """The policy's point against `reference` (the policy the run started from: grpo.py keeps a frozen copy of it
@@ -359,9 +368,7 @@ class Frontier:
             columns = ["post", *posts]
             rows = [[p, *(float(v[p]) for v in posts.values())] for p in range(len(self.prompts.prompts))]
             logger.table(POSTS_TABLE, columns, rows, step)
-        out = summarize_posts(posts)
-        names = self.EVAL_NAMES | {"response_length": "sampled_length"}
-        return {prefix + names.get(k, k): v for k, v in out.items()}
+        return {prefix + LOGGED[k].removeprefix("eval/"): v for k, v in summarize_posts(posts).items()}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -451,9 +458,8 @@ def frontier_points(run_dir: Path) -> list[dict]:
             continue
         point = {"step": row["step"]}
         for name in METRICS:
-            key = Frontier.EVAL_NAMES.get(name, name)
-            if f"eval/{key}" in row:
-                point[name], point[name + "_se"] = row[f"eval/{key}"], row.get(f"eval/{key}_se", math.nan)
+            if LOGGED[name] in row:
+                point[name], point[name + "_se"] = row[LOGGED[name]], row.get(LOGGED[name + "_se"], math.nan)
         if row["step"] in tables:
             point["posts"] = tables[row["step"]]
         points.append(point)

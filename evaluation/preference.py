@@ -25,6 +25,7 @@ from rlhf.stats import preference_summary
 from rollouts.models import sharded_module
 from utils.fsdp import gathered_params
 from utils.logging import track
+from utils.metrics import metric
 
 # (label, key prefix of the accuracy fields, field holding the number of pairs) of each reported subset
 SUBSETS = (
@@ -208,6 +209,35 @@ def evaluate_reward_model(
     model.train(was[0])
     c, r = gather_pair_scores(index, c, r, eval_set.n_pairs)
     return preference_summary(c, r, eval_set.chosen_longer, n_resamples, seed=seed)
+
+
+# reward_model.py's and dpo.py's training metrics of a step's pairs (means over the pairs of every rank)
+metric("train/accuracy", "max", "share of the step's pairs whose chosen response scores higher", ("reward_model",))
+metric("train/reward_chosen", "max", "mean reward (DPO: implicit reward) of the chosen responses")
+metric("train/reward_rejected", "max", "mean reward (DPO: implicit reward) of the rejected responses")
+metric("train/reward_margin", "max", "mean reward of the chosen minus the rejected response", headline=("dpo",))
+metric("train/logp_chosen", "max", "DPO: the policy's mean summed log-prob of the chosen responses")
+metric("train/logp_rejected", "max", "DPO: the policy's mean summed log-prob of the rejected responses")
+# preference_summary's metrics under each prefix they are logged with: reward_model.py's and dpo.py's validation
+# (whose accuracy is a headline of both), eval_preferences.py's results, grpo.py's evaluation of the implicit reward
+for _prefix in ("val/", "eval/", "eval/pref_"):
+    for _part in ("", "chosen_longer_", "chosen_not_longer_"):
+        _pairs = {"": "every pair", "chosen_longer_": "pairs whose chosen response is the longer"}.get(
+            _part, "the rest"
+        )
+        _headline = ("reward_model", "dpo") if _prefix + _part == "val/" else ()
+        metric(f"{_prefix}{_part}accuracy", "max", f"share of {_pairs} whose chosen response scores higher", _headline)
+        for _bound in ("low", "high"):
+            _help = f"{_bound}er bound of {_prefix}{_part}accuracy's 95% bootstrap interval"
+            metric(f"{_prefix}{_part}accuracy_ci_{_bound}", None, _help, _headline)
+    metric(f"{_prefix}n_pairs", None, "preference pairs evaluated")
+    metric(f"{_prefix}n_ties", None, "pairs whose two scores are equal")
+    metric(f"{_prefix}n_chosen_longer", None, "pairs whose chosen response is the longer")
+    metric(f"{_prefix}n_chosen_not_longer", None, "pairs whose chosen response is not the longer")
+    metric(f"{_prefix}chosen_score_mean", "max", "mean score of the chosen responses")
+    metric(f"{_prefix}rejected_score_mean", "max", "mean score of the rejected responses")
+    metric(f"{_prefix}margin_mean", "max", "mean score of the chosen minus the rejected response")
+    metric(f"{_prefix}bt_loss", "min", "Bradley-Terry loss of the scores, -log sigmoid(chosen - rejected)")
 
 
 def preference_metric_names(prefix: str) -> set[str]:

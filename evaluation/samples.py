@@ -19,6 +19,7 @@ from utils.config import ConfigError, option
 from utils.dist import rank_and_world, stream
 from utils.fsdp import shard_model
 from utils.logging import EvalProgress
+from utils.metrics import metric
 
 SAMPLE_COLUMNS = ["prompt", "response", "reference"]
 """Columns of the samples table sft.py and dpo.py log: the prompt, the policy's greedy summary and the data's own
@@ -192,6 +193,25 @@ class JudgeConfig:
         judge_cfg = model_config(self.judge, kind="reward_model", option="--judge", normalized=False)
         return [(policy_cfg, "max_new_tokens", "policy"), (judge_cfg, "max_new_tokens", "judge")]
 
+
+# summary_win_rate's results as eval_preferences.py logs them (--judge with --policy)
+metric("eval/summary_win_rate", "max", "--judge: share of the posts whose greedy summary it scores above the reference")
+metric("eval/summary_win_rate_ci_low", None, "lower bound of eval/summary_win_rate's 95% bootstrap interval")
+metric("eval/summary_win_rate_ci_high", None, "upper bound of eval/summary_win_rate's 95% bootstrap interval")
+metric("eval/summary_prompts", "max", "--judge: the posts summarized")
+metric("eval/summary_reward_mean", "max", "--judge: its mean normalised score of the greedy summaries")
+metric("eval/summary_reference_reward_mean", "max", "--judge: its mean normalised score of the reference summaries")
+# and as a training stage's evaluation logs them (Judge.evaluate under val/): the win rate a headline of SFT and DPO
+metric(
+    "val/win_rate",
+    "max",
+    "--judge: share of the posts whose greedy summary it scores above the reference",
+    ("sft", "dpo"),
+)
+metric("val/win_rate_ci_low", None, "lower bound of val/win_rate's 95% bootstrap interval", ("sft", "dpo"))
+metric("val/win_rate_ci_high", None, "upper bound of val/win_rate's 95% bootstrap interval", ("sft", "dpo"))
+metric("val/summary_reward", "max", "--judge: its mean normalised score of the greedy summaries")
+metric("val/reference_reward", "max", "--judge: its mean normalised score of the reference summaries")
 
 JUDGE_METRICS = {  # summary_win_rate's result -> the metric a training stage logs it as (after its prefix)
     "summary_win_rate": "win_rate",

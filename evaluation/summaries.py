@@ -17,6 +17,18 @@ from rollouts.sampling import RewardSpec, rollout, score, source_values
 from utils.config import option
 from utils.dist import all_reduce_sum, rank_and_world, stream
 from utils.logging import EvalProgress
+from utils.metrics import metric
+
+# GRPO's evaluation metrics; its headlines in the order its end-of-run table shows them
+metric("eval/reward", "max", "mean training reward of the greedy summaries of --val_data", headline=("grpo",))
+metric("eval/win_rate", "max", "share of prompts whose summary the reward model scores above the reference", ("grpo",))
+metric("eval/win_rate_ci_low", None, "lower bound of eval/win_rate's 95% bootstrap interval", headline=("grpo",))
+metric("eval/win_rate_ci_high", None, "upper bound of eval/win_rate's 95% bootstrap interval", headline=("grpo",))
+metric("eval/pref_accuracy", "max", "the policy's implicit-reward accuracy on --pref_data", headline=("grpo",))
+metric("eval/end_fraction", "max", "share of the greedy summaries that end with the end token", headline=("grpo",))
+metric("eval/response_length", "min", "mean tokens of the greedy summaries", headline=("grpo",))
+metric("eval/reward_penalized", "max", "mean reward-model score with the missing-end penalty")
+metric("eval/reward_{source}", "max", "one reward source's mean on the greedy summaries it applies to")
 
 
 @torch.no_grad()

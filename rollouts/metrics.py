@@ -14,6 +14,7 @@ from rollouts.prompts import PromptSet
 from rollouts.sampling import RewardSpec, Scores
 from utils.dist import all_reduce_max, all_reduce_sum, global_mean_std
 from utils.guard import all_ranks_agree
+from utils.metrics import metric
 
 
 @dataclass
@@ -32,6 +33,16 @@ class StepResult:
     seconds: dict  # each stage's seconds
     keep_B: torch.Tensor  # (B,) the groups trained on (all but those --min_group_std dropped)
     kl_penalty_BK: torch.Tensor  # (B, K) beta x KL taken from each kept reward with --kl_in reward, else 0
+
+
+metric("reward/gold_mean", "max", "mean of --gold_reward_fn over the step's samples (monitored, not trained on)")
+metric("reward/gold_std", "max", "standard deviation of --gold_reward_fn over the step's samples")
+metric("gold/{part}", "max", "mean of one part of --gold_parts_fn over the step's samples")
+# the parts of the embedded task's gold reward (data.synthetic:gold_parts)
+metric("gold/items_correct", "max", "distinct key items of the post a summary names")
+metric("gold/items_invented", "min", "distinct vocabulary words a summary names that are not in the post")
+metric("gold/words", "max", "words of a summary before the end token")
+metric("gold/ended", "max", "share of the summaries that hold the end token")
 
 
 def gold_metrics(gold_reward, gold_parts, tok, prompts: PromptSet, samples: SampleOutput, group: int) -> dict:
@@ -53,6 +64,27 @@ def gold_metrics(gold_reward, gold_parts, tok, prompts: PromptSet, samples: Samp
         sums = all_reduce_sum(sums)
         out.update({f"gold/{k}": float(v) for k, v in zip(names, (sums[:-1] / sums[-1]).tolist(), strict=True)})
     return out
+
+
+metric("reward/mean", "max", "mean training reward of every sample of the step", headline=("grpo",))
+metric("reward/std", "max", "standard deviation of the training reward over every sample")
+metric("reward/selected_mean", "max", "mean training reward of the kept samples (the selection's)")
+metric("reward/selected_std", "max", "standard deviation of the kept samples' training rewards")
+metric("reward/raw_mean", "max", "mean raw reward-model score of the samples (before the gain and bias)")
+metric("reward/raw_std", "max", "standard deviation of the raw reward-model scores")
+metric("reward/kl_penalty_mean", "min", "with --kl_in reward: mean beta x KL taken from each trained sample's reward")
+metric("reward/{source}_mean", "max", "one reward source's mean on the samples it applies to, before whitening")
+metric("reward/{source}_std", "max", "that source's standard deviation on those samples")
+metric("reward/{source}_fraction", "max", "share of the samples that source applies to (a reward column's tasks)")
+metric("rs/acceptance_rate", "max", "kept samples over candidates visited by the selection")
+metric("rs/rounds_mean", "max", "the selection's mean rounds per prompt")
+metric("rs/rounds_max", "max", "the selection's most rounds of a prompt")
+metric("sample/end_fraction", "max", "share of the samples that end with the end token")
+metric("sample/response_length", "min", "mean response tokens of the samples")
+metric("sample/selected_response_length", "min", "mean response tokens of the kept samples")
+metric("sample/dropped_group_fraction", "min", "with --min_group_std: share of groups not trained on (tied rewards)")
+metric("perf/generate_tokens_per_second", "max", "generated tokens per second of sampling (all ranks)")
+metric("perf/update_tokens_per_second", "max", "tokens per second of the update, every epoch (all ranks)")
 
 
 def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) -> dict:
@@ -107,6 +139,21 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) ->
         if per_row_sources:
             metrics[f"reward/{source.name}_fraction"] = float(count_S[i]) / n_samples
     return metrics
+
+
+metric("train/kl", "min", "mean per-token KL estimate to the reference over the update", headline=("grpo",))
+metric("train/clip_fraction", "max", "share of response tokens whose ratio the clip cut")
+metric("train/ratio_deviation", "min", "mean |ratio - 1| of the response tokens")
+metric("train/logprob_gap_to_sampler", "max", "mean token log-prob of the trainer minus the sampler's")
+metric("train/outside_top_k_p_fraction", "min", "share of tokens outside the sampler's top-k / top-p set")
+metric("train/mismatch/outside_band_fraction", "min", "share of tokens whose sampler ratio is outside [0.9, 1.1]")
+metric("train/mismatch/mean_abs_log_gap", "min", "mean |log-prob gap| between trainer and sampler")
+metric("train/mismatch/max_abs_log_gap", "min", "largest |log-prob gap| between trainer and sampler")
+metric("train/rollout_correction_fraction", "max", "share of tokens --rollout_correction truncated or masked")
+metric("train/entropy", "max", "mean token entropy of the policy on the kept samples")
+metric("train/epoch_{n}/clip_fraction", "max", "with --policy_epochs > 1: that epoch's clip fraction")
+metric("train/epoch_{n}/ratio_deviation", "min", "with --policy_epochs > 1: that epoch's mean |ratio - 1|")
+metric("train/epoch_{n}/kl", "min", "with --policy_epochs > 1: that epoch's mean KL estimate")
 
 
 def update_metrics(

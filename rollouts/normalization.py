@@ -13,6 +13,7 @@ from rollouts.sampling import sample_responses
 from utils.dist import all_reduce_sum, stream
 from utils.guard import check_rewards
 from utils.logging import track
+from utils.metrics import metric
 
 
 def normalization_prompts(rows: list[dict[str, str]], n: int, seed: int) -> list[dict[str, str]]:
@@ -20,6 +21,14 @@ def normalization_prompts(rows: list[dict[str, str]], n: int, seed: int) -> list
     prompts = sorted({row["prompt"] for row in rows})
     random.Random(seed).shuffle(prompts)
     return [{"prompt": p} for p in prompts[:n]]
+
+
+metric("norm/raw_mean", "max", "mean raw score of the normalisation samples before the gain and bias")
+metric("norm/raw_std", "max", "standard deviation of those raw scores")
+metric("norm/samples", "max", "normalisation samples scored (all ranks)")
+metric("norm/end_rate", "max", "share of the normalisation samples that end with the end token")
+metric("norm/gain", "max", "the fitted gain (normalised score = gain x raw + bias)")
+metric("norm/bias", "max", "the fitted bias")
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import grpo
 import reward_model
 import sft
 from tests.golden.stages import DATA, configurations
-from utils.logging import HEADLINES, metric_direction
+from utils.metrics import headlines, metric_direction
 
 
 def run(module, argv: list[str]) -> None:
@@ -61,19 +61,22 @@ MINIMIZED = {
     "perf/advantages_seconds", "perf/generate_seconds", "perf/reference_seconds", "perf/sample_seconds",
     "perf/score_seconds", "perf/select_seconds", "perf/update_seconds", "val/win_rate_se",
 }  # fmt: skip
-NO_BEST_PARTS = ("n_", "_ci_")
+# A count has no best: grpo.py's preference counts (eval/pref_n_pairs, ...) were maximised by the name rule, whose
+# test for a count looked at the name's last part only (n_...), which their prefix hides.
+COUNTS = {"eval/pref_n_pairs", "eval/pref_n_ties", "eval/pref_n_chosen_longer", "eval/pref_n_chosen_not_longer"}
 
 
 def test_every_logged_metric_keeps_its_direction(logged):
     for stage, names in logged.items():
         for name in sorted(names):
             last = name.split("/")[-1]
-            want = None if last.startswith("n_") or "_ci_" in last else "min" if name in MINIMIZED else "max"
+            no_best = last.startswith("n_") or "_ci_" in last or name in COUNTS
+            want = None if no_best else "min" if name in MINIMIZED else "max"
             assert metric_direction(name) == want, (stage, name)
 
 
 def test_headlines_are_the_stages_own():
-    assert HEADLINES == {
+    assert {stage: headlines(stage) for stage in ("sft", "reward_model", "dpo", "grpo")} == {
         "sft": ("train/loss", "val/loss", "val/win_rate", "val/win_rate_ci_low", "val/win_rate_ci_high"),
         "reward_model": ("train/loss", "train/accuracy", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high"),
         "dpo": (

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from utils.metrics import DECLARED_FILE, EVALUATION_PREFIXES, declarations, headlines, metric, metric_direction
 from utils.rundir import (
     RECORD,
     RunWriteError,
@@ -67,6 +68,8 @@ class Logger:
         self.logged = 0  # rows this process logged (0: a rerun of a finished run)
         self.write_failure: RunWriteError | None = None  # a table's failed write, raised by the next log()
         self.tensorboard: TensorBoardFile | None = None
+        self.declared: dict[str, dict] = {}  # what DECLARED_FILE holds: the declarations of the metrics logged
+        self.seen: set[str] = set()  # the metrics this process logged
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -74,6 +77,8 @@ class Logger:
         with stop_on_write_failure(str(self.run_dir / "metrics.jsonl"), self.run_dir):
             self._truncate(self.run_dir / "metrics.jsonl")
             self.file = open(self.run_dir / "metrics.jsonl", "a")
+        if resume_step != 0 and (self.run_dir / DECLARED_FILE).is_file():  # a resumed run's earlier metrics stay
+            self.declared = read_declarations(self.run_dir)
         if record:
             with stop_on_write_failure(str(self.run_dir / RECORD), self.run_dir):
                 write_record(self.run_dir, config)
@@ -126,6 +131,11 @@ class Logger:
         with stop_on_write_failure(str(self.run_dir / "metrics.jsonl"), self.run_dir):
             self.file.write(json.dumps({"step": step, **{k: v for k, v in clean.items() if _jsonable(v)}}) + "\n")
             self.file.flush()
+        if new := clean.keys() - self.seen:  # a metric new to this process: its declaration beside the rows
+            self.seen |= new
+            self.declared |= declarations(sorted(new))
+            with stop_on_write_failure(str(self.run_dir / DECLARED_FILE), self.run_dir):
+                write_text_atomic(self.run_dir / DECLARED_FILE, json.dumps(self.declared, indent=1) + "\n")
         if self.tensorboard is not None:
             with stop_on_write_failure(str(self.tensorboard.path), self.run_dir):
                 self.tensorboard.scalars(clean, step)
@@ -506,6 +516,13 @@ class StageTimer:
         self.seconds[name] += time.perf_counter() - t0
 
 
+metric("perf/step_seconds", "min", "wall-clock seconds of the step (per rank)")
+metric("perf/tokens_per_second", "max", "tokens per second of the step over all ranks (GRPO: generated tokens)")
+metric("perf/tokens_per_second_per_device", "max", "perf/tokens_per_second over the number of ranks")
+metric("perf/{stage}_seconds", "min", "seconds of one stage of the GRPO step (generate, score, update, ...)")
+metric("perf/{stage}_share", "max", "that stage's share of the step's seconds")
+
+
 def perf_metrics(seconds: dict[str, float], step_seconds: float, generated_tokens: float, world: int) -> dict:
     """perf/ metrics of a step: its seconds, generated tokens per second (overall and per device), and each stage's
     seconds and share of the step."""
@@ -522,64 +539,14 @@ def perf_metrics(seconds: dict[str, float], step_seconds: float, generated_token
 # ----------------------------------------------------------------------------------------------------
 # The summary at the end of a run: summary.json in the run directory and a short table on the terminal
 
-EVALUATION_PREFIXES = ("val/", "eval/")
-"""Metrics logged at evaluations (the rest is logged every step)."""
-HEADLINES = {
-    "sft": ("train/loss", "val/loss", "val/win_rate", "val/win_rate_ci_low", "val/win_rate_ci_high"),
-    "reward_model": ("train/loss", "train/accuracy", "val/accuracy", "val/accuracy_ci_low", "val/accuracy_ci_high"),
-    "dpo": (
-        "train/loss",
-        "train/reward_margin",
-        "val/accuracy",
-        "val/accuracy_ci_low",
-        "val/accuracy_ci_high",
-        "val/win_rate",
-        "val/win_rate_ci_low",
-        "val/win_rate_ci_high",
-    ),
-    "grpo": (
-        "reward/mean",
-        "train/kl",
-        "eval/reward",
-        "eval/win_rate",
-        "eval/win_rate_ci_low",
-        "eval/win_rate_ci_high",
-        "eval/pref_accuracy",
-        "eval/end_fraction",
-        "eval/response_length",
-    ),
-}
-"""The metrics each stage's terminal table shows (those it logged); summary.json holds every evaluation metric."""
-LOWER_IS_BETTER = (
-    "loss",
-    "kl",
-    "length",
-    "grad_norm",
-    "deviation",
-    "gap",
-    "seconds",
-    "_se",
-    "skipped",
-    "invented",
-    "dropped_group_fraction",
-    "outside_top_k_p_fraction",
-    "outside_band_fraction",
-    "penalty_mean",
-)
-"""Metrics whose last name part ends in one of these (losses, KL, lengths, gradient norms, ratio deviations, log-prob
-gaps, times, standard errors, skipped steps, invented items, shares of dropped groups or of tokens outside the
-sampler's set or the mismatch band, KL penalties) are best at their minimum; counts (n_...) and interval bounds
-(..._ci_...) have no best; every other metric (rewards, accuracies, win rates, rates, means of rewards) is best at its
-maximum."""
 
-
-def metric_direction(metric: str) -> str | None:
-    """ "min", "max" or None (no best): the direction in which `metric` improves, by LOWER_IS_BETTER. The one rule
-    for summary.json's best values and evaluation/compare.py's."""
-    name = metric.split("/")[-1]
-    if name.startswith("n_") or "_ci_" in name:
-        return None
-    return "min" if name.endswith(LOWER_IS_BETTER) else "max"
+def read_declarations(run_dir: str | Path) -> dict[str, dict]:
+    """A run's DECLARED_FILE ({metric: {"direction", "help"}}); empty when it has none (a run logged before metrics
+    were declared) or it cannot be read."""
+    try:
+        return json.loads((Path(run_dir) / DECLARED_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -619,7 +586,7 @@ def run_summary(run_dir: str | Path, stage: str, wall_seconds: float) -> dict:
     evaluation = {k: s for k in keys if (s := metric_summary(rows, k)) is not None}
     training = {
         k: s
-        for k in HEADLINES.get(stage, ())
+        for k in headlines(stage)
         if not k.startswith(EVALUATION_PREFIXES)
         if (s := metric_summary(rows, k)) is not None
     }
@@ -652,7 +619,7 @@ def format_summary(summary: dict) -> str:
     and where the run's files are."""
     stage = summary["stage"]
     every = {**summary["training"], **summary["evaluation"]}
-    keys = [k for k in HEADLINES.get(stage, ()) if k in every] or list(summary["evaluation"])[:8]
+    keys = [k for k in headlines(stage) if k in every] or list(summary["evaluation"])[:8]
     width = max([len(k) for k in keys] + [6])
     steps = summary["steps"]
     lines = [

@@ -9,6 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from utils.dist import all_reduce_sum
 from utils.fsdp import set_gradient_sync
+from utils.metrics import metric
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> torch.optim.AdamW:
@@ -78,6 +79,14 @@ def accumulate_micro_batches(model: nn.Module, micro_batches: list, loss_fn, wor
         (loss * world / normaliser).backward()
         kept.append(out)
     return kept
+
+
+metric(
+    "train/loss", "min", "the stage's loss of the step (mean over the batch)", headline=("sft", "reward_model", "dpo")
+)
+metric("train/grad_norm", "min", "the gradient's global norm before clipping")
+metric("train/lr", "max", "the learning rate of the step")
+metric("train/skipped", "min", "1 when --on_nonfinite skip skipped the step (non-finite loss or norm), else 0")
 
 
 def guarded_step(model: nn.Module, optimizer, scheduler, guard, step: int, metrics: dict, grad_clip: float) -> dict:

@@ -34,7 +34,8 @@ from utils.config import ConfigError, RunConfig, config_to_dict, declared
 from utils.dist import DistInfo, cleanup_distributed, setup_distributed, stream_seed
 from utils.fsdp import full_model_state, resolve_dtype
 from utils.guard import NonFiniteGuard, StopSignal, all_ranks_agree
-from utils.logging import HEADLINES, Logger, progress, report_summary, step_postfix, tell
+from utils.logging import Logger, progress, report_summary, step_postfix, tell
+from utils.metrics import headlines
 from utils.rundir import (
     check_run_dir,
     check_shared_dir,
@@ -238,7 +239,7 @@ def resume(
             group=cfg.wandb_group,
             tags=cfg.wandb_tags,
             tensorboard=cfg.tensorboard,
-            hparam_metrics=HEADLINES.get(run.meta["stage"], ()),
+            hparam_metrics=headlines(run.meta["stage"]),
         )
     run.bar = progress(total_steps, step, run.is_main, run.meta["stage"])
     return step

@@ -42,11 +42,11 @@ import evaluation.pairs  # noqa: E402
 import evaluation.samples  # noqa: E402
 import evaluation.summaries  # noqa: E402
 import model.lora  # noqa: E402
+import rollouts.metrics  # noqa: E402, F401 (its metrics' declarations, for a run logged without its own)
 import rollouts.options  # noqa: E402
 import utils.config  # noqa: E402
-from utils.config import declared, option_groups, parse_bool  # noqa: E402
-import rollouts.metrics  # noqa: E402, F401 (its metrics' declarations, for a run logged without its own)
 import utils.optim  # noqa: E402, F401
+from utils.config import declared, option_groups, parse_bool  # noqa: E402
 from utils.logging import markdown_rows, publish_picture, read_declarations  # noqa: E402
 from utils.metrics import EVALUATION_PREFIXES, metric_direction  # noqa: E402
 from utils.rundir import RESUME_CHANGES  # noqa: E402

@@ -144,7 +144,7 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) ->
 metric("train/kl", "min", "mean per-token KL estimate to the reference over the update", headline=("grpo",))
 metric("train/clip_fraction", "max", "share of response tokens whose ratio the clip cut")
 metric("train/ratio_deviation", "min", "mean |ratio - 1| of the response tokens")
-metric("train/logprob_gap_to_sampler", "max", "mean token log-prob of the trainer minus the sampler's")
+metric("train/logprob_gap_to_sampler", "max", "mean |training-forward log-prob - sampler log-prob| per token")
 metric("train/outside_top_k_p_fraction", "min", "share of tokens outside the sampler's top-k / top-p set")
 metric("train/mismatch/outside_band_fraction", "min", "share of tokens whose sampler ratio is outside [0.9, 1.1]")
 metric("train/mismatch/mean_abs_log_gap", "min", "mean |log-prob gap| between trainer and sampler")

@@ -2,6 +2,7 @@
 metrics (--judge, --frontier_prompts, the gold functions, dynamic sampling, ...), and the names they logged."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,21 +13,23 @@ import grpo
 import reward_model
 import sft
 from tests.golden.stages import DATA, configurations
-from utils.metrics import headlines, metric_direction
+from utils.metrics import DECLARED_FILE, find, headlines, metric_direction
 
 
 def run(module, argv: list[str]) -> None:
     module.main(module.parse_config(module.Config, argv))
 
 
-def logged_names(folder: Path) -> set[str]:
+def logged_names(folder: Path) -> tuple[set[str], dict]:
+    """The metrics a run logged (metrics.jsonl) and the declarations it recorded beside them."""
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return {k for row in rows for k in row} - {"step"}
+    return {k for row in rows for k in row} - {"step"}, json.loads((folder / DECLARED_FILE).read_text())
 
 
 @pytest.fixture(scope="module")
-def logged(tmp_path_factory) -> dict[str, set[str]]:
-    """stage -> the metric names its tiny runs logged (the golden configurations, plus every option that adds some)."""
+def logged(tmp_path_factory) -> dict[str, tuple[set[str], dict]]:
+    """stage -> the metric names its tiny runs logged and the declarations recorded beside them (the golden
+    configurations, plus every option that adds metrics)."""
     tmp = tmp_path_factory.mktemp("metrics")
     stages = configurations()
     rm = tmp / "reward_model"
@@ -67,7 +70,7 @@ COUNTS = {"eval/pref_n_pairs", "eval/pref_n_ties", "eval/pref_n_chosen_longer", 
 
 
 def test_every_logged_metric_keeps_its_direction(logged):
-    for stage, names in logged.items():
+    for stage, (names, _) in logged.items():
         for name in sorted(names):
             last = name.split("/")[-1]
             no_best = last.startswith("n_") or "_ci_" in last or name in COUNTS
@@ -88,3 +91,43 @@ def test_headlines_are_the_stages_own():
             "eval/pref_accuracy", "eval/end_fraction", "eval/response_length",
         ),
     }  # fmt: skip
+
+
+DOCS = {"sft": "sft.md", "reward_model": "reward_dpo.md", "dpo": "reward_dpo.md", "eval_preferences": "reward_dpo.md"}
+
+
+def test_every_logged_metric_is_declared_and_recorded_in_its_run(logged, tmp_path):
+    """Each metric a stage logs has a declaration (a direction and what it measures), and the run's folder holds it
+    (metrics_declared.json, from which evaluation/compare.py reads the direction)."""
+    for stage, (names, declared) in logged.items():
+        for name in sorted(names):
+            assert find(name) is not None, f"{stage} logs {name} without a declaration (utils.metrics.metric)"
+            assert declared.get(name) == {"direction": find(name).direction, "help": find(name).help}, (stage, name)
+
+
+def documented(text: str) -> set[str]:
+    """The metric names a docs page lists: in backticks, each a name or a family ({part} or <part> for a part)."""
+    return {re.sub(r"<(\w+)>", r"{\1}", name) for name in re.findall(r"`([a-z_]+/[a-z0-9_/{}<>]+)`", text)}
+
+
+def test_every_logged_metric_is_in_its_stages_docs(logged):
+    """Each metric a stage logs is listed in its stage's docs page (docs/grpo.md's metric table, docs/sft.md,
+    docs/reward_dpo.md): by its name, or by its declared family (reward/<source>_mean)."""
+    root = Path(__file__).resolve().parents[1]
+    for stage, (names, _) in logged.items():
+        listed = documented((root / "docs" / DOCS.get(stage, f"{stage}.md")).read_text())
+        missing = sorted(name for name in names if name not in listed and find(name).name not in listed)
+        assert not missing, f"docs/{DOCS.get(stage, stage + '.md')} does not list {stage}'s metrics {missing}"
+
+
+def test_the_metrics_docs_list_are_declared():
+    """A metric the docs name (under one of the stages' prefixes) is declared: a renamed or retired one leaves no
+    stale line."""
+    import evaluation.compare  # noqa: F401 (GRPO's and the evaluations' declarations)
+
+    root = Path(__file__).resolve().parents[1]
+    for page in sorted(set(DOCS.values()) | {"grpo.md"}):
+        for name in documented((root / "docs" / page).read_text()):
+            if name.split("/")[0] in {"train", "val", "eval", "reward", "rs", "sample", "perf", "gold", "norm"}:
+                concrete = re.sub(r"\{\w+\}", "x", name)
+                assert find(name) is not None or find(concrete) is not None, f"docs/{page}: {name} is not declared"

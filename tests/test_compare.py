@@ -236,14 +236,20 @@ def logged_metric_names() -> set[str]:
 
 
 def test_every_metric_the_stages_log_has_a_direction_and_the_known_ones_are_right():
-    # each metric the code logs has a direction or is a count or bound
-    from utils.logging import metric_direction
+    # each metric the code logs is declared (utils/metrics.py), with a direction unless it is a count or a bound
+    import dpo  # noqa: F401 (each script's own declarations: sft.py's val/loss, ...)
+    import eval_preferences  # noqa: F401
+    import grpo  # noqa: F401
+    import reward_model  # noqa: F401
+    import sft  # noqa: F401
+    from utils.metrics import find, metric_direction
 
-    names = logged_metric_names()
+    names = {name for name in logged_metric_names() if not name.endswith("_")}  # not a prefix ("eval/pref_")
     assert len(names) > 50
     for name in names:
         last = name.split("/")[-1]
-        assert (metric_direction(name) is None) == (last.startswith("n_") or "_ci_" in last), name
+        assert find(name) is not None, f"{name} is not declared"
+        assert (metric_direction(name) is None) == (last.startswith(("n_", "pref_n_")) or "_ci_" in last), name
     lower = [
         "val/loss",
         "train/loss",
@@ -358,3 +364,27 @@ def test_the_wandb_run_of_the_picture_joins_the_group_the_runs_share(runs, tmp_p
     compare.main([*map(str, runs), "--metrics", "reward/mean", "--out", str(tmp_path / "c.png"), "--wandb_group", "g"])
     # (png, folder, tag, table, tensorboard, wandb_mode, project, group, run name)
     assert [(p[1], p[7]) for p in published] == [(tmp_path, "ablation"), (tmp_path, ""), (tmp_path, "g")]
+
+
+def test_a_metrics_direction_is_read_from_the_run_that_logged_it(tmp_path):
+    """compare.py reads a metric's direction from the run's metrics_declared.json (written by the Logger from the
+    declarations of the process that logged it), so a metric declared in a script it does not import is still
+    minimised; a run without the file (logged before runs recorded declarations) falls back to this process's."""
+    from utils.metrics import DECLARED_FILE, METRICS, metric
+
+    metric("test_only/gap", "min", "a lower-is-better metric declared only in this test")
+    try:
+        run = write_run(
+            tmp_path / "run", {"lr": 0.1}, [{"step": 1, "test_only/gap": 1.0}, {"step": 2, "test_only/gap": 3.0}]
+        )
+    finally:
+        del METRICS["test_only/gap"]  # as in compare.py's own process, which never imported the declaring module
+    recorded = json.loads((run / DECLARED_FILE).read_text())
+    assert recorded == {
+        "test_only/gap": {"direction": "min", "help": "a lower-is-better metric declared only in this test"}
+    }
+    last = compare.table(compare.group_runs([compare.load_run(run)]), ["test_only/gap"], set()).splitlines()[-1]
+    assert last == "| all runs | 1 | 3.000 ± 0.000 | 1.000 ± 0.000 |"  # final 3, best the minimum 1
+    (run / DECLARED_FILE).unlink()
+    last = compare.table(compare.group_runs([compare.load_run(run)]), ["test_only/gap"], set()).splitlines()[-1]
+    assert last == "| all runs | 1 | 3.000 ± 0.000 | 3.000 ± 0.000 |"  # undeclared here: its best is its maximum

@@ -20,7 +20,8 @@ import sft
 from tests import helpers
 from tests.conftest import free_port
 from utils.config import parse_config
-from utils.logging import EVENT_FILES, HEADLINES, Logger, publish_picture
+from utils.logging import EVENT_FILES, Logger, publish_picture
+from utils.metrics import headlines
 
 pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (pip install tensorboard)")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -170,7 +171,7 @@ def test_tensorboard_serves_every_metric_at_its_step_the_options_and_the_sample_
                 for row in table["rows"]:
                     for cell in row:
                         assert " ".join(str(cell).split()) in shown_text, (cell, shown_text[:2000])
-        assert [m["name"]["tag"] for m in experiment["metricInfos"]] == list(HEADLINES["sft"])
+        assert [m["name"]["tag"] for m in experiment["metricInfos"]] == list(headlines("sft"))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -390,7 +390,7 @@ def test_a_full_disk_stops_the_save_in_one_line_and_leaves_the_earlier_checkpoin
     assert [m["step"] for m in resumed] == [1, 2]
 
 
-@pytest.mark.parametrize("where", ["export", "metrics.jsonl", "samples.jsonl", "summary.json"])
+@pytest.mark.parametrize("where", ["export", "metrics.jsonl", "metrics_declared.json", "samples.jsonl", "summary.json"])
 def test_a_full_disk_while_writing_the_run_folder_stops_in_one_line_with_exit_4(
     rows, tmp_path, capsys, monkeypatch, where
 ):
@@ -414,8 +414,13 @@ def test_a_full_disk_while_writing_the_run_folder_stops_in_one_line_with_exit_4(
                 )
 
             patch.setattr(safetensors.torch, "save_file", full_disk_save_file)
-        elif where == "summary.json":
-            patch.setattr(run_logging, "write_text_atomic", _no_space)
+        elif where in ("summary.json", "metrics_declared.json"):  # the files written whole (write_text_atomic)
+            write = run_logging.write_text_atomic
+            patch.setattr(
+                run_logging,
+                "write_text_atomic",
+                lambda path, *a, **k: _no_space() if Path(path).name == where else write(path, *a, **k),
+            )
         else:
 
             def full_open(path, mode="r", *a, **k):

@@ -131,3 +131,14 @@ def test_the_metrics_docs_list_are_declared():
             if name.split("/")[0] in {"train", "val", "eval", "reward", "rs", "sample", "perf", "gold", "norm"}:
                 concrete = re.sub(r"\{\w+\}", "x", name)
                 assert find(name) is not None or find(concrete) is not None, f"docs/{page}: {name} is not declared"
+
+
+def test_every_declared_metric_is_in_the_docs():
+    """Every metric the code declares (the scripts and the packages they import) is listed in the docs, by its name
+    or its family's: one whose option no tiny run above sets is covered too."""
+    import evaluation.compare  # noqa: F401
+    from utils.metrics import METRICS
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set().union(*(documented((root / "docs" / page).read_text()) for page in {*DOCS.values(), "grpo.md"}))
+    assert not sorted(name for name in METRICS if name not in listed and not name.startswith("test_only/"))

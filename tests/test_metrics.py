@@ -1,5 +1,7 @@
-"""Every metric the code logs is declared (utils/metrics.py): tiny runs of every stage, with the options that add
-metrics (--judge, --frontier_prompts, the gold functions, dynamic sampling, ...), and the names they logged."""
+"""Every metric the code logs is declared (utils/metrics.py) and listed in its stage's docs: tiny runs of every stage
+and of eval_preferences.py, with the options that add metrics (--judge, --frontier_prompts, the gold functions,
+dynamic sampling, --kl_in reward, --rollout_correction, two policy epochs), and the names they logged; their
+directions and the stages' headlines are pinned."""
 
 import json
 import re
@@ -51,8 +53,8 @@ def logged(tmp_path_factory) -> dict[str, tuple[set[str], dict]]:
     return names | {"eval_preferences": logged_names(evaluated)}
 
 
-# The directions and headlines before the metrics were declared beside their code (utils/logging.py's name tables
-# LOWER_IS_BETTER and HEADLINES): a declaration must keep each.
+# Every direction, as summary.json and compare.py use it: these are best at their minimum, counts and interval bounds
+# have none, every other metric is best at its maximum (the directions the earlier name rule gave, kept).
 MINIMIZED = {
     "eval/kl", "eval/kl_se", "eval/gold_se", "eval/proxy_se", "eval/proxy_raw_se", "eval/win_rate_sampled_se",
     "eval/sampled_length", "eval/response_length", "eval/pref_bt_loss", "val/bt_loss", "eval/bt_loss", "val/loss",

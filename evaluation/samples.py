@@ -194,31 +194,32 @@ class JudgeConfig:
         return [(policy_cfg, "max_new_tokens", "policy"), (judge_cfg, "max_new_tokens", "judge")]
 
 
+_WIN = "--judge: share of the posts whose greedy summary it scores above the reference"
 # summary_win_rate's results as eval_preferences.py logs them (--judge with --policy)
-metric("eval/summary_win_rate", "max", "--judge: share of the posts whose greedy summary it scores above the reference")
+metric("eval/summary_win_rate", "max", _WIN)
 metric("eval/summary_win_rate_ci_low", None, "lower bound of eval/summary_win_rate's 95% bootstrap interval")
 metric("eval/summary_win_rate_ci_high", None, "upper bound of eval/summary_win_rate's 95% bootstrap interval")
 metric("eval/summary_prompts", "max", "--judge: the posts summarized")
-metric("eval/summary_reward_mean", "max", "--judge: its mean normalised score of the greedy summaries")
-metric("eval/summary_reference_reward_mean", "max", "--judge: its mean normalised score of the reference summaries")
-# and as a training stage's evaluation logs them (Judge.evaluate under val/): the win rate a headline of SFT and DPO
+metric("eval/summary_reward_mean", "max", "--judge: the judge's mean normalised score of the greedy summaries")
 metric(
-    "val/win_rate",
-    "max",
-    "--judge: share of the posts whose greedy summary it scores above the reference",
-    ("sft", "dpo"),
+    "eval/summary_reference_reward_mean", "max", "--judge: the judge's mean normalised score of the reference summaries"
 )
-metric("val/win_rate_ci_low", None, "lower bound of val/win_rate's 95% bootstrap interval", ("sft", "dpo"))
-metric("val/win_rate_ci_high", None, "upper bound of val/win_rate's 95% bootstrap interval", ("sft", "dpo"))
-metric("val/summary_reward", "max", "--judge: its mean normalised score of the greedy summaries")
-metric("val/reference_reward", "max", "--judge: its mean normalised score of the reference summaries")
 
-JUDGE_METRICS = {  # summary_win_rate's result -> the metric a training stage logs it as (after its prefix)
-    "summary_win_rate": "win_rate",
-    "summary_win_rate_ci_low": "win_rate_ci_low",
-    "summary_win_rate_ci_high": "win_rate_ci_high",
-    "summary_reward_mean": "summary_reward",
-    "summary_reference_reward_mean": "reference_reward",
+JUDGE_METRICS = {  # summary_win_rate's result -> the metric a training stage's evaluation logs it as (its declaration;
+    # Judge.evaluate under val/): the win rate and its interval are headlines of SFT and DPO
+    "summary_win_rate": metric("val/win_rate", "max", _WIN, ("sft", "dpo")),
+    "summary_win_rate_ci_low": metric(
+        "val/win_rate_ci_low", None, "lower bound of val/win_rate's 95% bootstrap interval", ("sft", "dpo")
+    ),
+    "summary_win_rate_ci_high": metric(
+        "val/win_rate_ci_high", None, "upper bound of val/win_rate's 95% bootstrap interval", ("sft", "dpo")
+    ),
+    "summary_reward_mean": metric(
+        "val/summary_reward", "max", "--judge: the judge's mean normalised score of the summaries"
+    ),
+    "summary_reference_reward_mean": metric(
+        "val/reference_reward", "max", "--judge: the judge's mean normalised score of the reference summaries"
+    ),
 }
 
 
@@ -245,9 +246,9 @@ class Judge:
             self.micro_batch_size,
             seed=self.seed,
         )
-        return {prefix + name: out[key] for key, name in JUDGE_METRICS.items()}
+        return {prefix + name.removeprefix("val/"): out[key] for key, name in JUDGE_METRICS.items()}
 
     @staticmethod
     def metric_names(prefix: str) -> set[str]:
         """The metrics evaluate() logs under `prefix`."""
-        return {prefix + name for name in JUDGE_METRICS.values()}
+        return {prefix + name.removeprefix("val/") for name in JUDGE_METRICS.values()}

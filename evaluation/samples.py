@@ -199,7 +199,7 @@ _WIN = "--judge: share of the posts whose greedy summary it scores above the ref
 metric("eval/summary_win_rate", "max", _WIN)
 metric("eval/summary_win_rate_ci_low", None, "lower bound of eval/summary_win_rate's 95% bootstrap interval")
 metric("eval/summary_win_rate_ci_high", None, "upper bound of eval/summary_win_rate's 95% bootstrap interval")
-metric("eval/summary_prompts", "max", "--judge: the posts summarized")
+metric("eval/summary_prompts", None, "--judge: the posts summarized")
 metric("eval/summary_reward_mean", "max", "--judge: the judge's mean normalised score of the greedy summaries")
 metric(
     "eval/summary_reference_reward_mean", "max", "--judge: the judge's mean normalised score of the reference summaries"

@@ -23,12 +23,12 @@ def normalization_prompts(rows: list[dict[str, str]], n: int, seed: int) -> list
     return [{"prompt": p} for p in prompts[:n]]
 
 
-metric("norm/raw_mean", "max", "mean raw score of the normalisation samples before the gain and bias")
-metric("norm/raw_std", "max", "standard deviation of those raw scores")
-metric("norm/samples", "max", "normalisation samples scored (all ranks)")
-metric("norm/end_rate", "max", "share of the normalisation samples that end with the end token")
-metric("norm/gain", "max", "the fitted gain (normalised score = gain x raw + bias)")
-metric("norm/bias", "max", "the fitted bias")
+metric("norm/raw_mean", None, "mean raw score of the normalisation samples before the gain and bias")
+metric("norm/raw_std", None, "standard deviation of those raw scores")
+metric("norm/samples", None, "normalisation samples scored (all ranks)")
+metric("norm/end_rate", None, "share of the normalisation samples that end with the end token")
+metric("norm/gain", None, "the fitted gain (normalised score = gain x raw + bias)")
+metric("norm/bias", None, "the fitted bias")
 
 
 @torch.no_grad()

@@ -65,10 +65,13 @@ MINIMIZED = {
     "sample/dropped_group_fraction", "reward/kl_penalty_mean", "gold/items_invented", "perf/step_seconds",
     "perf/advantages_seconds", "perf/generate_seconds", "perf/reference_seconds", "perf/sample_seconds",
     "perf/score_seconds", "perf/select_seconds", "perf/update_seconds", "val/win_rate_se",
+    "train/logprob_gap_to_sampler",
 }  # fmt: skip
-# A count has no best: grpo.py's preference counts (eval/pref_n_pairs, ...) were maximised by the name rule, whose
-# test for a count looked at the name's last part only (n_...), which their prefix hides.
+# No best either: grpo.py's preference counts (eval/pref_n_pairs, ...), the judge's posts, the selection's rounds, the
+# learning rate and the reward model's normalisation fit (a property of the SFT samples, not a goal).
 COUNTS = {"eval/pref_n_pairs", "eval/pref_n_ties", "eval/pref_n_chosen_longer", "eval/pref_n_chosen_not_longer"}
+COUNTS |= {"eval/summary_prompts", "rs/rounds_mean", "rs/rounds_max", "train/lr"}
+COUNTS |= {f"norm/{n}" for n in ("raw_mean", "raw_std", "samples", "end_rate", "gain", "bias")}
 
 
 def test_every_logged_metric_keeps_its_direction(logged):

@@ -85,7 +85,7 @@ metric(
     "train/loss", "min", "the stage's loss of the step (mean over the batch)", headline=("sft", "reward_model", "dpo")
 )
 metric("train/grad_norm", "min", "the gradient's global norm before clipping")
-metric("train/lr", "max", "the learning rate of the step")
+metric("train/lr", None, "the learning rate of the step")
 metric("train/skipped", "min", "1 when --on_nonfinite skip skipped the step (non-finite loss or norm), else 0")
 
 

@@ -1,4 +1,4 @@
-"""GRPO's stage 7, the policy update (grpo.py train_step), and the log-probs of stage 6: every response token's
+"""GRPO's stage 7, the policy update (rollouts/step.py train_step), and the log-probs of stage 6: every response token's
 processed log-prob (and entropy) under a model, the per-micro-batch loss composed of rlhf/policy_gradient.py's Objective
 terms, and cfg.policy_epochs optimizer steps over a step's micro-batches. `cfg` is grpo.py's Config."""
 

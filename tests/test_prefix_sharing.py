@@ -21,9 +21,10 @@ from model.lora import apply_lora
 from model.sampler import SampleOutput, generate
 from model.weights import freeze
 from rlhf.policy_gradient import AGGREGATIONS
+from rollouts.batches import build_training_batches
 from rollouts.memory import GiB, check_memory, kv_cache_bytes, step_memory, update_bytes
 from rollouts.sampling import score
-from rollouts.update import micro_batch_loss
+from rollouts.update import batch_logprobs, micro_batch_loss
 from tests.conftest import shared_file
 from utils.config import ConfigError
 
@@ -83,8 +84,8 @@ def test_reward_model_scores_and_response_logprobs_match_the_unshared_rows(tldr_
     adv = torch.randn(ids.shape[0] * G)
     rows = torch.arange(ids.shape[0] * G)
     for s in (True, False):
-        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, 7, prefix_sharing=s)
-        refs = grpo.batch_logprobs(policy, batches, cfg, gather=False)
+        batches = build_training_batches(ids, mask, samples, rows, adv, G, 7, prefix_sharing=s)
+        refs = batch_logprobs(policy, batches, cfg, gather=False)
         batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs, strict=True)]
         if s:
             logp_shared = ref_logprobs(batches, R)
@@ -115,8 +116,8 @@ def test_update_loss_and_every_gradient_match_the_unshared_rows(tldr_prompts, lo
     adv = torch.randn(rows.shape[0], generator=torch.Generator().manual_seed(2))
     results = {}
     for s in (True, False):
-        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, micro, prefix_sharing=s)
-        refs = grpo.batch_logprobs(reference, batches, cfg, gather=False)
+        batches = build_training_batches(ids, mask, samples, rows, adv, G, micro, prefix_sharing=s)
+        refs = batch_logprobs(reference, batches, cfg, gather=False)
         batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs, strict=True)]
         policy.zero_grad(set_to_none=True)
         weights = [AGGREGATIONS[cfg.loss_type](b.response_mask, R) for b in batches]

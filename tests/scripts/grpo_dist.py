@@ -95,8 +95,8 @@ def main(out: str, micro: int, shared: bool):
     local = SampleOutput(*(getattr(samples, f)[rows] for f in ("response_ids", "response_mask", "logprobs", "has_end")))
     prompt_ids, prompt_mask = pad_prompts(prompts[p0 : p0 + per_rank], pad_id=0)  # pads inside the small vocabulary
     advantages = global_normalize(group_normalize(rewards[rows].view(per_rank, G)).flatten(), all_reduce_sum)
-    # the update alone on these fixed micro-batches (grpo.train_step's stages 5-7 without sampling): the batches and
-    # the reference log-probs do not depend on the loss type, the gradients do
+    # the update alone on these fixed micro-batches (rollouts.step.train_step's stages 5-7 without sampling): the
+    # batches and the reference log-probs do not depend on the loss type, the gradients do
     cfg = Config(
         temperature=0.9, beta=0.1, eps_low=0.2, eps_high=0.28, max_new_tokens=R, micro_batch_size=micro, grad_clip=0.0
     )

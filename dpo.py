@@ -25,21 +25,15 @@ import torch
 from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import Frontier, FrontierConfig
-from evaluation.pairs import PairConfig, load_pairs
-from evaluation.preference import (
-    evaluate_policy,
-    policy_logps,
-    preference_metric_names,
-    reference_logps,
-    response_logprobs,
-)
+from evaluation.preference import evaluate_policy, policy_logps, preference_metric_names, response_logprobs
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig
 from model.weights import model_config, save_export
 from rlhf.losses import preference_loss
 from rlhf.stats import pair_outcomes
-from rollouts.models import build_policy_and_reference
 from rollouts.options import OffloadConfig
+from training.pairs import PairConfig, load_pairs
+from training.reference import build_policy_and_reference, reference_logps
 from utils.config import ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, option, parse_config
 from utils.dist import all_reduce_sum
 from utils.guard import exit_on_error
@@ -199,7 +193,7 @@ def main(cfg: Config) -> dict:
     data = load_pairs(cfg, tok, run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
     total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
-    # 3. policy and frozen reference (rollouts.models), optimizer over the policy's trainable parameters
+    # 3. policy and frozen reference (training/reference.py), optimizer over the policy's trainable parameters
     policy, reference = build_policy_and_reference(cfg, run)
     optimizer, scheduler = build_optimization(policy, cfg, total_steps)
     loss_fn = preference_loss(cfg)

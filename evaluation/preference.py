@@ -22,8 +22,6 @@ from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_sl
 from model.gpt2 import SharedPrefix
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.stats import preference_summary
-from rollouts.models import sharded_module
-from utils.fsdp import gathered_params
 from utils.logging import track
 
 # (label, key prefix of the accuracy fields, field holding the number of pairs) of each reported subset
@@ -215,16 +213,6 @@ def preference_metric_names(prefix: str) -> set[str]:
     the function itself (one pair, one resample), so the names cannot drift from what it returns."""
     one = torch.zeros(1)
     return {prefix + k for k in preference_summary(one, one, one.bool(), n_resamples=1)}
-
-
-@torch.no_grad()  # the reference is frozen: no graph, no gradient
-def reference_logps(reference, micro_batches: list[dict], device, prefix_sharing: bool = True) -> list[torch.Tensor]:
-    """The frozen reference's summed response log-probs (2B,) of every micro-batch of a step, its FSDP units gathered
-    once for all of them (with --frozen_cpu_offload: one host-to-device copy per step, not per micro-batch). Run
-    before the policy's micro-batches: with LoRA the reference is the policy's own FSDP modules (adapters off), whose
-    no-grad forward should not sit between the policy's forward and its backward."""
-    with gathered_params(sharded_module(reference)):
-        return [response_logprobs(reference, batch, device, prefix_sharing) for batch in micro_batches]
 
 
 def policy_logps(

@@ -2,10 +2,10 @@
 three models and the checks that they hold the lengths and fit the device (models.py, memory.py), GRPO's option groups
 (rewards, sampling, selection, objective, batch sizes) and the frozen models' offload (options.py), a rank's prompts
 (prompts.py), responses sampled from the policy and scored by the reward sources (sampling.py), the training
-micro-batches (batches.py), the policy update (update.py), the step's result and global metrics (metrics.py), and the
-reward model's normalisation over samples of the SFT policy (normalization.py). They run models or collectives, so they
-live neither in model/ (no distributed code) nor in rlhf/ (pure math). Importers: grpo.py; dpo.py (its policy and
-reference: models.py; the frozen models' offload: options.py); reward_model.py (normalization.py);
-evaluation/frontier.py, evaluation/preference.py, evaluation/probes.py, evaluation/samples.py and
-evaluation/summaries.py; evaluation/compare.py (the options' declarations: options.py); the benchmark (bench/) and the
-tests."""
+micro-batches (batches.py), the policy update (update.py), the step's result and global metrics (metrics.py). They run
+models or collectives, so they live neither in model/ (no distributed code) nor in rlhf/ (pure math). Importers:
+grpo.py; dpo.py (the frozen models' offload: options.py); evaluation/frontier.py, evaluation/preference.py,
+evaluation/probes.py, evaluation/samples.py and evaluation/summaries.py (the models' FSDP unit: models.py; sampling and
+scoring: sampling.py; GRPO's prompts: prompts.py); evaluation/compare.py (the options' declarations: options.py);
+training/normalization.py (sample_responses) and training/reference.py (models.py's sharded_module); the benchmark
+(bench/) and the tests."""

@@ -17,6 +17,7 @@ from model.weights import freeze
 from rlhf.losses import preference_loss
 from rollouts.batches import MicroBatch
 from rollouts.update import batch_logprobs
+from training.reference import build_policy_and_reference
 from utils.fsdp import forward_order_records, gathered_params, shard_model
 
 CFG = GPTConfig(vocab_size=512, n_positions=64, n_layer=2, n_head=2, n_embd=32)
@@ -199,7 +200,7 @@ def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tm
     )
     run = SimpleNamespace(say=lambda message: None, device=torch.device("cuda"), dtype=None)
     torch.manual_seed(0)
-    policy, reference = dpo.build_policy_and_reference(cfg, run)
+    policy, reference = build_policy_and_reference(cfg, run)
     assert {p.dtype for p in reference.parameters()} == {torch.float32}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 50000, (12,), generator=g).tolist() for _ in range(4)]

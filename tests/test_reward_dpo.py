@@ -31,6 +31,7 @@ from tests.conftest import (
     shared_file,
 )
 from tests.helpers import pair_run_args, read_metrics, write_pref_rows
+from training.reference import build_policy_and_reference
 from utils.config import parse_config
 
 LOG2 = math.log(2.0)
@@ -575,7 +576,7 @@ def test_dpo_reference_dtype_auto_follows_the_policy_and_the_first_loss_is_log2(
     )
     torch.manual_seed(0)
     run = SimpleNamespace(say=lambda message: None, device=torch.device("cpu"), dtype=torch.bfloat16)
-    policy, reference = dpo.build_policy_and_reference(cfg, run)
+    policy, reference = build_policy_and_reference(cfg, run)
     assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
     rows = load_rows(str(data), "train", PREF_COLUMNS)
     tok = get_tokenizer()

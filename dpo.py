@@ -25,7 +25,7 @@ import torch
 from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import Frontier, FrontierConfig
-from evaluation.preference import evaluate_policy, policy_logps, preference_metric_names, response_logprobs
+from evaluation.preference import eval_set_logps, evaluate_policy, pair_logprobs, preference_metric_names
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig
 from model.weights import model_config, save_export
@@ -114,7 +114,7 @@ def pair_losses(
     B = batch["n_pairs"]
     if ref_logps is None:
         ref_logps = reference_logps(reference, [batch], device, prefix_sharing)[0]  # (2B,)
-    logps = response_logprobs(policy, batch, device, prefix_sharing)  # (2B,); packed rows, each prompt once
+    logps = pair_logprobs(policy, batch, device, prefix_sharing)  # (2B,); packed rows, each prompt once
     policy_chosen, policy_rejected = logps[:B], logps[B:]
     ref_chosen, ref_rejected = ref_logps[:B], ref_logps[B:]
     losses = loss_fn(policy_chosen, policy_rejected, ref_chosen, ref_rejected)  # (B,)
@@ -208,7 +208,7 @@ def main(cfg: Config) -> dict:
         f"dpo ({cfg.loss}, beta {cfg.beta}): {len(data.train)} pairs, world {world}, {accum} accumulation steps, "
         f"{total_steps} steps"
     )
-    ref_val = policy_logps(reference, data.val_set, device, cfg.prefix_sharing) if data.val_set is not None else None
+    ref_val = eval_set_logps(reference, data.val_set, device, cfg.prefix_sharing) if data.val_set is not None else None
     samples = None
     if ref_val is not None and cfg.eval_samples > 0:
         rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)[: cfg.eval_samples]

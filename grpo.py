@@ -33,7 +33,7 @@ from typing import Literal
 from data.tldr import ShardedLoader
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import Frontier, FrontierConfig
-from evaluation.preference import evaluate_policy, policy_logps, preference_metric_names
+from evaluation.preference import eval_set_logps, evaluate_policy, preference_metric_names
 from evaluation.summaries import (
     EvalSetsConfig,
     SampleTableConfig,
@@ -204,7 +204,7 @@ def main(cfg: Config) -> dict:
         f"grpo: {len(train)} prompts, world {world}, {prompts_per_rank} prompts x {cfg.num_samples} samples -> "
         f"{cfg.kept} kept per rank, {n_micro} micro-batches, {total_steps} steps"
     )
-    ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
+    ref_pref = eval_set_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
     # --frontier_prompts: KL to the reference and rewards of temperature-1 samples (eval/kl, ...); else None
     frontier = Frontier.build(cfg, tok, run, cfg.max_new_tokens, models.reward_model, gold_reward)
     names = (summary_metric_names(spec, val) if val is not None else set()) | (
@@ -223,7 +223,7 @@ def main(cfg: Config) -> dict:
             if cfg.ref_refresh_every > 0 and step > 0 and step % cfg.ref_refresh_every == 0:
                 refresh_reference(models)
                 if pref is not None:  # the implicit reward beta * log(pi / pi_ref) is relative to the new reference
-                    ref_pref = policy_logps(models.reference, pref, device, cfg.prefix_sharing)
+                    ref_pref = eval_set_logps(models.reference, pref, device, cfg.prefix_sharing)
             # 1. sample prompts (this rank's slice of the global batch)
             t_sample = time.perf_counter()
             prompts = prompt_set(train, list(next(batches_iter)), train_applies, device, train_name)

@@ -27,8 +27,8 @@ from evaluation.preference import evaluate_reward_model, preference_metric_names
 from model.weights import build_policy, build_reward_model, model_config, resolve_pooling, save_export
 from rlhf.losses import bradley_terry_loss
 from rlhf.stats import pair_outcomes
-from training.normalization import fit_normalization, normalization_prompts
 from training.pairs import PairConfig, load_pairs
+from training.reward_normalization import fit_normalization, normalization_prompts
 from utils.config import (
     ConfigError,
     DecodeConfig,

@@ -115,7 +115,7 @@ def reward_probes(out: Path, pairs_file: Path, prompts_file: Path, seed: int) ->
     summary; beta does not change the order) and of the SFT policy's own log-likelihood of the summary (which
     prefers the item it would copy); and the reward model's appended_item_gains on the first 200 prompts of
     `prompts_file`, in its normalised units (the std of its rewards over SFT samples: what GRPO reads)."""
-    from evaluation.preference import response_logprobs, reward_scores
+    from evaluation.preference import pair_logprobs, reward_scores
     from model.weights import build_policy, build_reward_model
 
     rm = build_reward_model(str(out / "rm" / "hf")).eval()
@@ -124,9 +124,9 @@ def reward_probes(out: Path, pairs_file: Path, prompts_file: Path, seed: int) ->
     return {
         "rm_swap_accuracy": swap_accuracy(lambda b: reward_scores(rm, b, "cpu"), pairs_file, seed),
         "dpo_swap_accuracy": swap_accuracy(
-            lambda b: response_logprobs(dpo, b, "cpu") - response_logprobs(sft, b, "cpu"), pairs_file, seed
+            lambda b: pair_logprobs(dpo, b, "cpu") - pair_logprobs(sft, b, "cpu"), pairs_file, seed
         ),
-        "sft_swap_accuracy": swap_accuracy(lambda b: response_logprobs(sft, b, "cpu"), pairs_file, seed),
+        "sft_swap_accuracy": swap_accuracy(lambda b: pair_logprobs(sft, b, "cpu"), pairs_file, seed),
         "rm_append_correct": gains["append_correct"],
         "rm_append_invented": gains["append_invented"],
     }

@@ -5,7 +5,6 @@ three models and the checks that they hold the lengths and fit the device (model
 micro-batches (batches.py), the policy update (update.py), the step's result and global metrics (metrics.py). They run
 models or collectives, so they live neither in model/ (no distributed code) nor in rlhf/ (pure math). Importers:
 grpo.py; dpo.py (the frozen models' offload: options.py); evaluation/frontier.py, evaluation/preference.py,
-evaluation/probes.py, evaluation/samples.py and evaluation/summaries.py (the models' FSDP unit: models.py; sampling and
-scoring: sampling.py; GRPO's prompts: prompts.py); evaluation/compare.py (the options' declarations: options.py);
-training/normalization.py (sample_responses) and training/reference.py (models.py's sharded_module); the benchmark
-(bench/) and the tests."""
+evaluation/probes.py, evaluation/samples.py and evaluation/summaries.py (sampling and scoring: sampling.py; GRPO's
+prompts: prompts.py); evaluation/compare.py (the options' declarations: options.py); training/reward_normalization.py
+(sample_responses); the benchmark (bench/) and the tests."""

@@ -56,12 +56,6 @@ def build_models(cfg, sources: list[RewardSource], dtype, device) -> Models:
     return Models(policy, AdaptersOff(policy) if reference is None else reference, reward_model, start)
 
 
-def sharded_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The FSDP-sharded module that computes `model`: the policy itself for its adapters-off view (AdaptersOff holds
-    the policy without registering it, so its own modules() hold no FSDP unit to gather)."""
-    return model.base_model if isinstance(model, AdaptersOff) else model
-
-
 @torch.no_grad()
 def refresh_reference(models: Models) -> None:
     """The reference becomes the current policy. With LoRA (the reference is the policy with adapters off) the

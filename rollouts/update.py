@@ -7,11 +7,11 @@ from functools import partial
 
 import torch
 
+from model.lora import sharded_module
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.policy_gradient import AGGREGATIONS, Objective, mismatch_stats
 from rollouts.batches import MicroBatch
 from rollouts.metrics import update_metrics
-from rollouts.models import sharded_module
 from utils.dist import all_reduce_max, all_reduce_named, all_reduce_sum
 from utils.fsdp import gathered_params
 from utils.guard import NonFiniteGuard

@@ -5,10 +5,9 @@ import copy
 
 import torch
 
-from evaluation.preference import response_logprobs
-from model.lora import AdaptersOff, apply_lora, trainable_summary
+from evaluation.preference import pair_logprobs
+from model.lora import AdaptersOff, apply_lora, sharded_module, trainable_summary
 from model.weights import build_policy
-from rollouts.models import sharded_module
 from utils.fsdp import gathered_params, resolve_dtype, shard_model
 from utils.run import Run
 
@@ -50,4 +49,4 @@ def reference_logps(reference, micro_batches: list[dict], device, prefix_sharing
     before the policy's micro-batches: with LoRA the reference is the policy's own FSDP modules (adapters off), whose
     no-grad forward should not sit between the policy's forward and its backward."""
     with gathered_params(sharded_module(reference)):
-        return [response_logprobs(reference, batch, device, prefix_sharing) for batch in micro_batches]
+        return [pair_logprobs(reference, batch, device, prefix_sharing) for batch in micro_batches]

@@ -10,7 +10,7 @@ import torch
 
 
 @torch.no_grad()
-def sample_summaries(
+def sample_summary_texts(
     policy_dir: Path, prompts_file: Path, n_prompts: int, samples: int, max_new_tokens: int, seed: int
 ) -> list[tuple[str, list[str]]]:
     """(prompt, [summary text]) for the first `n_prompts` prompts of a file, `samples` summaries each, sampled at
@@ -45,7 +45,7 @@ def gold_of_samples(
     its parts (items_correct, items_invented, words, ended; data.synthetic.gold_parts)."""
     from data.synthetic import gold_parts, gold_reward
 
-    drawn = sample_summaries(policy_dir, prompts_file, n_prompts, samples, max_new_tokens, seed)
+    drawn = sample_summary_texts(policy_dir, prompts_file, n_prompts, samples, max_new_tokens, seed)
     pairs = [(prompt, text) for prompt, texts in drawn for text in texts]
     parts = [gold_parts(prompt, text) for prompt, text in pairs]
     out = {"gold_reward": sum(gold_reward(prompt, text) for prompt, text in pairs) / len(pairs)}

@@ -19,11 +19,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.tldr import pad_prompts  # noqa: E402
-from grpo import Config, batch_logprobs, build_training_batches, policy_update  # noqa: E402
+from grpo import Config  # noqa: E402
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.sampler import SampleOutput  # noqa: E402
 from model.weights import freeze  # noqa: E402
 from rlhf.policy_gradient import global_normalize, group_normalize  # noqa: E402
+from rollouts.batches import build_training_batches  # noqa: E402
+from rollouts.update import batch_logprobs, policy_update  # noqa: E402
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402
 from utils.fsdp import shard_model  # noqa: E402
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from experiments import embedded
 from experiments.embedded import ABLATION, ABLATION_METRICS, PREPARED, Demo, pipeline
-from experiments.runner import Run, run_all
+from experiments.runner import ExperimentRun, run_all
 
 
 def publish(demo: Demo, picture: str, folder: Path, text: str) -> None:
@@ -99,7 +99,7 @@ def frontier(demo: Demo) -> str:
     curve = sft_best_of_n(demo, demo.paths["sft_validation"], args.frontier_prompts)
     methods: dict[str, list[list[dict]]] = {}
 
-    def record(run: Run | None = None) -> str:
+    def record(run: ExperimentRun | None = None) -> str:
         if run is not None:
             methods.setdefault(run.name, []).append(frontier_points(run.out_dir))
         text = frontier_table(curve, methods)
@@ -134,7 +134,7 @@ def verdict(demo: Demo) -> str:
     methods: dict[str, list[list[dict]]] = {}
     dirs: dict[str, list[Path]] = {}
 
-    def record(run: Run | None = None) -> str:
+    def record(run: ExperimentRun | None = None) -> str:
         if run is not None:
             methods.setdefault(run.name, []).append(measured.frontier_points(run.out_dir))
             dirs.setdefault(run.name, []).append(run.out_dir)

@@ -25,21 +25,15 @@ import torch
 from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import Frontier, FrontierConfig
-from evaluation.pairs import PairConfig, load_pairs
-from evaluation.preference import (
-    evaluate_policy,
-    policy_logps,
-    preference_metric_names,
-    reference_logps,
-    response_logprobs,
-)
+from evaluation.preference import eval_set_logps, evaluate_policy, pair_logprobs, preference_metric_names
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig
 from model.weights import model_config, save_export
 from rlhf.losses import preference_loss
 from rlhf.stats import pair_outcomes
-from rollouts.models import build_policy_and_reference
 from rollouts.options import OffloadConfig
+from training.pairs import PairConfig, load_pairs
+from training.reference import build_policy_and_reference, reference_logps
 from utils.config import ConfigError, OptimConfig, RunConfig, accumulation_steps, fit_context, option, parse_config
 from utils.dist import all_reduce_sum
 from utils.guard import exit_on_error
@@ -120,7 +114,7 @@ def pair_losses(
     B = batch["n_pairs"]
     if ref_logps is None:
         ref_logps = reference_logps(reference, [batch], device, prefix_sharing)[0]  # (2B,)
-    logps = response_logprobs(policy, batch, device, prefix_sharing)  # (2B,); packed rows, each prompt once
+    logps = pair_logprobs(policy, batch, device, prefix_sharing)  # (2B,); packed rows, each prompt once
     policy_chosen, policy_rejected = logps[:B], logps[B:]
     ref_chosen, ref_rejected = ref_logps[:B], ref_logps[B:]
     losses = loss_fn(policy_chosen, policy_rejected, ref_chosen, ref_rejected)  # (B,)
@@ -199,7 +193,7 @@ def main(cfg: Config) -> dict:
     data = load_pairs(cfg, tok, run.rank, world, cfg.seed, validate=cfg.eval_every >= 0)
     total_steps = epoch_steps(cfg.steps, data.loader.n_examples, data.loader.batches_per_epoch, accum, cfg.batch_size)
 
-    # 3. policy and frozen reference (rollouts.models), optimizer over the policy's trainable parameters
+    # 3. policy and frozen reference (training/reference.py), optimizer over the policy's trainable parameters
     policy, reference = build_policy_and_reference(cfg, run)
     optimizer, scheduler = build_optimization(policy, cfg, total_steps)
     loss_fn = preference_loss(cfg)
@@ -214,7 +208,7 @@ def main(cfg: Config) -> dict:
         f"dpo ({cfg.loss}, beta {cfg.beta}): {len(data.train)} pairs, world {world}, {accum} accumulation steps, "
         f"{total_steps} steps"
     )
-    ref_val = policy_logps(reference, data.val_set, device, cfg.prefix_sharing) if data.val_set is not None else None
+    ref_val = eval_set_logps(reference, data.val_set, device, cfg.prefix_sharing) if data.val_set is not None else None
     samples = None
     if ref_val is not None and cfg.eval_samples > 0:
         rows = load_rows(cfg.val_data, cfg.val_split, PREF_COLUMNS)[: cfg.eval_samples]

@@ -23,12 +23,12 @@ import torch
 
 from data.tldr import PromptDataset
 from data.tokenizer import get_tokenizer
-from evaluation.pairs import PairConfig, load_pairs
 from evaluation.preference import evaluate_reward_model, preference_metric_names, reward_scores
 from model.weights import build_policy, build_reward_model, model_config, resolve_pooling, save_export
 from rlhf.losses import bradley_terry_loss
 from rlhf.stats import pair_outcomes
-from rollouts.normalization import fit_normalization, normalization_prompts
+from training.pairs import PairConfig, load_pairs
+from training.reward_normalization import fit_normalization, normalization_prompts
 from utils.config import (
     ConfigError,
     DecodeConfig,

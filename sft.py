@@ -4,15 +4,14 @@
     torchrun --nproc_per_node=2 sft.py               # two GPUs (or two CPU processes over gloo)
     python sft.py --help                             # every option
 
-The loss is the negative log-likelihood of the response tokens (the summary and its "\n" end token), summed
-and divided by the number of response tokens in the whole global batch, over all ranks and accumulation
-steps, so the gradient is the same for any world size and micro-batch size. With --lora_rank r only LoRA adapters
-on the attention and MLP projections train (model/lora.py), and the export merges them into a plain GPT-2.
+The loss is the negative log-likelihood of the response tokens (the summary and its "\n" end token; one micro-batch's:
+training/nll.py), summed and divided by the number of response tokens in the whole global batch, over all ranks and
+accumulation steps, so the gradient is the same for any world size and micro-batch size. With --lora_rank r only LoRA
+adapters on the attention and MLP projections train (model/lora.py), and the export merges them into a plain GPT-2.
 """
 
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -21,8 +20,7 @@ from data.tokenizer import get_tokenizer
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig, apply_lora, trainable_summary
 from model.weights import build_policy, model_config, save_export
-from rlhf.logprobs import linear_processed_logprobs
-from rlhf.losses import sft_loss_sum
+from training.nll import prompt_targets, response_nll_sum, weighted_nll_sum
 from utils.config import (
     ConfigError,
     DataConfig,
@@ -33,7 +31,7 @@ from utils.config import (
     option,
     parse_config,
 )
-from utils.dist import all_reduce_sum, stream, stream_seed
+from utils.dist import all_reduce_sum, stream_seed
 from utils.fsdp import shard_model
 from utils.guard import exit_on_error
 from utils.logging import track
@@ -86,66 +84,6 @@ class Config(RunConfig, OptimConfig, DataConfig, LoRAConfig, JudgeConfig):  # sh
         for name in ("batch_size", "micro_batch_size", "max_response_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-
-
-def response_nll_sum(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed NLL of response tokens, number of response tokens) for one micro-batch.
-
-    The LM head runs only at the positions that predict real response tokens (columns P-1 .. P+R-2, where P is the
-    left-padded prompt width, less the right padding of shorter responses), inside rlhf/logprobs.py's chunked pass,
-    so the (B, R, V) logits are never materialised: with GPT-2's 50k vocabulary the head is most of a small model's
-    FLOPs and memory."""
-    input_ids = batch["input_ids"].to(device)
-    P, R = batch["prompt_len"], batch["response_ids"].shape[1]
-    mask = batch["response_mask"].to(device)
-    logp_BR, _ = model(
-        input_ids,
-        batch["position_ids"].to(device),
-        batch["attention_mask"].to(device),
-        logits_slice=slice(P - 1, P + R - 1),
-        head=partial(linear_processed_logprobs, targets_NR=batch["response_ids"].to(device), mask_NR=mask),
-    )  # (B, R), 0 at padding
-    return sft_loss_sum(logp_BR, mask), mask.sum()
-
-
-def prompt_targets(batch: dict) -> torch.Tensor:
-    """(B, P-1) bool: prompt columns 1 .. P-1 whose token and the token before it are real (a left-padded row's
-    first real token has nothing to be predicted from)."""
-    m, P = batch["attention_mask"], batch["prompt_len"]
-    return m[:, 1:P] & m[:, : P - 1]
-
-
-def weighted_nll_sum(
-    model, batch: dict, prompt_weight: float, prompt_positions: int, draw_seed: int | None, device
-) -> torch.Tensor:
-    """Response NLL + prompt_weight * (an unbiased estimate of the) prompt NLL, summed over one micro-batch.
-
-    The prompt term draws `prompt_positions` prompt targets per row uniformly without replacement and scales
-    each by (the row's prompt targets / the number drawn), so its expectation is the NLL summed over every prompt
-    token, at a fraction of the cost of a 50k-way softmax at every position. A row's draw depends on `draw_seed` and
-    its example index (batch["example"]) only, not on where it is computed. prompt_weight 0: the response NLL."""
-    if prompt_weight == 0:
-        return response_nll_sum(model, batch, device)[0]
-    P, R = batch["prompt_len"], batch["response_ids"].shape[1]
-    valid = prompt_targets(batch)  # (B, P-1): column j+1 is a prompt target predicted at column j
-    B, K = valid.shape[0], min(prompt_positions, P - 1)
-    scores = torch.full(valid.shape, -1.0)  # (B, P-1): a random score per prompt target, the top K drawn
-    for row, example in enumerate(batch["example"].tolist()):
-        scores[row, valid[row]] = torch.rand(int(valid[row].sum()), generator=stream(draw_seed, example))
-    chosen = scores.topk(K, dim=1).indices  # (B, K) predictor columns
-    drawn = valid.gather(1, chosen)  # (B, K) False where a row has fewer than K prompt targets
-    scale = valid.sum(1, keepdim=True) / drawn.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
-    columns = torch.cat([chosen, torch.arange(P - 1, P + R - 1).expand(B, R)], dim=1)  # (B, K+R) predictor columns
-    targets = batch["input_ids"].gather(1, columns + 1)
-    weight = torch.cat([prompt_weight * scale * drawn, batch["response_mask"].float()], dim=1).to(device)  # (B, K+R)
-    logp, _ = model(
-        batch["input_ids"].to(device),
-        batch["position_ids"].to(device),
-        batch["attention_mask"].to(device),
-        logits_slice=columns.to(device),
-        head=partial(linear_processed_logprobs, targets_NR=targets.to(device), mask_NR=weight > 0),
-    )  # (B, K+R), 0 where the weight is
-    return sft_loss_sum(logp, weight)
 
 
 def accumulate_gradients(

@@ -9,7 +9,7 @@ the first compiled call is timed alone (compilation + one call); then `repeats` 
 turn. tokens/s = rows x new tokens / median seconds of a call (prefill included); compile seconds = the first
 compiled call - the median compiled call.
 
-GRPO: bench/grpo_step.py's step (grpo.train_step) at its configuration, --compile false and true, each with one
+GRPO: bench/grpo_step.py's step (rollouts.step.train_step) at its configuration, --compile false and true, each with one
 warm-up step (the compiled run's pays the compilation: reported as such) and `repeats` timed steps.
 
 Once per process: on a GPU each decode shape's steps are recorded as CUDA graphs at their first use

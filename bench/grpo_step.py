@@ -1,7 +1,7 @@
 """One full GRPO step at a named configuration: time and share per stage, generated and total tokens/s per
 device, peak memory.
 
-The step is grpo.train_step, the function grpo.main() calls for its stages 2-7 (generate, score, select,
+The step is rollouts.step.train_step, the function grpo.main() calls for its stages 2-7 (generate, score, select,
 advantages, reference log-probs, update), on models built by rollouts.models.build_models as main() builds them
 (policy, frozen reference copy, frozen reward model, FSDP-sharded; bf16 parameters on GPU, fp32 on CPU), with the
 reward sources of --rewards in a rollouts.sampling.RewardSpec and the prompts in a rollouts.prompts.PromptSet.
@@ -26,11 +26,14 @@ from dataclasses import dataclass
 import torch
 
 import grpo
+import rollouts.step
 from bench import common
 from bench.common import mib, peak_memory, random_prompts, reset_peak_memory, result, synchronize
 from data.tokenizer import get_tokenizer
 from model.weights import model_config
+from rollouts.batches import per_rank_sizes
 from rollouts.memory import step_memory
+from rollouts.metrics import StepResult
 from rollouts.models import Models, build_models
 from rollouts.prompts import PromptSet
 from rollouts.sampling import RewardSpec
@@ -194,7 +197,7 @@ def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
 
 @dataclass
 class StepInputs:
-    """What grpo.main() hands grpo.train_step, built as main() builds it."""
+    """What grpo.main() hands rollouts.step.train_step, built as main() builds it."""
 
     cfg: grpo.Config
     models: Models
@@ -210,7 +213,7 @@ def build(bcfg: GRPOBenchConfig, device: torch.device) -> StepInputs:
     prompts instead of a dataset: every reward source applies to every prompt."""
     cfg = bcfg.grpo_config()
     world = setup_distributed(device.type).world_size
-    grpo.per_rank_sizes(cfg, world)  # the exact-division checks of main()
+    per_rank_sizes(cfg, world)  # the exact-division checks of main()
     sources = cfg.sources()
     torch.manual_seed(0)
     models = build_models(cfg, sources, resolve_dtype(cfg.dtype, device), device)
@@ -233,7 +236,7 @@ def build(bcfg: GRPOBenchConfig, device: torch.device) -> StepInputs:
     return StepInputs(cfg, models, optimizer, scheduler, prompts, spec, world)
 
 
-def token_counts(r: grpo.StepResult, prompts: PromptSet, G: int) -> dict[str, int]:
+def token_counts(r: StepResult, prompts: PromptSet, G: int) -> dict[str, int]:
     """Sampled sequences, generated tokens, every token of every sampled sequence, trained sequences and tokens."""
     generated = int(r.samples.response_mask.sum())
     return {
@@ -246,7 +249,7 @@ def token_counts(r: grpo.StepResult, prompts: PromptSet, G: int) -> dict[str, in
 
 
 def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
-    """Warm-up and timed grpo.train_step calls at one configuration: per-step seconds (wall clock, device
+    """Warm-up and timed rollouts.step.train_step calls at one configuration: per-step seconds (wall clock, device
     synchronised), train_step's stage seconds, token counts and peak memory."""
     s = build(bcfg, device)
 
@@ -255,7 +258,7 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
         busy0, cpu0 = common.machine_busy_seconds(), time.process_time()
         synchronize(device)
         t0 = time.perf_counter()
-        r = grpo.train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, step)
+        r = rollouts.step.train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, step)
         synchronize(device)
         seconds = time.perf_counter() - t0
         others = None

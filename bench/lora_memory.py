@@ -2,11 +2,11 @@
 against LoRA, whose reference is the same weights with the adapters off (model/lora.py).
 
 Measured, not computed: each set-up is built as grpo.main() builds it (bench/grpo_step.py's `build`: FSDP-sharded,
-bf16 parameters on CUDA, fp32 on CPU), one real grpo.train_step is taken (generation, a reward function, reference
-log-probs, the update), and the bytes of every parameter of the policy and the reference and of AdamW's state are
-counted after it; on CUDA also torch.cuda.memory_allocated after the step (activations freed). Activations are the
-same in both and are not part of the figure. model/lora.py's lora_memory_report gives the same parameter and state
-bytes from the model's shape alone (`python -m model.lora`), without running anything.
+bf16 parameters on CUDA, fp32 on CPU), one real GRPO step (rollouts/step.py) is taken (generation, a reward
+function, reference log-probs, the update), and the bytes of every parameter of the policy and the reference and of
+AdamW's state are counted after it; on CUDA also torch.cuda.memory_allocated after the step (activations freed).
+Activations are the same in both and are not part of the figure. model/lora.py's lora_memory_report gives the same
+parameter and state bytes from the model's shape alone (`python -m model.lora`), without running anything.
 """
 
 from dataclasses import dataclass, replace
@@ -57,12 +57,12 @@ def step_config(cfg: LoRAMemoryConfig) -> GRPOBenchConfig:
 
 
 def held_after_step(bcfg: GRPOBenchConfig, device: torch.device) -> tuple[int, int, int | None]:
-    """(bytes of policy + reference parameters and AdamW state after one grpo.train_step, trainable parameters,
+    """(bytes of policy + reference parameters and AdamW state after one GRPO step (train_step), trainable parameters,
     CUDA bytes allocated)."""
-    import grpo
+    from rollouts.step import train_step
 
     s = build(bcfg, device)
-    grpo.train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, 1)
+    train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, 1)
     policy, reference = s.models.policy, s.models.reference
     reference_params = [] if reference.__class__.__name__ == "AdaptersOff" else list(reference.parameters())
     state = [t for st in s.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
@@ -85,7 +85,7 @@ def run(device: torch.device, quick: bool) -> list[dict]:
             torch.cuda.empty_cache()
         lora, lora_trainable, lora_alloc = held_after_step(replace(step, lora_rank=cfg.rank), device)
         mib = 2**20
-        what = f"{dtype} parameters, AdamW, after one grpo.train_step"
+        what = f"{dtype} parameters, AdamW, after one GRPO step (train_step)"
         rows += [
             common.result(
                 BENCH,

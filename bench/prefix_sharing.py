@@ -8,7 +8,7 @@ against every sample carrying its own copy, interleaved in one run, per stage.
 The prompts are real TL;DR prompts from ../shared/data (tldr-validation-sample.jsonl, the first --prompts rows, cut
 at 512 tokens as grpo.py cuts them), so the prompt lengths are TL;DR's; 53 new tokens, G = 16 samples per prompt,
 RSO keeps K = 8 (on GPU the reference configuration, 256 prompts x 64 samples -> 8); policy, reference and reward
-model are randomly initialised GPT-2s of --preset (fp32 on CPU, bf16 on GPU). Each repeat runs grpo.train_step
+model are randomly initialised GPT-2s of --preset (fp32 on CPU, bf16 on GPU). Each repeat runs rollouts.step.train_step
 once shared and once unshared at the same step index (the same sampling stream) with the learning rate at a
 negligible 1e-12, so both see the same weights and sample the same responses;
 the two modes alternate so that a change in the machine's load hits both alike.
@@ -38,9 +38,11 @@ from bench.grpo_step import STAGES
 from data.tldr import PROMPT_COLUMNS, PromptDataset, load_rows, pad_prompts
 from data.tokenizer import get_tokenizer
 from rollouts.memory import kv_cache_bytes
+from rollouts.metrics import StepResult
 from rollouts.models import build_models
 from rollouts.prompts import PromptSet
 from rollouts.sampling import RewardSpec, model_rows
+from rollouts.step import train_step
 from utils.dist import setup_distributed
 from utils.fsdp import resolve_dtype
 from utils.optim import build_optimizer, build_scheduler
@@ -115,7 +117,7 @@ def tldr_prompt_set(bcfg: PrefixBenchConfig, n_sources: int, device) -> PromptSe
     )
 
 
-def stage_tokens(r: grpo.StepResult, prompts: PromptSet, cfg: grpo.Config, model_cfg) -> dict[str, int]:
+def stage_tokens(r: StepResult, prompts: PromptSet, cfg: grpo.Config, model_cfg) -> dict[str, int]:
     """Tokens each stage processes in this step (module docstring); also the KV cache bytes of the first call."""
     G, new, dtype_bytes = cfg.num_samples, cfg.max_new_tokens, 4 if prompts.ids.device.type == "cpu" else 2
     kv_positions, first_call = 0, None
@@ -167,7 +169,7 @@ def measure(bcfg: PrefixBenchConfig, device: torch.device) -> dict:
             was_reset = common.reset_peak_memory(device)
             common.synchronize(device)
             t0 = time.perf_counter()
-            r = grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, step=i + 1)
+            r = train_step(models, optimizer, scheduler, prompts, spec, cfg, step=i + 1)
             common.synchronize(device)
             m = out[mode]
             m["step"].append(time.perf_counter() - t0)

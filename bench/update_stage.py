@@ -1,12 +1,12 @@
-"""The GRPO update stage (grpo.policy_update) of two source trees, interleaved, on one configuration: seconds per
-update and the peak RSS the update adds over what was resident before it (CPU).
+"""The GRPO update stage (rollouts.update.policy_update) of two source trees, interleaved, on one configuration:
+seconds per update and the peak RSS the update adds over what was resident before it (CPU).
 
     git archive HEAD~1 | (mkdir -p /tmp/before && tar -x -C /tmp/before)
     python -m bench.update_stage /tmp/before . --rounds 3
 
 Each round runs one child process per tree, alternating (A B A B ...), so a machine whose load changes during
 the run slows both alike. A child builds the configuration as bench/grpo_step.py does (random tiny GPT-2 with the
-full 50,257-token vocabulary, the reward model, FSDP world 1), runs one grpo.train_step (warm-up; its batches
+full 50,257-token vocabulary, the reward model, FSDP world 1), runs one rollouts.step.train_step (warm-up; its batches
 carry the reference log-probs), then times `repeats` policy_update calls on those batches. Peak memory: VmHWM
 reset (/proc/self/clear_refs) right before each timed update, minus the RSS just before it, so only what the
 update itself allocates counts. The default configuration is bench/trl_grpo.py's cpu-trl-comparison (8 prompts
@@ -25,9 +25,13 @@ CHILD = r"""
 import json, sys, time, dataclasses
 from pathlib import Path
 import torch
-import grpo
 from bench import common, grpo_step
 from bench.trl_grpo import configs as trl_configs
+from rollouts.update import policy_update
+try:
+    from rollouts.step import train_step
+except ImportError:  # a tree from before GRPO's step moved from grpo.py to rollouts/step.py
+    from grpo import train_step
 
 torch.set_num_threads(int(sys.argv[2]))
 torch.manual_seed(0)
@@ -36,7 +40,7 @@ bcfg = trl_configs(device, False)[0]
 s = grpo_step.build(bcfg, device)
 if int(sys.argv[3]) >= 0 and hasattr(s.cfg, "entropy_every"):  # a tree without the option logs it every step
     s.cfg.entropy_every = int(sys.argv[3])
-r = grpo.train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, 1)
+r = train_step(s.models, s.optimizer, s.scheduler, s.prompts, s.spec, s.cfg, 1)
 
 def rss():
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -48,7 +52,7 @@ for i in range(int(sys.argv[1])):
     before = rss()
     common.reset_peak_memory(device)
     t0 = time.perf_counter()
-    grpo.policy_update(s.models.policy, s.optimizer, s.scheduler, r.batches, s.cfg, 1, device, guard=None, step=i + 2)
+    policy_update(s.models.policy, s.optimizer, s.scheduler, r.batches, s.cfg, 1, device, guard=None, step=i + 2)
     seconds.append(time.perf_counter() - t0)
     added.append(common.peak_memory(device)[0] - before)
 first = r.batches[0]  # a dict in a tree without typed micro-batches

@@ -38,7 +38,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import evaluation.frontier  # noqa: E402
-import evaluation.pairs  # noqa: E402
 import evaluation.samples  # noqa: E402
 import evaluation.summaries  # noqa: E402
 import model.lora  # noqa: E402
@@ -76,7 +75,7 @@ class CompareError(ValueError):
 # started (declared recorded=False), the seed and the device. Read from the option groups of the packages (a package
 # does not import the scripts; tests/test_compare.py checks that every script's declared options are covered).
 OPTION_GROUPS = option_groups(
-    utils.config, rollouts.options, model.lora, evaluation.pairs, evaluation.samples, evaluation.summaries,
+    utils.config, rollouts.options, model.lora, evaluation.samples, evaluation.summaries,
     evaluation.frontier,
 )  # fmt: skip
 IGNORED = frozenset(

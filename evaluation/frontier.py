@@ -37,6 +37,7 @@ import torch
 from data.tldr import PROMPT_COLUMNS, PromptDataset, decode_responses, load_optional_column, load_rows
 from evaluation.samples import sample_summaries
 from evaluation.summaries import reference_summaries
+from model.lora import sharded_module
 from model.sampler import SampleOutput
 from model.weights import build_reward_model, freeze, model_config
 from rlhf.logprobs import linear_processed_logprobs
@@ -57,7 +58,6 @@ from rlhf.stats import (
     sqrt_kl_interpolation,
     variance_components,
 )
-from rollouts.models import sharded_module
 from rollouts.sampling import model_rows, score
 from utils.config import ConfigError, option
 from utils.dist import stream

@@ -8,7 +8,7 @@ interval (fixed seed), the number of pairs and ties, the same split by whether t
 one (in tokens; equal lengths count as "not longer"), mean scores and the Bradley-Terry loss of the scores.
 
 reward_model.py, dpo.py and grpo.py call build_eval_set once, then evaluate_reward_model or evaluate_policy, on
-every rank (the scoring is collective under FSDP); dpo.py's training forward is response_logprobs.
+every rank (the scoring is collective under FSDP); dpo.py's training forward is pair_logprobs.
 """
 
 from dataclasses import dataclass
@@ -22,8 +22,6 @@ from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_sl
 from model.gpt2 import SharedPrefix
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.stats import preference_summary
-from rollouts.models import sharded_module
-from utils.fsdp import gathered_params
 from utils.logging import track
 from utils.metrics import metric
 
@@ -54,7 +52,7 @@ def packed_pairs(batch: dict, device) -> tuple[torch.Tensor, torch.Tensor, Share
     )
 
 
-def response_logprobs(model: nn.Module, batch: dict, device, prefix_sharing: bool = True) -> torch.Tensor:
+def pair_logprobs(model: nn.Module, batch: dict, device, prefix_sharing: bool = True) -> torch.Tensor:
     """log pi(y | x) of every row (2B,), summed over response tokens, in fp32; differentiable. `prefix_sharing`:
     packed rows (packed_pairs); else one padded row per response.
 
@@ -247,17 +245,7 @@ def preference_metric_names(prefix: str) -> set[str]:
     return {prefix + k for k in preference_summary(one, one, one.bool(), n_resamples=1)}
 
 
-@torch.no_grad()  # the reference is frozen: no graph, no gradient
-def reference_logps(reference, micro_batches: list[dict], device, prefix_sharing: bool = True) -> list[torch.Tensor]:
-    """The frozen reference's summed response log-probs (2B,) of every micro-batch of a step, its FSDP units gathered
-    once for all of them (with --frozen_cpu_offload: one host-to-device copy per step, not per micro-batch). Run
-    before the policy's micro-batches: with LoRA the reference is the policy's own FSDP modules (adapters off), whose
-    no-grad forward should not sit between the policy's forward and its backward."""
-    with gathered_params(sharded_module(reference)):
-        return [response_logprobs(reference, batch, device, prefix_sharing) for batch in micro_batches]
-
-
-def policy_logps(
+def eval_set_logps(
     model: nn.Module,
     eval_set: EvalSet,
     device,
@@ -268,7 +256,7 @@ def policy_logps(
     can be computed once and passed to evaluate_policy at every evaluation. `prefix_sharing`: packed rows
     (packed_pairs); `desc`: the progress shown."""
     was = _in_eval_mode([model])
-    out = score_local(lambda b: response_logprobs(model, b, device, prefix_sharing), eval_set, device, desc)
+    out = score_local(lambda b: pair_logprobs(model, b, device, prefix_sharing), eval_set, device, desc)
     model.train(was[0])
     return out
 
@@ -284,9 +272,9 @@ def evaluate_policy(
     prefix_sharing: bool = True,
 ) -> dict:
     """Preference accuracy of the implicit reward beta * (log pi(y|x) - log pi_ref(y|x)). `reference` is the
-    reference model or its policy_logps on this eval set. `prefix_sharing`: packed rows (packed_pairs)."""
-    index, pc, pr = policy_logps(policy, eval_set, device, prefix_sharing, "preference accuracy (policy)")
-    ref = reference if isinstance(reference, tuple) else policy_logps(reference, eval_set, device, prefix_sharing)
+    reference model or its eval_set_logps on this eval set. `prefix_sharing`: packed rows (packed_pairs)."""
+    index, pc, pr = eval_set_logps(policy, eval_set, device, prefix_sharing, "preference accuracy (policy)")
+    ref = reference if isinstance(reference, tuple) else eval_set_logps(reference, eval_set, device, prefix_sharing)
     if not torch.equal(ref[0], index):
         raise ValueError("reference log-probs were computed on another evaluation set")
     c, r = gather_pair_scores(index, beta * (pc - ref[1]), beta * (pr - ref[2]), eval_set.n_pairs)

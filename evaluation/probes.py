@@ -10,7 +10,7 @@ import torch
 
 
 @torch.no_grad()
-def sample_summaries(
+def sample_summary_texts(
     policy_dir: Path, prompts_file: Path, n_prompts: int, samples: int, max_new_tokens: int, seed: int
 ) -> list[tuple[str, list[str]]]:
     """(prompt, [summary text]) for the first `n_prompts` prompts of a file, `samples` summaries each, sampled at
@@ -45,7 +45,7 @@ def gold_of_samples(
     its parts (items_correct, items_invented, words, ended; data.synthetic.gold_parts)."""
     from data.synthetic import gold_parts, gold_reward
 
-    drawn = sample_summaries(policy_dir, prompts_file, n_prompts, samples, max_new_tokens, seed)
+    drawn = sample_summary_texts(policy_dir, prompts_file, n_prompts, samples, max_new_tokens, seed)
     pairs = [(prompt, text) for prompt, texts in drawn for text in texts]
     parts = [gold_parts(prompt, text) for prompt, text in pairs]
     out = {"gold_reward": sum(gold_reward(prompt, text) for prompt, text in pairs) / len(pairs)}
@@ -115,7 +115,7 @@ def reward_probes(out: Path, pairs_file: Path, prompts_file: Path, seed: int) ->
     summary; beta does not change the order) and of the SFT policy's own log-likelihood of the summary (which
     prefers the item it would copy); and the reward model's appended_item_gains on the first 200 prompts of
     `prompts_file`, in its normalised units (the std of its rewards over SFT samples: what GRPO reads)."""
-    from evaluation.preference import response_logprobs, reward_scores
+    from evaluation.preference import pair_logprobs, reward_scores
     from model.weights import build_policy, build_reward_model
 
     rm = build_reward_model(str(out / "rm" / "hf")).eval()
@@ -124,9 +124,9 @@ def reward_probes(out: Path, pairs_file: Path, prompts_file: Path, seed: int) ->
     return {
         "rm_swap_accuracy": swap_accuracy(lambda b: reward_scores(rm, b, "cpu"), pairs_file, seed),
         "dpo_swap_accuracy": swap_accuracy(
-            lambda b: response_logprobs(dpo, b, "cpu") - response_logprobs(sft, b, "cpu"), pairs_file, seed
+            lambda b: pair_logprobs(dpo, b, "cpu") - pair_logprobs(sft, b, "cpu"), pairs_file, seed
         ),
-        "sft_swap_accuracy": swap_accuracy(lambda b: response_logprobs(sft, b, "cpu"), pairs_file, seed),
+        "sft_swap_accuracy": swap_accuracy(lambda b: pair_logprobs(sft, b, "cpu"), pairs_file, seed),
         "rm_append_correct": gains["append_correct"],
         "rm_append_invented": gains["append_invented"],
     }

@@ -14,7 +14,7 @@ from rlhf.rewards import combine_sources, source_stats
 from rlhf.stats import win_rate
 from rollouts.prompts import PromptSet, prompt_set, source_applies
 from rollouts.sampling import RewardSpec, rollout, score, source_values
-from utils.config import option
+from utils.config import ConfigError, option
 from utils.dist import all_reduce_sum, rank_and_world, stream
 from utils.logging import EvalProgress
 from utils.metrics import metric
@@ -157,6 +157,28 @@ def sample_table(spec: RewardSpec, prompts: PromptSet, result, n_prompts: int) -
                 ]
             )
     return ["prompt", "response", *(x.name for x in spec.sources), "reward", "advantage", "has_end"], table
+
+
+@dataclass
+class EvalSetsConfig:
+    """GRPO's preference pairs for the implicit-reward accuracy, beside --val_data's prompts (load_eval_sets)."""
+
+    # --- data
+    pref_data: str = "trl-lib/tldr-preference"
+    """Preference pairs for the implicit-reward accuracy (evaluation/preference.py); empty string to skip."""
+    pref_split: str = "validation"
+    """Split of --pref_data."""
+    pref_rows: int = 512
+    """Preference pairs used (the first N); 0 for all."""
+    # --- evaluation and logging
+    pref_max_response_len: int = 64
+    """Tokens kept of each preference response, the end token included."""
+
+    def validate_eval_sets(self) -> None:
+        if self.pref_rows < 0:
+            raise ConfigError(f"--pref_rows must be >= 0, got {self.pref_rows}")
+        if self.pref_max_response_len <= 0:
+            raise ConfigError(f"--pref_max_response_len must be positive, got {self.pref_max_response_len}")
 
 
 def load_eval_sets(cfg, tok, sources, rank: int, world: int, device) -> tuple[PromptSet | None, object]:

@@ -1,6 +1,6 @@
 """The embedded task's experiments as data: the pipeline (SFT -> labelled pairs -> reward model -> DPO, GRPO) and the
-grids built on its SFT policy and reward model (the ablation, the reward-KL frontier), each a list of `Run`s for
-`experiments.runner.run_all`. Every run's options are the ones a user would type; demo.py runs them and reports."""
+grids built on its SFT policy and reward model (the ablation, the reward-KL frontier), each a list of `ExperimentRun`s
+for `experiments.runner.run_all`. Every run's options are the ones a user would type; demo.py runs them and reports."""
 
 import argparse
 import json
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from experiments.runner import Run
+from experiments.runner import ExperimentRun
 
 
 @dataclass
@@ -143,16 +143,16 @@ def grpo_options(demo: Demo) -> dict:
 # The pipeline
 
 
-def pipeline(demo: Demo) -> list[Run]:
+def pipeline(demo: Demo) -> list[ExperimentRun]:
     """SFT, pairs of its samples labelled by the gold reward (10% label noise), the reward model; then DPO and GRPO
     from the SFT policy. The first three are what every grid starts from (`--reuse` keeps those --out holds)."""
     out = demo.out
     return [
-        Run("the SFT policy", "sft.py", sft_options(demo), done=out / "sft" / "hf"),
-        Run("the labelled pairs", call=partial(label_sft_samples, demo), done=demo.pairs["validation"]),
-        Run("the reward model", "reward_model.py", reward_model_options(demo), done=out / "rm" / "hf"),
-        Run("DPO", "dpo.py", dpo_options(demo) | {"out_dir": out / "dpo", "run_name": "demo-dpo"}),
-        Run("GRPO", "grpo.py", grpo_options(demo) | {"out_dir": out / "grpo", "run_name": "demo-grpo"}),
+        ExperimentRun("the SFT policy", "sft.py", sft_options(demo), done=out / "sft" / "hf"),
+        ExperimentRun("the labelled pairs", call=partial(label_sft_samples, demo), done=demo.pairs["validation"]),
+        ExperimentRun("the reward model", "reward_model.py", reward_model_options(demo), done=out / "rm" / "hf"),
+        ExperimentRun("DPO", "dpo.py", dpo_options(demo) | {"out_dir": out / "dpo", "run_name": "demo-dpo"}),
+        ExperimentRun("GRPO", "grpo.py", grpo_options(demo) | {"out_dir": out / "grpo", "run_name": "demo-grpo"}),
     ]
 
 
@@ -184,12 +184,12 @@ def label_policy_pairs(
     compare samples of the SFT policy. Written in the trl-lib/tldr-preference layout (plus a "swap" column); returns
     (pairs, swap pairs among them)."""
     from data.synthetic import label_pairs
-    from evaluation.probes import sample_summaries
+    from evaluation.probes import sample_summary_texts
 
     rng = random.Random(f"demo-pairs/{seed}/{out_file.name}")
     swap_rng = random.Random(f"demo-swaps/{seed}/{out_file.name}") if swap_pairs else None  # the labels do not move
     rows = []
-    for prompt, texts in sample_summaries(policy_dir, prompts_file, n_prompts, 8, 32, seed):
+    for prompt, texts in sample_summary_texts(policy_dir, prompts_file, n_prompts, 8, 32, seed):
         rows += label_pairs(prompt, texts, 0.1, rng, swap_rng)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     with open(out_file, "w", encoding="utf-8") as f:
@@ -242,7 +242,7 @@ def ablation_measured(demo: Demo) -> dict:
     }
 
 
-def ablation_runs(demo: Demo) -> list[Run]:
+def ablation_runs(demo: Demo) -> list[ExperimentRun]:
     """GRPO once per variant of --ablation_variants (ABLATION) and seed (--ablation_seeds), each with a wandb group
     (its variant) and tags."""
     unknown = sorted(set(demo.args.ablation_variants) - set(ABLATION))
@@ -256,7 +256,7 @@ def ablation_runs(demo: Demo) -> list[Run]:
             options |= {"seed": seed, "out_dir": demo.out / "ablation" / name / f"seed{seed}"}
             options |= {"run_name": f"ablation-{name}-{seed}", "wandb_group": f"ablation-{name}"}
             options["wandb_tags"] = ",".join(f"{k}={v}" for k, v in variant.items())
-            runs.append(Run(name, "grpo.py", options))
+            runs.append(ExperimentRun(name, "grpo.py", options))
     return runs
 
 
@@ -281,7 +281,7 @@ def frontier_measured(demo: Demo) -> dict:
     }
 
 
-def frontier_runs(demo: Demo) -> list[Run]:
+def frontier_runs(demo: Demo) -> list[ExperimentRun]:
     """The frontier's grids (--frontier_grpo_betas with RSO, the first of them with uniform selection,
     --frontier_dpo_betas; --frontier_seeds seeds each), the first point of the method, of DPO and of the contrast
     first, every seed of a point before the next: a frontier cut short has one point of each method with all its
@@ -309,7 +309,7 @@ def frontier_runs(demo: Demo) -> list[Run]:
             run = options | frontier_measured(demo) | {"beta": beta, "seed": seed}
             run |= {"out_dir": demo.out / "frontier" / folder / f"seed{seed}", "run_name": f"frontier-{folder}-{seed}"}
             run |= {"wandb_group": f"frontier-{folder}", "wandb_tags": f"{stage}={selection or 'dpo'},beta={beta:g}"}
-            runs.append(Run(name, f"{stage}.py", run))
+            runs.append(ExperimentRun(name, f"{stage}.py", run))
     return runs
 
 
@@ -349,7 +349,7 @@ def verdict_posts(demo: Demo) -> Path:
     ]
 
 
-def verdict_runs(demo: Demo, posts: Path) -> list[Run]:
+def verdict_runs(demo: Demo, posts: Path) -> list[ExperimentRun]:
     """Every arm of verdict_arms, --verdict_seeds seeds each (every arm's seed 0 first, then seed 1, ...: a verdict
     cut short has every arm at its first seeds), each measured at every evaluation on `posts` (all of them, per-post
     values in its frontier_posts.jsonl). Each run's name is its arm."""
@@ -364,5 +364,5 @@ def verdict_runs(demo: Demo, posts: Path) -> list[Run]:
             options |= {"pref_rows": args.frontier_eval_rows} if args.frontier_eval_rows and stage == "grpo" else {}
             options |= {"beta": beta, "seed": seed, "out_dir": demo.out / "verdict" / arm / f"seed{seed}"}
             options |= {"run_name": f"verdict-{arm}-{seed}", "wandb_group": f"verdict-{arm}", "wandb_tags": arm}
-            runs.append(Run(arm, f"{stage}.py", options))
+            runs.append(ExperimentRun(arm, f"{stage}.py", options))
     return runs

@@ -1,5 +1,5 @@
-"""One runner for every experiment: an experiment is a list of `Run`s (a script with its options, run as a user would
-run it, or a step in this process), run in order."""
+"""One runner for every experiment: an experiment is a list of `ExperimentRun`s (a script with its options, run as a
+user would run it, or a step in this process), run in order."""
 
 import os
 import shutil
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
-class Run:
+class ExperimentRun:
     """One run of an experiment: `script` with `options` (--name value each; a subprocess, under torchrun with more
     than one process) or `call` in this process. `name` says what it makes (and is the method's name in a grid's
     table); `done` is what exists once it has run, which `run_all(..., reuse=True)` keeps instead of running it."""
@@ -29,7 +29,9 @@ class Run:
         return Path(self.options["out_dir"])
 
 
-def run_all(runs: list[Run], nproc: int, reuse: bool = False, after: Callable[[Run], object] | None = None) -> None:
+def run_all(
+    runs: list[ExperimentRun], nproc: int, reuse: bool = False, after: Callable[[ExperimentRun], object] | None = None
+) -> None:
     """Each run in order, then `after(run)`. With `reuse`, a run whose `done` exists is kept, until the first run that
     is not: every run after one that was redone is redone too."""
     for run in runs:

@@ -185,6 +185,12 @@ class AdaptersOff(nn.Module):
             return self.base_model(*args, **kwargs)
 
 
+def sharded_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose (FSDP-sharded) parameters compute `model`: the policy itself for its adapters-off view
+    (AdaptersOff holds the policy without registering it, so its own modules() hold no FSDP unit to gather)."""
+    return model.base_model if isinstance(model, AdaptersOff) else model
+
+
 @torch.no_grad()
 def merge_adapters_(model: nn.Module) -> None:
     """W += (alpha / r) B A and B = 0 in every LoRALinear, in place. The model's function is unchanged (up to

@@ -19,7 +19,7 @@ from utils.metrics import metric
 
 @dataclass
 class StepResult:
-    """What one GRPO step produced on this rank (grpo.py train_step's names)."""
+    """What one GRPO step produced on this rank (rollouts/step.py train_step's names)."""
 
     samples: SampleOutput  # G samples per prompt, rows b*G .. b*G+G-1 of prompt b
     scores: Scores  # every reward source's values and the training reward

@@ -1,21 +1,19 @@
-"""The models of a run that trains a policy against a frozen reference: GRPO's three (the trained policy, its frozen
-reference and the frozen reward model) and DPO's two; and the checks, before any weight is read, that GRPO's models
-hold the run's lengths and that its step fits the device."""
+"""GRPO's three models (the trained policy, its frozen reference and the frozen reward model), the reference's refresh,
+and the checks, before any weight is read, that they hold the run's lengths and that the step fits the device."""
 
 import copy
 from dataclasses import dataclass
 
 import torch
 
-from model.lora import AdaptersOff, apply_lora, merge_adapters_, trainable_summary
+from model.lora import AdaptersOff, apply_lora, merge_adapters_
 from model.weights import build_policy, build_reward_model, freeze, model_config
 from rlhf.rewards import RewardSource
 from rollouts.memory import check_memory, free_device_bytes
 from rollouts.options import keeps_start
 from utils.config import fit_context
 from utils.dist import all_reduce_max
-from utils.fsdp import copy_params_, resolve_dtype, shard_model
-from utils.run import Run
+from utils.fsdp import copy_params_, shard_model
 
 
 @dataclass
@@ -56,42 +54,6 @@ def build_models(cfg, sources: list[RewardSource], dtype, device) -> Models:
             if not cfg.frozen_cpu_offload:
                 frozen.to(device)
     return Models(policy, AdaptersOff(policy) if reference is None else reference, reward_model, start)
-
-
-def build_policy_and_reference(cfg, run: Run) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """DPO's two models from dpo.Config's options (model, random_init, reference, reference_dtype, lora_*,
-    activation_checkpointing, frozen_cpu_offload): the policy (with LoRA: frozen, plus trainable adapters) and its
-    frozen reference, both FSDP-sharded on the run's device. The reference is --reference, or the starting policy
-    copied before sharding (so a random init is shared), or with LoRA the policy itself with its adapters off (no
-    copy)."""
-    policy = build_policy(cfg.model, cfg.random_init)
-    if cfg.reference:
-        reference = build_policy(cfg.reference)
-    elif cfg.lora_enabled:
-        reference = None  # AdaptersOff(policy), once the policy is sharded
-    else:
-        reference = copy.deepcopy(policy)
-    if cfg.lora_enabled:
-        apply_lora(policy, cfg)
-    run.say(f"dpo: {trainable_summary(policy)}")
-    if reference is not None:
-        reference.requires_grad_(False)
-        reference.eval()
-        ref_dtype = run.dtype if cfg.reference_dtype == "auto" else resolve_dtype(cfg.reference_dtype, run.device)
-        if ref_dtype is not None:
-            reference.to(ref_dtype)  # stored in bf16, not only computed in it: half the memory
-        shard_model(reference, None, cpu_offload=cfg.frozen_cpu_offload)
-        if not cfg.frozen_cpu_offload:
-            reference.to(run.device)
-    shard_model(policy, run.dtype, activation_checkpointing=cfg.activation_checkpointing)
-    policy.to(run.device)
-    return policy, AdaptersOff(policy) if reference is None else reference
-
-
-def sharded_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The FSDP-sharded module that computes `model`: the policy itself for its adapters-off view (AdaptersOff holds
-    the policy without registering it, so its own modules() hold no FSDP unit to gather)."""
-    return model.base_model if isinstance(model, AdaptersOff) else model
 
 
 @torch.no_grad()

@@ -1,13 +1,17 @@
-"""GRPO's option groups (grpo.py composes them into its Config, as it composes utils/config.py's): sampling, selection
-and objective, each a dataclass whose fields are command-line options (`--name VALUE`, help text the string under
-the field, `--help` section the `# --- SECTION` line above it) and whose validate_* method checks its own fields; and
-the offload of the frozen models, which dpo.py composes too."""
+"""GRPO's option groups (grpo.py composes them into its Config, as it composes utils/config.py's): rewards,
+sampling, selection, objective and the step's batch sizes, each a dataclass whose fields are command-line options
+(`--name VALUE`, help text the string under the field, `--help` section the `# --- SECTION` line above it) and whose
+validate_* method checks its own fields; and the offload of the frozen models, which dpo.py composes too."""
 
 from dataclasses import dataclass
 from typing import Literal
 
+from data.synthetic import gold_reward as synthetic_gold_reward
 from rlhf.policy_gradient import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, SELECTIONS, Objective
-from utils.config import ConfigError, declared, option
+from rlhf.rewards import RewardSource, load_function, parse_rewards
+from utils.config import ConfigError, declared, option, require_nonempty
+
+TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: the embedded task's gold reward
 
 
 def keeps_start(cfg) -> bool:
@@ -38,6 +42,50 @@ class OffloadConfig:
     frozen_cpu_offload: bool = option(False, free=True)
     """Keep the frozen models' sharded parameters (the reference; GRPO's reward model too) in CPU memory between uses
     (needs a GPU). Unused where the reference is the policy itself (LoRA, without dpo.py's --reference)."""
+
+
+@dataclass
+class RewardConfig:
+    """The training reward (stage 3): its sources and their weights, where each applies, and how each is normalized;
+    and a gold reward monitored beside it (logged, never trained on)."""
+
+    # --- rewards and selection
+    rewards: str = "reward_model"
+    """The training reward, "+"-joined terms [WEIGHT*]SOURCE; a SOURCE is reward_model (--reward_model), a built-in
+    function (format, length, gold_reward) or a "module:function" of (prompt text, response text) -> number, e.g.
+    "reward_model + 0.5*format" or "gold_reward" (then no reward model is loaded). Each source is normalized on
+    its own, then weighted and summed (rlhf/rewards.py, docs/lora_rewards.md)."""
+    reward_column: str = "reward_fns"
+    """Optional column of --train_data / --val_data naming, per row, the sources that apply to it ("gold_reward,
+    format" or a list of names); rows without it, or a dataset without the column, get every source."""
+    normalize_reward_fns: bool = True
+    """Whiten each reward function's values over the step's global batch (all samples it applies to, all ranks)
+    before weighting; false uses their raw values. The reward model keeps its own gain/bias normalization."""
+    reward_length_target: int = 24
+    """Words the built-in `length` reward function aims at (0 at the target, -1 at none or twice as many)."""
+    missing_end_penalty: float = 1.0
+    """Subtracted from the *raw* reward-model score of a response without an end token, before the gain/bias
+    normalization (so gain * penalty in normalized units)."""
+    # --- evaluation and logging
+    gold_reward_fn: str = ""
+    """Optional "module:function" of (prompt text, response text) -> float, logged (never trained on, unless it is
+    also in --rewards) as reward/gold_mean over every step's samples, e.g. data.synthetic:gold_reward."""
+    gold_parts_fn: str = ""
+    """Optional "module:function" of (prompt text, response text) -> {name: number}, the parts of the gold reward,
+    each logged as gold/<name> (its mean over every step's samples), e.g. data.synthetic:gold_parts."""
+
+    def sources(self) -> list[RewardSource]:
+        """The reward sources of --rewards (imports their functions: a typo fails here)."""
+        return parse_rewards(self.rewards, self.reward_length_target, TASK_REWARDS)
+
+    def gold_functions(self) -> tuple:
+        """(--gold_reward_fn, --gold_parts_fn) imported (a typo fails here), None for each that is empty."""
+        gold_reward = load_function(self.gold_reward_fn, "--gold_reward_fn") if self.gold_reward_fn else None
+        return gold_reward, load_function(self.gold_parts_fn, "--gold_parts_fn") if self.gold_parts_fn else None
+
+    def validate_rewards(self) -> None:
+        require_nonempty(self, "rewards")
+        require_positive(self, "reward_length_target")
 
 
 @dataclass
@@ -180,3 +228,23 @@ class ObjectiveConfig:
             raise ConfigError(f"--rollout_correction_cap must be > 0, got {self.rollout_correction_cap}")
         if self.kl_ratio and self.kl_in != "loss":
             raise ConfigError("--kl_ratio weights the loss's KL term: it needs --kl_in loss, got --kl_in reward")
+
+
+@dataclass
+class StepBatchConfig:
+    """The step's batch sizes: prompts per step over all ranks and each model's micro-batches on a rank."""
+
+    # --- batch sizes and optimisation
+    prompts_per_step: int = 256
+    """Global prompts per step, over all ranks (x num_kept sequences in the update)."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward of the policy and reference on each rank."""
+    score_micro_batch_size: int = 128
+    """Sequences per reward-model forward on each rank."""
+    group_by_length: bool = True
+    """Each rank's prompt groups ordered by prompt length, longest first, before they are cut into micro-batches (the
+    update's, the reference's and the reward model's, evaluation too): each prompt's samples stay together, less
+    padding computed, the same gradient and scores up to float summation order. false: the groups in loader order."""
+
+    def validate_step_batches(self) -> None:
+        require_positive(self, "prompts_per_step", "micro_batch_size", "score_micro_batch_size")

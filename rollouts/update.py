@@ -1,4 +1,4 @@
-"""GRPO's stage 7, the policy update (grpo.py train_step), and the log-probs of stage 6: every response token's
+"""GRPO's stage 7, the policy update (rollouts/step.py train_step), and the log-probs of stage 6: every response token's
 processed log-prob (and entropy) under a model, the per-micro-batch loss composed of rlhf/policy_gradient.py's Objective
 terms, and cfg.policy_epochs optimizer steps over a step's micro-batches. `cfg` is grpo.py's Config."""
 
@@ -7,11 +7,11 @@ from functools import partial
 
 import torch
 
+from model.lora import sharded_module
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.policy_gradient import AGGREGATIONS, Objective, mismatch_stats
 from rollouts.batches import MicroBatch
 from rollouts.metrics import update_metrics
-from rollouts.models import sharded_module
 from utils.dist import all_reduce_max, all_reduce_named, all_reduce_sum
 from utils.fsdp import gathered_params
 from utils.guard import NonFiniteGuard

@@ -1,6 +1,6 @@
 """Helpers that several test files use (a test file never imports another: tests/test_layering.py). Rows and model
 folders made up on the spot, a run's metrics, a script's command line run in this process, and the inputs of
-grpo.train_step on the CPU without a reward model."""
+rollouts.step.train_step on the CPU without a reward model."""
 
 import errno
 import json
@@ -152,7 +152,7 @@ def run_cli(script, argv: list[str], capsys) -> tuple[int, str]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# grpo.train_step's inputs on the CPU, one process
+# rollouts.step.train_step's inputs on the CPU, one process
 
 
 def zero_reward(prompt: str, response: str) -> float:
@@ -166,9 +166,9 @@ ZERO_REWARD = RewardSource("zero_reward", "tests.helpers:zero_reward", 1.0, zero
 def prompts_and_rewards(
     cfg, sources: list[RewardSource] | None = None, prompts: list[list[int]] | None = None
 ) -> tuple[PromptSet, RewardSpec]:
-    """grpo.train_step's prompts and rewards on the CPU, without a reward model: `prompts` (token ids; by default
-    cfg.prompts_per_step short ragged ones, for a tiny GPT-2), every one of the reward sources of cfg.rewards, or
-    `sources`, applying to each."""
+    """rollouts.step.train_step's prompts and rewards on the CPU, without a reward model: `prompts` (token ids; by
+    default cfg.prompts_per_step short ragged ones, for a tiny GPT-2), every one of the reward sources of cfg.rewards,
+    or `sources`, applying to each."""
     tok = get_tokenizer()
     sources = cfg.sources() if sources is None else sources
     if prompts is None:

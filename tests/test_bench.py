@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import grpo
+import rollouts.step
 from bench import common, decode_ops, grpo_step, lora_memory, prefix_sharing, run_all, sampler, train, trl_grpo
 from bench.common import random_prompts
 from data.tldr import collate_pairs, collate_sft
@@ -166,14 +166,14 @@ def test_sampler_same_weights_and_token_counts(tmp_path, one_thread):
 
 
 def test_grpo_step_stages_and_token_counts(one_thread, fresh_process_group, monkeypatch):
-    results = []  # every grpo.train_step call of the benchmark: it times the step main() runs, not a copy of it
+    results = []  # every train_step call of the benchmark: it times the step main() runs, not a copy of it
 
     def recording_train_step(*args, **kwargs):
         results.append(real_train_step(*args, **kwargs))
         return results[-1]
 
-    real_train_step = grpo.train_step
-    monkeypatch.setattr(grpo, "train_step", recording_train_step)
+    real_train_step = rollouts.step.train_step
+    monkeypatch.setattr(rollouts.step, "train_step", recording_train_step)
     m = grpo_step.measure_steps(GRPO, torch.device("cpu"))
     assert len(results) == GRPO.warmup + GRPO.repeats
     assert set(results[-1].seconds) == set(grpo_step.STAGES)

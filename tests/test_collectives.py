@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-import grpo
 from data.tldr import prompt_response_rows
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
@@ -17,6 +16,8 @@ from model.sampler import generate
 from model.weights import freeze
 from rlhf.losses import preference_loss
 from rollouts.batches import MicroBatch
+from rollouts.update import batch_logprobs
+from training.reference import build_policy_and_reference
 from utils.fsdp import forward_order_records, gathered_params, shard_model
 
 CFG = GPTConfig(vocab_size=512, n_positions=64, n_layer=2, n_head=2, n_embd=32)
@@ -79,10 +80,10 @@ def test_lora_reference_is_gathered_once_for_all_micro_batches(one_rank_group, a
     ]  # 3 micro-batches
     batches = [MicroBatch.from_rows(r, torch.zeros(2), torch.zeros(2, 5), torch.arange(2)) for r in rows_of]
     cfg = SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0)
-    gathered = grpo.batch_logprobs(AdaptersOff(policy), batches, cfg, gather=True)
+    gathered = batch_logprobs(AdaptersOff(policy), batches, cfg, gather=True)
     assert len(all_gathers) == UNITS  # once per unit, not once per unit per micro-batch
     all_gathers.clear()
-    per_block = grpo.batch_logprobs(AdaptersOff(policy), batches, cfg, gather=False)
+    per_block = batch_logprobs(AdaptersOff(policy), batches, cfg, gather=False)
     # per block: the blocks once per micro-batch; the root of a model that trains stays gathered after its first
     # forward (it reshards only when its backward or an optimizer step comes), so it is gathered once
     assert len(all_gathers) == 3 * (UNITS - 1) + 1
@@ -199,7 +200,7 @@ def test_gpu_dpo_reference_dtype_auto_is_fp32_under_dtype_fp32(one_gpu_group, tm
     )
     run = SimpleNamespace(say=lambda message: None, device=torch.device("cuda"), dtype=None)
     torch.manual_seed(0)
-    policy, reference = dpo.build_policy_and_reference(cfg, run)
+    policy, reference = build_policy_and_reference(cfg, run)
     assert {p.dtype for p in reference.parameters()} == {torch.float32}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 50000, (12,), generator=g).tolist() for _ in range(4)]

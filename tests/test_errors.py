@@ -31,6 +31,7 @@ import sft
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import save_hf
+from rollouts.step import train_step
 from tests import helpers
 from tests.conftest import ROOT, checkpoint_step, free_port, run_script
 from utils.checkpoint import newest_intact, read_tensors, save_checkpoint
@@ -1008,14 +1009,14 @@ def test_grpo_step_skips_a_nonfinite_update_and_leaves_weights_and_schedule_alon
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     guard = NonFiniteGuard("grpo", "skip", torch.device("cpu"), max_consecutive_skips=2)
     models, (prompts, spec) = Models(policy, reference, None), helpers.prompts_and_rewards(cfg)
-    result = grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, 7, guard)
+    result = train_step(models, optimizer, scheduler, prompts, spec, cfg, 7, guard)
     assert result.advantages.isfinite().all() and result.update["train/skipped"] == 1.0 and scheduler.last_epoch == 0
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
     assert all(p.grad is None for p in policy.parameters())
     with pytest.raises(
         NumericalError, match="grpo: non-finite train/loss and train/grad_norm at step 8.*2 steps in a row"
     ):
-        grpo.train_step(models, optimizer, scheduler, prompts, spec, cfg, 8, guard)
+        train_step(models, optimizer, scheduler, prompts, spec, cfg, 8, guard)
 
 
 # ----------------------------------------------------------------------------------------------------

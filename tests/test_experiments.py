@@ -7,7 +7,7 @@ import pytest
 
 from demo import parse_args
 from experiments.embedded import ABLATION, PREPARED, Demo, ablation_runs, frontier_runs, pipeline, verdict_runs
-from experiments.runner import Run, run_all
+from experiments.runner import ExperimentRun, run_all
 from utils.config import parse_config
 
 
@@ -16,9 +16,9 @@ def test_run_all_runs_in_order_and_reuse_keeps_only_a_leading_run_that_is_done(t
     done.mkdir()
     calls = []
     runs = [
-        Run("a", call=lambda: calls.append("a"), done=done),
-        Run("b", call=lambda: calls.append("b"), done=tmp_path / "missing"),
-        Run("c", call=lambda: calls.append("c"), done=done),  # done, but after a run that was redone
+        ExperimentRun("a", call=lambda: calls.append("a"), done=done),
+        ExperimentRun("b", call=lambda: calls.append("b"), done=tmp_path / "missing"),
+        ExperimentRun("c", call=lambda: calls.append("c"), done=done),  # done, but after a run that was redone
     ]
     after = []
     run_all(runs, 1, reuse=True, after=lambda run: after.append(run.name))
@@ -34,7 +34,7 @@ def demo_for(tmp_path: Path, *argv: str) -> Demo:
     return Demo(tmp_path / "demo", paths, parse_args(["--out", str(tmp_path / "demo"), *argv]))
 
 
-def script_config(run: Run):
+def script_config(run: ExperimentRun):
     """The run's options parsed by its own script's Config, as its command line would be."""
     import importlib
 

@@ -10,7 +10,7 @@ import torch
 
 from data.tldr import collate_sft, pad_prompts, prompt_response_rows
 from data.tokenizer import get_tokenizer
-from grpo import Config, train_step
+from grpo import Config
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.sampler import END_ID, SampleOutput
 from model.weights import build_policy, freeze
@@ -18,6 +18,7 @@ from rlhf.policy_gradient import AGGREGATIONS, global_normalize
 from rollouts.batches import build_training_batches
 from rollouts.models import Models
 from rollouts.sampling import RewardSpec
+from rollouts.step import train_step
 from rollouts.update import micro_batch_loss
 from tests.conftest import assert_same_metrics, kill_and_rerun, run_script
 from tests.helpers import WORDS, end_biased_policy, prompts_and_rewards, read_metrics, write_sft_rows

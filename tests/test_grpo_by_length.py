@@ -5,13 +5,14 @@ summation order, with less padding computed."""
 import pytest
 import torch
 
-from grpo import Config, train_step
+from grpo import Config
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.sampler import SampleOutput
 from model.weights import freeze
 from rollouts.models import Models
 from rollouts.sampling import micro_batch_rows, score
+from rollouts.step import train_step
 from tests.helpers import prompts_and_rewards
 from utils.optim import build_scheduler
 

@@ -15,11 +15,12 @@ import torch
 import grpo
 from data.synthetic import write_task
 from data.tokenizer import get_tokenizer
-from grpo import Config, train_step
+from grpo import Config
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.lora import AdaptersOff, LoRAConfig, apply_lora
 from model.weights import freeze
 from rollouts.models import Models, refresh_reference
+from rollouts.step import train_step
 from tests.conftest import assert_same_metrics, run_script
 from tests.helpers import (
     ZERO_REWARD,

@@ -1,13 +1,15 @@
-"""The import graph goes one way: scripts -> packages; rlhf/ -> torch only; utils/ -> none of the project's other
-packages; model/ and data/ -> nothing of utils/ (model/ may use rlhf/'s pure math); no script imports a script,
-no test file imports another."""
+"""The import graph goes one way: scripts -> packages; training/ -> evaluation/ -> rollouts/ -> model/, data/, rlhf/,
+utils/; rlhf/ -> torch only; utils/ -> none of the project's other packages; model/ and data/ -> nothing of utils/
+(model/ may use rlhf/'s pure math); no script imports a script, no test file imports another."""
 
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"sft", "reward_model", "dpo", "grpo", "eval_preferences", "demo", "sample"}
-PACKAGES = {"model", "data", "rlhf", "rollouts", "evaluation", "experiments", "utils", "bench", "tests"}
+PACKAGES = {"model", "data", "rlhf", "rollouts", "evaluation", "training", "experiments", "utils", "bench", "tests"}
 
 
 def project_imports(file: Path) -> set[str]:
@@ -36,6 +38,7 @@ def test_packages_import_one_way():
         "data": {"data"},
         "rollouts": {"rollouts", "model", "data", "rlhf", "utils"},
         "evaluation": {"evaluation", "rollouts", "model", "data", "rlhf", "utils"},
+        "training": {"training", "evaluation", "rollouts", "model", "data", "rlhf", "utils"},
         "experiments": {"experiments", "evaluation", "rollouts", "model", "data", "rlhf", "utils"},
     }
     bad = []
@@ -66,7 +69,7 @@ def test_scripts_import_packages_never_scripts():
     for name in SCRIPTS:
         imported = project_imports(ROOT / f"{name}.py")
         assert not imported & SCRIPTS, f"{name}.py imports scripts {sorted(imported & SCRIPTS)}"
-    for package in ("model", "data", "rlhf", "rollouts", "evaluation", "experiments", "utils"):
+    for package in ("model", "data", "rlhf", "rollouts", "evaluation", "training", "experiments", "utils"):
         for file in package_files(package):
             assert not project_imports(file) & SCRIPTS, f"{file.relative_to(ROOT)} imports a script"
 
@@ -80,32 +83,33 @@ def test_no_test_file_imports_another():
                 )
 
 
-def test_rollouts_docstring_names_every_module_and_every_importer():
+@pytest.mark.parametrize("package", ["rollouts", "training"])
+def test_package_docstring_names_every_module_and_every_importer(package):
     # the package docstring says what each module holds and who imports the package: a new module or importer
     # (outside tests/ and bench/, which it names as a whole) fails here until the docstring says so
-    doc = ast.get_docstring(ast.parse((ROOT / "rollouts" / "__init__.py").read_text()))
-    modules = [f.name for f in package_files("rollouts") if f.name != "__init__.py"]
+    doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
+    modules = [f.name for f in package_files(package) if f.name != "__init__.py"]
     importers = [
         str(f.relative_to(ROOT))
         for f in [
             *(ROOT / f"{s}.py" for s in SCRIPTS),
             *(g for p in PACKAGES - {"tests", "bench"} for g in package_files(p)),
         ]
-        if f.parent.name != "rollouts" and "rollouts" in project_imports(f)
+        if f.parent.name != package and package in project_imports(f)
     ]
     assert modules and importers
     missing = [name for name in modules + importers if name not in doc]
     assert not missing, missing
 
 
-def test_no_function_of_the_grpo_script_or_the_math_takes_more_than_eight_positional_parameters():
+def test_no_function_of_grpo_its_step_or_the_math_takes_more_than_eight_positional_parameters():
     # a function with a long positional signature wants a dataclass of its options (rlhf/policy_gradient.py Objective)
-    # or keyword-only parameters: every function and method written in grpo.py and rlhf/ (a dataclass's generated
-    # __init__ is not written there) takes at most 8 positional parameters besides self
+    # or keyword-only parameters: every function and method written in grpo.py, its step (rollouts/step.py) and
+    # rlhf/ (a dataclass's generated __init__ is not written there) takes at most 8 positional parameters besides self
     import importlib
     import inspect
 
-    modules = ["grpo"] + [f"rlhf.{f.stem}" for f in package_files("rlhf")]
+    modules = ["grpo", "rollouts.step"] + [f"rlhf.{f.stem}" for f in package_files("rlhf")]
     too_long, seen = [], 0
     for name in modules:
         module = importlib.import_module(name)

@@ -21,9 +21,10 @@ from model.lora import apply_lora
 from model.sampler import SampleOutput, generate
 from model.weights import freeze
 from rlhf.policy_gradient import AGGREGATIONS
+from rollouts.batches import build_training_batches
 from rollouts.memory import GiB, check_memory, kv_cache_bytes, step_memory, update_bytes
 from rollouts.sampling import score
-from rollouts.update import micro_batch_loss
+from rollouts.update import batch_logprobs, micro_batch_loss
 from tests.conftest import shared_file
 from utils.config import ConfigError
 
@@ -83,8 +84,8 @@ def test_reward_model_scores_and_response_logprobs_match_the_unshared_rows(tldr_
     adv = torch.randn(ids.shape[0] * G)
     rows = torch.arange(ids.shape[0] * G)
     for s in (True, False):
-        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, 7, prefix_sharing=s)
-        refs = grpo.batch_logprobs(policy, batches, cfg, gather=False)
+        batches = build_training_batches(ids, mask, samples, rows, adv, G, 7, prefix_sharing=s)
+        refs = batch_logprobs(policy, batches, cfg, gather=False)
         batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs, strict=True)]
         if s:
             logp_shared = ref_logprobs(batches, R)
@@ -115,8 +116,8 @@ def test_update_loss_and_every_gradient_match_the_unshared_rows(tldr_prompts, lo
     adv = torch.randn(rows.shape[0], generator=torch.Generator().manual_seed(2))
     results = {}
     for s in (True, False):
-        batches = grpo.build_training_batches(ids, mask, samples, rows, adv, G, micro, prefix_sharing=s)
-        refs = grpo.batch_logprobs(reference, batches, cfg, gather=False)
+        batches = build_training_batches(ids, mask, samples, rows, adv, G, micro, prefix_sharing=s)
+        refs = batch_logprobs(reference, batches, cfg, gather=False)
         batches = [replace(b, ref_logprobs=r) for b, r in zip(batches, refs, strict=True)]
         policy.zero_grad(set_to_none=True)
         weights = [AGGREGATIONS[cfg.loss_type](b.response_mask, R) for b in batches]
@@ -348,7 +349,7 @@ def test_pair_batches_packed_match_the_padded_rows(tldr_prompts, pooling):
     """evaluation.preference's packed pairs (reward_model.py and dpo.py, --prefix_sharing): each pair's prompt once for
     its chosen and rejected response gives the padded rows' reward scores, response log-probs and gradients."""
     from data.tldr import collate_pairs
-    from evaluation.preference import response_logprobs, reward_scores
+    from evaluation.preference import pair_logprobs, reward_scores
 
     ids, mask = tldr_prompts
     prompts = [row[m].tolist() for row, m in zip(ids, mask, strict=True)]
@@ -363,7 +364,7 @@ def test_pair_batches_packed_match_the_padded_rows(tldr_prompts, pooling):
         reward_model.zero_grad()
         r = reward_scores(reward_model, batch, "cpu", shared)
         (r * torch.arange(1.0, 9.0)).sum().backward()
-        logp = response_logprobs(policy, batch, "cpu", shared)
+        logp = pair_logprobs(policy, batch, "cpu", shared)
         out[shared] = r.detach(), logp.detach(), reward_model.transformer.h[0].attn.c_attn.weight.grad.clone()
     for a, b in zip(out[True], out[False], strict=True):
         assert close(a, b, rel=True)
@@ -386,7 +387,7 @@ def test_bf16_with_the_default_attention_kernel_matches_fp32_on_left_padded_and_
     against fp32. The tolerance is set against what a masking error costs: attending to the left padding moves the
     log-probs at least 5x more than bf16 rounding does."""
     from data.tldr import collate_pairs
-    from evaluation.preference import response_logprobs, reward_scores
+    from evaluation.preference import pair_logprobs, reward_scores
 
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, n_positions=256)
@@ -403,13 +404,13 @@ def test_bf16_with_the_default_attention_kernel_matches_fp32_on_left_padded_and_
     batch = collate_pairs(prompts, chosen, rejected)
     policy, reward_model = policy.to(device).eval(), reward_model.to(device).eval()
     with torch.no_grad():
-        want_logp = response_logprobs(policy, batch, device, prefix_sharing=False).float()
+        want_logp = pair_logprobs(policy, batch, device, prefix_sharing=False).float()
         want_score = reward_scores(reward_model, batch, device, prefix_sharing=False).float()
         wrong = dict(batch, attention_mask=torch.ones_like(batch["attention_mask"]))  # attends to the padding
-        masking_error = (response_logprobs(policy, wrong, device, prefix_sharing=False).float() - want_logp).abs().max()
+        masking_error = (pair_logprobs(policy, wrong, device, prefix_sharing=False).float() - want_logp).abs().max()
         policy16, reward16 = policy.to(torch.bfloat16), reward_model.to(torch.bfloat16)
         for shared in (False, True):
-            logp_error = (response_logprobs(policy16, batch, device, shared).float() - want_logp).abs().max()
+            logp_error = (pair_logprobs(policy16, batch, device, shared).float() - want_logp).abs().max()
             score_error = (reward_scores(reward16, batch, device, shared).float() - want_score).abs().max()
             assert torch.isfinite(logp_error) and logp_error < masking_error / 5, (shared, logp_error, masking_error)
             assert score_error < 0.02 * want_score.abs().max() + 0.02, (shared, score_error, want_score)

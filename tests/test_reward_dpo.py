@@ -16,7 +16,7 @@ import dpo
 import reward_model
 from data.tldr import PREF_COLUMNS, collate_pairs, load_rows
 from data.tokenizer import get_tokenizer
-from evaluation.preference import build_eval_set, evaluate_reward_model, gather_pair_scores, response_logprobs
+from evaluation.preference import build_eval_set, evaluate_reward_model, gather_pair_scores, pair_logprobs
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.heads import RewardModel
 from model.weights import build_reward_model, save_hf
@@ -31,6 +31,7 @@ from tests.conftest import (
     shared_file,
 )
 from tests.helpers import pair_run_args, read_metrics, write_pref_rows
+from training.reference import build_policy_and_reference
 from utils.config import parse_config
 
 LOG2 = math.log(2.0)
@@ -138,15 +139,15 @@ def test_frozen_reference_receives_no_gradient():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
 
 
-def test_response_logprobs_sum_the_response_tokens_of_the_full_logits():
-    """evaluation.preference.response_logprobs (the fused head pass) == log_softmax of the full logits gathered at
+def test_pair_logprobs_sum_the_response_tokens_of_the_full_logits():
+    """evaluation.preference.pair_logprobs (the fused head pass) == log_softmax of the full logits gathered at
     the response tokens and summed over the real ones, in value and in every parameter's gradient."""
     torch.manual_seed(0)
     policy = GPT2LMHeadModel(TINY)
     batch = collate_pairs(*random_pairs(4, seed=3))
     P, mask = batch["prompt_len"], batch["response_mask"]
     assert not mask.all()  # some response padding is masked out
-    got = response_logprobs(policy, batch, "cpu")
+    got = pair_logprobs(policy, batch, "cpu")
     grads_got = torch.autograd.grad(got.sum(), list(policy.parameters()))
     logits = policy(batch["input_ids"], batch["position_ids"], batch["attention_mask"])  # (2B, T, V) every column
     R = batch["response_ids"].shape[1]
@@ -575,7 +576,7 @@ def test_dpo_reference_dtype_auto_follows_the_policy_and_the_first_loss_is_log2(
     )
     torch.manual_seed(0)
     run = SimpleNamespace(say=lambda message: None, device=torch.device("cpu"), dtype=torch.bfloat16)
-    policy, reference = dpo.build_policy_and_reference(cfg, run)
+    policy, reference = build_policy_and_reference(cfg, run)
     assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
     rows = load_rows(str(data), "train", PREF_COLUMNS)
     tok = get_tokenizer()

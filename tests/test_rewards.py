@@ -9,7 +9,6 @@ import torch
 
 from data.synthetic import best_summary, gold_reward, make_post
 from data.tldr import load_optional_column
-from grpo import TASK_REWARDS
 from rlhf.rewards import (
     RewardFunctionError,
     combine_sources,
@@ -22,6 +21,7 @@ from rlhf.rewards import (
     score_functions,
     source_stats,
 )
+from rollouts.options import TASK_REWARDS
 
 
 def test_parse_rewards_weights_names_and_functions():

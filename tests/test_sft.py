@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from data.tldr import ShardedLoader, collate_sft
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
-from sft import accumulate_gradients, prompt_targets, response_nll_sum, weighted_nll_sum
+from sft import accumulate_gradients
+from training.nll import prompt_targets, response_nll_sum, weighted_nll_sum
 
 CFG = GPTConfig(vocab_size=300, n_layer=2, n_head=2, n_embd=32, n_positions=64)
 

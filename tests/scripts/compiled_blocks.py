@@ -1,6 +1,6 @@
 """Run under 2 processes: the forward and backward of an FSDP2-sharded GPT-2 whose blocks run compiled
 (shard_model(compile_blocks=True)) against the same model eager, on preference pairs as padded rows and as packed
-rows with a shared prompt (evaluation.preference.response_logprobs, the layouts training uses), two micro-batches
+rows with a shared prompt (evaluation.preference.pair_logprobs, the layouts training uses), two micro-batches
 of different widths. Rank 0 saves the losses, the largest gradient difference relative to the gradient's scale, and
 dynamo's counts of graphs and graph breaks.
 
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.tldr import collate_pairs  # noqa: E402
-from evaluation.preference import response_logprobs  # noqa: E402
+from evaluation.preference import pair_logprobs  # noqa: E402
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from utils.dist import cleanup_distributed, setup_distributed  # noqa: E402
 from utils.fsdp import shard_model  # noqa: E402
@@ -53,7 +53,7 @@ def main(out: str, backend: str, device: str) -> None:
     for shared in (True, False):
         for name, model in models.items():
             model.zero_grad(set_to_none=True)
-            loss = sum(-response_logprobs(model, b, info.device, prefix_sharing=shared).mean() for b in batches)
+            loss = sum(-pair_logprobs(model, b, info.device, prefix_sharing=shared).mean() for b in batches)
             loss.backward()
             record["loss"][(name, shared)] = float(loss)
         for (_, p_eager), (_, p_compiled) in zip(

@@ -19,11 +19,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.tldr import pad_prompts  # noqa: E402
-from grpo import Config, batch_logprobs, build_training_batches, policy_update  # noqa: E402
+from grpo import Config  # noqa: E402
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.sampler import SampleOutput  # noqa: E402
 from model.weights import freeze  # noqa: E402
 from rlhf.policy_gradient import global_normalize, group_normalize  # noqa: E402
+from rollouts.batches import build_training_batches  # noqa: E402
+from rollouts.update import batch_logprobs, policy_update  # noqa: E402
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402
 from utils.fsdp import shard_model  # noqa: E402
 
@@ -95,8 +97,8 @@ def main(out: str, micro: int, shared: bool):
     local = SampleOutput(*(getattr(samples, f)[rows] for f in ("response_ids", "response_mask", "logprobs", "has_end")))
     prompt_ids, prompt_mask = pad_prompts(prompts[p0 : p0 + per_rank], pad_id=0)  # pads inside the small vocabulary
     advantages = global_normalize(group_normalize(rewards[rows].view(per_rank, G)).flatten(), all_reduce_sum)
-    # the update alone on these fixed micro-batches (grpo.train_step's stages 5-7 without sampling): the batches and
-    # the reference log-probs do not depend on the loss type, the gradients do
+    # the update alone on these fixed micro-batches (rollouts.step.train_step's stages 5-7 without sampling): the
+    # batches and the reference log-probs do not depend on the loss type, the gradients do
     cfg = Config(
         temperature=0.9, beta=0.1, eps_low=0.2, eps_high=0.28, max_new_tokens=R, micro_batch_size=micro, grad_clip=0.0
     )

@@ -33,14 +33,14 @@ from typing import Literal
 from data.tldr import ShardedLoader
 from data.tokenizer import get_tokenizer
 from evaluation.frontier import Frontier, FrontierConfig
-from evaluation.preference import eval_set_logps, evaluate_policy, preference_metric_names
+from evaluation.preference import eval_set_logps, evaluate_policy
 from evaluation.summaries import (
     EvalSetsConfig,
     SampleTableConfig,
     evaluate_summaries,
+    evaluation_metric_names,
     load_eval_sets,
     sample_table,
-    summary_metric_names,
 )
 from model.lora import LoRAConfig, trainable_summary
 from model.weights import save_export
@@ -207,10 +207,7 @@ def main(cfg: Config) -> dict:
     ref_pref = eval_set_logps(models.reference, pref, device, cfg.prefix_sharing) if pref is not None else None
     # --frontier_prompts: KL to the reference and rewards of temperature-1 samples (eval/kl, ...); else None
     frontier = Frontier.build(cfg, tok, run, cfg.max_new_tokens, models.reward_model, gold_reward)
-    names = (summary_metric_names(spec, val) if val is not None else set()) | (
-        frontier.metric_names() if frontier else set()
-    )
-    check_best_metric(cfg, names | (preference_metric_names("eval/pref_") if pref else set()), keep["best_metric"])
+    check_best_metric(cfg, evaluation_metric_names(spec, val, pref, frontier), keep["best_metric"])
     if step == 0 and cfg.eval_every > 0:
         evaluated = evaluate(models, spec, val, pref, ref_pref, cfg, 0, device, frontier=frontier)
         log_row(run, evaluated, 0)

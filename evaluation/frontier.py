@@ -274,24 +274,11 @@ def summarize_posts(posts: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
-@torch.no_grad()
-def measure(
-    policy,
-    reference,
-    prompts: FrontierPrompts,
-    num_samples: int,
-    max_new_tokens: int,
-    tok,
-    generator: torch.Generator,
-    reward_model=None,
-    gold_fn=None,
-    micro: int = 64,
-) -> dict[str, float]:
-    """One point on the frontier (measure_posts, summarize_posts): the KL to the reference (rlhf.stats.kl_estimate's
-    estimate, with its error over posts) and every value of score_samples, each a mean with its standard error over
-    the posts."""
-    args = (policy, reference, prompts, num_samples, max_new_tokens, tok, generator, reward_model, gold_fn, micro)
-    return summarize_posts(measure_posts(*args))
+def measure(*args, **kwargs) -> dict[str, float]:
+    """One point on the frontier: summarize_posts of measure_posts (same arguments), the KL to the reference
+    (rlhf.stats.kl_estimate's estimate, with its error over posts) and every value of score_samples, each a mean with
+    its standard error over the posts."""
+    return summarize_posts(measure_posts(*args, **kwargs))
 
 
 class Frontier:

@@ -7,7 +7,7 @@ import torch
 
 from data.tldr import PREF_COLUMNS, PROMPT_COLUMNS, PromptDataset, encode_response, load_optional_column, load_rows
 from data.tokenizer import PAD_ID
-from evaluation.preference import build_eval_set, gather_pair_scores
+from evaluation.preference import build_eval_set, gather_pair_scores, preference_metric_names
 from model.sampler import SampleOutput
 from rlhf.policy_gradient import penalize_missing_end
 from rlhf.rewards import combine_sources, source_stats
@@ -88,6 +88,14 @@ def summary_metric_names(spec: RewardSpec, val: PromptSet) -> set[str]:
         one = torch.zeros(1)
         names |= {f"eval/{k}" for k in win_rate(one, one, n_resamples=1)}
     return names
+
+
+def evaluation_metric_names(spec: RewardSpec, val: PromptSet | None, pref, frontier) -> set[str]:
+    """Every metric grpo.py's evaluation may log: the summaries' on `val`, the frontier's (`frontier`, or None) and the
+    preference pairs' (`pref`); --best_metric is checked against it before the first step."""
+    names = summary_metric_names(spec, val) if val is not None else set()
+    names |= frontier.metric_names() if frontier is not None else set()
+    return names | (preference_metric_names("eval/pref_") if pref else set())
 
 
 def reference_win_rate(

@@ -114,7 +114,7 @@ def frontier(demo: Demo) -> str:
         )
         return text
 
-    run_all(embedded.frontier_runs(demo), args.nproc, after=record)
+    run_all(embedded.frontier_runs(demo), args.nproc, after=record, keep_finished=args.reuse)
     text = record()
     publish(demo, "frontier.png", root, text)
     return text
@@ -153,7 +153,7 @@ def verdict(demo: Demo) -> str:
         return text
 
     assets.mkdir(parents=True, exist_ok=True)
-    run_all(embedded.verdict_runs(demo, posts), args.nproc, after=record)
+    run_all(embedded.verdict_runs(demo, posts), args.nproc, after=record, keep_finished=args.reuse)
     text = record()
     publish(demo, "verdict.png", root, text)
     return text
@@ -346,7 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="reuse --out's SFT policy, labelled pairs and reward model "
         "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
-        "one that is redone is redone too)",
+        "one that is redone is redone too); with --frontier_seeds or --verdict_seeds, also keep each of their runs "
+        "that finished with the same options (its experiment_run.json; what it read, the SFT policy and reward "
+        "model, is not compared: delete the run's folder to redo it)",
     )
     return p.parse_args(argv)
 

@@ -47,12 +47,15 @@ from rlhf.stats import (
     best_of_n_pool_kl,
     best_of_n_weights,
     bootstrap_interval,
+    bootstrap_resamples,
+    bootstrap_undefined,
     detectable_difference,
     difference_interval,
     gao_curve,
     gao_fit,
     mean_and_se_over_posts,
     pair_outcomes,
+    percentile_interval,
     posts_needed,
     seeds_needed,
     sqrt_kl_interpolation,
@@ -526,6 +529,8 @@ def verdict_rows(
     - difference, kl: the mean difference and the mean matched KL;
     - se_posts, ci_posts_low/high: its standard error over posts (of the seeds' mean per-post difference) and a
       percentile bootstrap interval over posts that redoes the KL matching in every resample (seeds held fixed);
+      ci_posts_unmatched: the share of resamples where best-of-n does not reach A's KL (dropped from the interval:
+      the interval is conditional on a match; above (1 - confidence) / 2 the table says so);
     - se, df, ci_low, ci_high, var_seed, var_post, var_residual: the t interval that includes the seed-to-seed spread
       (rlhf.stats.difference_interval: seeds the unit of the between-run part, posts paired within each seed);
       with one seed the posts' alone;
@@ -565,7 +570,8 @@ def verdict_rows(
             out = [matched_difference(a_seeds[s], b_seeds[s], key, vs_bon, idx) for s in range(S)]
             return math.nan if any(m is None for m in out) else sum(float(d.mean()) for d, _ in out) / S
 
-        lo, hi = bootstrap_interval(statistic, P, n_resamples, confidence, seed)[:, 0].tolist()
+        resampled = bootstrap_resamples(statistic, P, n_resamples, seed)
+        lo, hi = percentile_interval(resampled, confidence)[:, 0].tolist()
         mean_d, se_posts = mean_and_se_over_posts(d_SP.mean(0))
         interval = difference_interval(d_SP, confidence)
         row |= {
@@ -574,6 +580,7 @@ def verdict_rows(
             "se_posts": se_posts,
             "ci_posts_low": lo,
             "ci_posts_high": hi,
+            "ci_posts_unmatched": bootstrap_undefined(resampled),
             **{k: interval[k] for k in ("se", "df", "ci_low", "ci_high", "var_seed", "var_post", "var_residual")},
             "distinguishable": interval["distinguishable"],
             "detectable": detectable_difference(interval["se"], interval["df"], confidence),
@@ -715,7 +722,7 @@ def frontier_table(curve: list[dict], methods: dict[str, list[list[dict]]], rows
     return text
 
 
-def verdict_table(rows: list[dict], key: str = "gold") -> str:
+def verdict_table(rows: list[dict], key: str = "gold", confidence: float = 0.95) -> str:
     """Markdown of verdict_rows: each pair's difference at matched KL, its errors and intervals, whether it is
     distinguishable and the smallest difference these seeds and posts detect."""
     text = (
@@ -730,9 +737,11 @@ def verdict_table(rows: list[dict], key: str = "gold") -> str:
         posts = "more seeds first" if r["posts_needed"] is None else str(r["posts_needed"])
         seeds = r["seeds_needed"]
         seeds = "" if isinstance(seeds, float) else ", more posts first" if seeds is None else f", {seeds}"
+        unmatched = r.get("ci_posts_unmatched", 0.0)
+        unmatched = f" ({unmatched:.0%} of resamples unmatched)" if unmatched > (1 - confidence) / 2 else ""
         text += (
             f"\n| {r['pair']} | {r['kl']:.3f} | {r['difference']:+.3f} | {r['se_posts']:.3f} | "
-            f"[{r['ci_posts_low']:+.3f}, {r['ci_posts_high']:+.3f}] | {r['se']:.3f} (df {r['df']:.1f}) | "
+            f"[{r['ci_posts_low']:+.3f}, {r['ci_posts_high']:+.3f}]{unmatched} | {r['se']:.3f} (df {r['df']:.1f}) | "
             f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] | {'yes' if r['distinguishable'] else 'no'} | "
             f"{r['detectable']:.3f} | {posts}{seeds} |"
         )

@@ -1,6 +1,7 @@
 """One runner for every experiment: an experiment is a list of `ExperimentRun`s (a script with its options, run as a
 user would run it, or a step in this process), run in order."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -30,20 +31,47 @@ class ExperimentRun:
 
 
 def run_all(
-    runs: list[ExperimentRun], nproc: int, reuse: bool = False, after: Callable[[ExperimentRun], object] | None = None
+    runs: list[ExperimentRun],
+    nproc: int,
+    reuse: bool = False,
+    after: Callable[[ExperimentRun], object] | None = None,
+    keep_finished: bool = False,
 ) -> None:
     """Each run in order, then `after(run)`. With `reuse`, a run whose `done` exists is kept, until the first run that
-    is not: every run after one that was redone is redone too."""
+    is not: every run after one that was redone is redone too (a pipeline: each stage reads the one before). With
+    `keep_finished` (a grid of independent runs), a script run that finished with exactly these options (its
+    FINISHED record) is kept and `after(run)` still called on it, whatever came before it."""
     for run in runs:
         reuse = reuse and run.done is not None and found(run.name, run.done)
         if reuse:
             continue
-        if run.call is not None:
+        if keep_finished and finished(run):
+            print(f"reusing {run.name}: {run.out_dir} (finished with these options)", flush=True)
+        elif run.call is not None:
             run.call()
         else:
             run_script(run.script, run.options, nproc)
         if after is not None:
             after(run)
+
+
+FINISHED = "experiment_run.json"
+"""What run_script writes in a run's out_dir once its script has exited 0: the script and its options."""
+
+
+def finished(run: ExperimentRun) -> bool:
+    """Whether `run` (a script run) finished with exactly its script and options (its FINISHED record)."""
+    if not run.script:
+        return False
+    try:
+        record = json.loads((run.out_dir / FINISHED).read_text())
+    except (OSError, ValueError):
+        return False
+    return record == finished_record(run.script, run.options)
+
+
+def finished_record(script: str, options: dict) -> dict:
+    return {"script": script, "options": {k: str(v) for k, v in options.items()}}
 
 
 def found(what: str, path: Path) -> bool:
@@ -71,3 +99,4 @@ def run_script(script: str, options: dict, nproc: int) -> None:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc))),
     }
     subprocess.run(cmd, cwd=ROOT, check=True, env=env)
+    (Path(options["out_dir"]) / FINISHED).write_text(json.dumps(finished_record(script, options), indent=1) + "\n")

@@ -226,17 +226,32 @@ def best_of_n_pool_kl(proxy_PN: torch.Tensor, n: int) -> torch.Tensor:
 # Comparisons over posts: paired differences, bootstrap intervals, variance components over seeds and posts, sizes
 
 
+def bootstrap_resamples(statistic, n: int, n_resamples: int = 2000, seed: int = 0) -> torch.Tensor:
+    """`statistic` on n_resamples resamples (S, K): each a function of the indices (n,) of n units (posts) drawn with
+    replacement that returns K numbers (a float or a tensor), NaN where it is undefined on that resample."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (n_resamples, n), generator=g)  # (S, n)
+    return torch.stack([torch.as_tensor(statistic(i), dtype=torch.float64).flatten() for i in idx])
+
+
 def bootstrap_interval(
     statistic, n: int, n_resamples: int = 2000, confidence: float = 0.95, seed: int = 0
 ) -> torch.Tensor:
-    """Percentile bootstrap interval (2, K) of `statistic`, a function of the indices (n,) of a resample of n units
-    (posts) drawn with replacement that returns K numbers (a float or a tensor): the (1-c)/2 and (1+c)/2 quantiles over
-    n_resamples resamples. Use it when the statistic is more than a mean (a KL matched in each resample, a fit)."""
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, n, (n_resamples, n), generator=g)  # (S, n)
-    stats = torch.stack([torch.as_tensor(statistic(i), dtype=torch.float64).flatten() for i in idx])  # (S, K)
+    """Percentile bootstrap interval (2, K) of `statistic` (bootstrap_resamples): the (1-c)/2 and (1+c)/2 quantiles
+    over the resamples where it is defined (NaN resamples dropped: report their share with bootstrap_undefined; NaN
+    when none is). Use it when the statistic is more than a mean (a KL matched in each resample, a fit)."""
+    return percentile_interval(bootstrap_resamples(statistic, n, n_resamples, seed), confidence)
+
+
+def percentile_interval(stats_SK: torch.Tensor, confidence: float = 0.95) -> torch.Tensor:
+    """The (1-c)/2 and (1+c)/2 quantiles (2, K) of resampled statistics (S, K), ignoring NaN resamples."""
     alpha = (1.0 - confidence) / 2
-    return torch.quantile(stats, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64), dim=0)
+    return torch.nanquantile(stats_SK, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64), dim=0)
+
+
+def bootstrap_undefined(stats_SK: torch.Tensor) -> float:
+    """The share of resamples (S, K) on which a statistic is undefined (any of its K numbers NaN)."""
+    return float(stats_SK.isnan().any(1).double().mean())
 
 
 def paired_difference(
@@ -305,9 +320,14 @@ def variance_components(values_SP: torch.Tensor) -> dict[str, float]:
     each component from the mean squares (MS_seed = P x the variance of the seeds' means, MS_post = S x that of the
     posts' means, MS_res of what is left), clipped at 0: var_seed = (MS_seed - MS_res) / P, var_post =
     (MS_post - MS_res) / S, var_residual = MS_res (the seed-by-post interaction and the sampling noise of each
-    per-post value). Seeds are the unit of the between-run part; the posts are paired within each seed. The
-    standard error's degrees of freedom are Satterthwaite's (for a t interval: difference_interval). One seed: no
-    seed component (NaN), the error over posts alone (df P - 1)."""
+    per-post value). Seeds are the unit of the between-run part; the posts are paired within each seed.
+
+    Var(mean) x S P is estimated as B + max(MS_post - MS_res, 0), B = max(MS_seed, MS_res) the between-seed part
+    (E[MS_seed] = P var_seed + var_residual: never less than the residual's share). B keeps the seeds' S - 1 degrees
+    of freedom even when the seed component is clipped at 0: that it is 0 rests on S - 1 of them, so two seeds that
+    agree by chance do not give the interval of posts alone. The standard error's degrees of freedom are
+    Satterthwaite's (for a t interval: difference_interval). One seed: no seed component (NaN), the error over posts
+    alone (df P - 1)."""
     v = values_SP.double()
     if v.dim() != 2 or v.shape[1] < 2:
         raise ValueError(f"values must be (seeds, posts) with at least 2 posts, got shape {tuple(v.shape)}")
@@ -323,13 +343,13 @@ def variance_components(values_SP: torch.Tensor) -> dict[str, float]:
     resid = v - seed_means[:, None] - post_means[None, :] + v.mean()
     ms_res = float((resid**2).sum()) / ((S - 1) * (P - 1))
     var_seed, var_post = (ms_seed - ms_res) / P, (ms_post - ms_res) / S
-    # Var(mean) x S P as a sum of mean squares, each (mean square, its df, its coefficient): which terms enter depends
-    # on which components were clipped at 0 (none: MS_seed + MS_post - MS_res; the seed's: MS_post; both: MS_res)
-    has_seed, has_post = float(var_seed > 0), float(var_post > 0)
+    # Var(mean) x S P as a sum of mean squares, each (mean square, its df, its coefficient): the between-seed part
+    # max(MS_seed, MS_res) at the seeds' df, plus MS_post - MS_res when the post component is above 0
+    has_post = float(var_post > 0)
     terms = [
-        (ms_res, (S - 1) * (P - 1), 1.0 - has_seed - has_post),
-        (ms_seed, S - 1, has_seed),
+        (max(ms_seed, ms_res), S - 1, 1.0),
         (ms_post, P - 1, has_post),
+        (ms_res, (S - 1) * (P - 1), -has_post),
     ]
     total = sum(c * ms for ms, _, c in terms)
     var = total / (S * P)

@@ -1,13 +1,14 @@
 """Experiments as data (experiments/): the runner's order and --reuse, and the declared grids' runs: each a command a
 user could type (the script parses its options), every arm with its own folder and wandb group."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from demo import parse_args
 from experiments.embedded import ABLATION, PREPARED, Demo, ablation_runs, frontier_runs, pipeline, verdict_runs
-from experiments.runner import ExperimentRun, run_all
+from experiments.runner import FINISHED, ExperimentRun, run_all
 from utils.config import parse_config
 
 
@@ -26,6 +27,41 @@ def test_run_all_runs_in_order_and_reuse_keeps_only_a_leading_run_that_is_done(t
     calls.clear()
     run_all(runs, 1)
     assert calls == ["a", "b", "c"]
+
+
+def test_keep_finished_keeps_each_grid_run_that_finished_with_the_same_options(tmp_path):
+    """A grid's runs are independent: with keep_finished a run is kept when its script exited 0 with exactly these
+    options (its FINISHED record), whatever ran before it, and `after` sees it; a changed option or a failed run
+    runs again."""
+    script = tmp_path / "count.py"
+    script.write_text(
+        "import sys, pathlib\n"
+        "out = pathlib.Path(sys.argv[sys.argv.index('--out_dir') + 1]); out.mkdir(parents=True, exist_ok=True)\n"
+        "with open(out.parent / 'calls.txt', 'a') as f: f.write(out.name + '\\n')\n"
+        "sys.exit(int(sys.argv[sys.argv.index('--fail') + 1]))\n"
+    )
+
+    def grid(fail_b: int = 0, lr: float = 0.1) -> list[ExperimentRun]:
+        return [
+            ExperimentRun("a", str(script), {"out_dir": tmp_path / "a", "lr": lr, "fail": 0}),
+            ExperimentRun("b", str(script), {"out_dir": tmp_path / "b", "lr": 0.1, "fail": fail_b}),
+        ]
+
+    def calls() -> list[str]:
+        return (tmp_path / "calls.txt").read_text().split() if (tmp_path / "calls.txt").exists() else []
+
+    with pytest.raises(subprocess.CalledProcessError):
+        run_all(grid(fail_b=1), 1, keep_finished=True)
+    assert calls() == ["a", "b"] and (tmp_path / "a" / FINISHED).exists() and not (tmp_path / "b" / FINISHED).exists()
+    after = []
+    run_all(grid(), 1, keep_finished=True, after=lambda run: after.append(run.name))
+    assert calls() == ["a", "b", "b"] and after == ["a", "b"]  # a kept, b (failed) redone
+    run_all(grid(), 1, keep_finished=True)
+    assert calls() == ["a", "b", "b"]
+    run_all(grid(lr=0.2), 1, keep_finished=True)
+    assert calls() == ["a", "b", "b", "a"]  # a's options changed
+    run_all(grid(lr=0.2), 1)
+    assert calls() == ["a", "b", "b", "a", "a", "b"]  # without keep_finished every run runs
 
 
 def demo_for(tmp_path: Path, *argv: str) -> Demo:

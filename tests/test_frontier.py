@@ -321,6 +321,28 @@ def test_variance_components_by_hand():
     assert math.isnan(one["var_seed"]) and one["se"] == pytest.approx(math.sqrt(7.0 / 3)) and one["df"] == 2
 
 
+def test_a_seed_component_clipped_at_zero_keeps_the_seeds_degrees_of_freedom():
+    """Two seeds that agree by chance do not give the interval of posts alone. 2 seeds x 3 posts with equal seeds'
+    means and equal posts' means: MS_seed 0, MS_post 0, MS_res 8 (residuals +-2): both components clipped, the error
+    is MS_res / (S P) at the seeds' 1 degree of freedom, not the residual's 2."""
+    c = variance_components(torch.tensor([[0.0, 4.0, 2.0], [4.0, 0.0, 2.0]]))
+    assert c["var_seed"] == 0.0 and c["var_post"] == 0.0 and c["var_residual"] == pytest.approx(8.0)
+    assert c["se"] ** 2 == pytest.approx(8.0 / 6) and c["df"] == pytest.approx(1.0)
+    # 2 seeds x 200 posts, seeds' means made equal: the error is the posts' (MS_post / (S P)), its df Satterthwaite's
+    # with MS_res at 1 df: 14.6, not the 199 of posts alone
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(200, generator=g, dtype=torch.float64) + 0.8 * torch.randn(2, 200, generator=g, dtype=torch.float64)
+    v = v - v.mean(1, keepdim=True) + 0.1
+    S, P = v.shape
+    ms_post = S * float(v.mean(0).var())
+    resid = v - v.mean(1, keepdim=True) - v.mean(0, keepdim=True) + v.mean()
+    ms_res = float((resid**2).sum()) / ((S - 1) * (P - 1))
+    c = variance_components(v)
+    assert c["var_seed"] == 0.0 and c["se"] ** 2 == pytest.approx(ms_post / (S * P))
+    want_df = ms_post**2 / (ms_res**2 / 1 + ms_post**2 / (P - 1) + ms_res**2 / ((S - 1) * (P - 1)))
+    assert c["df"] == pytest.approx(want_df) and c["df"] < 20  # 14.6
+
+
 def test_sizes_and_the_smallest_detectable_difference_by_hand():
     # (t_.975 + t_.8) se: with many degrees of freedom the normal's 1.95996 + 0.84162
     assert detectable_difference(0.1, 1e6) == pytest.approx(0.280158, abs=1e-5)
@@ -387,6 +409,19 @@ def test_verdict_rows_pair_posts_and_match_kl():
     assert "beyond best-of-n" in beyond[0]["note"]
     table = verdict_table(rows)
     assert "| A - best-of-n | 0.250 | +0.167 |" in table and "| A - B | 0.250 | +0.500 | 0.000 |" in table
+
+
+def test_verdict_rows_bootstrap_drops_resamples_beyond_best_of_n():
+    """A method whose mean KL (0.9) best-of-n reaches (1.0), but one post's KL is 3: resamples holding that post twice
+    or more (a share of 1 - (3/4)^4 - 4 (1/4)(3/4)^3 = 0.262 of them) pass best-of-n's largest KL. The interval comes
+    from the others, their share is reported and the table says so."""
+    curve = [post_point([0.0] * 4, [1.0, 2.0, 3.0, 4.0], 1), post_point([1.0] * 4, [2.0, 3.0, 4.0, 5.0], 2)]
+    a = [[post_point([0.2, 0.2, 0.2, 3.0], [2.0, 2.5, 4.0, 4.0])]]
+    (row,) = verdict_rows({"A": a}, curve, [("A", BEST_OF_N)], n_resamples=4000)
+    assert row["ci_posts_unmatched"] == pytest.approx(0.262, abs=0.02)
+    assert math.isfinite(row["ci_posts_low"]) and math.isfinite(row["ci_posts_high"])
+    assert row["ci_posts_low"] <= row["difference"] <= row["ci_posts_high"]
+    assert "% of resamples unmatched)" in verdict_table([row])
 
 
 def test_frontier_table_fits_gaos_forms_through_points_made_from_them(tmp_path):

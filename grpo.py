@@ -55,7 +55,6 @@ from rollouts.options import (
     SamplingConfig,
     SelectionConfig,
     StepBatchConfig,
-    require_positive,
 )
 from rollouts.prompts import prompt_set, training_prompts
 from rollouts.sampling import RewardSpec
@@ -69,6 +68,7 @@ from utils.config import (
     option,
     parse_config,
     require_nonempty,
+    require_positive,
 )
 from utils.guard import exit_on_error
 from utils.logging import perf_metrics

@@ -9,7 +9,7 @@ from typing import Literal
 from data.synthetic import gold_reward as synthetic_gold_reward
 from rlhf.policy_gradient import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, SELECTIONS, Objective
 from rlhf.rewards import RewardSource, load_function, parse_rewards
-from utils.config import ConfigError, declared, option, require_nonempty
+from utils.config import ConfigError, declared, option, require_non_negative, require_nonempty, require_positive
 
 TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: the embedded task's gold reward
 
@@ -20,20 +20,6 @@ def keeps_start(cfg) -> bool:
     started from that the frontier compares across methods. One more frozen copy of the policy's weights (on the host
     with --frozen_cpu_offload; with LoRA the base weights, into which a refresh merges the adapters)."""
     return cfg.ref_refresh_every > 0 and cfg.frontier_prompts > 0
-
-
-def require_positive(cfg, *names: str) -> None:
-    """ConfigError naming the first of `names` whose value is not > 0."""
-    for name in names:
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
-
-
-def require_non_negative(cfg, *names: str) -> None:
-    """ConfigError naming the first of `names` whose value is < 0."""
-    for name in names:
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
 
 
 @dataclass

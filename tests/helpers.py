@@ -95,7 +95,7 @@ def raise_on_rank_1(prompt: str, response: str) -> float:
 
 
 def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def end_biased_policy(folder, n_positions=256, seed=0) -> GPT2LMHeadModel:

@@ -629,6 +629,12 @@ def test_a_tiny_verdict_run(tiny_demo, tmp_path):
     assert pairs == [f"{a} - {b}" for a, b in contrasts] + [f"{arm} - best-of-n" for arm in arms], pairs
     text = (tiny_demo / "verdict" / "verdict.md").read_text()
     assert text.startswith("| pair (gold, A - B at matched KL) |")
+    # --reuse again: every run finished with these options, so none runs and the tables are written again from them
+    (tiny_demo / "verdict" / "verdict.md").unlink()
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("(finished with these options)") == len(arms) and "\n$ " not in again.stdout
+    assert (tiny_demo / "verdict" / "verdict.md").read_text() == text
 
 
 def test_compare_draws_evaluation_metrics_against_eval_kl_by_default(tmp_path, monkeypatch):

@@ -393,6 +393,20 @@ def _typed(value, tp):
     return _WRONG
 
 
+def require_positive(cfg, *names: str) -> None:
+    """ConfigError naming the first of `names` whose value is not > 0."""
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
+
+
+def require_non_negative(cfg, *names: str) -> None:
+    """ConfigError naming the first of `names` whose value is < 0."""
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+
+
 def require_nonempty(cfg, *names: str) -> None:
     """ConfigError for the first of `names` whose value is an empty string (an option that must be given)."""
     hints = field_docs(type(cfg))

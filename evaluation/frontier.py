@@ -533,7 +533,8 @@ def verdict_rows(
       the interval is conditional on a match; above (1 - confidence) / 2 the table says so);
     - se, df, ci_low, ci_high, var_seed, var_post, var_residual: the t interval that includes the seed-to-seed spread
       (rlhf.stats.difference_interval: seeds the unit of the between-run part, posts paired within each seed);
-      with one seed the posts' alone;
+      with one seed the posts' alone; seed_floor: the seeds' means agreed within their posts' noise, so the seeds'
+      part is its floor (the table says so: with few seeds the interval may be too narrow);
     - distinguishable: the interval (with seeds when there are two or more) excludes 0;
     - detectable: the smallest true difference these seeds and posts detect (rlhf.stats.detectable_difference at 80%
       power); posts_needed: how many posts make `delta` detectable with these seeds, seeds_needed: how many seeds
@@ -582,6 +583,7 @@ def verdict_rows(
             "ci_posts_high": hi,
             "ci_posts_unmatched": bootstrap_undefined(resampled),
             **{k: interval[k] for k in ("se", "df", "ci_low", "ci_high", "var_seed", "var_post", "var_residual")},
+            "seed_floor": interval["seed_floor"],
             "distinguishable": interval["distinguishable"],
             "detectable": detectable_difference(interval["se"], interval["df"], confidence),
             "posts_needed": posts_needed(interval, S, delta, confidence),
@@ -737,11 +739,13 @@ def verdict_table(rows: list[dict], key: str = "gold", confidence: float = 0.95)
         posts = "more seeds first" if r["posts_needed"] is None else str(r["posts_needed"])
         seeds = r["seeds_needed"]
         seeds = "" if isinstance(seeds, float) else ", more posts first" if seeds is None else f", {seeds}"
+        floor = "; seeds agree: their spread at its floor" if r.get("seed_floor") else ""
         unmatched = r.get("ci_posts_unmatched", 0.0)
         unmatched = f" ({unmatched:.0%} of resamples unmatched)" if unmatched > (1 - confidence) / 2 else ""
         text += (
             f"\n| {r['pair']} | {r['kl']:.3f} | {r['difference']:+.3f} | {r['se_posts']:.3f} | "
-            f"[{r['ci_posts_low']:+.3f}, {r['ci_posts_high']:+.3f}]{unmatched} | {r['se']:.3f} (df {r['df']:.1f}) | "
+            f"[{r['ci_posts_low']:+.3f}, {r['ci_posts_high']:+.3f}]{unmatched} | "
+            f"{r['se']:.3f} (df {r['df']:.1f}{floor}) | "
             f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] | {'yes' if r['distinguishable'] else 'no'} | "
             f"{r['detectable']:.3f} | {posts}{seeds} |"
         )

@@ -325,9 +325,10 @@ def variance_components(values_SP: torch.Tensor) -> dict[str, float]:
     Var(mean) x S P is estimated as B + max(MS_post - MS_res, 0), B = max(MS_seed, MS_res) the between-seed part
     (E[MS_seed] = P var_seed + var_residual: never less than the residual's share). B keeps the seeds' S - 1 degrees
     of freedom even when the seed component is clipped at 0: that it is 0 rests on S - 1 of them, so two seeds that
-    agree by chance do not give the interval of posts alone. The standard error's degrees of freedom are
-    Satterthwaite's (for a t interval: difference_interval). One seed: no seed component (NaN), the error over posts
-    alone (df P - 1)."""
+    agree by chance do not give the interval of posts alone; `seed_floor` says B is the residual's floor (the seeds'
+    means vary less than their posts' noise: with few seeds, a spread the interval may understate). The standard
+    error's degrees of freedom are Satterthwaite's (for a t interval: difference_interval). One seed: no seed
+    component (NaN), the error over posts alone (df P - 1)."""
     v = values_SP.double()
     if v.dim() != 2 or v.shape[1] < 2:
         raise ValueError(f"values must be (seeds, posts) with at least 2 posts, got shape {tuple(v.shape)}")
@@ -336,7 +337,15 @@ def variance_components(values_SP: torch.Tensor) -> dict[str, float]:
     if S == 1:
         _, se = mean_and_se_over_posts(v[0])
         var_post = float(v[0].var(correction=1))
-        return {"mean": mean, "se": se, "df": P - 1, "var_seed": math.nan, "var_post": var_post, "var_residual": 0.0}
+        return {
+            "mean": mean,
+            "se": se,
+            "df": P - 1,
+            "var_seed": math.nan,
+            "var_post": var_post,
+            "var_residual": 0.0,
+            "seed_floor": False,
+        }
     seed_means, post_means = v.mean(1), v.mean(0)
     ms_seed = P * float(seed_means.var(correction=1))
     ms_post = S * float(post_means.var(correction=1))
@@ -362,6 +371,7 @@ def variance_components(values_SP: torch.Tensor) -> dict[str, float]:
         "var_seed": max(var_seed, 0.0),
         "var_post": max(var_post, 0.0),
         "var_residual": ms_res,
+        "seed_floor": ms_seed <= ms_res,
     }
 
 

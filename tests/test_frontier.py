@@ -313,7 +313,7 @@ def test_variance_components_by_hand():
     interval = difference_interval(v)
     half = t_quantile(0.975, c["df"]) * c["se"]
     assert (interval["ci_low"], interval["ci_high"]) == pytest.approx((3.5 - half, 3.5 + half))
-    assert not interval["distinguishable"]  # df 1.67: the t interval is wide
+    assert not interval["distinguishable"] and not c["seed_floor"]  # df 1.67: the t interval is wide
     # equal seeds: no seed component, the error of the posts' means (MS_post / (S P))
     same = variance_components(torch.tensor([[1.0, 2.0, 6.0], [1.0, 2.0, 6.0]]))
     assert same["var_seed"] == 0.0 and same["se"] ** 2 == pytest.approx(2 * 7.0 / 6)
@@ -327,7 +327,7 @@ def test_a_seed_component_clipped_at_zero_keeps_the_seeds_degrees_of_freedom():
     is MS_res / (S P) at the seeds' 1 degree of freedom, not the residual's 2."""
     c = variance_components(torch.tensor([[0.0, 4.0, 2.0], [4.0, 0.0, 2.0]]))
     assert c["var_seed"] == 0.0 and c["var_post"] == 0.0 and c["var_residual"] == pytest.approx(8.0)
-    assert c["se"] ** 2 == pytest.approx(8.0 / 6) and c["df"] == pytest.approx(1.0)
+    assert c["se"] ** 2 == pytest.approx(8.0 / 6) and c["df"] == pytest.approx(1.0) and c["seed_floor"]
     # 2 seeds x 200 posts, seeds' means made equal: the error is the posts' (MS_post / (S P)), its df Satterthwaite's
     # with MS_res at 1 df: 14.6, not the 199 of posts alone
     g = torch.Generator().manual_seed(0)

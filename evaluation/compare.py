@@ -328,12 +328,16 @@ def add_publish_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def publish(args: argparse.Namespace, png: Path, tag: str, text: str, runs: list[RunMetrics]) -> None:
-    """The picture `png` and its markdown table `text` as TensorBoard events in the runs' common folder and, with
-    --wandb_mode, in a wandb run named `tag` in --wandb_group (default: the runs' group when they share one)."""
+    """The picture `png` and its markdown table `text` as TensorBoard events in the runs' common folder (the
+    picture's folder without runs: best-of-n alone) and, with --wandb_mode, in a wandb run named `tag` in
+    --wandb_group (default: the runs' group when they share one)."""
     groups = {r.config.get("wandb_group", "") for r in runs}
     group = args.wandb_group if args.wandb_group is not None else (groups.pop() if len(groups) == 1 else "")
-    folder = Path(os.path.commonpath([str(r.dir.resolve()) for r in runs]))
-    folder = folder.parent if len(runs) == 1 else folder
+    if runs:
+        folder = Path(os.path.commonpath([str(r.dir.resolve()) for r in runs]))
+        folder = folder.parent if len(runs) == 1 else folder
+    else:
+        folder = png.resolve().parent
     publish_picture(
         png, folder, tag, markdown_rows(text), args.tensorboard, args.wandb_mode, args.wandb_project, group, tag
     )

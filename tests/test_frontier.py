@@ -699,6 +699,10 @@ def test_the_command_line_draws_runs_without_a_gold_reward(tiny_demo, tmp_path, 
     assert row in text
     assert "paired" not in text and "A - B" not in text  # runs without per-post values: no paired comparisons
     assert (tmp_path / "f.png").stat().st_size > 0 and (tmp_path / "f.json").is_file()
+    # best-of-n alone (no runs): its table, the picture, and its TensorBoard events beside the picture
+    alone = frontier.main([*common, "--out", str(tmp_path / "alone" / "b.png")])
+    assert "| best-of-2 (reference, pool 4) | | " in alone and "all runs" not in alone
+    assert (tmp_path / "alone" / "b.png").stat().st_size > 0 and list((tmp_path / "alone").glob("events.out.*"))
     Logger(tmp_path / "plain", {"seed": 0}, "test", "run", "disabled", enabled=True).finish()
     with pytest.raises(CompareError, match="plain: no eval/kl in its metrics.jsonl"):
         frontier.main([str(tmp_path / "plain"), *common, "--out", ""])

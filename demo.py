@@ -6,9 +6,9 @@
                                          # normalization, 3 seeds each, from one SFT policy and reward model
     python demo.py --out runs/demo --frontier_seeds 2 --reuse        # make frontier: DPO and GRPO grids and
                                          # best-of-n on gold reward against KL (evaluation/frontier.py)
-    python demo.py --out runs/demo --verdict_seeds 6 --frontier_pool 256 --reuse     # make verdict: the
-                                         # method's contrasts, 6 seeds each, paired over 400 held-out posts at
-                                         # matched KL, and best-of-n from a pool of 256
+    python demo.py --out runs/demo --verdict_seeds 6 --frontier_pool 256 --frontier_best_of 128 --reuse
+                                         # make verdict: the method's contrasts, 6 seeds each, paired over 400
+                                         # held-out posts at matched KL, and best-of-n up to 128 from a pool of 256
 
 Stages: write the synthetic task (data/synthetic.py) -> SFT (sft.py) -> label pairs of the SFT policy's own
 samples by the gold reward -> reward model (reward_model.py) -> DPO (dpo.py) -> GRPO (grpo.py), each training

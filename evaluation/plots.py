@@ -134,6 +134,7 @@ def gold_against_compute(runs: dict[str, list[Path]], out: Path, title: str = ""
             axes[0].plot(tokens, gold, **style)
             axes[1].plot(seconds, gold, **style)
     axes[0].set_xlabel("tokens generated in training")
+    axes[0].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:g}k" if x else "0")  # 350000 reads 350k, not overlapping
     axes[1].set_xlabel("training seconds")
     for ax in axes:
         ax.set_ylabel("gold reward (held-out posts)")

@@ -20,7 +20,7 @@ import sft
 from tests import helpers
 from tests.conftest import free_port
 from utils.config import parse_config
-from utils.logging import EVENT_FILES, Logger, publish_picture
+from utils.logging import EVENT_FILES, Logger, markdown_rows, publish_picture
 from utils.metrics import headlines
 
 pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (pip install tensorboard)")
@@ -348,3 +348,10 @@ def test_a_published_picture_is_an_image_and_its_table_text_in_its_folder(tmp_pa
     (text,) = events.Tensors("compare/table")
     markdown = text.tensor_proto.string_val[0].decode()
     assert markdown == "| variant | reward |\n|---|---|\n| rso | 0.5 |\n| uniform\\|all | 0.25 |"
+
+
+def test_markdown_rows_reads_the_first_table_of_a_text_that_holds_several():
+    """The verdict's and the frontier's texts hold several tables of different widths and prose between them; the
+    table published beside their picture is the first (wandb.Table takes rows of one width)."""
+    text = "| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n\nprose\n\n| c |\n|---|\n| 5 |\n"
+    assert markdown_rows(text) == (["a", "b"], [["1", "2"], ["3", "4"]])

@@ -3,6 +3,7 @@ beside it (--tensorboard), wandb (online, offline or disabled), and tqdm progres
 drawn from finished runs (the comparison, the frontier) in the same two places."""
 
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -294,10 +295,13 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
 
 
 def markdown_rows(text: str) -> tuple[list[str], list[list[str]]]:
-    """The columns and rows of a markdown table as evaluation/compare.py and evaluation/frontier.py print it (a head
-    line, a |---| line, a line per row; no cell holds a "|")."""
-    lines = [[cell.strip() for cell in line.strip()[1:-1].split("|")] for line in text.strip().splitlines()]
-    return lines[0], lines[2:]
+    """The columns and rows of the first markdown table in `text` as evaluation/compare.py and evaluation/frontier.py
+    print it (a head line, a |---| line, a line per row; no cell holds a "|"): the frontier's and the verdict's texts
+    hold several tables and prose after it, which a table of one width (wandb's) cannot take."""
+    lines = text.strip().splitlines()
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), lines))
+    rows = [[cell.strip() for cell in line.strip()[1:-1].split("|")] for line in table]
+    return rows[0], rows[2:]
 
 
 def publish_picture(

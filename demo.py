@@ -6,9 +6,7 @@
                                          # normalization, 3 seeds each, from one SFT policy and reward model
     python demo.py --out runs/demo --frontier_seeds 2 --reuse        # make frontier: DPO and GRPO grids and
                                          # best-of-n on gold reward against KL (evaluation/frontier.py)
-    python demo.py --out runs/demo --verdict_seeds 6 --frontier_pool 256 --frontier_best_of 128 --reuse
-                                         # make verdict: the method's contrasts, 6 seeds each, paired over 400
-                                         # held-out posts at matched KL, and best-of-n up to 128 from a pool of 256
+    python demo.py --out runs/demo --verdict_seeds 6 --frontier_pool 256 --frontier_best_of 128 --reuse  # make verdict
 
 Stages: write the synthetic task (data/synthetic.py) -> SFT (sft.py) -> label pairs of the SFT policy's own
 samples by the gold reward -> reward model (reward_model.py) -> DPO (dpo.py) -> GRPO (grpo.py), each training
@@ -352,9 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="reuse --out's SFT policy, labelled pairs and reward model "
         "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
-        "one that is redone is redone too); with --frontier_seeds or --verdict_seeds, also keep each of their runs "
-        "that finished with the same options (its experiment_run.json; what it read, the SFT policy and reward "
-        "model, is not compared: delete the run's folder to redo it)",
+        "one that is redone is redone too); with --frontier_seeds or --verdict_seeds, also keep each run that "
+        "finished with the same options (experiment_run.json; its inputs are not compared: delete it to redo it)",
     )
     return p.parse_args(argv)
 

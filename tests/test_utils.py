@@ -204,6 +204,86 @@ def test_pruning_keeps_the_last_n_and_the_best_and_a_broken_pointer_falls_back(t
     assert "names 'step_00000009', which is missing; looking for the newest checkpoint" in capsys.readouterr().err
 
 
+def rewrite_state(folder, state) -> None:
+    """Replace a checkpoint's state.pt with `state` and re-record its digests, as someone who edits a checkpoint can:
+    digests.json proves that files are whole, not who wrote them."""
+    import json
+
+    import torch
+
+    from utils.checkpoint import DIGESTS, _digests, _listing_digest
+
+    torch.save(state, folder / "state.pt")
+    files = json.loads((folder / DIGESTS).read_text())["files"] | _digests(folder, ["state.pt"])
+    (folder / DIGESTS).write_text(json.dumps({"files": files, "sha256": _listing_digest(files)}))
+
+
+class RunsCode:
+    """Unpickling this runs code: it writes the file it names (what a malicious checkpoint could do instead)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def test_a_state_file_carrying_a_pickled_callable_is_refused_in_one_line_and_runs_nothing(tmp_path):
+    import torch
+
+    from utils.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+
+    model, optimizer, scheduler, meta = tiny_training_state()
+    folder = save_checkpoint(tmp_path, 1, model, optimizer, scheduler, meta, extra={"loader": {"epoch": 0}})
+    state = torch.load(folder / "state.pt", weights_only=False)  # the test's own file
+    marker = tmp_path / "code_ran"
+    rewrite_state(folder, state | {"extra": {"loader": {"epoch": 0}, "payload": RunsCode(marker)}})
+    assert find_checkpoint(tmp_path, "", meta) == folder  # whole by its digests: only the load can refuse it
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(folder, model, optimizer, scheduler, meta)
+    message = str(e.value)
+    assert message.startswith(f"checkpoint {folder / 'state.pt'} holds more than tensors and plain values"), message
+    assert "exec" in message and "\n" not in message, message
+    assert not marker.exists()
+
+
+def test_a_checkpoint_holding_numpy_rng_state_as_an_array_still_resumes(tmp_path):
+    # checkpoints written before utils.dist.rng_state kept plain values hold numpy's state as np.random.get_state()
+    # gives it (an array inside a tuple): they resume, numpy's stream included, without pickle's code paths
+    import numpy as np
+    import torch
+
+    from utils.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optimizer, scheduler, meta = tiny_training_state()
+    folder = save_checkpoint(tmp_path, 1, model, optimizer, scheduler, meta, extra={"loader": {"epoch": 0}})
+    state = torch.load(folder / "state.pt", weights_only=True)  # this project's state: tensors and plain values
+    np.random.seed(5)
+    state["rng"][0]["numpy"] = np.random.get_state()
+    expected = np.random.rand(3)
+    rewrite_state(folder, state)
+    np.random.seed(6)
+    assert load_checkpoint(folder, model, optimizer, scheduler, meta)["step"] == 1
+    assert np.array_equal(np.random.rand(3), expected)
+
+
+def test_rng_state_round_trips_every_stream():
+    import random
+
+    import numpy as np
+    import torch
+
+    from utils.dist import rng_state, set_rng_state
+
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    np.random.randn()  # a cached Gaussian in numpy's state
+    state = rng_state()
+    expected = (random.random(), np.random.randn(2).tolist(), torch.rand(2))
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    set_rng_state(state)
+    assert (random.random(), np.random.randn(2).tolist()) == expected[:2] and torch.equal(torch.rand(2), expected[2])
+
+
 def test_resumed_logger_drops_what_the_killed_run_logged_after_its_checkpoint(tmp_path):
     lines = [
         {"step": 0, "val/acc": 0.5},

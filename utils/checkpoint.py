@@ -5,7 +5,8 @@ Layout under a run directory:
                                           refreshed reference) as a torch.distributed.checkpoint (DCP) folder: every
                                           rank writes its own shards (__RANK_N.distcp), rank 0 the .metadata index
     checkpoints/step_00000100/state.pt    step, stage and model config, scheduler, data position and loop state,
-                                          every rank's RNG state (small; rank 0)
+                                          every rank's RNG state (small; rank 0): tensors and plain values only, read
+                                          with torch.load(weights_only=True), so a resume runs no code it carries
     checkpoints/step_00000100/meta.json   stage and model config, step and the run's options (read first)
     checkpoints/step_00000100/digests.json  size and SHA-256 of every other file of the checkpoint, taken when it was
                                           written and checked before a resume reads anything
@@ -23,6 +24,8 @@ project is refused with one line. docs/distributed.md and docs/errors.md describ
 import hashlib
 import json
 import os
+import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -342,12 +345,33 @@ def read_options(path: Path) -> dict | None:
     return _read_meta(path).get("options")
 
 
+def _numpy_values() -> list:
+    """What numpy arrays and scalars unpickle from: checkpoints written before utils.dist.rng_state kept plain values
+    hold numpy's RNG state as an array. Data constructors only; the values inside still go through torch's restricted
+    unpickler."""
+    import numpy as np
+
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    dtypes = [type(np.dtype(t)) for t in ("uint32", "int64", "float64", "float32", "bool")]
+    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
+
+
 def _load_state(path: Path) -> dict:
+    """The small training state (state.pt), read with torch.load(weights_only=True): tensors, plain Python values and
+    numpy arrays only, so that a resume runs no code a checkpoint carries; anything else is refused in one line."""
     file = path / "state.pt"
     if not file.is_file():
         raise CheckpointError(f"no checkpoint at {path} (expected {file})")
     try:
-        return torch.load(file, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(_numpy_values()):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # a global that is not a tensor or a plain value: code would run
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = f"it names {found.group(1)}" if found else str(e).splitlines()[0]
+        raise CheckpointError(
+            f"checkpoint {file} holds more than tensors and plain values ({what}) and is not loaded: a resume runs "
+            f"no code a checkpoint carries; resume from a checkpoint this project wrote"
+        ) from None
     except Exception as e:  # truncated, or not a checkpoint
         raise CheckpointError(
             f"cannot read checkpoint {file} ({type(e).__name__}: {e}); delete that folder to resume from an older one"

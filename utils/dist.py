@@ -188,9 +188,14 @@ def stream(*parts, device: torch.device | str = "cpu") -> torch.Generator:
 
 
 def rng_state() -> dict:
+    """This process's random streams (`random`, numpy, torch, CUDA) as tensors and plain values only, so that a
+    checkpoint holding them loads with torch.load(weights_only=True): numpy's MT19937 state is its 624 keys as an int64
+    tensor and its position and cached Gaussian as numbers."""
+    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss)}
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": numpy_state | {"cached_gaussian": float(cached_gaussian)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -199,8 +204,14 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what rng_state() returned (numpy's state also as the tuple np.random.get_state() gives, as checkpoints
+    written before rng_state() kept plain values hold it)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        keys = numpy_state["keys"].numpy().astype(np.uint32)
+        numpy_state = ("MT19937", keys, numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

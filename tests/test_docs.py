@@ -1,5 +1,6 @@
 """The option tables in docs/ say what `--help` says, `--help` lists the options by section with the script's own
-first, and every command-line tool's `--help` shows each option's default."""
+first, every command-line tool's `--help` shows each option's default, README.md stays a short guide, and every link
+between the markdown pages resolves."""
 
 import dataclasses
 import importlib
@@ -162,3 +163,34 @@ def test_every_tool_help_shows_each_default(module, monkeypatch, capsys):
     entries = help_entries(capsys.readouterr().out)
     missing = [k for k, v in entries.items() if k != "-h" and "(default:" not in v]
     assert entries and not missing, f"{module} --help shows no default for {missing}"
+
+
+README_MAX_LINES = 300
+
+
+def test_readme_is_a_short_guide():
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines, more than {README_MAX_LINES}: keep it a guide (the commands, what the stages "
+        "do, where to read on) and move detail into the page of docs/ where it belongs, with a link from README"
+    )
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def test_every_relative_link_of_the_markdown_pages_resolves():
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", link):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path) if path else page
+            if not target.exists() or (anchor and target.suffix == ".md" and anchor not in heading_anchors(target)):
+                broken.append(f"{page.relative_to(ROOT)}: {link}")
+    assert not broken, f"links to no file or no heading: {broken}"

@@ -29,6 +29,7 @@ import grpo
 import rollouts.step
 from bench import common
 from bench.common import mib, peak_memory, random_prompts, reset_peak_memory, result, synchronize
+from bench.stage_floors import gpu_stage_floors
 from data.tokenizer import get_tokenizer
 from model.weights import model_config
 from rollouts.batches import per_rank_sizes
@@ -327,9 +328,7 @@ def step_rows(bcfg: GRPOBenchConfig, m: dict, bench: str = BENCH, label: str = "
     for k in (*STAGES, "other"):
         seconds = medians.get(k, other)
         rows.append(result(bench, f"{name}: {k}", seconds, "s", note=f"{seconds / step:.1%} of the step", config=bcfg))
-    if m.get("device_type") == "cuda":  # each stage against what an H100 cannot beat (bench/floor.py)
-        from bench.floor import gpu_stage_floors
-
+    if m.get("device_type") == "cuda":  # each stage against what an H100 cannot beat
         for k, floor in gpu_stage_floors(bcfg, c).items():
             rows.append(
                 result(
@@ -337,7 +336,8 @@ def step_rows(bcfg: GRPOBenchConfig, m: dict, bench: str = BENCH, label: str = "
                     f"{name}: {k} / H100 floor",
                     medians[k] / floor,
                     "x",
-                    note=f"floor {floor * 1e3:.1f} ms (bench/floor.py gpu_stage_floors), measured {medians[k]:.3f} s",
+                    note=f"floor {floor * 1e3:.1f} ms (bench/stage_floors.py gpu_stage_floors), "
+                    f"measured {medians[k]:.3f} s",
                     config=bcfg,
                 )
             )

@@ -32,7 +32,8 @@ from typing import Literal
 
 from data.tldr import ShardedLoader
 from data.tokenizer import get_tokenizer
-from evaluation.frontier import Frontier, FrontierConfig
+from evaluation.frontier import Frontier
+from evaluation.frontier_declarations import FrontierConfig
 from evaluation.preference import eval_set_logps, evaluate_policy
 from evaluation.summaries import (
     EvalSetsConfig,

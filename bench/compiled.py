@@ -19,13 +19,13 @@ GRPO run compiles again only for shapes it has not seen (a new prompt width give
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from bench import common
 from bench.common import measure_interleaved, random_prompts, result, synchronize
-from bench.grpo_step import GRPOBenchConfig, measure_steps
+from bench.grpo_step import CPU_TINY_QUICK, GPU_REFERENCE, GRPOBenchConfig, measure_steps
 from model.gpt2 import PRESETS, GPT2LMHeadModel
 from model.sampler import generate
 
@@ -68,21 +68,7 @@ def configs(device: torch.device, quick: bool) -> tuple[DecodeCompileConfig, GRP
             new_tokens=56,
             repeats=2 if quick else 3,
         )
-        step = GRPOBenchConfig(
-            "gpu-reference",
-            "gpt2",
-            prompts=32 if quick else 256,
-            num_samples=64,
-            num_kept=8,
-            selection="rso",
-            max_new_tokens=56,
-            prompt_len=384,
-            min_prompt_len=352,
-            gen_prompts=16,
-            micro_batch_size=32,
-            score_micro_batch_size=128,
-            repeats=2 if quick else 3,
-        )
+        step = replace(GPU_REFERENCE, prompts=32 if quick else 256, repeats=2 if quick else 3)
         return sampler, step
     sampler = DecodeCompileConfig(
         "cpu-tiny",
@@ -94,21 +80,7 @@ def configs(device: torch.device, quick: bool) -> tuple[DecodeCompileConfig, GRP
         min_prompt_len=48,
         new_tokens=16 if quick else 32,
     )
-    step = GRPOBenchConfig(
-        "cpu-tiny",
-        "tiny",
-        prompts=4,
-        num_samples=8,
-        num_kept=4,
-        selection="rso",
-        max_new_tokens=8,
-        prompt_len=48,
-        min_prompt_len=32,
-        gen_prompts=4,
-        micro_batch_size=16,
-        score_micro_batch_size=32,
-        repeats=3,
-    )
+    step = replace(CPU_TINY_QUICK, name="cpu-tiny")
     return sampler, step
 
 

@@ -9,7 +9,7 @@ and 1,024 rows), the default prefix sharing, 56 new tokens forced (nothing stops
     per call and generated tokens/s (prefill included), medians of 3 calls after a warm-up call;
   - on a GPU, torch.profiler over one call of each: kernels and their GPU time per token, CUDA launches per token,
     the top kernels; the eager step's wall-clock against its kernels' GPU time says how host-bound it is;
-  - the floor of a decode step (bench/floor.py's decode_floor: bytes read and FLOPs against the H100's published
+  - the floor of a decode step (bench/stage_floors.py's decode_floor: bytes read and FLOPs against the H100's published
     bandwidth and bf16 peak) and the graphed step's ratio to it.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.floor import decode_floor
+from bench.stage_floors import decode_floor
 from model.gpt2 import PRESETS, GPT2LMHeadModel
 from model.sampler import generate
 

@@ -21,7 +21,7 @@ Figures (world size 1, so "per device" is the whole step):
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +29,7 @@ import grpo
 import rollouts.step
 from bench import common
 from bench.common import mib, peak_memory, random_prompts, reset_peak_memory, result, synchronize
+from bench.stage_floors import gpu_stage_floors
 from data.tokenizer import get_tokenizer
 from model.weights import model_config
 from rollouts.batches import per_rank_sizes
@@ -121,78 +122,57 @@ class GRPOBenchConfig:
         )
 
 
+# REFERENCE.md's GRPO step: 256 prompts x 64 samples x 56 new tokens, prompts ~384 tokens, the reward model on all
+# 16,384 samples, RSO keeps 8 per prompt, 2,048 sequences trained; the other benchmarks' steps are it or the CPU's
+# with some fields replaced (dataclasses.replace)
+GPU_REFERENCE = GRPOBenchConfig(
+    "gpu-reference",
+    "gpt2",
+    prompts=256,
+    num_samples=64,
+    num_kept=8,
+    selection="rso",
+    max_new_tokens=56,
+    prompt_len=384,
+    min_prompt_len=352,
+    gen_prompts=16,
+    micro_batch_size=32,
+    score_micro_batch_size=128,
+)
+CPU_TINY = GRPOBenchConfig(
+    "cpu-tiny",
+    "tiny",
+    prompts=8,
+    num_samples=16,
+    num_kept=4,
+    selection="rso",
+    max_new_tokens=16,
+    prompt_len=64,
+    min_prompt_len=48,
+    gen_prompts=8,
+    micro_batch_size=16,
+    score_micro_batch_size=64,
+)
+CPU_TINY_QUICK = GRPOBenchConfig(
+    "cpu-tiny-quick",
+    "tiny",
+    prompts=4,
+    num_samples=8,
+    num_kept=4,
+    selection="rso",
+    max_new_tokens=8,
+    prompt_len=48,
+    min_prompt_len=32,
+    gen_prompts=4,
+    micro_batch_size=16,
+    score_micro_batch_size=32,
+)
+
+
 def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
     if device.type == "cuda":
-        if quick:
-            return [
-                GRPOBenchConfig(
-                    "gpu-gpt2-124M-quick",
-                    "gpt2",
-                    prompts=32,
-                    num_samples=64,
-                    num_kept=8,
-                    selection="rso",
-                    max_new_tokens=56,
-                    prompt_len=384,
-                    min_prompt_len=352,
-                    gen_prompts=16,
-                    micro_batch_size=32,
-                    score_micro_batch_size=128,
-                    repeats=2,
-                )
-            ]
-        # REFERENCE.md's GRPO step: 256 prompts x 64 samples x 56 new tokens, prompts ~384 tokens, the reward
-        # model on all 16,384 samples, RSO keeps 8 per prompt, 2,048 sequences trained
-        return [
-            GRPOBenchConfig(
-                "gpu-reference",
-                "gpt2",
-                prompts=256,
-                num_samples=64,
-                num_kept=8,
-                selection="rso",
-                max_new_tokens=56,
-                prompt_len=384,
-                min_prompt_len=352,
-                gen_prompts=16,
-                micro_batch_size=32,
-                score_micro_batch_size=128,
-            )
-        ]
-    if quick:
-        return [
-            GRPOBenchConfig(
-                "cpu-tiny-quick",
-                "tiny",
-                prompts=4,
-                num_samples=8,
-                num_kept=4,
-                selection="rso",
-                max_new_tokens=8,
-                prompt_len=48,
-                min_prompt_len=32,
-                gen_prompts=4,
-                micro_batch_size=16,
-                score_micro_batch_size=32,
-                repeats=3,
-            )
-        ]
-    return [
-        GRPOBenchConfig(
-            "cpu-tiny",
-            "tiny",
-            prompts=8,
-            num_samples=16,
-            num_kept=4,
-            selection="rso",
-            max_new_tokens=16,
-            prompt_len=64,
-            min_prompt_len=48,
-            gen_prompts=8,
-            micro_batch_size=16,
-            score_micro_batch_size=64,
-        )
-    ]
+        return [replace(GPU_REFERENCE, name="gpu-gpt2-124M-quick", prompts=32, repeats=2) if quick else GPU_REFERENCE]
+    return [CPU_TINY_QUICK if quick else CPU_TINY]
 
 
 @dataclass
@@ -327,9 +307,7 @@ def step_rows(bcfg: GRPOBenchConfig, m: dict, bench: str = BENCH, label: str = "
     for k in (*STAGES, "other"):
         seconds = medians.get(k, other)
         rows.append(result(bench, f"{name}: {k}", seconds, "s", note=f"{seconds / step:.1%} of the step", config=bcfg))
-    if m.get("device_type") == "cuda":  # each stage against what an H100 cannot beat (bench/floor.py)
-        from bench.floor import gpu_stage_floors
-
+    if m.get("device_type") == "cuda":  # each stage against what an H100 cannot beat
         for k, floor in gpu_stage_floors(bcfg, c).items():
             rows.append(
                 result(
@@ -337,7 +315,8 @@ def step_rows(bcfg: GRPOBenchConfig, m: dict, bench: str = BENCH, label: str = "
                     f"{name}: {k} / H100 floor",
                     medians[k] / floor,
                     "x",
-                    note=f"floor {floor * 1e3:.1f} ms (bench/floor.py gpu_stage_floors), measured {medians[k]:.3f} s",
+                    note=f"floor {floor * 1e3:.1f} ms (bench/stage_floors.py gpu_stage_floors), "
+                    f"measured {medians[k]:.3f} s",
                     config=bcfg,
                 )
             )

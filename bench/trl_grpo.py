@@ -30,74 +30,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from bench import common
 from bench.common import ROOT, mib, result, skipped
-from bench.grpo_step import GRPOBenchConfig, bench_config
+from bench.grpo_step import CPU_TINY, CPU_TINY_QUICK, GPU_REFERENCE, GRPOBenchConfig, bench_config
 from bench.trl_common import char_tokenizer, child_env, ids_to_text, trainer_basics, trl_available, version
 
 BENCH = "trl"
 
 
 def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
-    """The comparison configuration: TRL generates a whole step's prompts x G in one generate call, so on the GPU
-    it is 16 prompts x 64 samples (a 1,024-row KV cache), not the 256 prompts of the reference step."""
+    """The comparison configuration: our step's, with selection "all" (K = G). TRL generates a whole step's prompts x
+    G in one generate call, so on the GPU it is 16 prompts x 64 samples (a 1,024-row KV cache), not the 256 prompts of
+    the reference step. On the CPU, REFERENCE.md's figure for TRL: 128 samples of 16 tokens on a 2-layer, 64-wide
+    GPT-2."""
     if device.type == "cuda":
-        return [
-            GRPOBenchConfig(
-                "gpu-trl-comparison" + ("-quick" if quick else ""),
-                "gpt2",
-                prompts=4 if quick else 16,
-                num_samples=64,
-                num_kept=64,
-                selection="all",
-                max_new_tokens=56,
-                prompt_len=384,
-                min_prompt_len=352,
-                gen_prompts=16,
-                micro_batch_size=32,
-                score_micro_batch_size=128,
-                repeats=2 if quick else 3,
-            )
-        ]
+        name, prompts, repeats = ("gpu-trl-comparison-quick", 4, 2) if quick else ("gpu-trl-comparison", 16, 3)
+        return [replace(GPU_REFERENCE, name=name, prompts=prompts, num_kept=64, selection="all", repeats=repeats)]
     if quick:
-        return [
-            GRPOBenchConfig(
-                "cpu-trl-comparison-quick",
-                "tiny",
-                prompts=4,
-                num_samples=8,
-                num_kept=8,
-                selection="all",
-                max_new_tokens=8,
-                prompt_len=48,
-                min_prompt_len=32,
-                gen_prompts=4,
-                micro_batch_size=16,
-                score_micro_batch_size=32,
-                repeats=3,
-            )
-        ]
-    # REFERENCE.md's CPU figure for TRL: 128 samples of 16 tokens on a 2-layer, 64-wide GPT-2
-    return [
-        GRPOBenchConfig(
-            "cpu-trl-comparison",
-            "tiny",
-            prompts=8,
-            num_samples=16,
-            num_kept=16,
-            selection="all",
-            max_new_tokens=16,
-            prompt_len=64,
-            min_prompt_len=48,
-            gen_prompts=8,
-            micro_batch_size=16,
-            score_micro_batch_size=128,
-        )
-    ]
+        return [replace(CPU_TINY_QUICK, name="cpu-trl-comparison-quick", num_kept=8, selection="all")]
+    return [replace(CPU_TINY, name="cpu-trl-comparison", num_kept=16, selection="all", score_micro_batch_size=128)]
 
 
 # ----------------------------------------------------------------------------------------------------

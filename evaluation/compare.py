@@ -37,7 +37,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-import evaluation.frontier  # noqa: E402
+import evaluation.frontier_declarations  # noqa: E402
 import evaluation.samples  # noqa: E402
 import evaluation.summaries  # noqa: E402
 import model.lora  # noqa: E402
@@ -76,7 +76,7 @@ class CompareError(ValueError):
 # does not import the scripts; tests/test_compare.py checks that every script's declared options are covered).
 OPTION_GROUPS = option_groups(
     utils.config, rollouts.options, model.lora, evaluation.samples, evaluation.summaries,
-    evaluation.frontier,
+    evaluation.frontier_declarations,
 )  # fmt: skip
 IGNORED = frozenset(
     {name for group in OPTION_GROUPS for fact in ("free", "recorded") for name in declared(group, fact)} - {"steps"}

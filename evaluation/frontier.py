@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from data.tldr import PROMPT_COLUMNS, PromptDataset, decode_responses, load_optional_column, load_rows
+from evaluation.frontier_declarations import LOGGED, METRICS
 from evaluation.samples import sample_summaries
 from evaluation.summaries import reference_summaries
 from model.lora import sharded_module
@@ -62,73 +63,14 @@ from rlhf.stats import (
     variance_components,
 )
 from rollouts.sampling import model_rows, score
-from utils.config import ConfigError, option
+from utils.config import ConfigError
 from utils.dist import stream
 from utils.fsdp import gathered_params, shard_model
 from utils.logging import read_rows
-from utils.metrics import metric
 
-METRICS = ("kl", "gold", "proxy", "proxy_raw", "win_rate")
-"""What measure() reports, each with its standard error (name + "_se"); gold and win_rate only when they apply."""
-LOGGED = {  # summarize_posts' values -> the metric a training stage logs each as at an evaluation (its declaration);
-    # the samples' win rate and length are named apart from grpo.py's eval/win_rate and eval/response_length (its
-    # greedy summaries')
-    "kl": metric("eval/kl", "min", "KL to the reference of the policy's temperature-1 samples (--frontier_prompts)"),
-    "gold": metric("eval/gold", "max", "mean gold reward of those samples (--frontier_gold_fn or the stage's)"),
-    "proxy": metric("eval/proxy", "max", "mean normalised proxy reward-model score of those samples"),
-    "proxy_raw": metric("eval/proxy_raw", "max", "mean raw proxy reward-model score of those samples"),
-    "win_rate": metric("eval/win_rate_sampled", "max", "share of those samples the proxy scores above the reference"),
-    "response_length": metric("eval/sampled_length", "min", "mean response tokens of those samples"),
-}
-for _name in METRICS:
-    LOGGED[_name + "_se"] = metric(LOGGED[_name] + "_se", "min", f"standard error over the posts of {LOGGED[_name]}")
 POSTS_TABLE = "frontier_posts"
 """The table (utils.logging.Logger.table: frontier_posts.jsonl in the run directory) of every evaluation's per-post
 values: the unit of the paired comparisons (verdict_rows)."""
-
-
-@dataclass
-class FrontierConfig:
-    # --- evaluation and logging
-    frontier_prompts: int = 0
-    """Held-out prompts (the first N of --frontier_data) on which every evaluation also measures the policy's KL to
-    its reference (grpo.py: the policy it started from, also when --ref_refresh_every moves the training reference)
-    and the reward of its temperature-1 samples (eval/kl, eval/kl_se, eval/gold, eval/proxy, eval/win_rate_sampled,
-    ...; per post in the run's frontier_posts.jsonl: docs/reporting.md); 0: not measured."""
-    frontier_samples: int = 4
-    """Summaries sampled at temperature 1 per prompt for --frontier_prompts."""
-    frontier_data: str = ""
-    """Prompts for --frontier_prompts (a prompt column; a completion column adds the win rate against it): a hub
-    dataset name, a .jsonl/.parquet file or a folder; empty: the stage's --val_data (its distinct prompts)."""
-    frontier_reward_model: str = option("", model="reward_model")
-    """The proxy reward model (reward_model.py's hf/ folder) scoring the samples; empty: grpo.py's --reward_model,
-    dpo.py's --judge, or none."""
-    frontier_gold_fn: str = ""
-    """A gold reward "module:function" of (prompt, summary) scoring the samples (the embedded task's:
-    data.synthetic:gold_reward); empty: grpo.py's --gold_reward_fn, or none."""
-    frontier_max_new_tokens: int = 0
-    """Tokens of each sampled summary at most, the end token included; 0: the stage's response length."""
-
-    def frontier_limits(self, policy_cfg, response: str) -> list[tuple]:
-        """utils.config.fit_context's limits of the frontier's sampled summaries (--frontier_max_new_tokens, else the
-        stage's `response` option) in the policy and --frontier_reward_model; none without --frontier_prompts. Checks
-        that --frontier_reward_model is a reward model holding its normalisation (model.weights.model_config): its
-        proxy is logged normalized."""
-        if self.frontier_prompts <= 0:
-            return []
-        length = "frontier_max_new_tokens" if self.frontier_max_new_tokens else response
-        limits = [(policy_cfg, length, "policy")]
-        if self.frontier_reward_model:
-            rm_cfg = model_config(self.frontier_reward_model, kind="reward_model", option="--frontier_reward_model")
-            limits.append((rm_cfg, length, "frontier reward model"))
-        return limits
-
-    def validate_frontier(self) -> None:
-        for name in ("frontier_prompts", "frontier_max_new_tokens"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if self.frontier_samples < 1:
-            raise ConfigError(f"--frontier_samples must be >= 1, got {self.frontier_samples}")
 
 
 @dataclass

@@ -306,12 +306,12 @@ def test_decode_ops_per_token_and_per_layer(one_thread):
 
 
 def test_decode_floor_counts_by_hand_and_scoring_reads_each_prompt_once():
-    """bench/floor.py's GPU floor of a decode step on a tiny config, against the count by hand: the weights once
+    """bench/stage_floors.py's GPU floor of a decode step on a tiny config, against the count by hand: the weights once
     (12 L C^2 + V C + positions x C values), each prompt's keys and values once per group (2 L C values per position),
     each row's own ones at new_tokens / 2 positions on average; FLOPs of the body and head for every row. And the
     scoring stage's products count each prompt once (prefix sharing), not once per sample."""
-    from bench.floor import body_flops_per_token, decode_floor, gpu_stage_floors, stage_products
     from bench.grpo_step import GRPOBenchConfig
+    from bench.stage_floors import body_flops_per_token, decode_floor, gpu_stage_floors, stage_products
     from model.gpt2 import GPTConfig
 
     cfg = GPTConfig(vocab_size=100, n_positions=16, n_layer=2, n_head=2, n_embd=8)

@@ -466,7 +466,8 @@ def test_evaluate_writes_per_post_values_that_frontier_points_reads(tmp_path):
     frontier_points gives them back with the logged means (the mean of the per-post values)."""
     from types import SimpleNamespace
 
-    from evaluation.frontier import Frontier, FrontierConfig
+    from evaluation.frontier import Frontier
+    from evaluation.frontier_declarations import FrontierConfig
     from utils.logging import Logger
 
     paths = write_task(tmp_path / "data", seed=0)
@@ -712,7 +713,8 @@ def test_metric_names_are_the_ones_evaluate_logs(tmp_path):
     # the stages check --best_metric against Frontier.metric_names before their first step, without evaluating
     from types import SimpleNamespace
 
-    from evaluation.frontier import Frontier, FrontierConfig
+    from evaluation.frontier import Frontier
+    from evaluation.frontier_declarations import FrontierConfig
 
     paths = write_task(tmp_path / "data", seed=0)
     policy, reference = two_policies()

@@ -1,6 +1,7 @@
 """The import graph goes one way: scripts -> packages; training/ -> evaluation/ -> rollouts/ -> model/, data/, rlhf/,
 utils/; rlhf/ -> torch only; utils/ -> none of the project's other packages; model/ and data/ -> nothing of utils/
-(model/ may use rlhf/'s pure math); no script imports a script, no test file imports another."""
+(model/ may use rlhf/'s pure math); no script imports a script, no test file imports another; and no module imports
+itself back, however long the way round (module granularity, imports inside functions included)."""
 
 import ast
 from pathlib import Path
@@ -127,3 +128,69 @@ def test_no_function_of_grpo_its_step_or_the_math_takes_more_than_eight_position
                 too_long.append(f"{name}.{f.__qualname__}: {len(positional)} ({', '.join(positional)})")
     assert seen > 50
     assert not too_long, too_long
+
+
+def module_file(name: str) -> Path | None:
+    """The project file that module `name` is (a package is its __init__.py), or None outside the project."""
+    path = ROOT / Path(*name.split("."))
+    for file in (path.with_suffix(".py"), path / "__init__.py"):
+        if file.is_file():
+            return file
+    return None
+
+
+def imported_files(file: Path) -> set[Path]:
+    """Project files that `file` imports, anywhere in it (functions included), one per module: `from a.b import c` is
+    a/b/c.py when c is a module, else a/b.py; `import a.b` is a/b.py (the package a/__init__.py that Python runs
+    first is not counted)."""
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {module_file(a.name) for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert not node.level, f"{file.relative_to(ROOT)}: a relative import (this graph reads absolute ones)"
+            found |= {module_file(f"{node.module}.{a.name}") or module_file(node.module) for a in node.names}
+    return found - {None}
+
+
+def import_cycles(graph: dict[Path, set[Path]]) -> list[list[Path]]:
+    """One cycle (first file repeated at its end) for each edge that closes one in a depth-first walk of `graph`."""
+    cycles, done, stack = [], set(), []
+
+    def visit(file):
+        stack.append(file)
+        for target in sorted(graph.get(file, ())):
+            if target in stack:
+                cycles.append(stack[stack.index(target) :] + [target])
+            elif target not in done:
+                visit(target)
+        stack.pop()
+        done.add(file)
+
+    for file in sorted(graph):
+        if file not in done:
+            visit(file)
+    return cycles
+
+
+def test_import_cycles_are_found_and_named_as_a_chain_of_files():
+    a, b, c, d = (ROOT / f"{n}.py" for n in "abcd")
+    assert import_cycles({a: {b}, b: {c}, c: set(), d: {a}}) == []
+    assert import_cycles({a: {b}, b: {c}, c: {a}, d: {a}}) == [[a, b, c, a]]
+    assert import_cycles({a: {a}}) == [[a, a]]
+    assert module_file("evaluation") == ROOT / "evaluation" / "__init__.py" and module_file("torch") is None
+    common, step, compare = (ROOT / f for f in ("bench/common.py", "rollouts/step.py", "evaluation/compare.py"))
+    assert compare in imported_files(ROOT / "evaluation/frontier.py")  # inside main()
+    profile = imported_files(ROOT / "bench/decode_profile.py")
+    assert common in profile and ROOT / "bench/__init__.py" not in profile  # `from bench import common`
+    assert {step, common} <= imported_files(ROOT / "bench/grpo_step.py")  # `import rollouts.step`, `from bench.common`
+
+
+def test_no_module_imports_itself_back():
+    # module granularity: `from evaluation.compare import x` (even inside a function) is an edge from the importing file
+    # to evaluation/compare.py, `from evaluation import compare` too; a package's __init__.py is a module of its own
+    files = sorted(ROOT.glob("*.py")) + [f for p in sorted(PACKAGES - {"tests"}) for f in package_files(p)]
+    graph = {file: imported_files(file) for file in files}
+    assert sum(map(len, graph.values())) > 200
+    cycles = [" -> ".join(str(f.relative_to(ROOT)) for f in cycle) for cycle in import_cycles(graph)]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

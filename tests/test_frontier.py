@@ -357,12 +357,46 @@ def test_sizes_and_the_smallest_detectable_difference_by_hand():
     assert seeds_needed(seeds_only, 100, 0.1) == units_needed(1.0, 1.0) == 10
     assert posts_needed({"var_seed": 0.0, "var_post": 1.0, "var_residual": 0.0}, 4, 0.5) == 34
     assert posts_needed({"var_seed": math.nan, "var_post": 1.0, "var_residual": 0.0}, 1, 0.5) == 34  # one seed
-    # the residual shrinks with seeds x posts: 4 seeds of var_residual 4 are one seed of var_residual 1
-    assert posts_needed({"var_seed": 0.0, "var_post": 0.0, "var_residual": 4.0}, 4, 0.5) == 34
+    # the residual shrinks with seeds x posts (4 seeds of var_residual 4: error 1 / sqrt(P)), but with no post
+    # component the interval's df is the seeds' 3 however many posts (difference_interval's): (t_.975,3 + t_.8,3)
+    # / sqrt(P) = (3.1824 + 0.9785) / sqrt(P) <= 0.5 from P = 70 (69: 0.5009), not the 34 of df P - 1
+    assert posts_needed({"var_seed": 0.0, "var_post": 0.0, "var_residual": 4.0}, 4, 0.5) == 70
     # var_post / P does not shrink with seeds (the same posts in every run): no number of seeds reaches 0.05 on 100
     # posts of var_post 0.5 ((1.96 + 0.84) sqrt(0.005) = 0.198); var_seed / S alone: no number of posts
     assert seeds_needed({"var_seed": 0.01, "var_post": 0.5, "var_residual": 1.0}, 100, 0.05) is None
     assert posts_needed({"var_seed": 0.01, "var_post": 0.5, "var_residual": 1.0}, 2, 0.05) is None
+
+
+def test_sizes_are_counted_at_the_intervals_own_degrees_of_freedom():
+    """6 seeds x 400 posts of differences with no post component (the posts' means made equal): the interval's df is
+    the seeds' 5, and it detects a little more than 0.05; so 0.05 needs more than 400 posts, in closed form at df 5:
+    var_seed / 6 + var_residual / (6 P) <= (0.05 / (t_.975,5 + t_.8,5))^2. At df P - 1 it would be fewer than 400."""
+    g = torch.Generator().manual_seed(1)
+    v = 0.03 * torch.randn(6, 1, generator=g, dtype=torch.float64) + torch.randn(
+        6, 400, generator=g, dtype=torch.float64
+    )
+    v = v - v.mean(0, keepdim=True)  # every post's mean 0: MS_post = 0, the post component clipped
+    v = -0.04 + v * (0.0146 / variance_components(v)["se"])  # se 0.0146 at df 5: detectable 3.49 x 0.0146 = 0.051
+    c = difference_interval(v)
+    assert c["var_post"] == 0.0 and c["df"] == pytest.approx(5.0)
+    detectable = detectable_difference(c["se"], c["df"])
+    assert detectable == pytest.approx(0.051, abs=5e-4)
+    t5 = t_quantile(0.975, 5) + t_quantile(0.8, 5)
+    want = math.ceil(c["var_residual"] / (6 * (0.05 / t5) ** 2 - c["var_seed"]))
+    assert 400 < want < 1000 and posts_needed(c, 6, 0.05) == want
+    assert posts_needed(c, 6, round(detectable, 6) + 1e-6) <= 400 < posts_needed(c, 6, round(detectable, 6) - 1e-6)
+    # seeds with a post component: Satterthwaite's df of the mean squares at S seeds, (1 + 25 S)^2 / ..., above S - 1,
+    # found here by a scan over S (seeds_needed bisects)
+    comps = {"var_seed": 0.01, "var_post": 0.25, "var_residual": 0.5}
+    P = 100
+
+    def detectable_at(S: int) -> float:
+        ms = [(P * 0.01 + 0.5, S - 1, 1.0), (S * 0.25 + 0.5, P - 1, 1.0), (0.5, (S - 1) * (P - 1), -1.0)]
+        df = sum(c * m for m, _, c in ms) ** 2 / sum((c * m) ** 2 / d for m, d, c in ms)
+        return detectable_difference(math.sqrt(0.01 / S + 0.25 / P + 0.5 / (S * P)), df)
+
+    want = next(S for S in range(2, 100) if detectable_at(S) <= 0.2)
+    assert seeds_needed(comps, P, 0.2) == want == 7  # at df S - 1: 10
 
 
 @pytest.mark.parametrize("form", ["bon", "rl"])

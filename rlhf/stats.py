@@ -212,14 +212,21 @@ def best_of_n_pool_kl(proxy_PN: torch.Tensor, n: int) -> torch.Tensor:
 
     Exact for the pool's empirical distribution; log n - (n - 1)/n (best_of_n_kl) is its limit for a pool of N
     distinct untied samples as N grows, and an upper bound (Beirami et al. 2024, arXiv 2401.01879). The estimate is
-    biased low when n approaches N (no repeats: best_of_n_pool_bias; docs/reporting.md)."""
+    biased low when n approaches N (no repeats: best_of_n_pool_bias; docs/reporting.md). Computed in log space: finite
+    for any pool."""
     P, N = proxy_PN.shape
     if not 1 <= n <= N:
         raise ValueError(f"best-of-n needs 1 <= n <= {N} samples per prompt, got n = {n}")
     c_lo, c_hi = tie_blocks(proxy_PN)
-    mass = (c_hi.double() / N) ** n - (c_lo.double() / N) ** n  # best-of-n's probability of the sample's block
+    # best-of-n's probability of the sample's block, in log space: (c_hi/N)^n underflows to 0 for the lowest samples of
+    # a large pool (n = 128, N > ~340), and 0 log 0 would be NaN. log(F_hi^n - F_lo^n) = n log F_hi + log(1 - r),
+    # r = (c_lo / c_hi)^n, with log(1 - r) = log(-expm1(log r)) (accurate for r near 1; r = 0 when c_lo = 0)
+    log_hi = torch.log(c_hi.double() / N)  # c_hi >= 1
+    log_r = n * (torch.log(c_lo.double()) - torch.log(c_hi.double()))  # -inf when c_lo = 0
+    log_mass = n * log_hi + torch.log(-torch.expm1(log_r))
     block = (c_hi - c_lo).double()  # each block counted once per sample in it
-    return (mass / block * torch.log(mass / (block / N))).sum(1)
+    log_ratio = log_mass - torch.log(block / N)
+    return (torch.exp(log_mass) / block * log_ratio).sum(1)  # a mass that underflows adds 0 (its log is finite)
 
 
 # ----------------------------------------------------------------------------------------------------

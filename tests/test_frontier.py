@@ -7,6 +7,7 @@ import math
 import shutil
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -270,6 +271,42 @@ def test_pool_kl_approaches_the_formula_as_the_pool_grows_without_repeats():
         assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-3, (n, errors)
     assert best_of_n_pool_bias(64, 64) == pytest.approx(-0.041, abs=5e-4)  # docs/reporting.md's figures
     assert best_of_n_pool_bias(64, 256) == pytest.approx(-0.003, abs=5e-4)
+
+
+def test_pool_kl_is_finite_for_a_large_pool_and_unchanged_for_a_small_one():
+    """(c/N)^128 underflows to 0 for the lowest samples of a pool above ~340, where 0 log 0 gave NaN: a pool of 1024
+    (with and without ties and repeats) gives a finite KL between 0 and the bound log n - (n - 1)/n, close to it
+    without repeats; on small pools the value is the direct formula's, sum (F^n - F_-^n) log((F^n - F_-^n) / Q)."""
+    g = torch.Generator().manual_seed(0)
+    distinct = torch.randn(2, 1024, generator=g, dtype=torch.float64)
+    repeats = torch.randint(0, 100, (2, 1024), generator=g).double()  # about 10 copies of each score
+    for n in (64, 128, 512):
+        kl = best_of_n_pool_kl(torch.cat([distinct, repeats]), n)
+        assert torch.isfinite(kl).all() and (kl > 0).all() and (kl <= best_of_n_kl(n) + 1e-9).all(), (n, kl)
+
+    def exact(n: int, m: int) -> float:  # m distinct outcomes, p_i = (i/m)^n - ((i-1)/m)^n in exact fractions
+        total = 0.0
+        for i in range(1, m + 1):
+            p = Fraction(i, m) ** n - Fraction(i - 1, m) ** n
+            total += float(p) * (math.log(p.numerator * m) - math.log(p.denominator))
+        return total
+
+    want = exact(128, 1024)
+    assert best_of_n_kl(128) - 1e-3 < want < best_of_n_kl(128)
+    assert best_of_n_pool_kl(distinct, 128).tolist() == pytest.approx([want] * 2, rel=1e-12)
+    assert best_of_n_pool_bias(128, 4096) == pytest.approx(exact(128, 4096) - best_of_n_kl(128), rel=1e-9)
+
+    def direct(proxy_PN: torch.Tensor, n: int) -> torch.Tensor:  # the formula as written, fine on a small pool
+        N = proxy_PN.shape[1]
+        below = (proxy_PN[:, None, :] < proxy_PN[:, :, None]).double().sum(2)  # (P, N) c_lo
+        at_or_below = (proxy_PN[:, None, :] <= proxy_PN[:, :, None]).double().sum(2)  # c_hi
+        mass = (at_or_below / N) ** n - (below / N) ** n
+        block = at_or_below - below
+        return (mass / block * torch.log(mass / (block / N))).sum(1)
+
+    small = torch.cat([torch.randn(2, 64, generator=g), torch.randint(0, 9, (2, 64), generator=g)]).double()
+    for n in (1, 2, 7, 32, 64):
+        assert best_of_n_pool_kl(small, n).tolist() == pytest.approx(direct(small, n).tolist(), rel=1e-12, abs=1e-14)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -241,6 +241,24 @@ def bootstrap_resamples(statistic, n: int, n_resamples: int = 2000, seed: int = 
     return torch.stack([torch.as_tensor(statistic(i), dtype=torch.float64).flatten() for i in idx])
 
 
+def crossed_bootstrap_resamples(
+    statistic, rows: int, cols: int, n_resamples: int = 1000, seed: int = 0
+) -> torch.Tensor:
+    """`statistic` on n_resamples resamples (S, K) of a crossed design, `rows` units (seeds) x `cols` units (posts,
+    the same posts in every seed): each resample draws the rows and the columns with replacement, independently, and
+    calls statistic(row_idx (rows,), col_idx (cols,)), returning K numbers (NaN where undefined). This is Owen's
+    pigeonhole bootstrap (2007, Ann. Appl. Stat. 1(1)): no bootstrap is exact for crossed random effects (McCullagh
+    2000), and this one counts both the seeds' and the posts' spread, erring on the wide side (Owen: mildly
+    conservative). Drawing the columns first and from the same generator as bootstrap_resamples, one row gives
+    bootstrap_resamples' resamples."""
+    g = torch.Generator().manual_seed(seed)
+    col_idx = torch.randint(0, cols, (n_resamples, cols), generator=g)  # (S, cols)
+    row_idx = torch.randint(0, rows, (n_resamples, rows), generator=g)  # (S, rows)
+    return torch.stack(
+        [torch.as_tensor(statistic(r, c), dtype=torch.float64).flatten() for r, c in zip(row_idx, col_idx, strict=True)]
+    )
+
+
 def bootstrap_interval(
     statistic, n: int, n_resamples: int = 2000, confidence: float = 0.95, seed: int = 0
 ) -> torch.Tensor:

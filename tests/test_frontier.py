@@ -532,6 +532,31 @@ def test_frontier_table_fits_gaos_forms_through_points_made_from_them(tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 0
 
 
+def test_fit_intervals_count_the_seeds_spread():
+    """Three seeds of a method on R_RL with alpha 1.0, 1.2 and 1.4 (beta 0.3), every post the same gain over its own
+    baseline: resampling posts with the seeds fixed gives the point [1.2, 1.2] (the fit through all three seeds'
+    points is their mean), while the seeds' spread is real. With the seeds resampled too, alpha's interval is the
+    spread of the mean of three draws from {1.0, 1.2, 1.4}: inside [1.0, 1.4], at least 0.2 wide; beta stays 0.3
+    (every seed has it). Best-of-n, one curve, keeps its interval over posts (degenerate here)."""
+    from evaluation.frontier import fit_curves
+
+    base = [1.0, 2.0, 4.0]
+
+    def point(kl, form, alpha, n=None):
+        gain = float(gao_curve(torch.tensor([math.sqrt(kl)], dtype=torch.float64), alpha, 0.3, form)[0])
+        return post_point([kl] * 3, [b + gain for b in base], n)
+
+    curve = [point(k, "bon", 1.2, n) for n, k in ((1, 0.0), (2, 0.2), (4, 0.6), (8, 1.1))]
+    seeds = [[point(k, "rl", alpha) for k in (0.0, 0.3, 0.8)] for alpha in (1.0, 1.2, 1.4)]
+    fits = fit_curves(curve, {"GRPO": seeds}, n_resamples=400)
+    f = fits["GRPO"]
+    assert (f["alpha"], f["beta"]) == pytest.approx((1.2, 0.3), abs=1e-9)
+    low, high = f["alpha_ci"]
+    assert 1.0 - 1e-9 <= low <= 1.1 and 1.3 <= high <= 1.4 + 1e-9, f["alpha_ci"]
+    assert f["beta_ci"] == pytest.approx([0.3, 0.3], abs=1e-9)
+    assert fits["best-of-n"]["alpha_ci"] == pytest.approx([1.2, 1.2], abs=1e-9)
+
+
 def test_evaluate_writes_per_post_values_that_frontier_points_reads(tmp_path):
     """Frontier.evaluate at two steps with a run's logger: frontier_posts.jsonl holds each post's values, and
     frontier_points gives them back with the logged means (the mean of the per-post values)."""

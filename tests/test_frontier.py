@@ -482,6 +482,63 @@ def test_verdict_rows_pair_posts_and_match_kl():
     assert "| A - best-of-n | 0.250 | +0.167 |" in table and "| A - B | 0.250 | +0.500 | 0.000 |" in table
 
 
+def interval_by_hand(d: list[list[float]]) -> dict[str, float]:
+    """The two-way crossed model of differences d (S seeds x P posts) from its mean squares, written out: the mean,
+    se^2 = (MS_seed + MS_post - MS_res) / (S P), Satterthwaite's df and the 95% t interval (both components above 0)."""
+    S, P = len(d), len(d[0])
+    m = sum(map(sum, d)) / (S * P)
+    seed_m = [sum(row) / P for row in d]
+    post_m = [sum(d[s][p] for s in range(S)) / S for p in range(P)]
+    ms_seed = P * sum((x - m) ** 2 for x in seed_m) / (S - 1)
+    ms_post = S * sum((x - m) ** 2 for x in post_m) / (P - 1)
+    ms_res = sum((d[s][p] - seed_m[s] - post_m[p] + m) ** 2 for s in range(S) for p in range(P)) / ((S - 1) * (P - 1))
+    assert ms_seed > ms_res and ms_post > ms_res  # neither component clipped: the general case
+    total = ms_seed + ms_post - ms_res
+    df = total**2 / (ms_seed**2 / (S - 1) + ms_post**2 / (P - 1) + ms_res**2 / ((S - 1) * (P - 1)))
+    se = math.sqrt(total / (S * P))
+    half = t_quantile(0.975, df) * se
+    return {"difference": m, "se": se, "df": df, "ci_low": m - half, "ci_high": m + half}
+
+
+def test_verdict_rows_pair_three_seeds_by_seed():
+    """Three seeds of A (each one evaluation, at KL 0.25, 0.36, 0.16) and four of B (each from KL 0 to 1; the fourth
+    unpaired), seed effects that differ and that B shares seed by seed with A: A - B pairs seed s with seed s, at each
+    seed's own matched KL (B interpolated back in sqrt(KL): weight sqrt(k_s)), and A - best-of-n matches best-of-n to
+    each seed's KL; the difference, its error over posts and its t interval with the seeds' spread against the
+    (seeds, posts) table written out by hand."""
+    curve = [post_point([0.0] * 4, [1.0, 2.0, 3.0, 4.0], 1), post_point([1.0] * 4, [3.0, 2.0, 5.0, 4.0], 2)]
+    kls = [0.25, 0.36, 0.16]
+    a_gold = [[2.0, 2.6, 3.9, 4.4], [3.2, 3.1, 4.9, 5.6], [1.5, 1.9, 3.0, 4.3]]
+    b_paths = [
+        ([1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 3.5, 5.0]),
+        ([1.2, 2.1, 3.3, 4.2], [2.8, 3.1, 4.5, 5.6]),
+        ([0.9, 1.8, 2.9, 3.9], [1.6, 2.2, 3.0, 4.1]),
+        ([0.0] * 4, [9.0] * 4),  # B's fourth seed: A has three, so it is left out
+    ]
+    a = [[post_point([k] * 4, g)] for k, g in zip(kls, a_gold, strict=True)]
+    b = [[post_point([0.0] * 4, g0), post_point([1.0] * 4, g1)] for g0, g1 in b_paths]
+    rows = verdict_rows({"A": a, "B": b}, curve, [("A", "B"), ("A", BEST_OF_N)], n_resamples=200)
+
+    def at(g0, g1, k):  # a path from KL 0 to KL 1 at KL k, linear in sqrt(KL)
+        return [(1 - math.sqrt(k)) * x + math.sqrt(k) * y for x, y in zip(g0, g1, strict=True)]
+
+    bon = curve[0]["posts"]["gold"], curve[1]["posts"]["gold"]
+    d_ab = [[x - y for x, y in zip(a_gold[s], at(*b_paths[s], kls[s]), strict=True)] for s in range(3)]
+    d_bon = [[x - y for x, y in zip(a_gold[s], at(*bon, kls[s]), strict=True)] for s in range(3)]
+    for row, d in ((rows[0], d_ab), (rows[1], d_bon)):
+        want = interval_by_hand(d)
+        assert row["seeds"] == 3 and row["posts"] == 4 and row["kl"] == pytest.approx(sum(kls) / 3)
+        for k, v in want.items():
+            assert row[k] == pytest.approx(v, rel=1e-9), (row["pair"], k)
+        assert row["distinguishable"] == (not want["ci_low"] <= 0 <= want["ci_high"])
+        post_means = [sum(d[s][p] for s in range(3)) / 3 for p in range(4)]
+        mean = sum(post_means) / 4
+        assert row["se_posts"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in post_means) / 3 / 4))
+    # the pairing matters here: B's seeds in another order would give another interval
+    shuffled = [[x - y for x, y in zip(a_gold[s], at(*b_paths[(s + 1) % 3], kls[s]), strict=True)] for s in range(3)]
+    assert abs(rows[0]["se"] - interval_by_hand(shuffled)["se"]) > 0.05
+
+
 def test_verdict_rows_bootstrap_drops_resamples_beyond_best_of_n():
     """A method whose mean KL (0.9) best-of-n reaches (1.0), but one post's KL is 3: resamples holding that post twice
     or more (a share of 1 - (3/4)^4 - 4 (1/4)(3/4)^3 = 0.262 of them) pass best-of-n's largest KL. The interval comes

@@ -10,6 +10,7 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -318,7 +319,14 @@ def test_paired_difference_is_the_error_of_the_per_post_differences():
     out = paired_difference(a, b)
     assert out["difference"] == 0.5
     assert out["se"] == pytest.approx(math.sqrt(5 / 3) / 2)  # sample variance 5/3, over sqrt(4) posts
-    assert out["ci_low"] <= 0.5 <= out["ci_high"] and out["posts"] == 4
+    assert out["posts"] == 4
+    # the interval, on 9 posts of irregular differences (resampled means nearly continuous): the same 2000 resamples
+    # drawn here, their means' 2.5% and 97.5% percentiles taken with numpy (linear interpolation)
+    d = np.array([0.31, -1.2, 2.05, 0.7, -0.45, 1.6, 0.02, 3.3, -0.9])
+    out = paired_difference(torch.tensor(d) + 1.0, torch.ones(9), seed=3)
+    idx = torch.randint(0, 9, (2000, 9), generator=torch.Generator().manual_seed(3)).numpy()
+    lo, hi = np.percentile(d[idx].mean(1), [2.5, 97.5])
+    assert (out["ci_low"], out["ci_high"]) == (pytest.approx(lo, abs=1e-12), pytest.approx(hi, abs=1e-12))
     # not the two points' errors combined: what the posts share cancels
     combined = math.hypot(mean_and_se_over_posts(a)[1], mean_and_se_over_posts(b)[1])
     assert combined == pytest.approx(math.sqrt(5 / 3 / 4 + 14 / 3 / 4)) and out["se"] < combined
@@ -475,7 +483,12 @@ def test_verdict_rows_pair_posts_and_match_kl():
     # B at KL 1: best-of-n's largest n exactly
     assert rows[2]["difference"] == pytest.approx(-10 / 3)
     assert all(r["seeds"] == 1 and r["posts"] == 3 for r in rows)
-    assert math.isnan(rows[0]["seeds_needed"]) and rows[0]["posts_needed"] >= 2
+    # one seed: posts alone at df P - 1; per-post variance 1/3, so (t_.975,P-1 + t_.8,P-1) sqrt(1 / (3 P)) <= 0.05 from
+    # P = 1049 ((1.9623 + 0.8420) / sqrt(3147) = 0.04999; 1048: 0.05001)
+    assert math.isnan(rows[0]["seeds_needed"]) and rows[0]["posts_needed"] == 1049
+    for P, enough in ((1048, False), (1049, True)):
+        t = t_quantile(0.975, P - 1) + t_quantile(0.8, P - 1)
+        assert (t * math.sqrt(1 / (3 * P)) <= 0.05) == enough
     beyond = verdict_rows({"B": b}, curve[:1] + [post_point([0.5] * 3, [1.0] * 3, 2)], [("B", BEST_OF_N)])
     assert "beyond best-of-n" in beyond[0]["note"]
     table = verdict_table(rows)
@@ -547,8 +560,15 @@ def test_verdict_rows_bootstrap_drops_resamples_beyond_best_of_n():
     a = [[post_point([0.2, 0.2, 0.2, 3.0], [2.0, 2.5, 4.0, 4.0])]]
     (row,) = verdict_rows({"A": a}, curve, [("A", BEST_OF_N)], n_resamples=4000)
     assert row["ci_posts_unmatched"] == pytest.approx(0.262, abs=0.02)
-    assert math.isfinite(row["ci_posts_low"]) and math.isfinite(row["ci_posts_high"])
-    assert row["ci_posts_low"] <= row["difference"] <= row["ci_posts_high"]
+    # the interval from the same resamples drawn here: best-of-n's gold is best-of-1's + sqrt(KL) on every post, so a
+    # resample's difference is mean(A - best-of-1) - sqrt(mean KL), undefined where the mean KL passes 1
+    idx = torch.randint(0, 4, (4000, 4), generator=torch.Generator().manual_seed(0)).numpy()
+    kl, gain = np.array([0.2, 0.2, 0.2, 3.0]), np.array([1.0, 0.5, 1.0, 0.0])  # A's KL, A - best-of-1 per post
+    mean_kl = kl[idx].mean(1)
+    d = gain[idx].mean(1)[mean_kl <= 1] - np.sqrt(mean_kl[mean_kl <= 1])
+    assert row["ci_posts_unmatched"] == pytest.approx(float((mean_kl > 1).mean()), abs=1e-12)
+    lo, hi = np.percentile(d, [2.5, 97.5])
+    assert (row["ci_posts_low"], row["ci_posts_high"]) == (pytest.approx(lo, abs=1e-9), pytest.approx(hi, abs=1e-9))
     assert "% of resamples unmatched)" in verdict_table([row])
 
 

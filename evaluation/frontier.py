@@ -538,8 +538,9 @@ def verdict_rows(
     - distinguishable: the interval (with seeds when there are two or more) excludes 0;
     - detectable: the smallest true difference these seeds and posts detect (rlhf.stats.detectable_difference at 80%
       power); posts_needed: how many posts make `delta` detectable with these seeds, seeds_needed: how many seeds
-      with these posts (rlhf.stats.posts_needed, seeds_needed: from the measured components, posts' and seeds'; None
-      when the other count must grow first; seeds_needed NaN with one seed, which cannot measure the seeds' spread);
+      with these posts (rlhf.stats.posts_needed, seeds_needed: from the measured components, each count judged at the
+      interval's own degrees of freedom there; None when the other count must grow first; seeds_needed NaN with one
+      seed, which cannot measure the seeds' spread);
     - seeds, posts; "note" instead of the numbers when best-of-n does not reach A's KL (or two runs' paths share no
       KL)."""
 

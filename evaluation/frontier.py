@@ -47,9 +47,9 @@ from rlhf.stats import (
     best_of_n_kl,
     best_of_n_pool_kl,
     best_of_n_weights,
-    bootstrap_interval,
     bootstrap_resamples,
     bootstrap_undefined,
+    crossed_bootstrap_resamples,
     detectable_difference,
     difference_interval,
     gao_curve,
@@ -480,8 +480,9 @@ def verdict_rows(
     - distinguishable: the interval (with seeds when there are two or more) excludes 0;
     - detectable: the smallest true difference these seeds and posts detect (rlhf.stats.detectable_difference at 80%
       power); posts_needed: how many posts make `delta` detectable with these seeds, seeds_needed: how many seeds
-      with these posts (rlhf.stats.posts_needed, seeds_needed: from the measured components, posts' and seeds'; None
-      when the other count must grow first; seeds_needed NaN with one seed, which cannot measure the seeds' spread);
+      with these posts (rlhf.stats.posts_needed, seeds_needed: from the measured components, each count judged at the
+      interval's own degrees of freedom there; None when the other count must grow first; seeds_needed NaN with one
+      seed, which cannot measure the seeds' spread);
     - seeds, posts; "note" instead of the numbers when best-of-n does not reach A's KL (or two runs' paths share no
       KL)."""
 
@@ -553,31 +554,36 @@ def fit_curves(
     """Gao et al. 2022's forms (rlhf.stats.gao_fit) through the points, gold gained over the reference (best-of-1 on
     the same posts) against d = sqrt(KL): best-of-n by R_bon(d) = d (alpha - beta d) through its n, each method by
     R_RL(d) = d (alpha - beta log d) through every evaluation of every seed. alpha, beta and their percentile bootstrap
-    intervals over posts (every point's means recomputed on each resample; NaN with n_resamples 0).
+    intervals over seeds and posts (rlhf.stats.crossed_bootstrap_resamples: each resample draws the method's seeds
+    and the posts with replacement, independently, and refits through the drawn seeds' points, every point's means
+    recomputed on the drawn posts; so seeds that disagree widen the interval, which a resample of posts alone with the
+    seeds fixed leaves out; best-of-n is one curve: posts alone; NaN with n_resamples 0).
     name (BEST_OF_N for best-of-n) -> {form, alpha, beta, alpha_ci, beta_ci, baseline (best-of-1's mean), d_max}."""
     baseline = torch.tensor(curve[0]["posts"][key], dtype=torch.float64)  # (P,) best-of-1: the reference's value
     P = baseline.numel()
-    paths = {BEST_OF_N: ("bon", curve)} | {
-        name: ("rl", [p for points in seeds for p in points]) for name, seeds in methods.items()
-    }
+    paths = {BEST_OF_N: ("bon", [curve])} | {name: ("rl", seeds) for name, seeds in methods.items()}
     out = {}
-    for name, (form, points) in paths.items():
-        kl_MP = torch.tensor([p["posts"]["kl"] for p in points], dtype=torch.float64)  # (M, P)
-        y_MP = torch.tensor([p["posts"][key] for p in points], dtype=torch.float64)
+    for name, (form, seeds) in paths.items():
+        seeds = [points for points in seeds if points]
+        kls = [torch.tensor([p["posts"]["kl"] for p in points], dtype=torch.float64) for points in seeds]  # (M_s, P)
+        ys = [torch.tensor([p["posts"][key] for p in points], dtype=torch.float64) for points in seeds]
 
-        def fit(idx, kl_MP=kl_MP, y_MP=y_MP, form=form):
-            d = kl_MP[:, idx].mean(1).clamp(min=0).sqrt()
+        def fit(seed_idx, post_idx, kls=kls, ys=ys, form=form):
+            kl_MP = torch.cat([kls[s] for s in seed_idx.tolist()])  # the drawn seeds' points (M, P)
+            y_MP = torch.cat([ys[s] for s in seed_idx.tolist()])
+            d = kl_MP[:, post_idx].mean(1).clamp(min=0).sqrt()
+            gain = y_MP[:, post_idx].mean(1) - baseline[post_idx].mean()
             try:
-                return torch.tensor(gao_fit(d, y_MP[:, idx].mean(1) - baseline[idx].mean(), form), dtype=torch.float64)
+                return torch.tensor(gao_fit(d, gain, form), dtype=torch.float64)
             except ValueError:
                 return torch.tensor([math.nan, math.nan], dtype=torch.float64)
 
-        alpha, beta = fit(torch.arange(P)).tolist()
+        alpha, beta = fit(torch.arange(len(seeds)), torch.arange(P)).tolist()
         if n_resamples > 0:  # (2, 2): rows low and high, columns alpha and beta
-            ci = bootstrap_interval(fit, P, n_resamples, confidence, seed)
+            ci = percentile_interval(crossed_bootstrap_resamples(fit, len(seeds), P, n_resamples, seed), confidence)
         else:
             ci = torch.full((2, 2), math.nan, dtype=torch.float64)
-        d_max = float(kl_MP.mean(1).clamp(min=0).sqrt().max())
+        d_max = float(torch.cat(kls).mean(1).clamp(min=0).sqrt().max())
         out[name] = {
             "form": form,
             "alpha": alpha,
@@ -657,7 +663,7 @@ def frontier_table(curve: list[dict], methods: dict[str, list[list[dict]]], rows
     text += "\n\n" + verdict_table(rows, key)
     fits = fit_curves(curve, methods, key)
     text += f"\n\nFitted curves (Gao et al. 2022): {key} gained over best-of-1 against d = sqrt(KL), 95% bootstrap "
-    text += "intervals over posts\n\n| policy | form | alpha | beta |\n|---|---|---|---|"
+    text += "intervals over seeds and posts\n\n| policy | form | alpha | beta |\n|---|---|---|---|"
     for name, f in fits.items():
         form = "d (alpha - beta d)" if f["form"] == "bon" else "d (alpha - beta log d)"
         a, b = f["alpha_ci"], f["beta_ci"]

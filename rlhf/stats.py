@@ -212,14 +212,21 @@ def best_of_n_pool_kl(proxy_PN: torch.Tensor, n: int) -> torch.Tensor:
 
     Exact for the pool's empirical distribution; log n - (n - 1)/n (best_of_n_kl) is its limit for a pool of N
     distinct untied samples as N grows, and an upper bound (Beirami et al. 2024, arXiv 2401.01879). The estimate is
-    biased low when n approaches N (no repeats: best_of_n_pool_bias; docs/reporting.md)."""
+    biased low when n approaches N (no repeats: best_of_n_pool_bias; docs/reporting.md). Computed in log space: finite
+    for any pool."""
     P, N = proxy_PN.shape
     if not 1 <= n <= N:
         raise ValueError(f"best-of-n needs 1 <= n <= {N} samples per prompt, got n = {n}")
     c_lo, c_hi = tie_blocks(proxy_PN)
-    mass = (c_hi.double() / N) ** n - (c_lo.double() / N) ** n  # best-of-n's probability of the sample's block
+    # best-of-n's probability of the sample's block, in log space: (c_hi/N)^n underflows to 0 for the lowest samples of
+    # a large pool (n = 128, N > ~340), and 0 log 0 would be NaN. log(F_hi^n - F_lo^n) = n log F_hi + log(1 - r),
+    # r = (c_lo / c_hi)^n, with log(1 - r) = log(-expm1(log r)) (accurate for r near 1; r = 0 when c_lo = 0)
+    log_hi = torch.log(c_hi.double() / N)  # c_hi >= 1
+    log_r = n * (torch.log(c_lo.double()) - torch.log(c_hi.double()))  # -inf when c_lo = 0
+    log_mass = n * log_hi + torch.log(-torch.expm1(log_r))
     block = (c_hi - c_lo).double()  # each block counted once per sample in it
-    return (mass / block * torch.log(mass / (block / N))).sum(1)
+    log_ratio = log_mass - torch.log(block / N)
+    return (torch.exp(log_mass) / block * log_ratio).sum(1)  # a mass that underflows adds 0 (its log is finite)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,6 +239,24 @@ def bootstrap_resamples(statistic, n: int, n_resamples: int = 2000, seed: int = 
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, n, (n_resamples, n), generator=g)  # (S, n)
     return torch.stack([torch.as_tensor(statistic(i), dtype=torch.float64).flatten() for i in idx])
+
+
+def crossed_bootstrap_resamples(
+    statistic, rows: int, cols: int, n_resamples: int = 1000, seed: int = 0
+) -> torch.Tensor:
+    """`statistic` on n_resamples resamples (S, K) of a crossed design, `rows` units (seeds) x `cols` units (posts,
+    the same posts in every seed): each resample draws the rows and the columns with replacement, independently, and
+    calls statistic(row_idx (rows,), col_idx (cols,)), returning K numbers (NaN where undefined). This is Owen's
+    pigeonhole bootstrap (2007, Ann. Appl. Stat. 1(1)): no bootstrap is exact for crossed random effects (McCullagh
+    2000), and this one counts both the seeds' and the posts' spread, erring on the wide side (Owen: mildly
+    conservative). Drawing the columns first and from the same generator as bootstrap_resamples, one row gives
+    bootstrap_resamples' resamples."""
+    g = torch.Generator().manual_seed(seed)
+    col_idx = torch.randint(0, cols, (n_resamples, cols), generator=g)  # (S, cols)
+    row_idx = torch.randint(0, rows, (n_resamples, rows), generator=g)  # (S, rows)
+    return torch.stack(
+        [torch.as_tensor(statistic(r, c), dtype=torch.float64).flatten() for r, c in zip(row_idx, col_idx, strict=True)]
+    )
 
 
 def bootstrap_interval(
@@ -352,18 +377,8 @@ def variance_components(values_SP: torch.Tensor) -> dict[str, float]:
     resid = v - seed_means[:, None] - post_means[None, :] + v.mean()
     ms_res = float((resid**2).sum()) / ((S - 1) * (P - 1))
     var_seed, var_post = (ms_seed - ms_res) / P, (ms_post - ms_res) / S
-    # Var(mean) x S P as a sum of mean squares, each (mean square, its df, its coefficient): the between-seed part
-    # max(MS_seed, MS_res) at the seeds' df, plus MS_post - MS_res when the post component is above 0
-    has_post = float(var_post > 0)
-    terms = [
-        (max(ms_seed, ms_res), S - 1, 1.0),
-        (ms_post, P - 1, has_post),
-        (ms_res, (S - 1) * (P - 1), -has_post),
-    ]
-    total = sum(c * ms for ms, _, c in terms)
+    total, df = satterthwaite(mean_square_terms(ms_seed, ms_post, ms_res, S, P))
     var = total / (S * P)
-    parts = sum((c * ms) ** 2 / d for ms, d, c in terms if c != 0)
-    df = total**2 / parts if parts > 0 else math.inf
     return {
         "mean": mean,
         "se": math.sqrt(max(var, 0.0)),
@@ -373,6 +388,26 @@ def variance_components(values_SP: torch.Tensor) -> dict[str, float]:
         "var_residual": ms_res,
         "seed_floor": ms_seed <= ms_res,
     }
+
+
+def mean_square_terms(ms_seed: float, ms_post: float, ms_res: float, S: int, P: int) -> list[tuple[float, int, float]]:
+    """Var(mean) x S P as a sum of mean squares, each (mean square, its df, its coefficient) (variance_components):
+    the between-seed part max(MS_seed, MS_res) at the seeds' S - 1 df, plus MS_post - MS_res when the post component
+    is above 0."""
+    has_post = float(ms_post - ms_res > 0)
+    return [
+        (max(ms_seed, ms_res), S - 1, 1.0),
+        (ms_post, P - 1, has_post),
+        (ms_res, (S - 1) * (P - 1), -has_post),
+    ]
+
+
+def satterthwaite(terms: list[tuple[float, int, float]]) -> tuple[float, float]:
+    """(sum of c ms, its degrees of freedom) of a combination of mean squares (ms, df, c), by Satterthwaite 1946:
+    (sum c ms)^2 / sum (c ms)^2 / df (inf when every term is 0)."""
+    total = sum(c * ms for ms, _, c in terms)
+    parts = sum((c * ms) ** 2 / d for ms, d, c in terms if c != 0)
+    return total, (total**2 / parts if parts > 0 else math.inf)
 
 
 def difference_interval(values_SP: torch.Tensor, confidence: float = 0.95) -> dict[str, float]:
@@ -395,18 +430,20 @@ def units_needed(sd: float, delta: float, confidence: float = 0.95, power: float
     n >= 2 with detectable_difference(sd / sqrt(n), n - 1) <= delta (at_most when none up to it)."""
     if not sd >= 0:
         raise ValueError(f"units_needed needs sd >= 0, got {sd}")
-    n = smallest_detecting(lambda n: sd / math.sqrt(n), delta, confidence, power, at_most)
+    n = smallest_detecting(lambda n: (sd / math.sqrt(n), n - 1), delta, confidence, power, at_most)
     return at_most if n is None else n
 
 
-def smallest_detecting(se_of, delta: float, confidence: float, power: float, at_most: int) -> int | None:
-    """The smallest count n in [2, at_most] with detectable_difference(se_of(n), n - 1) <= delta (the error shrinks
-    as n grows), or None when even at_most does not reach it."""
+def smallest_detecting(error_of, delta: float, confidence: float, power: float, at_most: int) -> int | None:
+    """The smallest count n in [2, at_most] with detectable_difference(*error_of(n)) <= delta, error_of(n) the standard
+    error and its degrees of freedom at n, or None when even at_most does not reach it. A doubling then a bisection,
+    which assumes the detectable difference falls as n grows (the error shrinks with n; planned_error's degrees of
+    freedom can fall with posts, toward the seeds' S - 1)."""
     if not delta > 0:
         raise ValueError(f"delta must be > 0, got {delta}")
 
     def enough(n: int) -> bool:
-        return detectable_difference(se_of(n), n - 1, confidence, power) <= delta
+        return detectable_difference(*error_of(n), confidence, power) <= delta
 
     if not enough(at_most):
         return None
@@ -419,35 +456,44 @@ def smallest_detecting(se_of, delta: float, confidence: float, power: float, at_
     return hi
 
 
+def planned_error(components: dict, seeds: int, posts: int) -> tuple[float, float]:
+    """The standard error and degrees of freedom difference_interval would give on `seeds` x `posts` whose mean squares
+    are their expectations under variance_components' `components` (E[MS_seed] = P var_seed + var_residual,
+    E[MS_post] = S var_post + var_residual, E[MS_res] = var_residual): sqrt(var_seed / S + var_post / P +
+    var_residual / (S P)) at Satterthwaite's degrees of freedom of those mean squares (mean_square_terms: the seeds'
+    S - 1 alone when the post component is 0), P - 1 for one seed. At the measured seeds and posts it gives back the
+    measured se and df. A component that one seed cannot estimate (NaN) counts as 0."""
+    v_seed, v_post, v_res = (0.0 if math.isnan(components[k]) else components[k] for k in VARIANCES)
+    S, P = seeds, posts
+    se = math.sqrt(v_seed / S + v_post / P + v_res / (S * P))
+    if S == 1:
+        return se, P - 1
+    _, df = satterthwaite(mean_square_terms(P * v_seed + v_res, S * v_post + v_res, v_res, S, P))
+    return se, df
+
+
 def seeds_needed(
     components: dict, posts: int, delta: float, confidence: float = 0.95, power: float = 0.8, at_most: int = 1000
 ) -> int | None:
     """Seeds (runs per method) that make a difference `delta` detectable on `posts` posts, from variance_components
-    of a difference (S, P): the smallest S with detectable_difference of sqrt(var_seed / S + var_post / P +
-    var_residual / (S P)) at S - 1 degrees of freedom (seeds are the unit of the between-run part) <= delta. None
-    when no number of seeds reaches it: var_post / P does not shrink with seeds (the same posts in every run), so more
-    posts are needed first. A component that one seed cannot estimate (NaN) counts as 0."""
-    v_seed, v_post, v_res = (0.0 if math.isnan(components[k]) else components[k] for k in VARIANCES)
-    return smallest_detecting(
-        lambda S: math.sqrt(v_seed / S + v_post / posts + v_res / (S * posts)), delta, confidence, power, at_most
-    )
+    of a difference (S, P): the smallest S with detectable_difference of planned_error(components, S, posts) (the
+    interval's own error and degrees of freedom at S seeds) <= delta. None when no number of seeds reaches it:
+    var_post / P does not shrink with seeds (the same posts in every run), so more posts are needed first."""
+    return smallest_detecting(lambda S: planned_error(components, S, posts), delta, confidence, power, at_most)
 
 
 def posts_needed(
     components: dict, seeds: int, delta: float, confidence: float = 0.95, power: float = 0.8, at_most: int = 10**6
 ) -> int | None:
     """Posts that make a difference `delta` detectable with `seeds` seeds, from variance_components of a difference:
-    the smallest P with detectable_difference of sqrt(var_seed / S + var_post / P + var_residual / (S P)) at P - 1
-    degrees of freedom <= delta. None when no number of posts reaches it (var_seed / S alone is too large: more seeds
-    first). A component that one seed cannot estimate (NaN) counts as 0."""
-    v_seed, v_post, v_res = (0.0 if math.isnan(components[k]) else components[k] for k in VARIANCES)
-    return smallest_detecting(
-        lambda P: math.sqrt(v_seed / seeds + v_post / P + v_res / (seeds * P)), delta, confidence, power, at_most
-    )
+    the smallest P with detectable_difference of planned_error(components, seeds, P) (the interval's own error and
+    degrees of freedom at P posts: with the post component at 0 the seeds' S - 1 however many posts) <= delta. None
+    when no number of posts reaches it (var_seed / S alone is too large: more seeds first)."""
+    return smallest_detecting(lambda P: planned_error(components, seeds, P), delta, confidence, power, at_most)
 
 
 VARIANCES = ("var_seed", "var_post", "var_residual")
-"""variance_components' three components, in the order seeds_needed and posts_needed read them."""
+"""variance_components' three components, in the order planned_error reads them."""
 
 
 # ----------------------------------------------------------------------------------------------------

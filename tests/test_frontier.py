@@ -7,8 +7,10 @@ import math
 import shutil
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -272,6 +274,42 @@ def test_pool_kl_approaches_the_formula_as_the_pool_grows_without_repeats():
     assert best_of_n_pool_bias(64, 256) == pytest.approx(-0.003, abs=5e-4)
 
 
+def test_pool_kl_is_finite_for_a_large_pool_and_unchanged_for_a_small_one():
+    """(c/N)^128 underflows to 0 for the lowest samples of a pool above ~340, where 0 log 0 gave NaN: a pool of 1024
+    (with and without ties and repeats) gives a finite KL between 0 and the bound log n - (n - 1)/n, close to it
+    without repeats; on small pools the value is the direct formula's, sum (F^n - F_-^n) log((F^n - F_-^n) / Q)."""
+    g = torch.Generator().manual_seed(0)
+    distinct = torch.randn(2, 1024, generator=g, dtype=torch.float64)
+    repeats = torch.randint(0, 100, (2, 1024), generator=g).double()  # about 10 copies of each score
+    for n in (64, 128, 512):
+        kl = best_of_n_pool_kl(torch.cat([distinct, repeats]), n)
+        assert torch.isfinite(kl).all() and (kl > 0).all() and (kl <= best_of_n_kl(n) + 1e-9).all(), (n, kl)
+
+    def exact(n: int, m: int) -> float:  # m distinct outcomes, p_i = (i/m)^n - ((i-1)/m)^n in exact fractions
+        total = 0.0
+        for i in range(1, m + 1):
+            p = Fraction(i, m) ** n - Fraction(i - 1, m) ** n
+            total += float(p) * (math.log(p.numerator * m) - math.log(p.denominator))
+        return total
+
+    want = exact(128, 1024)
+    assert best_of_n_kl(128) - 1e-3 < want < best_of_n_kl(128)
+    assert best_of_n_pool_kl(distinct, 128).tolist() == pytest.approx([want] * 2, rel=1e-12)
+    assert best_of_n_pool_bias(128, 4096) == pytest.approx(exact(128, 4096) - best_of_n_kl(128), rel=1e-9)
+
+    def direct(proxy_PN: torch.Tensor, n: int) -> torch.Tensor:  # the formula as written, fine on a small pool
+        N = proxy_PN.shape[1]
+        below = (proxy_PN[:, None, :] < proxy_PN[:, :, None]).double().sum(2)  # (P, N) c_lo
+        at_or_below = (proxy_PN[:, None, :] <= proxy_PN[:, :, None]).double().sum(2)  # c_hi
+        mass = (at_or_below / N) ** n - (below / N) ** n
+        block = at_or_below - below
+        return (mass / block * torch.log(mass / (block / N))).sum(1)
+
+    small = torch.cat([torch.randn(2, 64, generator=g), torch.randint(0, 9, (2, 64), generator=g)]).double()
+    for n in (1, 2, 7, 32, 64):
+        assert best_of_n_pool_kl(small, n).tolist() == pytest.approx(direct(small, n).tolist(), rel=1e-12, abs=1e-14)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Paired comparisons over posts, variance components over seeds and posts, sizes, fitted curves
 
@@ -281,7 +319,14 @@ def test_paired_difference_is_the_error_of_the_per_post_differences():
     out = paired_difference(a, b)
     assert out["difference"] == 0.5
     assert out["se"] == pytest.approx(math.sqrt(5 / 3) / 2)  # sample variance 5/3, over sqrt(4) posts
-    assert out["ci_low"] <= 0.5 <= out["ci_high"] and out["posts"] == 4
+    assert out["posts"] == 4
+    # the interval, on 9 posts of irregular differences (resampled means nearly continuous): the same 2000 resamples
+    # drawn here, their means' 2.5% and 97.5% percentiles taken with numpy (linear interpolation)
+    d = np.array([0.31, -1.2, 2.05, 0.7, -0.45, 1.6, 0.02, 3.3, -0.9])
+    out = paired_difference(torch.tensor(d) + 1.0, torch.ones(9), seed=3)
+    idx = torch.randint(0, 9, (2000, 9), generator=torch.Generator().manual_seed(3)).numpy()
+    lo, hi = np.percentile(d[idx].mean(1), [2.5, 97.5])
+    assert (out["ci_low"], out["ci_high"]) == (pytest.approx(lo, abs=1e-12), pytest.approx(hi, abs=1e-12))
     # not the two points' errors combined: what the posts share cancels
     combined = math.hypot(mean_and_se_over_posts(a)[1], mean_and_se_over_posts(b)[1])
     assert combined == pytest.approx(math.sqrt(5 / 3 / 4 + 14 / 3 / 4)) and out["se"] < combined
@@ -357,12 +402,46 @@ def test_sizes_and_the_smallest_detectable_difference_by_hand():
     assert seeds_needed(seeds_only, 100, 0.1) == units_needed(1.0, 1.0) == 10
     assert posts_needed({"var_seed": 0.0, "var_post": 1.0, "var_residual": 0.0}, 4, 0.5) == 34
     assert posts_needed({"var_seed": math.nan, "var_post": 1.0, "var_residual": 0.0}, 1, 0.5) == 34  # one seed
-    # the residual shrinks with seeds x posts: 4 seeds of var_residual 4 are one seed of var_residual 1
-    assert posts_needed({"var_seed": 0.0, "var_post": 0.0, "var_residual": 4.0}, 4, 0.5) == 34
+    # the residual shrinks with seeds x posts (4 seeds of var_residual 4: error 1 / sqrt(P)), but with no post
+    # component the interval's df is the seeds' 3 however many posts (difference_interval's): (t_.975,3 + t_.8,3)
+    # / sqrt(P) = (3.1824 + 0.9785) / sqrt(P) <= 0.5 from P = 70 (69: 0.5009), not the 34 of df P - 1
+    assert posts_needed({"var_seed": 0.0, "var_post": 0.0, "var_residual": 4.0}, 4, 0.5) == 70
     # var_post / P does not shrink with seeds (the same posts in every run): no number of seeds reaches 0.05 on 100
     # posts of var_post 0.5 ((1.96 + 0.84) sqrt(0.005) = 0.198); var_seed / S alone: no number of posts
     assert seeds_needed({"var_seed": 0.01, "var_post": 0.5, "var_residual": 1.0}, 100, 0.05) is None
     assert posts_needed({"var_seed": 0.01, "var_post": 0.5, "var_residual": 1.0}, 2, 0.05) is None
+
+
+def test_sizes_are_counted_at_the_intervals_own_degrees_of_freedom():
+    """6 seeds x 400 posts of differences with no post component (the posts' means made equal): the interval's df is
+    the seeds' 5, and it detects a little more than 0.05; so 0.05 needs more than 400 posts, in closed form at df 5:
+    var_seed / 6 + var_residual / (6 P) <= (0.05 / (t_.975,5 + t_.8,5))^2. At df P - 1 it would be fewer than 400."""
+    g = torch.Generator().manual_seed(1)
+    v = 0.03 * torch.randn(6, 1, generator=g, dtype=torch.float64) + torch.randn(
+        6, 400, generator=g, dtype=torch.float64
+    )
+    v = v - v.mean(0, keepdim=True)  # every post's mean 0: MS_post = 0, the post component clipped
+    v = -0.04 + v * (0.0146 / variance_components(v)["se"])  # se 0.0146 at df 5: detectable 3.49 x 0.0146 = 0.051
+    c = difference_interval(v)
+    assert c["var_post"] == 0.0 and c["df"] == pytest.approx(5.0)
+    detectable = detectable_difference(c["se"], c["df"])
+    assert detectable == pytest.approx(0.051, abs=5e-4)
+    t5 = t_quantile(0.975, 5) + t_quantile(0.8, 5)
+    want = math.ceil(c["var_residual"] / (6 * (0.05 / t5) ** 2 - c["var_seed"]))
+    assert 400 < want < 1000 and posts_needed(c, 6, 0.05) == want
+    assert posts_needed(c, 6, round(detectable, 6) + 1e-6) <= 400 < posts_needed(c, 6, round(detectable, 6) - 1e-6)
+    # seeds with a post component: Satterthwaite's df of the mean squares at S seeds, (1 + 25 S)^2 / ..., above S - 1,
+    # found here by a scan over S (seeds_needed bisects)
+    comps = {"var_seed": 0.01, "var_post": 0.25, "var_residual": 0.5}
+    P = 100
+
+    def detectable_at(S: int) -> float:
+        ms = [(P * 0.01 + 0.5, S - 1, 1.0), (S * 0.25 + 0.5, P - 1, 1.0), (0.5, (S - 1) * (P - 1), -1.0)]
+        df = sum(c * m for m, _, c in ms) ** 2 / sum((c * m) ** 2 / d for m, d, c in ms)
+        return detectable_difference(math.sqrt(0.01 / S + 0.25 / P + 0.5 / (S * P)), df)
+
+    want = next(S for S in range(2, 100) if detectable_at(S) <= 0.2)
+    assert seeds_needed(comps, P, 0.2) == want == 7  # at df S - 1: 10
 
 
 @pytest.mark.parametrize("form", ["bon", "rl"])
@@ -404,11 +483,73 @@ def test_verdict_rows_pair_posts_and_match_kl():
     # B at KL 1: best-of-n's largest n exactly
     assert rows[2]["difference"] == pytest.approx(-10 / 3)
     assert all(r["seeds"] == 1 and r["posts"] == 3 for r in rows)
-    assert math.isnan(rows[0]["seeds_needed"]) and rows[0]["posts_needed"] >= 2
+    # one seed: posts alone at df P - 1; per-post variance 1/3, so (t_.975,P-1 + t_.8,P-1) sqrt(1 / (3 P)) <= 0.05 from
+    # P = 1049 ((1.9623 + 0.8420) / sqrt(3147) = 0.04999; 1048: 0.05001)
+    assert math.isnan(rows[0]["seeds_needed"]) and rows[0]["posts_needed"] == 1049
+    for P, enough in ((1048, False), (1049, True)):
+        t = t_quantile(0.975, P - 1) + t_quantile(0.8, P - 1)
+        assert (t * math.sqrt(1 / (3 * P)) <= 0.05) == enough
     beyond = verdict_rows({"B": b}, curve[:1] + [post_point([0.5] * 3, [1.0] * 3, 2)], [("B", BEST_OF_N)])
     assert "beyond best-of-n" in beyond[0]["note"]
     table = verdict_table(rows)
     assert "| A - best-of-n | 0.250 | +0.167 |" in table and "| A - B | 0.250 | +0.500 | 0.000 |" in table
+
+
+def interval_by_hand(d: list[list[float]]) -> dict[str, float]:
+    """The two-way crossed model of differences d (S seeds x P posts) from its mean squares, written out: the mean,
+    se^2 = (MS_seed + MS_post - MS_res) / (S P), Satterthwaite's df and the 95% t interval (both components above 0)."""
+    S, P = len(d), len(d[0])
+    m = sum(map(sum, d)) / (S * P)
+    seed_m = [sum(row) / P for row in d]
+    post_m = [sum(d[s][p] for s in range(S)) / S for p in range(P)]
+    ms_seed = P * sum((x - m) ** 2 for x in seed_m) / (S - 1)
+    ms_post = S * sum((x - m) ** 2 for x in post_m) / (P - 1)
+    ms_res = sum((d[s][p] - seed_m[s] - post_m[p] + m) ** 2 for s in range(S) for p in range(P)) / ((S - 1) * (P - 1))
+    assert ms_seed > ms_res and ms_post > ms_res  # neither component clipped: the general case
+    total = ms_seed + ms_post - ms_res
+    df = total**2 / (ms_seed**2 / (S - 1) + ms_post**2 / (P - 1) + ms_res**2 / ((S - 1) * (P - 1)))
+    se = math.sqrt(total / (S * P))
+    half = t_quantile(0.975, df) * se
+    return {"difference": m, "se": se, "df": df, "ci_low": m - half, "ci_high": m + half}
+
+
+def test_verdict_rows_pair_three_seeds_by_seed():
+    """Three seeds of A (each one evaluation, at KL 0.25, 0.36, 0.16) and four of B (each from KL 0 to 1; the fourth
+    unpaired), seed effects that differ and that B shares seed by seed with A: A - B pairs seed s with seed s, at each
+    seed's own matched KL (B interpolated back in sqrt(KL): weight sqrt(k_s)), and A - best-of-n matches best-of-n to
+    each seed's KL; the difference, its error over posts and its t interval with the seeds' spread against the
+    (seeds, posts) table written out by hand."""
+    curve = [post_point([0.0] * 4, [1.0, 2.0, 3.0, 4.0], 1), post_point([1.0] * 4, [3.0, 2.0, 5.0, 4.0], 2)]
+    kls = [0.25, 0.36, 0.16]
+    a_gold = [[2.0, 2.6, 3.9, 4.4], [3.2, 3.1, 4.9, 5.6], [1.5, 1.9, 3.0, 4.3]]
+    b_paths = [
+        ([1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 3.5, 5.0]),
+        ([1.2, 2.1, 3.3, 4.2], [2.8, 3.1, 4.5, 5.6]),
+        ([0.9, 1.8, 2.9, 3.9], [1.6, 2.2, 3.0, 4.1]),
+        ([0.0] * 4, [9.0] * 4),  # B's fourth seed: A has three, so it is left out
+    ]
+    a = [[post_point([k] * 4, g)] for k, g in zip(kls, a_gold, strict=True)]
+    b = [[post_point([0.0] * 4, g0), post_point([1.0] * 4, g1)] for g0, g1 in b_paths]
+    rows = verdict_rows({"A": a, "B": b}, curve, [("A", "B"), ("A", BEST_OF_N)], n_resamples=200)
+
+    def at(g0, g1, k):  # a path from KL 0 to KL 1 at KL k, linear in sqrt(KL)
+        return [(1 - math.sqrt(k)) * x + math.sqrt(k) * y for x, y in zip(g0, g1, strict=True)]
+
+    bon = curve[0]["posts"]["gold"], curve[1]["posts"]["gold"]
+    d_ab = [[x - y for x, y in zip(a_gold[s], at(*b_paths[s], kls[s]), strict=True)] for s in range(3)]
+    d_bon = [[x - y for x, y in zip(a_gold[s], at(*bon, kls[s]), strict=True)] for s in range(3)]
+    for row, d in ((rows[0], d_ab), (rows[1], d_bon)):
+        want = interval_by_hand(d)
+        assert row["seeds"] == 3 and row["posts"] == 4 and row["kl"] == pytest.approx(sum(kls) / 3)
+        for k, v in want.items():
+            assert row[k] == pytest.approx(v, rel=1e-9), (row["pair"], k)
+        assert row["distinguishable"] == (not want["ci_low"] <= 0 <= want["ci_high"])
+        post_means = [sum(d[s][p] for s in range(3)) / 3 for p in range(4)]
+        mean = sum(post_means) / 4
+        assert row["se_posts"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in post_means) / 3 / 4))
+    # the pairing matters here: B's seeds in another order would give another interval
+    shuffled = [[x - y for x, y in zip(a_gold[s], at(*b_paths[(s + 1) % 3], kls[s]), strict=True)] for s in range(3)]
+    assert abs(rows[0]["se"] - interval_by_hand(shuffled)["se"]) > 0.05
 
 
 def test_verdict_rows_bootstrap_drops_resamples_beyond_best_of_n():
@@ -419,8 +560,15 @@ def test_verdict_rows_bootstrap_drops_resamples_beyond_best_of_n():
     a = [[post_point([0.2, 0.2, 0.2, 3.0], [2.0, 2.5, 4.0, 4.0])]]
     (row,) = verdict_rows({"A": a}, curve, [("A", BEST_OF_N)], n_resamples=4000)
     assert row["ci_posts_unmatched"] == pytest.approx(0.262, abs=0.02)
-    assert math.isfinite(row["ci_posts_low"]) and math.isfinite(row["ci_posts_high"])
-    assert row["ci_posts_low"] <= row["difference"] <= row["ci_posts_high"]
+    # the interval from the same resamples drawn here: best-of-n's gold is best-of-1's + sqrt(KL) on every post, so a
+    # resample's difference is mean(A - best-of-1) - sqrt(mean KL), undefined where the mean KL passes 1
+    idx = torch.randint(0, 4, (4000, 4), generator=torch.Generator().manual_seed(0)).numpy()
+    kl, gain = np.array([0.2, 0.2, 0.2, 3.0]), np.array([1.0, 0.5, 1.0, 0.0])  # A's KL, A - best-of-1 per post
+    mean_kl = kl[idx].mean(1)
+    d = gain[idx].mean(1)[mean_kl <= 1] - np.sqrt(mean_kl[mean_kl <= 1])
+    assert row["ci_posts_unmatched"] == pytest.approx(float((mean_kl > 1).mean()), abs=1e-12)
+    lo, hi = np.percentile(d, [2.5, 97.5])
+    assert (row["ci_posts_low"], row["ci_posts_high"]) == (pytest.approx(lo, abs=1e-9), pytest.approx(hi, abs=1e-9))
     assert "% of resamples unmatched)" in verdict_table([row])
 
 
@@ -459,6 +607,31 @@ def test_frontier_table_fits_gaos_forms_through_points_made_from_them(tmp_path):
     assert "| GRPO | d (alpha - beta log d) | 1.200 [1.200, 1.200] | 0.300 [0.300, 0.300] |" in text
     plot_frontier(curve, methods, tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_fit_intervals_count_the_seeds_spread():
+    """Three seeds of a method on R_RL with alpha 1.0, 1.2 and 1.4 (beta 0.3), every post the same gain over its own
+    baseline: resampling posts with the seeds fixed gives the point [1.2, 1.2] (the fit through all three seeds'
+    points is their mean), while the seeds' spread is real. With the seeds resampled too, alpha's interval is the
+    spread of the mean of three draws from {1.0, 1.2, 1.4}: inside [1.0, 1.4], at least 0.2 wide; beta stays 0.3
+    (every seed has it). Best-of-n, one curve, keeps its interval over posts (degenerate here)."""
+    from evaluation.frontier import fit_curves
+
+    base = [1.0, 2.0, 4.0]
+
+    def point(kl, form, alpha, n=None):
+        gain = float(gao_curve(torch.tensor([math.sqrt(kl)], dtype=torch.float64), alpha, 0.3, form)[0])
+        return post_point([kl] * 3, [b + gain for b in base], n)
+
+    curve = [point(k, "bon", 1.2, n) for n, k in ((1, 0.0), (2, 0.2), (4, 0.6), (8, 1.1))]
+    seeds = [[point(k, "rl", alpha) for k in (0.0, 0.3, 0.8)] for alpha in (1.0, 1.2, 1.4)]
+    fits = fit_curves(curve, {"GRPO": seeds}, n_resamples=400)
+    f = fits["GRPO"]
+    assert (f["alpha"], f["beta"]) == pytest.approx((1.2, 0.3), abs=1e-9)
+    low, high = f["alpha_ci"]
+    assert 1.0 - 1e-9 <= low <= 1.1 and 1.3 <= high <= 1.4 + 1e-9, f["alpha_ci"]
+    assert f["beta_ci"] == pytest.approx([0.3, 0.3], abs=1e-9)
+    assert fits["best-of-n"]["alpha_ci"] == pytest.approx([1.2, 1.2], abs=1e-9)
 
 
 def test_evaluate_writes_per_post_values_that_frontier_points_reads(tmp_path):

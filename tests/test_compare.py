@@ -207,6 +207,8 @@ def test_a_torn_last_line_is_skipped_with_one_warning(runs, capsys):
 
 
 def test_the_best_of_a_loss_is_its_minimum_and_the_options_override(tmp_path):
+    import sft  # noqa: F401  (declares val/loss: lower is better)
+
     run = write_run(
         tmp_path / "a",
         {"seed": 0},

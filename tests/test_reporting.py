@@ -118,6 +118,8 @@ ROWS = [
 
 
 def test_summary_holds_final_and_best_of_every_evaluation_metric_with_steps(tmp_path):
+    import sft  # noqa: F401  (declares val/loss: lower is better; the test holds alone, as under pytest -n)
+
     write_run(tmp_path, ROWS)
     (tmp_path / "hf").mkdir()
     (tmp_path / "checkpoints" / "step_00000003").mkdir(parents=True)

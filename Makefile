@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# make test's workers (pytest-xdist): one per core by default; JOBS=0 runs the suite in this one process
+JOBS ?= auto
+PYTEST := -m pytest -q -n $(JOBS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: install demo ablation frontier verdict lint test test-torch golden clean
 
@@ -33,7 +36,7 @@ lint: install  # ruff's rules and formatting (pyproject.toml [tool.ruff]): `ruff
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) $(PYTEST)
 
 # The suite (without the demo's learning test) under another PyTorch, in a venv of its own: .venv-<version>.
 # e.g. `make test-torch TORCH=torch==2.11.0`. Other torch releases than the pinned CPU wheel are CUDA builds from
@@ -43,7 +46,7 @@ test-torch:
 	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pip install -q --upgrade pip
 	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pip install -q "$(TORCH)"
 	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pip install -q -e ".[dev]"
-	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pytest -q --deselect tests/test_learning.py
+	$(VENV)-$(subst torch==,,$(TORCH))/bin/python $(PYTEST) --deselect tests/test_learning.py
 
 golden: install  # rewrite tests/golden/*.json: only for a change meant to move numbers (say which, and why)
 	$(PY) -m tests.golden.stages

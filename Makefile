@@ -5,9 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
-# make test's workers (pytest-xdist): one per core by default; JOBS=0 runs the suite in this one process
-JOBS ?= auto
-PYTEST := -m pytest -q -n $(JOBS) --dist loadgroup --no-loadscope-reorder
+# make test's pytest-xdist workers: 0 runs the suite in one process; JOBS=N (or auto: one per core) in N, a file's
+# tests on one worker, the longest files first (tests/conftest.py)
+JOBS ?= 0
+PYTEST := -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install demo ablation frontier verdict lint test test-torch golden clean
 

@@ -19,12 +19,12 @@ SUITE_UNSET = () if "THP_MEM_ALLOC_ENABLE" in os.environ else ("THP_MEM_ALLOC_EN
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
 
 
-# `make test` runs the suite in parallel with pytest-xdist (-n auto --dist loadgroup --no-loadscope-reorder): each
-# worker is one process of several sharing the machine's cores, so it computes on one thread (the scripts the tests
-# start already do: run_script's OMP_NUM_THREADS=1), and the tests go out longest first so that no long test starts
-# last. SLOWEST_FIRST: the files whose tests take longest on a 2-core machine (pytest --durations), longest first;
-# the others follow in their own order. The tests of a module that share a module-scoped fixture run on one worker
-# (an xdist_group of the module's name), so that the fixture is built once.
+# `make test JOBS=N` runs the suite in N pytest-xdist workers (--dist loadfile: a file's tests, and the module-scoped
+# fixtures they share, stay on one worker). Each worker is one process of several sharing the machine's cores, so it
+# computes on one thread (the scripts the tests start already do: run_script's OMP_NUM_THREADS=1), and the files go
+# out longest first so that no long file starts last. SLOWEST_FIRST: the files whose tests take longest on a 2-core
+# machine (pytest --durations), longest first; the others follow in their own order. One process (JOBS=0, the
+# default) keeps the files' own order.
 SLOWEST_FIRST = (
     "test_learning.py",
     "test_frontier.py",
@@ -39,23 +39,15 @@ SLOWEST_FIRST = (
     "test_grpo_options.py",
     "test_lora.py",
 )
-if os.environ.get("PYTEST_XDIST_WORKER"):
+IN_A_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if IN_A_WORKER:
     torch.set_num_threads(1)
 
 
-def shares_a_module_fixture(item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.values() if info is not None else []
-    return any(d.scope == "module" for fixturedefs in defs for d in fixturedefs)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
-    for item in items:
-        if shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    if IN_A_WORKER:
+        rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
 
 def shared_file(name: str) -> Path:

@@ -14,7 +14,6 @@ same code can differ (SFT's losses part at step 8, at 1e-7, docs/results.md), so
 
 import json
 import math
-import os
 import sys
 
 import pytest
@@ -42,8 +41,7 @@ def demo(tmp_path_factory) -> tuple[dict, object]:
     run_script(
         ["demo.py", "--out", str(out), "--assets", str(tmp_path / "assets"), "--wandb_mode", "disabled"],
         timeout=1800,
-        # two threads, as `make demo` on a 2-core machine; one under pytest-xdist, whose workers share the cores
-        env={"OMP_NUM_THREADS": "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"},
+        env={"OMP_NUM_THREADS": "2"},
         unset=SUITE_UNSET,  # the demo's own memory settings, as `make demo` runs it
     )
     summary = json.loads((out / "summary.json").read_text())

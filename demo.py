@@ -124,10 +124,11 @@ def frontier(demo: Demo) -> str:
 def verdict(demo: Demo) -> str:
     """The verdict's runs (experiments.embedded.verdict_runs) on --verdict_prompts held-out posts, best-of-n on the
     same posts; then verdict.md (each pair of VERDICT_PAIRS and each arm against best-of-n at matched KL, with
-    intervals over posts and with seeds; the frontier's table), verdict.json, assets/verdict.png (the frontier) and
-    assets/verdict_compute.png (gold against generated tokens and seconds), rewritten after every round of seeds."""
+    intervals over posts and with seeds; the frontier's table), verdict.json and the pictures (evaluation.plots
+    verdict_pictures: assets/verdict.png, each arm's mean path over its seeds against KL; verdict_forest.png, the rows;
+    verdict_compute.png, gold against generated tokens and seconds), rewritten after every round of seeds."""
     from evaluation import frontier as measured
-    from evaluation.plots import gold_against_compute
+    from evaluation.plots import verdict_pictures
 
     args, root, assets = demo.args, demo.out / "verdict", Path(demo.args.assets)
     posts = embedded.verdict_posts(demo)
@@ -149,11 +150,7 @@ def verdict(demo: Demo) -> str:
         text = measured.verdict_table(rows) + "\n\n" + measured.frontier_table(curve, methods)
         (root / "verdict.md").write_text(text + "\n")
         (root / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": rows}))
-        title = f"embedded task: {args.verdict_prompts} held-out posts x {args.frontier_samples} samples per point"
-        measured.plot_frontier(
-            curve, methods, assets / "verdict.png", title + f" (best-of-n: pool of {args.frontier_pool})"
-        )
-        gold_against_compute(dirs, assets / "verdict_compute.png", title)
+        verdict_pictures(curve, methods, rows, dirs, assets, "embedded task")
         return text
 
     assets.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,217 @@
+"""The verdict's pictures (evaluation/plots.py) on hand-made inputs: what each draws, read back from its Axes (the
+lines' data, the bands' vertices, the forest plot's rows), against means and intervals worked out by hand; and the
+command that redraws them from a verdict folder."""
+
+import json
+import math
+import sys
+
+import matplotlib
+import numpy as np
+import pytest
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from evaluation.frontier import BEST_OF_N  # noqa: E402
+from evaluation.plots import (  # noqa: E402
+    draw_compute,
+    draw_forest,
+    draw_verdict,
+    main,
+    mean_path,
+    spent,
+    verdict_runs,
+)
+
+# Student's t 0.975-quantiles from the tables, for 1, 2 and 4 degrees of freedom
+T_975 = {1: 12.706204736, 2: 4.302652730, 4: 2.776445105}
+
+
+@pytest.fixture
+def ax():
+    fig, ax = plt.subplots()
+    yield ax
+    plt.close(fig)
+
+
+def by_gid(ax, gid: str):
+    """The one artist (line, band, bar) of `ax` drawn with this gid."""
+    found = [a for a in ax.lines + ax.collections + ax.patches if a.get_gid() == gid]
+    assert len(found) == 1, (gid, found)
+    return found[0]
+
+
+def band_ends(band, x: float) -> tuple[float, float]:
+    """The lowest and highest y of a fill_between band's outline at x."""
+    vertices = band.get_paths()[0].vertices
+    at = vertices[np.isclose(vertices[:, 0], x), 1]
+    return float(at.min()), float(at.max())
+
+
+def point(step: int, kl: float, gold: float) -> dict:
+    return {"step": step, "kl": kl, "gold": gold}
+
+
+def test_mean_path_is_the_mean_over_seeds_with_its_t_interval():
+    """Three seeds; the third cut short before step 20, so the path stops at step 10 (the mean over every seed)."""
+    seeds = [
+        [point(0, 0.0, 1.0), point(10, 0.4, 1.0), point(20, 0.9, 2.0)],
+        [point(0, 0.0, 1.0), point(10, 0.5, 2.0), point(20, 1.0, 3.0)],
+        [point(0, 0.0, 1.0), point(10, 0.9, 4.0)],
+    ]
+    path = mean_path(seeds, ("kl", "gold"))
+    assert path["step"] == [0, 10] and path["seeds"] == 3
+    assert path["kl"] == pytest.approx([0.0, 0.6]) and path["gold"] == pytest.approx([1.0, 7 / 3])
+    # gold at step 10: 1, 2, 4: sample sd sqrt(7/3), so the half-width is t(0.975, 2) sqrt(7/3) / sqrt(3)
+    half = T_975[2] * math.sqrt(7 / 3) / math.sqrt(3)
+    assert path["gold_low"][1] == pytest.approx(7 / 3 - half) and path["gold_high"][1] == pytest.approx(7 / 3 + half)
+    assert path["gold_low"][0] == path["gold_high"][0] == 1.0  # the seeds agree at step 0
+    one = mean_path(seeds[:1], ("kl", "gold"))
+    assert one["gold"] == [1.0, 1.0, 2.0] and all(math.isnan(v) for v in one["gold_low"] + one["gold_high"])
+    assert mean_path([[], []], ("kl",)) == {"step": [], "seeds": 0, "kl": [], "kl_low": [], "kl_high": []}
+
+
+def test_verdict_picture_draws_each_arms_mean_path_its_band_and_best_of_n():
+    """Arm A: two seeds, its line through the means and its band the t interval over the two seeds (t(0.975, 1));
+    arm B: one seed, its line and no band; best-of-n: its points, its band mean ± t(0.975, P - 1) se over P = 5
+    posts."""
+    curve = [
+        {"n": n, "kl": kl, "gold": g, "gold_se": se, "pool": 8, "posts": {"gold": [g] * 5, "kl": [kl] * 5}}
+        for n, kl, g, se in ((1, 0.0, 1.0, 0.1), (2, 0.2, 1.5, 0.2), (4, 0.6, 1.7, 0.3))
+    ]
+    methods = {
+        "A": [[point(0, 0.0, 1.0), point(5, 0.2, 1.2)], [point(0, 0.0, 1.0), point(5, 0.4, 1.6)]],
+        "B": [[point(0, 0.0, 1.1), point(3, 0.5, 2.0)]],
+    }
+    fig, ax = plt.subplots()
+    draw_verdict(ax, curve, methods)
+    a = by_gid(ax, "A")
+    assert list(a.get_xdata()) == pytest.approx([0.0, 0.3]) and list(a.get_ydata()) == pytest.approx([1.0, 1.4])
+    half = T_975[1] * abs(1.6 - 1.2) / 2  # two seeds: sd |a - b| / sqrt 2, over sqrt 2
+    assert band_ends(by_gid(ax, "A band"), 0.3) == pytest.approx((1.4 - half, 1.4 + half))
+    b = by_gid(ax, "B")
+    assert list(b.get_xdata()) == [0.0, 0.5] and list(b.get_ydata()) == [1.1, 2.0]
+    assert not [c for c in ax.collections if c.get_gid() == "B band"]  # one seed: no interval over seeds
+    bon = by_gid(ax, BEST_OF_N)
+    assert list(bon.get_xdata()) == [0.0, 0.2, 0.6] and list(bon.get_ydata()) == [1.0, 1.5, 1.7]
+    assert band_ends(by_gid(ax, f"{BEST_OF_N} band"), 0.6) == pytest.approx(
+        (1.7 - T_975[4] * 0.3, 1.7 + T_975[4] * 0.3)
+    )
+    colours = {line.get_gid(): line.get_color() for line in (a, b, bon)}
+    assert len(set(colours.values())) == 3  # one colour per arm
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "best-of-n from the reference (pool of 8)",
+        "A (2 seeds)",
+        "B (1 seed)",
+    ]
+    plt.close(fig)
+
+
+def forest_row(pair: str, difference: float, low: float, high: float, detectable: float) -> dict:
+    a, b = pair.split(" - ")
+    return {
+        "pair": pair,
+        "a": a,
+        "b": b,
+        "difference": difference,
+        "ci_low": low,
+        "ci_high": high,
+        "distinguishable": not low <= 0 <= high,
+        "detectable": detectable,
+    }
+
+
+def test_forest_plot_draws_one_row_per_pair_in_order(ax):
+    """Two pairs, then two arms against best-of-n (one beyond its largest n: a note): each row at its place from the
+    top, its interval's ends and the difference from the row, its detectable difference as a bar around 0, a marker
+    filled only where the interval excludes 0, a line at 0."""
+    rows = [
+        forest_row("A - B", -0.05, -0.08, -0.01, 0.05),
+        forest_row("A - C", 0.02, -0.03, 0.07, 0.06),
+        forest_row(f"A - {BEST_OF_N}", -0.12, -0.18, -0.06, 0.08),
+        {"pair": f"C - {BEST_OF_N}", "a": "C", "b": BEST_OF_N, "note": "beyond best-of-n's largest n"},
+    ]
+    ys = draw_forest(ax, rows)
+    assert ys == [0, 1, 3, 4]  # a gap between the pairs and the rows against best-of-n
+    assert ax.yaxis_inverted()  # the first row at the top
+    assert list(ax.get_yticks()) == ys and [t.get_text() for t in ax.get_yticklabels()] == [r["pair"] for r in rows]
+    for r, y in zip(rows[:3], ys, strict=False):
+        line = by_gid(ax, r["pair"])
+        assert list(line.get_xdata()) == [r["ci_low"], r["ci_high"]] and list(line.get_ydata()) == [y, y]
+        bar = by_gid(ax, r["pair"] + " detectable")
+        assert (bar.get_x(), bar.get_width()) == pytest.approx((-r["detectable"], 2 * r["detectable"]))
+        (marker,) = [m for m in ax.lines if list(m.get_xdata()) == [r["difference"]] and list(m.get_ydata()) == [y]]
+        assert (marker.get_markerfacecolor() != "white") == r["distinguishable"]
+    assert not [a for a in ax.lines if a.get_gid() == f"C - {BEST_OF_N}"]
+    assert "beyond best-of-n's largest n" in [t.get_text() for t in ax.texts]
+    assert list(by_gid(ax, "zero").get_xdata()) == [0, 0]
+    assert "-0.050 [-0.080, -0.010]  ±0.050" in [t.get_text() for t in ax.texts]
+
+
+def metrics_rows(tokens_per_second: float, golds: list[float]) -> list[dict]:
+    """A run's metrics.jsonl rows: an evaluation at step 0, then steps of 2 s, an evaluation after every second step.
+    GRPO's steps carry reward/mean (their tokens count), DPO's (tokens_per_second 0) do not."""
+    rows = [{"step": 0, "eval/gold": golds[0]}]
+    for step in range(1, 2 * len(golds) - 1):
+        row = {"step": step, "perf/step_seconds": 2.0, "perf/tokens_per_second": tokens_per_second}
+        row |= {"reward/mean": 0.0} if tokens_per_second else {}
+        rows.append(row | ({"eval/gold": golds[step // 2]} if step % 2 == 0 else {}))
+    return rows
+
+
+def test_compute_picture_draws_one_line_per_arm_through_its_seeds_means():
+    grpo = [spent(metrics_rows(100.0, [1.0, 2.0, 3.0])), spent(metrics_rows(300.0, [1.0, 3.0, 4.0]))]
+    dpo = [spent(metrics_rows(0.0, [1.0, 1.5]))]
+    assert grpo[0][1] == {"step": 2, "tokens": 400.0, "seconds": 4.0, "gold": 2.0}
+    fig, axes = plt.subplots(1, 2)
+    draw_compute(axes, {"grpo": grpo, "dpo": dpo})
+    tokens, seconds = by_gid(axes[0], "grpo"), by_gid(axes[1], "grpo")
+    assert list(tokens.get_xdata()) == [0.0, 800.0, 1600.0] and list(tokens.get_ydata()) == [1.0, 2.5, 3.5]
+    assert list(seconds.get_xdata()) == [0.0, 4.0, 8.0] and list(seconds.get_ydata()) == [1.0, 2.5, 3.5]
+    assert list(by_gid(axes[0], "dpo").get_xdata()) == [0.0, 0.0]
+    assert len(axes[0].lines) == len(axes[1].lines) == 2  # one line per arm, not per seed
+    assert "dpo (1 seed, samples nothing in training)" in [t.get_text() for t in axes[1].get_legend().get_texts()]
+    plt.close(fig)
+
+
+def write_run(folder, rows: list[dict]) -> None:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "config.json").write_text(json.dumps({"frontier_samples": 2}))
+
+
+def test_the_command_redraws_the_verdicts_pictures_from_its_folder(tmp_path, monkeypatch, capsys):
+    """A verdict folder as demo.py leaves it while its third round runs: verdict.json holds two seeds of A and one of
+    B, A's seed2 folder holds a run in progress. The compute picture reads the seeds that verdict.json holds."""
+    folder = tmp_path / "verdict"
+    curve = [
+        {"n": n, "kl": kl, "gold": g, "gold_se": 0.1, "pool": 4, "posts": {"gold": [g] * 3, "kl": [kl] * 3}}
+        for n, kl, g in ((1, 0.0, 1.0), (2, 0.2, 1.5), (4, 0.6, 1.7))
+    ]
+    methods = {
+        "A": [[point(0, 0.0, 1.0), point(2, 0.2, 2.0)], [point(0, 0.0, 1.0), point(2, 0.4, 3.0)]],
+        "B": [[point(0, 0.0, 1.0), point(2, 0.5, 1.5)]],
+    }
+    rows = [forest_row("A - B", 0.5, -0.5, 1.5, 0.9), forest_row(f"A - {BEST_OF_N}", 0.6, 0.1, 1.1, 0.4)]
+    folder.mkdir()
+    (folder / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": rows}))
+    write_run(folder / "A" / "seed0", metrics_rows(100.0, [1.0, 2.0]))
+    write_run(folder / "A" / "seed1", metrics_rows(100.0, [1.0, 3.0]))
+    write_run(folder / "A" / "seed2", metrics_rows(100.0, [1.0])[:1])
+    write_run(folder / "B" / "seed0", metrics_rows(0.0, [1.0, 1.5]))
+    (folder / "data").mkdir()  # the verdict's posts, not an arm
+    assert verdict_runs(folder, methods) == {
+        "A": [folder / "A" / "seed0", folder / "A" / "seed1"],
+        "B": [folder / "B" / "seed0"],
+    }
+    out = tmp_path / "assets"
+    monkeypatch.setattr(sys, "argv", ["plots", "--verdict", str(folder), "--out", str(out)])
+    main()
+    for name in ("verdict.png", "verdict_forest.png", "verdict_compute.png"):
+        assert (out / name).stat().st_size > 10_000, name
+    assert str(out / "verdict_forest.png") in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["plots", "--verdict", str(tmp_path / "none"), "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2 and capsys.readouterr().err.count("\n") == 1

@@ -278,6 +278,22 @@ def draw_compute(axes, runs: dict[str, list[list[dict]]], key: str = "gold") -> 
     axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
 
 
+def forest_picture(
+    rows: list[dict], out: Path, heading: str = "", colours: dict[str, str] | None = None, key: str = "gold"
+) -> None:
+    """The forest plot of verdict rows (draw_forest) as a PNG, under `heading`."""
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.38 * (len(rows) + 1)))
+    draw_forest(ax, rows, colours)
+    ax.set_xlabel(f"A - B in {key} reward at matched KL (mean over seeds and posts)")
+    ax.set_title(
+        f"{heading}\neach pair at matched KL: the difference and its 95% t interval (with the seeds' spread when "
+        "there are two or more)",
+        fontsize=9,
+    )
+    fig.savefig(out, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
 def verdict_pictures(
     curve: list[dict],
     methods: dict[str, list[list[dict]]],
@@ -303,7 +319,7 @@ def verdict_pictures(
         )
         if part
     )
-    colours = arm_colours(methods)
+    colours = arm_colours(methods)  # the forest's rows in their arm's colour, as in the other two pictures
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -318,16 +334,7 @@ def verdict_pictures(
     fig.savefig(out / "verdict.png", dpi=130, bbox_inches="tight")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.38 * (len(rows) + 1)))
-    draw_forest(ax, rows, colours)
-    ax.set_xlabel(f"A - B in {key} reward at matched KL (mean over seeds and posts)")
-    ax.set_title(
-        f"{where}\neach pair at matched KL: the difference and its 95% t interval (with the seeds' spread when there "
-        "are two or more)",
-        fontsize=9,
-    )
-    fig.savefig(out / "verdict_forest.png", dpi=130, bbox_inches="tight")
-    plt.close(fig)
+    forest_picture(rows, out / "verdict_forest.png", where, colours, key)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     seeds = {name: [spent(read_metrics(d / "metrics.jsonl")) for d in dirs] for name, dirs in runs.items()}

@@ -791,8 +791,16 @@ def test_a_tiny_verdict_run(tiny_demo, tmp_path):
     cmd += ["--frontier_eval_rows", "8", "--wandb_mode", "disabled"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for picture in ("verdict.png", "verdict_compute.png"):
+    pictures = ("verdict.png", "verdict_forest.png", "verdict_compute.png")
+    for picture in pictures:
         assert (tmp_path / picture).stat().st_size > 10_000
+    # redrawn from the folder alone (its verdict.json and its runs' metrics), without training: the demo's pictures
+    replot = [sys.executable, "-m", "evaluation.plots", "--verdict", str(tiny_demo / "verdict")]
+    replot += ["--out", str(tmp_path / "replot"), "--title", "embedded task"]
+    done = subprocess.run(replot, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for picture in pictures:
+        assert (tmp_path / "replot" / picture).read_bytes() == (tmp_path / picture).read_bytes(), picture
     record = json.loads((tiny_demo / "verdict" / "verdict.json").read_text())
     arms = ["rso", "rso_beta2", "uniform", "plain8", "per_group", "dpo", "dpo_beta2"]
     assert list(record["methods"]) == arms

@@ -362,13 +362,11 @@ def replot_verdict(folder: Path, out: Path, title: str = "") -> list[Path]:
     folder = Path(folder)
     record = folder / "verdict.json"
     if not record.is_file():
-        raise FileNotFoundError(
-            f"{record}: no verdict.json; demo.py --verdict_seeds N writes it after a round of seeds"
-        )
+        raise FileNotFoundError(f"{record}: not found; demo.py --verdict_seeds N writes it after each round of seeds")
     saved = json.loads(record.read_text())
     methods = saved["methods"]
     return verdict_pictures(
-        saved["best_of_n"], methods, saved["rows"], verdict_runs(folder, methods), out, title or str(folder)
+        saved["best_of_n"], methods, saved.get("rows", []), verdict_runs(folder, methods), out, title or str(folder)
     )
 
 

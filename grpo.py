@@ -150,6 +150,11 @@ class Config(
             raise ConfigError(
                 f"--advantage {self.advantage} needs at least {need} kept samples per prompt, got {self.kept}"
             )
+        if ADVANTAGES.facts.get(self.advantage, {}).get("pool") and self.num_samples < 2:
+            raise ConfigError(
+                f"--advantage {self.advantage} takes a standard deviation over each group's scored samples: it needs "
+                f"--num_samples >= 2, got {self.num_samples}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ Order of reward processing in grpo.py, per prompt with G samples:
     1. raw score      r_raw = RM(prompt + response), read at the last real token (or summed over the response)
     2. penalty        r_pen = r_raw - missing_end_penalty * (1 - has_end)             raw RM units
     3. normalize      r     = gain * r_pen + bias                                      RM's fitted gain/bias
-    4. selection      K of the G samples, from r (RSO / top-bottom / uniform / all)
+    4. selection      K of the G samples, from r (RSO / top / top-bottom / uniform / all)
     5. advantage      by --advantage (ADVANTAGES) over the K *selected* samples, e.g. GRPO's
-                      A = (r - mean_K(r)) / (std_K(r) + eps); Dr. GRPO's r - mean_K(r); RLOO's leave-one-out
+                      A = (r - mean_K(r)) / (std_K(r) + eps); Dr. GRPO's r - mean_K(r); RLOO's leave-one-out;
+                      pool_normalized's (r - mean_G(r)) / (std_G(r) + eps), statistics of all G scored samples
     6. global norm    A = (A - mean(A)) / (std(A) + eps)        over every selected sample on every rank
 
 The penalty is applied in raw units before the gain/bias, so penalised and unpenalised rewards share one scale
@@ -29,6 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.registry import Registry
+
+
+def _no_reduce(t: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of a single process: the tensor itself."""
+    return t
+
 
 # ----------------------------------------------------------------------------------------------------
 # Rewards
@@ -66,6 +73,21 @@ def select_all(
     B, G = rewards_BG.shape
     idx = torch.arange(G, device=rewards_BG.device).expand(B, G).clone()
     return idx, _one_pass(rewards_BG)
+
+
+@SELECTIONS.register("top", help="the K best (RSO's limit beta_rs -> 0)")
+def select_top(
+    rewards_BG: torch.Tensor, k: int, beta: float = 0.0, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, dict]:
+    """The K highest-rewarded samples of each prompt (K <= G): RSO's target pi_sft(y|x) exp(r / beta) as beta -> 0,
+    without its random visiting order. Ties at the K-th place go to the lower column (a stable descending sort keeps
+    equal rewards in column order), so the result is a function of the rewards alone; the samples of a group are
+    exchangeable, so which of two tied samples is kept biases nothing."""
+    B, G = rewards_BG.shape
+    if not 0 < k <= G:
+        raise ValueError(f"top selection needs K in (0, G={G}], got {k}")
+    order = torch.argsort(rewards_BG.float(), dim=1, descending=True, stable=True)  # (B, G) best first
+    return order[:, :k].sort(dim=1).values, _one_pass(rewards_BG)
 
 
 @SELECTIONS.register("top_bottom", help="the K/2 best and K/2 worst")
@@ -157,13 +179,61 @@ def select(
     return SELECTIONS[method](rewards_BG, k, beta_rs, generator)
 
 
+def selection_diagnostics(
+    pool_BG: torch.Tensor, kept_BK: torch.Tensor, reduce_sum: Callable[[torch.Tensor], torch.Tensor] = _no_reduce
+) -> dict[str, torch.Tensor]:
+    """What a selection kept, against the pool it kept it from, over the global batch: the rewards of all G scored
+    samples of B groups (B, G) and of the K kept (B, K). Per group, in float64, with the sample (Bessel-corrected)
+    variances s2_G of the pool and s2_K of the kept (s2_K = 0 when K = 1):
+
+        mean_shift     mean over groups of (mean_K r - mean_G r) / sqrt(s2_G), 0 for a group whose pool tied: how far
+                       the kept mean lies above the pool's, in the pool's standard deviations (RSO on normal rewards
+                       of std sigma and a large pool: sigma / beta_rs; uniform selection: 0 in expectation)
+        std_ratio      sqrt(mean over groups of s2_K / s2_G), a tied pool's group counting 1: the kept within-group
+                       spread against the pool's (exactly 1 when every sample is kept; under uniform selection its
+                       square is 1 in expectation, s2_K being unbiased for s2_G when sampling without replacement)
+        pool_std       sqrt(mean over groups of s2_G): the pool's within-group spread, in reward units
+        ess            mean, over the groups whose kept rewards are not all equal, of Kish's effective sample size of
+                       the weights w_i = |r_i - mean_K r| of the K kept, (sum_i w_i)^2 / sum_i w_i^2: how many kept
+                       samples carry a group-centred advantage's gradient, between 2 (two samples apart, the rest at
+                       the mean) and K (every kept sample equally far from the kept mean); 0 when every group tied
+        tied_fraction  share of groups whose K kept rewards are all exactly equal (no group-centred signal)
+
+    Each statistic is a sum over groups divided by a count, both summed over ranks by `reduce_sum` in one call, so two
+    ranks give the values one process gives on the concatenated batch (a mean of the ranks' means would not, when they
+    hold different numbers of groups). Returns fp64 scalars."""
+    pool, kept = pool_BG.double(), kept_BK.double()  # (B, G), (B, K)
+    B, K = kept.shape
+    pool_var = pool.var(1) if pool.shape[1] > 1 else pool.new_zeros(B)  # (B,) s2_G
+    deviation = kept - kept.mean(1, keepdim=True)  # (B, K): exactly 0 for a tie (float64 sum of fp32 rewards)
+    sq_dev = (deviation * deviation).sum(1)  # (B,)
+    kept_var = sq_dev / (K - 1) if K > 1 else pool.new_zeros(B)  # (B,) s2_K
+    spread = pool_var > 0  # (B,) the pool did not tie (a tied pool leaves a tied kept set)
+    shift = torch.where(spread, (kept.mean(1) - pool.mean(1)) / pool_var.sqrt(), 0.0)  # (B,)
+    var_ratio = torch.where(spread, kept_var / pool_var, 1.0)  # (B,)
+    tied = kept.amax(1) == kept.amin(1)  # (B,)
+    ess = torch.where(tied, 0.0, deviation.abs().sum(1) ** 2 / sq_dev)  # (B,)
+    sums = torch.stack(
+        [pool.new_tensor(float(B)), shift.sum(), var_ratio.sum(), pool_var.sum(), tied.sum().double(), ess.sum()]
+    )
+    groups, shift, var_ratio, pool_var, tied, ess = reduce_sum(sums).unbind()
+    return {
+        "mean_shift": shift / groups,
+        "std_ratio": (var_ratio / groups).sqrt(),
+        "pool_std": (pool_var / groups).sqrt(),
+        "ess": ess / (groups - tied).clamp(min=1.0),
+        "tied_fraction": tied / groups,
+    }
+
+
 # ----------------------------------------------------------------------------------------------------
 # Advantages (--advantage: ADVANTAGES). Each estimator takes the rewards (B, K) of the K kept samples of B groups and
 # `reduce_sum`, which sums a tensor over ranks (the estimators that use batch statistics read the global batch
 # through it), and returns advantages (B, K) fp32. What it sees is what selection kept and dynamic sampling did not
 # drop: the statistics of a group are those of its K kept samples, a batch's those of every kept group of every
 # rank. --global_norm then whitens the result over that same global batch, whichever estimator made it. A
-# registration declaring min_kept needs at least that many kept samples per group.
+# registration declaring min_kept needs at least that many kept samples per group; one declaring pool also takes
+# `pool_BG`, the rewards (B, G) of all G scored samples of the same groups, and reads its group statistics there.
 
 ADVANTAGES = Registry("advantage estimator")
 
@@ -202,6 +272,25 @@ def leave_one_out(rewards_BK: torch.Tensor, reduce_sum=None) -> torch.Tensor:
     return (r - (r.sum(1, keepdim=True) - r) / (K - 1)).float()
 
 
+@ADVANTAGES.register(
+    "pool_normalized", help="GRPO's (r - mean) / (std + eps) with the mean and std of all G scored samples", pool=True
+)
+def pool_normalize(
+    rewards_BK: torch.Tensor, reduce_sum=None, pool_BG: torch.Tensor | None = None, eps: float = 1e-4
+) -> torch.Tensor:
+    """GRPO's advantage with the group statistics of the whole scored pool: (r - mean_G) / (std_G + eps), the mean
+    and sample std (Bessel-corrected) over all G scored samples of the group (B, G), applied to its K kept (B, K).
+    The pool is scored before selection, so its statistics cost nothing, and they do not depend on which samples
+    selection kept: a kept set of the pool's favourites gets mostly positive advantages, where the kept set's own
+    statistics would centre them (about half negative). With --global_norm the batch's mean advantage is then
+    subtracted, one baseline for every group. When selection keeps all G, the kept are the pool in its order and
+    this is `grpo` bit for bit. Statistics in float64, result fp32; needs G >= 2, any K >= 1."""
+    if pool_BG is None:
+        raise ValueError("pool_normalized needs the rewards of every scored sample of each group (pool_BG)")
+    r, pool = rewards_BK.double(), pool_BG.double()
+    return ((r - pool.mean(1, keepdim=True)) / (pool.std(1, keepdim=True) + eps)).float()
+
+
 def informative_groups(rewards_BK: torch.Tensor, min_std: float) -> torch.Tensor:
     """DAPO's dynamic sampling filter (arXiv 2503.14476, eq. 11), as a threshold: True (B,) for the groups whose kept
     rewards have a sample std (float64) of at least `min_std`. A group that scored all alike has advantage 0 and only
@@ -210,10 +299,6 @@ def informative_groups(rewards_BK: torch.Tensor, min_std: float) -> torch.Tensor
     if min_std <= 0:
         return torch.ones(rewards_BK.shape[0], dtype=torch.bool, device=rewards_BK.device)
     return rewards_BK.double().std(1) >= min_std
-
-
-def _no_reduce(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def global_normalize(
@@ -253,10 +338,14 @@ def advantages(
     estimator: str,
     global_norm: bool,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
+    pool_BG: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages (B*K,) of the kept samples by `estimator` (a name in ADVANTAGES), then, with global_norm, whitened
-    over the whole batch across ranks (`reduce_sum` sums over ranks)."""
-    a = ADVANTAGES[estimator](rewards_BK, reduce_sum).flatten()  # (B*K,)
+    over the whole batch across ranks (`reduce_sum` sums over ranks). `pool_BG` (B, G), the rewards of every scored
+    sample of the same groups, goes to the estimators registered with pool=True."""
+    estimate = ADVANTAGES[estimator]
+    pool = {"pool_BG": pool_BG} if ADVANTAGES.facts[estimator].get("pool") else {}
+    a = estimate(rewards_BK, reduce_sum, **pool).flatten()  # (B*K,)
     return global_normalize(a, reduce_sum) if global_norm else a
 
 

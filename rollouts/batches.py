@@ -101,12 +101,16 @@ def with_advantages(batches: list[MicroBatch], advantages_N: torch.Tensor) -> li
     return [b if b.filler else replace(b, advantages=advantages_N[b.kept_index]) for b in batches]
 
 
-def kept_advantages(rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg) -> torch.Tensor:
+def kept_advantages(
+    rewards_BK: torch.Tensor, keep_B: torch.Tensor, cfg, pool_BG: torch.Tensor | None = None
+) -> torch.Tensor:
     """Advantages (B*K,): those of the kept groups (`keep_B`) by --advantage, its batch statistics and the global
     normalization over the kept groups of every rank only; 0 for the groups dynamic sampling dropped
-    (--min_group_std), which are not trained on."""
+    (--min_group_std), which are not trained on. `pool_BG` (B, G): every scored sample's reward, for the estimators
+    that take their group statistics from the whole pool (--advantage pool_normalized)."""
     adv_BK = torch.zeros(rewards_BK.shape, dtype=torch.float32, device=rewards_BK.device)
-    adv_N = advantages(rewards_BK[keep_B], cfg.advantage, cfg.global_norm, all_reduce_sum)  # (kept groups * K,)
+    pool = None if pool_BG is None else pool_BG[keep_B]
+    adv_N = advantages(rewards_BK[keep_B], cfg.advantage, cfg.global_norm, all_reduce_sum, pool)  # (kept groups * K,)
     adv_BK[keep_B] = adv_N.view(-1, rewards_BK.shape[1])
     return adv_BK.flatten()
 

@@ -8,6 +8,7 @@ import torch
 
 from data.tldr import decode_responses
 from model.sampler import SampleOutput
+from rlhf.policy_gradient import selection_diagnostics
 from rlhf.rewards import source_stats
 from rollouts.batches import MicroBatch
 from rollouts.prompts import PromptSet
@@ -79,6 +80,12 @@ metric("reward/{source}_fraction", "max", "share of the samples that source appl
 metric("rs/acceptance_rate", "max", "kept samples over candidates visited by the selection")
 metric("rs/rounds_mean", None, "the selection's mean rounds per prompt")
 metric("rs/rounds_max", None, "the selection's most rounds of a prompt")
+# what the selection kept against its pool (rlhf/policy_gradient.py selection_diagnostics): no best, a description
+metric("rs/kept_mean_shift", None, "mean over groups of (kept mean - pool mean) reward, in pool standard deviations")
+metric("rs/kept_std_ratio", None, "kept within-group reward std against the pool's: sqrt(mean of s2_K / s2_G)")
+metric("rs/pool_group_std", None, "the pool's within-group reward std: sqrt(mean over groups of s2_G)")
+metric("rs/kept_ess", None, "Kish's effective sample size of |r - kept mean| in the groups that did not tie")
+metric("rs/tied_group_fraction", None, "share of groups whose kept rewards are all exactly equal")
 metric("sample/end_fraction", "max", "share of the samples that end with the end token")
 metric("sample/response_length", "min", "mean response tokens of the samples")
 metric("sample/selected_response_length", "min", "mean response tokens of the kept samples")
@@ -108,6 +115,7 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) ->
         )
     ).tolist()
     n_samples = n_prompts * G
+    kept = selection_diagnostics(r.scores.total.view(-1, G), r.rewards_BK, all_reduce_sum)
     metrics = {
         **r.update,
         "reward/mean": reward_mean,
@@ -117,6 +125,11 @@ def step_metrics(r: StepResult, spec: RewardSpec, cfg, per_row_sources: bool) ->
         "rs/acceptance_rate": n_prompts * K / visited,
         "rs/rounds_mean": rounds / n_prompts,
         "rs/rounds_max": all_reduce_max(float(r.selection_stats["rounds"].max()), device),
+        "rs/kept_mean_shift": float(kept["mean_shift"]),
+        "rs/kept_std_ratio": float(kept["std_ratio"]),
+        "rs/pool_group_std": float(kept["pool_std"]),
+        "rs/kept_ess": float(kept["ess"]),
+        "rs/tied_group_fraction": float(kept["tied_fraction"]),
         "sample/end_fraction": ended / n_samples,
         "sample/response_length": generated / n_samples,
         "sample/selected_response_length": kept_len / (n_prompts * K),

@@ -214,6 +214,12 @@ class ObjectiveConfig:
             raise ConfigError(f"--rollout_correction_cap must be > 0, got {self.rollout_correction_cap}")
         if self.kl_ratio and self.kl_in != "loss":
             raise ConfigError("--kl_ratio weights the loss's KL term: it needs --kl_in loss, got --kl_in reward")
+        if ADVANTAGES.facts.get(self.advantage, {}).get("pool") and self.kl_in == "reward":
+            raise ConfigError(
+                f"--advantage {self.advantage} takes its group statistics from every scored sample, but --kl_in "
+                f"reward takes the KL from the kept samples' rewards only (the others have no reference log-probs): "
+                f"use --kl_in loss"
+            )
 
 
 @dataclass

@@ -10,7 +10,8 @@ math in rlhf/. `cfg` is grpo.py's Config.
     4. select             K = num_kept of G per prompt (RSO rejection sampling at temperature beta_rs, ...); with
                           --min_group_std the groups whose kept rewards tie are dropped (DAPO's dynamic sampling)
     5. advantages         --advantage's estimator over the K selected (GRPO's group normalization by default,
-                          float64 statistics), then whitened over the whole batch across ranks
+                          float64 statistics; pool_normalized's from all G scored), then whitened over the whole
+                          batch across ranks
     6. reference          log-probs of the selected responses under the frozen reference policy (with LoRA: the
                           policy with its adapters off); with mu > 1 also the sampling policy's; with --kl_in reward
                           beta x the KL estimate leaves each reward and the advantages are computed again
@@ -95,7 +96,7 @@ def train_step(
     # 5. advantages: --advantage over the *selected* samples, then whitened over the global batch (all ranks)
     with timer("advantages"):
         rewards_BK = scores.total[rows_BK]  # (B, K)
-        advantages = kept_advantages(rewards_BK, keep_B, cfg)  # (B*K,)
+        advantages = kept_advantages(rewards_BK, keep_B, cfg, scores.total.view(-1, G))  # (B*K,)
         kept_N = keep_B.repeat_interleave(cfg.kept)  # (B*K,)
         batches = build_training_batches(
             prompts.ids,

@@ -14,7 +14,7 @@ from grpo import Config
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.sampler import END_ID, SampleOutput
 from model.weights import build_policy, freeze
-from rlhf.policy_gradient import AGGREGATIONS, global_normalize
+from rlhf.policy_gradient import AGGREGATIONS, global_normalize, select_top, selection_diagnostics
 from rollouts.batches import build_training_batches
 from rollouts.models import Models
 from rollouts.sampling import RewardSpec
@@ -95,8 +95,17 @@ def test_global_normalization_and_gradients_do_not_depend_on_world_size_micro_ba
     assert torch.allclose(ref["global_norm"], global_normalize(values), atol=1e-6)
     local_only = torch.cat([global_normalize(values[:5]), global_normalize(values[5:])])
     assert not torch.allclose(local_only, ref["global_norm"], atol=1e-2)  # what per-rank normalization gives
+    # the selection diagnostics: one process's are those of the whole batch; two processes reduce sums and counts
+    pool = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))  # the script's groups: G = 4, top 3 kept
+    pool[-1] = 0.25  # the last group tied, on rank 1 alone (ESS and tie share differ from a mean of the ranks' own)
+    whole = selection_diagnostics(pool, pool.gather(1, select_top(pool, 3)[0]))
+    assert ref["selection"] == {k: float(v) for k, v in whole.items()}
+    assert ref["selection"]["tied_fraction"] == 1 / 5
     for key, r in results.items():
         assert torch.allclose(r["global_norm"], ref["global_norm"], atol=1e-6), key
+        assert r["selection"].keys() == ref["selection"].keys(), key
+        for name, v in ref["selection"].items():
+            assert abs(r["selection"][name] - v) < 1e-12, (key, name)
         for loss_type in ("grpo", "bnpo", "dr_grpo"):
             assert abs(r[loss_type]["loss"] - ref[loss_type]["loss"]) < 1e-6, (key, loss_type)
             assert abs(r[loss_type]["kl"] - ref[loss_type]["kl"]) < 1e-6, (key, loss_type)

@@ -22,10 +22,13 @@ from rlhf.policy_gradient import (
     k3_kl,
     leave_one_out,
     penalize_missing_end,
+    pool_normalize,
     select_all,
     select_rso,
+    select_top,
     select_top_bottom,
     select_uniform,
+    selection_diagnostics,
     token_entropy,
     token_mean_weights,
 )
@@ -61,6 +64,85 @@ def test_rso_with_tiny_beta_keeps_the_top_k():
     assert (stats["rounds"] == 4).all()
     assert ((stats["visited"] > 45) & (stats["visited"] <= 45 + 13)).all()
     assert stats["visited"].float().std() > 0  # where round 4 meets the maximum varies
+
+
+def test_top_keeps_the_k_best_ties_to_the_lower_column_and_is_rsos_tiny_beta_limit():
+    rewards = torch.tensor([[0.5, 2.0, -1.0, 2.0, 3.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    idx, stats = select_top(rewards, 3)
+    # row 0: 3.0 (column 4), then three tied at 2.0 (columns 1, 3, 5) for two places: columns 1 and 3
+    # row 1: all tied: the first three columns
+    assert idx.tolist() == [[1, 3, 4], [0, 1, 2]]
+    assert stats["visited"].tolist() == [6.0, 6.0] and stats["rounds"].tolist() == [1.0, 1.0]  # acceptance K / G
+    assert select_top(rewards, 6)[0].tolist() == select_all(rewards)[0].tolist()
+    with pytest.raises(ValueError):
+        select_top(rewards, 7)
+    g = torch.Generator().manual_seed(0)
+    distinct = torch.randn(50, 16, generator=g)  # no ties: RSO at a tiny temperature keeps the same K
+    assert torch.equal(select_top(distinct, 4)[0], select_rso(distinct, 4, beta=1e-6, generator=g)[0])
+
+
+def test_selection_diagnostics_by_hand_and_summed_over_ranks():
+    """Three groups of G = 5 scored samples, K = 3 kept (rlhf/policy_gradient.py selection_diagnostics):
+    group 0: pool 0..4 (mean 2, s2 2.5), kept 2, 3, 4 (mean 3, s2 1): shift 1 / sqrt(2.5), variance ratio 0.4,
+             |deviations| 1, 0, 1: ESS 2^2 / 2 = 2
+    group 1: pool 0, 0, 0, 0, 5 (mean 1, s2 5), kept 0, 0, 5 (mean 5/3, s2 25/3): shift (2/3) / sqrt(5), ratio 5/3,
+             |deviations| 5/3, 5/3, 10/3: ESS (20/3)^2 / (150/9) = 8/3
+    group 2: pool all 2 (tied): shift 0, ratio counted 1, pool variance 0, kept tied (not in the ESS mean)."""
+    pool = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0, 5.0], [2.0] * 5])
+    kept = torch.tensor([[2.0, 3.0, 4.0], [0.0, 0.0, 5.0], [2.0] * 3])
+    want = {
+        "mean_shift": (1 / math.sqrt(2.5) + (2 / 3) / math.sqrt(5)) / 3,
+        "std_ratio": math.sqrt((0.4 + 5 / 3 + 1) / 3),
+        "pool_std": math.sqrt((2.5 + 5 + 0) / 3),
+        "ess": (2 + 8 / 3) / 2,
+        "tied_fraction": 1 / 3,
+    }
+    got = selection_diagnostics(pool, kept)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert abs(float(got[k]) - v) < 1e-12, (k, float(got[k]), v)
+    # two ranks, groups 0-1 on rank 0 and group 2 on rank 1: each rank's sums plus the other's give the global values
+    # (averaging the ranks' own values would not: rank 1 alone has ESS 0 and shift 0)
+    other = {}
+
+    def keep_sums(t):
+        other["sums"] = t
+        return t
+
+    alone = selection_diagnostics(pool[2:], kept[2:], keep_sums)
+    assert float(alone["ess"]) == 0 and float(alone["tied_fraction"]) == 1
+    summed = selection_diagnostics(pool[:2], kept[:2], lambda t: t + other["sums"])
+    for k, v in want.items():
+        assert abs(float(summed[k]) - v) < 1e-12, k
+    # every sample kept: no shift, the spread of the pool
+    full = selection_diagnostics(pool, pool)
+    assert float(full["mean_shift"]) == 0 and abs(float(full["std_ratio"]) - 1) < 1e-12
+
+
+def test_selection_diagnostics_of_each_selection_on_normal_rewards():
+    """docs/grpo.md's table: 8 of 64 standard normal rewards, 4,000 groups. RSO's exponential tilt of a normal moves
+    its mean by sigma^2 / beta_rs and keeps its variance, until the pool's top is reached; uniform selection keeps the
+    pool's mean and (in expectation of the variance) spread; top_bottom keeps the extremes, all about equally far from
+    their mean."""
+    from rlhf.policy_gradient import select
+
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(4000, 64, generator=g)
+    want = {  # selection, beta_rs: mean shift, std ratio, ESS (to 0.05)
+        ("uniform", 0.0): (0.0, 1.0, 5.49),
+        ("rso", 8.0): (0.125, 1.0, 5.51),
+        ("rso", 2.0): (0.5, 1.0, 5.51),
+        ("rso", 0.5): (1.34, 0.75, 5.45),
+        ("top", 0.0): (1.62, 0.44, 5.55),
+        ("top_bottom", 0.0): (0.0, 2.09, 7.77),
+    }
+    for (name, beta), (shift, ratio, ess) in want.items():
+        idx, _ = select(pool, name, 8, beta, g)
+        got = selection_diagnostics(pool, pool.gather(1, idx))
+        assert abs(float(got["mean_shift"]) - shift) < 0.05, (name, beta, float(got["mean_shift"]))
+        assert abs(float(got["std_ratio"]) - ratio) < 0.05, (name, beta, float(got["std_ratio"]))
+        assert abs(float(got["ess"]) - ess) < 0.05, (name, beta, float(got["ess"]))
+        assert float(got["tied_fraction"]) == 0 and abs(float(got["pool_std"]) - 1) < 0.01
 
 
 def test_rso_with_huge_beta_is_uniform_over_indices():
@@ -171,6 +253,25 @@ def test_rloo_is_the_leave_one_out_baseline_by_hand():
     assert torch.equal(ADVANTAGES["rloo"](r, None), leave_one_out(r))
 
 
+def test_pool_normalized_by_hand_and_with_global_normalization():
+    """(r - mean_G) / (std_G + 1e-4), statistics of all G scored samples: two groups of pool 0, 2, 4, 6 (mean 3,
+    sample variance 20 / 3, std s = 2.582), kept 4, 6 and 0, 6: z = (1, 3, -3, 3) / s. With global normalization the
+    batch mean of z (1 / s) is subtracted and its population std (sqrt(6) / s) divides: (0, 2, -4, 2) / sqrt(6).
+    GRPO's statistics of the kept pairs give +-1 / sqrt(2) in each group, +-1 after global normalization."""
+    pool = torch.tensor([[0.0, 2.0, 4.0, 6.0], [0.0, 2.0, 4.0, 6.0]])
+    kept = torch.tensor([[4.0, 6.0], [0.0, 6.0]])
+    s = math.sqrt(20 / 3) + 1e-4
+    assert torch.allclose(pool_normalize(kept, pool_BG=pool), torch.tensor([[1.0, 3.0], [-3.0, 3.0]]) / s, atol=1e-6)
+    got = advantages(kept, "pool_normalized", True, pool_BG=pool)
+    assert torch.allclose(got, torch.tensor([0.0, 2.0, -4.0, 2.0]) / math.sqrt(6), atol=1e-4)
+    assert torch.allclose(advantages(kept, "grpo", True), torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-4)
+    # every sample kept: the kept set is the pool, and the advantage is GRPO's bit for bit
+    r = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(pool_normalize(r, pool_BG=r), group_normalize(r))
+    with pytest.raises(ValueError, match="pool_BG"):
+        advantages(kept, "pool_normalized", False)
+
+
 def test_rloo_gradient_is_unbiased_for_independent_samples():
     """The leave-one-out baseline does not depend on the sample it is subtracted from, so with K = 2 independent
     samples of a categorical policy E[(1/K) sum_i A_i grad log pi(y_i)] is exactly grad E[r] (enumerating every
@@ -227,16 +328,17 @@ def test_every_advantage_estimator_sees_only_the_kept_groups(name):
     from rollouts.batches import kept_advantages
 
     g = torch.Generator().manual_seed(0)
-    rewards = torch.randn(3, 4, generator=g)
+    pool = torch.randn(3, 6, generator=g)  # G = 6 scored, the first K = 4 kept
+    rewards = pool[:, :4].clone()
     keep = torch.tensor([True, False, True])
     for global_norm in (False, True):
         cfg = SimpleNamespace(advantage=name, global_norm=global_norm)
-        got = kept_advantages(rewards, keep, cfg).view(3, 4)
+        got = kept_advantages(rewards, keep, cfg, pool).view(3, 4)
         assert torch.equal(got[1], torch.zeros(4))
-        alone = advantages(rewards[keep], name, global_norm).view(2, 4)
+        alone = advantages(rewards[keep], name, global_norm, pool_BG=pool[keep]).view(2, 4)
         assert torch.equal(got[keep], alone)
-        rewards[1] = 100.0  # the dropped group's rewards change nothing
-        assert torch.equal(kept_advantages(rewards, keep, cfg).view(3, 4), got)
+        rewards[1], pool[1] = 100.0, 100.0  # the dropped group's rewards change nothing
+        assert torch.equal(kept_advantages(rewards, keep, cfg, pool).view(3, 4), got)
 
 
 def test_global_normalization_by_hand():

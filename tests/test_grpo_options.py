@@ -437,6 +437,52 @@ def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path
         assert any(d in (0.25, 0.75) for d in dropped), dropped
 
 
+def test_top_selection_and_pool_statistics_run_in_grpos_step_from_the_command_line():
+    """--selection top --advantage pool_normalized, parsed as grpo.py parses them, through one step of train_step (the
+    function grpo.py's main() calls) and its logged metrics, in one process: the kept samples are each prompt's 4 best
+    of 8, their advantages are the pool's z-scores whitened over the batch, and the selection diagnostics say so."""
+    from grpo import Config
+    from model.gpt2 import GPT2LMHeadModel, GPTConfig
+    from model.weights import freeze
+    from rlhf.policy_gradient import global_normalize, pool_normalize
+    from rollouts.metrics import step_metrics
+    from rollouts.models import Models
+    from rollouts.step import train_step
+    from tests.helpers import prompts_and_rewards
+    from utils.optim import build_optimizer, build_scheduler
+
+    argv = ["--selection", "top", "--advantage", "pool_normalized", "--rewards", "length", "--num_samples", "8"]
+    argv += ["--num_kept", "4", "--max_new_tokens", "5", "--prompts_per_step", "2", "--micro_batch_size", "4"]
+    cfg = parse_config(Config, argv + ["--beta", "0.1", "--lr", "1e-2", "--warmup_steps", "1"])
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32))
+    models = Models(policy, freeze(GPT2LMHeadModel(policy.cfg)), None)
+    optimizer = build_optimizer(policy, cfg.lr, 0.0)
+    prompts, spec = prompts_and_rewards(cfg)
+    r = train_step(models, optimizer, build_scheduler(optimizer, 1, 10), prompts, spec, cfg, step=1)
+    pool = r.scores.total.view(2, 8)
+    assert (r.rewards_BK.min(1).values >= pool.sort(1, descending=True).values[:, 3]).all()  # the 4 best kept
+    want = global_normalize(pool_normalize(r.rewards_BK, pool_BG=pool).flatten())
+    assert torch.allclose(r.advantages, want, atol=1e-6) and r.advantages.abs().max() > 0
+    metrics = step_metrics(r, spec, cfg, per_row_sources=False)
+    assert metrics["rs/acceptance_rate"] == 0.5 and metrics["rs/rounds_mean"] == metrics["rs/rounds_max"] == 1
+    assert metrics["rs/kept_mean_shift"] > 0 and metrics["rs/kept_std_ratio"] < 1  # the top band of each pool
+    assert metrics["train/grad_norm"] > 0
+
+
+def test_pool_statistics_need_a_pool_and_the_kl_in_the_loss(capsys):
+    from grpo import Config
+
+    for argv, message in (
+        (["--kl_in", "reward"], "--kl_in reward takes the KL from the kept samples' rewards only"),
+        (["--num_samples", "1", "--num_kept", "1"], "it needs --num_samples >= 2, got 1"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(Config, ["--advantage", "pool_normalized", *argv])
+        assert message in capsys.readouterr().err
+    assert parse_config(Config, ["--advantage", "pool_normalized", "--num_kept", "1"]).kept == 1
+
+
 # ----------------------------------------------------------------------------------------------------
 # Registries: each choice of the algorithm is a registered name, and the option that picks one lists the registry
 

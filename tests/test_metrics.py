@@ -67,10 +67,12 @@ MINIMIZED = {
     "perf/score_seconds", "perf/select_seconds", "perf/update_seconds", "val/win_rate_se",
     "train/logprob_gap_to_sampler",
 }  # fmt: skip
-# No best either: grpo.py's preference counts (eval/pref_n_pairs, ...), the judge's posts, the selection's rounds, the
-# learning rate and the reward model's normalisation fit (a property of the SFT samples, not a goal).
+# No best either: grpo.py's preference counts (eval/pref_n_pairs, ...), the judge's posts, the selection's rounds and
+# what it kept against its pool (a description of the selection, not a goal), the learning rate and the reward
+# model's normalisation fit (a property of the SFT samples, not a goal).
 COUNTS = {"eval/pref_n_pairs", "eval/pref_n_ties", "eval/pref_n_chosen_longer", "eval/pref_n_chosen_not_longer"}
 COUNTS |= {"eval/summary_prompts", "rs/rounds_mean", "rs/rounds_max", "train/lr"}
+COUNTS |= {"rs/kept_mean_shift", "rs/kept_std_ratio", "rs/pool_group_std", "rs/kept_ess", "rs/tied_group_fraction"}
 COUNTS |= {f"norm/{n}" for n in ("raw_mean", "raw_std", "samples", "end_rate", "gain", "bias")}
 
 

@@ -6,7 +6,8 @@ The global batch is fixed: 4 prompts x 4 samples. Rank r takes a contiguous slic
 normalization needs a prompt's samples on one rank) and splits it into micro-batches of MICRO_BATCH_SIZE rows,
 packed with each prompt once (shared, the default) or one row per sample with its own copy of the prompt.
 Rank 0 saves, per loss type, the loss and the full gradients, plus the globally normalized advantages of an
-uneven split of a fixed vector (5 values on rank 0, the rest on rank 1).
+uneven split of a fixed vector (5 values on rank 0, the rest on rank 1) and the selection diagnostics of an uneven
+split of fixed groups (5 groups of G scored rewards, the top 3 kept; the first 4 on rank 0, the last, tied, on rank 1).
 """
 
 import sys
@@ -23,7 +24,7 @@ from grpo import Config  # noqa: E402
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.sampler import SampleOutput  # noqa: E402
 from model.weights import freeze  # noqa: E402
-from rlhf.policy_gradient import global_normalize, group_normalize  # noqa: E402
+from rlhf.policy_gradient import global_normalize, group_normalize, select_top, selection_diagnostics  # noqa: E402
 from rollouts.batches import build_training_batches  # noqa: E402
 from rollouts.update import batch_logprobs, policy_update  # noqa: E402
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402
@@ -83,7 +84,15 @@ def main(out: str, micro: int, shared: bool):
         parts = [normalized]
     results["global_norm"] = torch.cat(parts)
 
-    # 2. one update's loss and gradients, per loss type
+    # 2. the selection diagnostics of an uneven split of groups (all but the last on rank 0), reduced over ranks
+    pool = torch.randn(5, G, generator=torch.Generator().manual_seed(2))  # (groups, G)
+    pool[-1] = 0.25  # every sample of the last group scored alike
+    pool = pool if world == 1 else (pool[:-1] if rank == 0 else pool[-1:])
+    kept = pool.gather(1, select_top(pool, 3)[0])  # (groups, 3)
+    diagnostics = selection_diagnostics(pool, kept, all_reduce_sum)
+    results["selection"] = {k: float(v) for k, v in diagnostics.items()}
+
+    # 3. one update's loss and gradients, per loss type
     torch.manual_seed(0)
     cfg_model = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, n_positions=64)
     policy = GPT2LMHeadModel(cfg_model)

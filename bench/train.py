@@ -513,7 +513,7 @@ def profile_stage(
     was_reset = common.reset_peak_memory(device)
     t = measure(s.step, device, warmup=cfg.warmup, repeats=cfg.repeats)
     peak, what = common.peak_memory(device, was_reset)
-    rows = throughput_rows(f"{name}: {s.label}", cfg, device, t, s.micro, s.flops, s.n, s.unit, s.formula)
+    rows = throughput_rows(name, cfg, device, t, s.micro, s.flops, s.n, s.unit, s.formula)
     rows.append(result(PROFILE, f"{name}: peak memory", common.mib(peak), "MiB", note=what, config=cfg))
     for r in rows:
         r["bench"] = PROFILE

@@ -25,7 +25,7 @@ import torch
 
 from bench import common
 from bench.common import measure_interleaved, random_prompts, result, synchronize
-from bench.grpo_step import CPU_TINY_QUICK, GPU_REFERENCE, GRPOBenchConfig, measure_steps
+from bench.grpo_step import CPU_TINY_QUICK, GPU_REFERENCE, GRPOBenchConfig, measure_steps, memory_rows
 from model.gpt2 import PRESETS, GPT2LMHeadModel
 from model.sampler import generate
 
@@ -174,6 +174,7 @@ def bench_step(bcfg: GRPOBenchConfig, device: torch.device) -> list[dict]:
                 measurements=m,
             )
         )
+        out += memory_rows(b, m, BENCH, f"{b.name}: GRPO step, {mode}")
         if compiled:
             first = m["warmup_step_seconds"][0]
             out.append(

@@ -16,7 +16,6 @@ and 1,024 rows), the default prefix sharing, 56 new tokens forced (nothing stops
 import argparse
 import json
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -25,25 +24,6 @@ from bench import common
 from bench.stage_floors import decode_floor
 from model.gpt2 import PRESETS, GPT2LMHeadModel
 from model.sampler import generate
-
-
-def kernel_summary(prof, tokens: int) -> dict:
-    """Kernels and their GPU microseconds per decoded token, CUDA runtime launches per token, the top kernels."""
-    kernels, us = Counter(), Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name] += 1
-            us[e.name] += e.device_time_total
-    launches = Counter(e.name for e in prof.events() if e.name.startswith("cuda") and "Launch" in e.name)
-    return {
-        "kernels_per_token": sum(kernels.values()) / tokens,
-        "kernel_ms_per_token": sum(us.values()) / tokens / 1e3,
-        "launches_per_token": {k: v / tokens for k, v in launches.items()},
-        "top": [
-            {"kernel": name[:120], "us_per_token": t / tokens, "calls_per_token": kernels[name] / tokens}
-            for name, t in us.most_common(12)
-        ],
-    }
 
 
 def profile_rows(model, ids, mask, G: int, new: int, device, figure) -> None:
@@ -77,12 +57,12 @@ def profile_rows(model, ids, mask, G: int, new: int, device, figure) -> None:
         ) as prof:
             call(mode == "compile")
             torch.cuda.synchronize()
-        k = kernel_summary(prof, new)
-        figure(f"{N} rows: {mode}, kernels per token", k["kernels_per_token"], "kernels", **k)
-        figure(f"{N} rows: {mode}, GPU kernel time per token", k["kernel_ms_per_token"], "ms")
-        print(f"    launches per token: {k['launches_per_token']}")
+        k = common.profile_summary(prof, new)  # per token
+        figure(f"{N} rows: {mode}, kernels per token", k["kernels"], "kernels", **k)
+        figure(f"{N} rows: {mode}, GPU kernel time per token", k["kernel_ms"], "ms")
+        print(f"    launches per token: {k['launches']}")
         for row in k["top"][:8]:
-            print(f"    {row['us_per_token']:9.1f} us x{row['calls_per_token']:6.1f}  {row['kernel'][:90]}")
+            print(f"    {row['us']:9.1f} us x{row['calls']:6.1f}  {row['kernel'][:90]}")
         if mode == "compile":
             wall = 1e3 * seconds["compile"] / new
             figure(f"{N} rows: graphed wall per token / floor", wall / (1e3 * floor_s), "x")

@@ -16,6 +16,11 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     floor    bench/floor.py      the TRL side-by-side's step of ours against its matrix products, per stage (named only)
     trl_stages  bench/trl_stages.py  TRL's SFT, Reward and DPO trainers vs our steps on the same weights and rows,
                                      interleaved; tiny and gpt2 shape on CPU (named only)
+    train_profile  bench/train.py    torch.profiler over SFT / reward-model / DPO steps: kernel time against wall,
+                                     launches, host synchronisations, top kernels; larger micro-batches and
+                                     --compile beside them (named only)
+    memory_fit  bench/grpo_step.py   the largest GPT-2 whose GRPO step 64 -> 8 runs in 24 GiB of GPU, with and
+                                     without --frozen_cpu_offload, each preset in a process of its own (named only)
 
 Every timed figure is the median of repeats after untimed warm-up runs. A figure that could not be measured is
 listed with the reason; a benchmark that fails is listed with its error and the others still run (exit status 1).
@@ -36,9 +41,10 @@ from bench import common
 from utils.host import cpu_memory_settings
 
 BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl", "prefix_sharing")
-NAMED_ONLY = ("compile", "floor", "trl_stages")  # run only when --only names them: compilation takes minutes
-# (bench/gpu_all.sh runs it); the floor repeats the TRL side-by-side's step of ours, to set it against its matrix
-# products; trl_stages takes minutes of CPU and needs trl
+NAMED_ONLY = ("compile", "floor", "trl_stages", "train_profile", "memory_fit")  # run only when --only names them:
+# compilation takes minutes (bench/gpu_all.sh runs it); the floor repeats the TRL side-by-side's step of ours, to set
+# it against its matrix products; trl_stages takes minutes of CPU and needs trl; the profile and the memory search are
+# GPU checks (bench/gpu_all.sh)
 
 
 def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
@@ -74,6 +80,14 @@ def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
         from bench import trl_stages
 
         return trl_stages.run(device, quick)
+    if name == "train_profile":
+        from bench import train
+
+        return train.profile(device, quick)
+    if name == "memory_fit":
+        from bench import grpo_step
+
+        return grpo_step.memory_fit(device, quick)
     if name == "prefix_sharing":
         from bench import prefix_sharing
 

@@ -23,14 +23,16 @@ figure for a shared 2-core virtual machine would mean anything; model TFLOP/s is
 """
 
 import copy
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 import dpo
 import reward_model
 import sft
+from bench import common
 from bench.common import GPU_PEAKS, measure, result
 from data.tldr import collate_pairs, collate_sft
 from data.tokenizer import END_ID
@@ -67,6 +69,9 @@ class TrainConfig:
     """Untimed optimizer steps first."""
     repeats: int = 3
     """Timed optimizer steps; the median is reported."""
+    compile: bool = False
+    """Each transformer block of the trained model under torch.compile, as the scripts' --compile
+    (utils/fsdp.py shard_model's compile_blocks); the warm-up step pays the compilation."""
 
 
 def configs(device: torch.device, quick: bool) -> list[TrainConfig]:
@@ -276,9 +281,10 @@ def optimizer_step(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def build_sharded(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """FSDP2 wrapping as the scripts do it: bf16 compute on GPU, fp32 on CPU (resolve_dtype "auto")."""
-    shard_model(model, resolve_dtype("auto", device))
+def build_sharded(model: torch.nn.Module, device: torch.device, compile_blocks: bool = False) -> torch.nn.Module:
+    """FSDP2 wrapping as the scripts do it: bf16 compute on GPU, fp32 on CPU (resolve_dtype "auto"); with
+    `compile_blocks`, --compile's per-block torch.compile."""
+    shard_model(model, resolve_dtype("auto", device), compile_blocks=compile_blocks)
     return model.to(device)
 
 
@@ -286,10 +292,12 @@ def unique_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def sft_step(model: GPT2LMHeadModel, micro: list[dict], world: int, device: torch.device) -> Callable[[], float]:
+def sft_step(
+    model: GPT2LMHeadModel, micro: list[dict], world: int, device: torch.device, compile_blocks: bool = False
+) -> Callable[[], float]:
     """One SFT optimizer step over `micro` as sft.py takes it (sft.accumulate_gradients: completion-only NLL over
     the step's response tokens, then clipping, AdamW, zero_grad); shards `model` first."""
-    model = build_sharded(model, device)
+    model = build_sharded(model, device, compile_blocks)
     optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
     model.train()
 
@@ -302,11 +310,17 @@ def sft_step(model: GPT2LMHeadModel, micro: list[dict], world: int, device: torc
 
 
 def reward_model_step(
-    model: RewardModel, micro: list[dict], world: int, n_pairs: int, device: torch.device, prefix_sharing: bool = True
+    model: RewardModel,
+    micro: list[dict],
+    world: int,
+    n_pairs: int,
+    device: torch.device,
+    prefix_sharing: bool = True,
+    compile_blocks: bool = False,
 ) -> Callable[[], dict]:
     """One reward-model optimizer step over `micro` (collate_pairs batches of `n_pairs` pairs in all) as
     reward_model.py takes it (Bradley-Terry loss, mean over the step's pairs); shards `model` first."""
-    model = build_sharded(model, device)
+    model = build_sharded(model, device, compile_blocks)
     optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
     model.train()
 
@@ -326,6 +340,7 @@ def dpo_step(
     device: torch.device,
     beta: float = 0.1,
     prefix_sharing: bool = True,
+    compile_blocks: bool = False,
 ) -> Callable[[], dict]:
     """One DPO optimizer step over `micro` as dpo.py takes it (sigmoid loss, the frozen reference a copy of
     `policy` made here, stored in bf16 on GPU as dpo.main does, its log-probs computed inside the step); shards
@@ -336,7 +351,7 @@ def dpo_step(
         reference.to(dtype)  # as dpo.main: the frozen reference is stored in bf16 on GPU
     shard_model(reference, None)
     reference.to(device)
-    policy = build_sharded(policy, device)
+    policy = build_sharded(policy, device, compile_blocks)
     optimizer = build_optimizer(policy, lr=1e-5, weight_decay=0.0)
     dpo_cfg = dpo.Config(beta=beta)
     loss_fn = preference_loss(dpo_cfg)
@@ -352,66 +367,90 @@ def dpo_step(
     return step
 
 
-def bench_sft(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
-    name = f"{cfg.name} SFT"
+@dataclass
+class Stage:
+    """One stage's optimizer step at a configuration, built and ready to call, with what its figures need."""
+
+    label: str
+    """The stage and the functions the step runs, for the figures' names."""
+    step: Callable[[], object]
+    micro: list[dict]
+    flops: tuple[float, float]
+    """(model FLOPs, executed FLOPs) per step (flops_per_step)."""
+    n: int
+    """N of the MFU formula."""
+    unit: str
+    """What a row of the batch is: rows (SFT) or pairs."""
+    formula: str = "6N + 12LdT"
+
+
+STAGES = ("SFT", "reward model", "DPO")
+
+
+def build_stage(stage: str, cfg: TrainConfig, device: torch.device, world: int) -> Stage:
+    """The models (random weights, seed 0), micro-batches and step of `stage` (one of STAGES) at `cfg`."""
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(PRESETS[cfg.preset])
-    n, head = matmul_params(model.cfg, unique_params(model), lm_head=True)
-    micro = sft_micro_batches(cfg, model.cfg.vocab_size)
-    t = measure(sft_step(model, micro, world, device), device, warmup=cfg.warmup, repeats=cfg.repeats)
-    flops = flops_per_step(model.cfg, n, head, micro)
-    return throughput_rows(f"{name} (sft.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n, "rows")
+    if stage == "SFT":
+        model = GPT2LMHeadModel(PRESETS[cfg.preset])
+        n, head = matmul_params(model.cfg, unique_params(model), lm_head=True)
+        micro = sft_micro_batches(cfg, model.cfg.vocab_size)
+        return Stage(
+            "SFT (sft.accumulate_gradients + AdamW)",
+            sft_step(model, micro, world, device, cfg.compile),
+            micro,
+            flops_per_step(model.cfg, n, head, micro),
+            n,
+            "rows",
+        )
+    if stage == "reward model":
+        model = RewardModel(PRESETS[cfg.preset])
+        n, head = matmul_params(model.cfg, unique_params(model), lm_head=False)
+        micro = pair_micro_batches(cfg, model.cfg.vocab_size)
+        return Stage(
+            "reward model (reward_model.accumulate_gradients + AdamW)",
+            reward_model_step(model, micro, world, cfg.batch_rows, device, compile_blocks=cfg.compile),
+            micro,
+            flops_per_step(model.cfg, n, head, micro, packed_pairs=True),
+            n,
+            "pairs",
+        )
+    if stage == "DPO":
+        policy = GPT2LMHeadModel(PRESETS[cfg.preset])
+        n, head = matmul_params(policy.cfg, unique_params(policy), lm_head=True)
+        micro = pair_micro_batches(cfg, policy.cfg.vocab_size)
+        return Stage(
+            "DPO (dpo.accumulate_gradients + AdamW)",
+            dpo_step(policy, micro, world, cfg.batch_rows, device, compile_blocks=cfg.compile),
+            micro,
+            # + the reference's forward
+            flops_per_step(policy.cfg, n, head, micro, forward_passes=4.0, packed_pairs=True),
+            n,
+            "pairs",
+            formula="8N + 16LdT (with the reference's forward)",
+        )
+    raise ValueError(f"unknown stage {stage!r}, expected one of {STAGES}")
 
 
-def bench_reward_model(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
-    name = f"{cfg.name} reward model"
-    torch.manual_seed(0)
-    model = RewardModel(PRESETS[cfg.preset])
-    n, head = matmul_params(model.cfg, unique_params(model), lm_head=False)
-    micro = pair_micro_batches(cfg, model.cfg.vocab_size)
-    step = reward_model_step(model, micro, world, cfg.batch_rows, device)
-    t = measure(step, device, warmup=cfg.warmup, repeats=cfg.repeats)
-    flops = flops_per_step(model.cfg, n, head, micro, packed_pairs=True)
-    return throughput_rows(
-        f"{name} (reward_model.accumulate_gradients + AdamW)", cfg, device, t, micro, flops, n, "pairs"
-    )
-
-
-def bench_dpo(cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
-    name = f"{cfg.name} DPO"
-    torch.manual_seed(0)
-    policy = GPT2LMHeadModel(PRESETS[cfg.preset])
-    n, head = matmul_params(policy.cfg, unique_params(policy), lm_head=True)
-    micro = pair_micro_batches(cfg, policy.cfg.vocab_size)
-    t = measure(dpo_step(policy, micro, world, cfg.batch_rows, device), device, warmup=cfg.warmup, repeats=cfg.repeats)
-    flops = flops_per_step(
-        policy.cfg, n, head, micro, forward_passes=4.0, packed_pairs=True
-    )  # + the reference's forward
-    return throughput_rows(
-        f"{name} (dpo.accumulate_gradients + AdamW)",
-        cfg,
-        device,
-        t,
-        micro,
-        flops,
-        n,
-        "pairs",
-        formula="8N + 16LdT (with the reference's forward)",
-    )
+def bench_stage(stage: str, cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
+    """Throughput of `stage` at `cfg`, and its peak memory over the timed steps."""
+    s = build_stage(stage, cfg, device, world)
+    was_reset = common.reset_peak_memory(device)
+    t = measure(s.step, device, warmup=cfg.warmup, repeats=cfg.repeats)
+    peak, what = common.peak_memory(device, was_reset)
+    name = f"{cfg.name} {s.label}"
+    rows = throughput_rows(name, cfg, device, t, s.micro, s.flops, s.n, s.unit, s.formula)
+    rows.append(result(BENCH, f"{cfg.name} {stage}: peak memory", common.mib(peak), "MiB", note=what, config=cfg))
+    print(f"  {cfg.name} {stage}: peak memory {common.mib(peak):,.0f} MiB ({what})", flush=True)
+    return rows
 
 
 def run(device: torch.device, quick: bool, cfgs: list[TrainConfig] | None = None) -> list[dict]:
     world = setup_distributed(device.type).world_size  # a one-process group: FSDP runs the same code as on 8 GPUs
     rows = []
     for cfg in cfgs or configs(device, quick):
-        print(
-            f"[train] {cfg.name}: {cfg.preset}, {cfg.batch_rows} rows/pairs per step in micro-batches of "
-            f"{cfg.micro_rows}, prompts {cfg.min_prompt_len}-{cfg.prompt_len}, responses "
-            f"{cfg.min_response_len}-{cfg.response_len} tokens; {cfg.warmup} warm-up + {cfg.repeats} timed steps",
-            flush=True,
-        )
-        for fn in (bench_sft, bench_reward_model, bench_dpo):
-            rows += fn(cfg, device, world)
+        print(f"[train] {cfg.name}: {describe(cfg)}; {cfg.warmup} warm-up + {cfg.repeats} timed steps", flush=True)
+        for stage in STAGES:
+            rows += bench_stage(stage, cfg, device, world)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if device.type != "cuda":
@@ -425,4 +464,131 @@ def run(device: torch.device, quick: bool, cfgs: list[TrainConfig] | None = None
                     config=cfg,
                 )
             )
+    return rows
+
+
+def describe(cfg: TrainConfig) -> str:
+    return (
+        f"{cfg.preset}, {cfg.batch_rows} rows/pairs per step in micro-batches of {cfg.micro_rows}, prompts "
+        f"{cfg.min_prompt_len}-{cfg.prompt_len}, responses {cfg.min_response_len}-{cfg.response_len} tokens"
+        + (", compiled blocks" if cfg.compile else "")
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Profile (run_all --only train_profile): where a step's time goes, and the options that may win it back
+
+PROFILE = "train_profile"
+# each a change to the configuration, profiled beside it in the same run: fewer, larger kernels per step (twice the
+# rows per micro-batch, as memory allows), and the scripts' --compile (compiled blocks: fewer, fused kernels)
+VARIANTS: dict[str, Callable[[TrainConfig], TrainConfig]] = {
+    "as configured": lambda c: c,
+    "micro-batch x2": lambda c: replace(c, micro_rows=min(c.batch_rows, 2 * c.micro_rows)),
+    "--compile": lambda c: replace(c, compile=True),
+}
+
+
+def profile_plan(device: torch.device, quick: bool) -> list[tuple[str, str]]:
+    """(variant, stage) pairs to profile: every stage as configured and with larger micro-batches; compiled blocks on
+    a GPU only (a CPU takes minutes to compile), every stage, or at --quick the SFT step alone (compilation takes a
+    minute or more of a GPU check's ten)."""
+    plan = [(v, s) for v in ("as configured", "micro-batch x2") for s in STAGES]
+    if device.type == "cuda":
+        plan += [("--compile", s) for s in (("SFT",) if quick else STAGES)]
+    return plan
+
+
+def profile_stage(
+    stage: str, variant: str, cfg: TrainConfig, device: torch.device, world: int, steps: int = 2
+) -> list[dict]:
+    """Throughput of `stage` at VARIANTS[variant](cfg), unprofiled (throughput_rows, with peak memory), then one step
+    under bench.common.HostSyncs (the host's waits for the device, counted) and `steps` steps under torch.profiler
+    (CPU activities, and CUDA on a GPU): per step the kernels' time against the wall clock, the device's busy time
+    and what is left of the wall (the host's: launches, Python, waits), kernel launches, synchronising calls, the top
+    kernels and the top host ops (bench.common.profile_summary)."""
+    cfg = VARIANTS[variant](cfg)
+    s = build_stage(stage, cfg, device, world)
+    name = f"{cfg.name} {stage}, {variant}"
+    print(f"[{PROFILE}] {name}: {describe(cfg)}", flush=True)
+    was_reset = common.reset_peak_memory(device)
+    t = measure(s.step, device, warmup=cfg.warmup, repeats=cfg.repeats)
+    peak, what = common.peak_memory(device, was_reset)
+    rows = throughput_rows(name, cfg, device, t, s.micro, s.flops, s.n, s.unit, s.formula)
+    rows.append(result(PROFILE, f"{name}: peak memory", common.mib(peak), "MiB", note=what, config=cfg))
+    for r in rows:
+        r["bench"] = PROFILE
+    batches = [v for b in s.micro for v in b.values() if isinstance(v, torch.Tensor)]
+    with common.HostSyncs(device, batches) as syncs:
+        s.step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        common.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            s.step()
+        common.synchronize(device)
+        wall_ms = (time.perf_counter() - t0) / steps * 1e3
+    k = common.profile_summary(prof, steps)
+    on_gpu = device.type == "cuda"
+    kernels = "GPU kernels" if on_gpu else "ATen ops (self CPU time)"
+    details = {"profile": k, "host_syncs": dict(syncs.counts)}
+
+    def row(figure: str, value: float, unit: str, note: str = "", **extra) -> None:
+        rows.append(result(PROFILE, f"{name}: {figure}", value, unit, note=note, config=cfg, **extra))
+
+    row(
+        "wall per step, profiled",
+        wall_ms,
+        "ms",
+        f"{steps} steps under torch.profiler; unprofiled median {t.median * 1e3:.1f} ms",
+        **details,
+    )
+    row(f"{kernels} per step", k["kernel_ms"], "ms", f"{k['kernel_ms'] / wall_ms:.1%} of the profiled wall")
+    if on_gpu:
+        row(
+            "GPU busy per step",
+            k["busy_ms"],
+            "ms",
+            f"union of the kernels' intervals: {k['busy_ms'] / wall_ms:.1%} of the wall; the rest "
+            f"({wall_ms - k['busy_ms']:.1f} ms) the GPU waits for the host",
+        )
+    row(
+        "kernel launches per step" if on_gpu else "ATen ops per step",
+        sum(k["launches"].values()),
+        "calls",
+        ", ".join(f"{n} {c:,.0f}" for n, c in k["launches"].items()),
+    )
+    waits = sum(k["syncs"].values())
+    row(
+        "host synchronisations per step",
+        syncs.total,
+        "calls",
+        "counted by bench.common.HostSyncs: "
+        + (", ".join(f"{n} {c}" for n, c in sorted(syncs.counts.items())) or "none")
+        + (
+            f"; the profiler's CUDA calls that wait: {waits:g} ("
+            + (", ".join(f"{n} {c:g}" for n, c in k["syncs"].items()) or "none")
+            + ")"
+            if on_gpu
+            else ""
+        ),
+    )
+    print(f"  wall {wall_ms:.1f} ms/step profiled ({t.median * 1e3:.1f} unprofiled), {kernels} {k['kernel_ms']:.1f}")
+    print(f"  host synchronisations per step: {dict(syncs.counts)}" + (f"; CUDA calls: {k['syncs']}" if on_gpu else ""))
+    for top in k["top"][:8]:
+        print(f"    {top['us'] / 1e3:8.2f} ms x{top['calls']:6.1f}  {top['kernel'][:90]}")
+    print("  top host ops: " + ", ".join(f"{o['op']} {o['us'] / 1e3:.2f} ms" for o in k["top_host_ops"][:6]))
+    return rows
+
+
+def profile(device: torch.device, quick: bool, cfgs: list[TrainConfig] | None = None) -> list[dict]:
+    world = setup_distributed(device.type).world_size
+    rows = []
+    for cfg in cfgs or configs(device, quick):
+        for variant, stage in profile_plan(device, quick):
+            rows += profile_stage(stage, variant, cfg, device, world)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows

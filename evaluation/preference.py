@@ -22,6 +22,7 @@ from data.tldr import PreferenceDataset, collate_pairs, encode_response, eval_sl
 from model.gpt2 import SharedPrefix
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.stats import preference_summary
+from utils.dist import to_device, true_positions
 from utils.logging import track
 from utils.metrics import metric
 
@@ -44,10 +45,10 @@ def packed_pairs(batch: dict, device) -> tuple[torch.Tensor, torch.Tensor, Share
     B, P = batch["n_pairs"], batch["prompt_len"]
     group = torch.arange(B, device=device).repeat(2)  # rows i and B + i share prompt i
     return SharedPrefix.pack(
-        batch["input_ids"][:B, :P].to(device),
-        batch["attention_mask"][:B, :P].to(device),
-        batch["response_ids"].to(device),
-        batch["response_mask"].to(device),
+        to_device(batch["input_ids"][:B, :P], device),
+        to_device(batch["attention_mask"][:B, :P], device),
+        to_device(batch["response_ids"], device),
+        to_device(batch["response_mask"], device),
         group,
     )
 
@@ -60,7 +61,8 @@ def pair_logprobs(model: nn.Module, batch: dict, device, prefix_sharing: bool = 
     rows, or their places in the packed row; see data/tldr.py), inside rlhf/logprobs.py's chunked pass (GRPO's
     function), so the (2B, R, V) logits are never materialised."""
     n, R = batch["response_ids"].shape
-    targets, mask = batch["response_ids"].to(device), batch["response_mask"].to(device)
+    targets, mask = to_device(batch["response_ids"], device), to_device(batch["response_mask"], device)
+    positions = true_positions(batch["response_mask"], device)  # row-major: the same in (n, R) and (1, n * R)
     if prefix_sharing:
         input_ids, position_ids, layout = packed_pairs(batch, device)
         logp, _ = model(
@@ -68,16 +70,16 @@ def pair_logprobs(model: nn.Module, batch: dict, device, prefix_sharing: bool = 
             position_ids,
             layout,
             logits_slice=layout.logits_index().view(1, n * R),
-            head=partial(linear_processed_logprobs, targets_NR=targets.view(1, n * R), mask_NR=mask.view(1, n * R)),
+            head=partial(linear_processed_logprobs, targets_NR=targets.view(1, n * R), positions_K=positions),
         )
     else:
         P = batch["prompt_len"]
         logp, _ = model(
-            batch["input_ids"].to(device),
-            batch["position_ids"].to(device),
-            batch["attention_mask"].to(device),
+            to_device(batch["input_ids"], device),
+            to_device(batch["position_ids"], device),
+            to_device(batch["attention_mask"], device),
             logits_slice=slice(P - 1, P + R - 1),
-            head=partial(linear_processed_logprobs, targets_NR=targets, mask_NR=mask),
+            head=partial(linear_processed_logprobs, targets_NR=targets, positions_K=positions),
         )
     return (logp.view(n, R) * mask).sum(-1)  # (2B,); 0 at padding
 
@@ -88,9 +90,9 @@ def reward_scores(model: nn.Module, batch: dict, device, prefix_sharing: bool = 
     if prefix_sharing:
         return model(*packed_pairs(batch, device))
     return model(
-        batch["input_ids"].to(device),
-        batch["position_ids"].to(device),
-        batch["attention_mask"].to(device),
+        to_device(batch["input_ids"], device),
+        to_device(batch["position_ids"], device),
+        to_device(batch["attention_mask"], device),
         prompt_len=batch["prompt_len"],
     )
 

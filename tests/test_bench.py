@@ -348,3 +348,106 @@ def test_decode_floor_counts_by_hand_and_scoring_reads_each_prompt_once():
     floors = gpu_stage_floors(b, counts)
     per_step = decode_floor(gpt2, 2, 20, 8, 10)["bytes"] / 3.35e12
     assert floors["generate"] >= 2 * 9 * per_step * (1 - 1e-12) and floors["score"] == pytest.approx(score / 989e12)
+
+
+def test_host_syncs_counts_reads_of_device_tensors_only():
+    """bench.common.HostSyncs on a CPU run: a host tensor (the batch) and what is computed from it alone are read for
+    free; a .to(device) of it, a parameter, and what is computed from them are device tensors, whose reads a GPU run
+    waits for."""
+    batch = torch.tensor([1.0, 0.0, 2.0])
+    weight = torch.nn.Parameter(torch.ones(3))
+    with common.HostSyncs(torch.device("cpu"), [batch]) as h:
+        float(batch.sum())  # host
+        batch.nonzero()  # host
+        moved = batch.to("cpu")
+        assert moved is not batch and torch.equal(moved, batch)  # a new view: on the device from here
+        float(moved.sum())  # 1 __float__
+        (moved * weight).nonzero()  # 1 nonzero
+        moved[moved > 0]  # 1 boolean index
+        torch.zeros(2, device="cpu").tolist()  # created on the device: 1 tolist
+        torch.zeros(2).tolist()  # created on the host: free
+    assert dict(h.counts) == {"__float__": 1, "nonzero": 1, "__getitem__ with a boolean index": 1, "tolist": 1}
+
+
+@pytest.mark.parametrize("stage", train.STAGES)
+def test_a_training_step_waits_for_the_device_the_same_times_whatever_its_micro_batches(
+    stage, one_thread, fresh_process_group
+):
+    """SFT, reward-model and DPO steps read device values on the host only at the end of the step (the loss and
+    statistics, the clipped norm), not per micro-batch: the head's positions are found on the host
+    (utils.dist.true_positions), not by nonzero on the device."""
+    from utils.dist import setup_distributed
+
+    world, device = setup_distributed("cpu").world_size, torch.device("cpu")
+    counts = {}
+    for micro_rows in (2, 1):  # 2 and 4 micro-batches
+        s = train.build_stage(stage, dataclasses.replace(TRAIN, micro_rows=micro_rows), device, world)
+        batches = [v for b in s.micro for v in b.values() if isinstance(v, torch.Tensor)]
+        with common.HostSyncs(device, batches) as h:
+            s.step()
+        counts[micro_rows] = dict(h.counts)
+    once = {"__float__": 2} if stage == "SFT" else {"__float__": 1, "tolist": 1}  # loss / statistics, clipped norm
+    assert counts == {2: once, 1: once}
+
+
+def test_profile_summary_and_the_profile_rows_on_cpu(one_thread, fresh_process_group):
+    from utils.dist import setup_distributed
+
+    assert common._busy_us([(5, 6), (0, 2), (1, 3)]) == 4  # the union of the intervals
+    world = setup_distributed("cpu").world_size
+    rows = train.profile_stage("SFT", "micro-batch x2", TRAIN, torch.device("cpu"), world, steps=1)
+    assert by_name(rows, "train_profile", "host synchronisations per step")["value"] == 2
+    wall = by_name(rows, "train_profile", "wall per step, profiled")
+    k = wall["profile"]
+    assert 0 < k["kernel_ms"] <= wall["value"]  # the ops' self time is part of the wall
+    assert k["launches"]["ATen ops"] == by_name(rows, "train_profile", "ATen ops per step")["value"] > 100
+    assert sum(t["us"] for t in k["top_host_ops"]) <= k["kernel_ms"] * 1e3 + 1e-6
+    assert wall["config"]["micro_rows"] == 2 * TRAIN.micro_rows  # the variant's configuration
+
+
+def test_memory_rows_flag_a_gap_over_ten_percent():
+    m = {
+        "peak_memory_bytes": 115 * 2**20,
+        "estimated_peak_bytes": 100 * 2**20,
+        "device_type": "cuda",
+        "peak_memory_what": "-",
+    }
+    m["estimated_bytes"] = {"weights": 60 * 2**20, "update": 40 * 2**20}
+    rows = grpo_step.memory_rows(GRPO, m, "grpo", "x")
+    assert by_name(rows, "grpo", "measured / estimated")["value"] == pytest.approx(1.15)
+    assert by_name(rows, "grpo", "measured / estimated")["note"] == "GAP over 10%"
+    m["peak_memory_bytes"] = 91 * 2**20
+    assert by_name(grpo_step.memory_rows(GRPO, m, "grpo", "x"), "grpo", "measured / estimated")["note"] == "within 10%"
+
+
+def test_memory_fit_finds_the_largest_preset_that_runs_trying_few():
+    presets = grpo_step.FIT_PRESETS
+    for largest in range(-1, len(presets)):  # -1: none runs
+        for first in range(len(presets)):
+            calls = []
+
+            def runs(p, largest=largest, calls=calls):
+                calls.append(p)
+                return {"outcome": "ran" if presets.index(p) <= largest else "out of memory"}
+
+            best, tried = grpo_step.largest_that_runs(presets, runs, first)
+            assert best == (presets[largest] if largest >= 0 else None)
+            assert len(calls) == len(set(calls)) <= abs(first - largest) + 2 and set(tried) == set(calls)
+
+
+def test_memory_fit_goes_on_after_an_out_of_memory_error(monkeypatch):
+    def out_of_memory(bcfg, device):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    monkeypatch.setattr(grpo_step, "measure_steps", out_of_memory)
+    r = grpo_step.fit_child("small", False, 24.0, torch.device("cpu"))
+    assert r == {"outcome": "out of memory", "error": "CUDA out of memory. Tried to allocate 2.00 GiB"}
+    # on a CPU the search tries small (both estimates fit), which runs out of memory, then tiny
+    outcomes = {"tiny": {"outcome": "ran", "step_seconds": 0.5, "peak_bytes": 3 * 2**20, "estimated_peak_bytes": 2**21}}
+    outcomes["small"] = r
+    rows = grpo_step.memory_fit(torch.device("cpu"), True, runs=lambda p, offload, timeout_s: outcomes[p])
+    answer = by_name(rows, "memory_fit", "without offload: largest GPT-2 in 24 GiB")
+    assert answer["largest"] == "tiny" and answer["value"] == PRESETS["tiny"].n_layer
+    assert by_name(rows, "memory_fit", "small: GRPO step")["note"].startswith("not measured: out of memory")
+    assert by_name(rows, "memory_fit", "tiny: GRPO step")["value"] == 0.5
+    assert "needs a GPU" in by_name(rows, "memory_fit", "with --frozen_cpu_offload")["note"]

@@ -4,7 +4,8 @@ CPU offload of the frozen models and activation checkpointing leave a determinis
 estimate (rollouts/memory.py) bounds the measured peak of the step it estimates; with two GPUs, the same over NCCL
 (each rank writing its own checkpoint shards, the process group bound to its GPU). Each run is a golden configuration
 (tests/golden/stages.py) moved to the GPU. --compile on CUDA under FSDP2 (NCCL, one process): the decode step's CUDA
-graphs recorded once per shape, not per call, and the per-block compiled forward and backward equal to eager."""
+graphs recorded once per shape, not per call, and the per-block compiled forward and backward equal to eager. A training
+batch copied to the GPU without a stream synchronisation (utils.dist.to_device)."""
 
 import json
 import shutil
@@ -135,3 +136,23 @@ def test_two_gpu_nccl_runs_agree_bit_for_bit_and_resume_exactly(tmp_path):
     lines = [line for line in (out / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2]
     (out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
     assert run("sft", tmp_path / "full", args, fresh=False, nproc=2) == full
+
+
+def test_to_device_copies_a_batch_without_a_stream_synchronisation():
+    # utils.dist.to_device (every training micro-batch's copy): the same values on the GPU, and no
+    # cudaStreamSynchronize, which a blocking .to(device) makes (checked too, so the profiler does see one)
+    from utils.dist import to_device, true_positions
+
+    batch = torch.randint(0, 50000, (16, 440))
+    mask = torch.rand(16, 56) > 0.3
+
+    def syncs(fn) -> int:
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        return sum(e.name == "cudaStreamSynchronize" for e in prof.events())
+
+    assert syncs(lambda: batch.to("cuda")) > 0
+    assert syncs(lambda: (to_device(batch, "cuda"), true_positions(mask, "cuda"))) == 0
+    assert torch.equal(to_device(batch, "cuda").cpu(), batch)
+    assert torch.equal(true_positions(mask, "cuda").cpu(), mask.reshape(-1).nonzero().squeeze(1))

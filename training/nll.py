@@ -1,6 +1,8 @@
 """The next-token loss of one SFT micro-batch (sft.py's loss, the rows of data/tldr.py's SFTDataset.collate): the summed
 NLL of the response tokens, plus with --prompt_loss_weight an unbiased estimate of the prompt tokens' NLL from a few
-drawn positions per row. The LM head runs inside rlhf/logprobs.py's chunked pass, at the predicting positions only."""
+drawn positions per row. The LM head runs inside rlhf/logprobs.py's chunked pass, at the predicting positions only,
+found on the host from the batch's masks (utils/dist.py true_positions), so a micro-batch makes the host wait for the
+device nowhere."""
 
 from functools import partial
 
@@ -8,7 +10,7 @@ import torch
 
 from rlhf.logprobs import linear_processed_logprobs
 from rlhf.losses import sft_loss_sum
-from utils.dist import stream
+from utils.dist import stream, to_device, true_positions
 
 
 def response_nll_sum(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,15 +20,18 @@ def response_nll_sum(model, batch: dict, device) -> tuple[torch.Tensor, torch.Te
     left-padded prompt width, less the right padding of shorter responses), inside rlhf/logprobs.py's chunked pass,
     so the (B, R, V) logits are never materialised: with GPT-2's 50k vocabulary the head is most of a small model's
     FLOPs and memory."""
-    input_ids = batch["input_ids"].to(device)
     P, R = batch["prompt_len"], batch["response_ids"].shape[1]
-    mask = batch["response_mask"].to(device)
+    mask = to_device(batch["response_mask"], device)
     logp_BR, _ = model(
-        input_ids,
-        batch["position_ids"].to(device),
-        batch["attention_mask"].to(device),
+        to_device(batch["input_ids"], device),
+        to_device(batch["position_ids"], device),
+        to_device(batch["attention_mask"], device),
         logits_slice=slice(P - 1, P + R - 1),
-        head=partial(linear_processed_logprobs, targets_NR=batch["response_ids"].to(device), mask_NR=mask),
+        head=partial(
+            linear_processed_logprobs,
+            targets_NR=to_device(batch["response_ids"], device),
+            positions_K=true_positions(batch["response_mask"], device),
+        ),
     )  # (B, R), 0 at padding
     return sft_loss_sum(logp_BR, mask), mask.sum()
 
@@ -60,12 +65,16 @@ def weighted_nll_sum(
     scale = valid.sum(1, keepdim=True) / drawn.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
     columns = torch.cat([chosen, torch.arange(P - 1, P + R - 1).expand(B, R)], dim=1)  # (B, K+R) predictor columns
     targets = batch["input_ids"].gather(1, columns + 1)
-    weight = torch.cat([prompt_weight * scale * drawn, batch["response_mask"].float()], dim=1).to(device)  # (B, K+R)
+    weight = torch.cat([prompt_weight * scale * drawn, batch["response_mask"].float()], dim=1)  # (B, K+R)
     logp, _ = model(
-        batch["input_ids"].to(device),
-        batch["position_ids"].to(device),
-        batch["attention_mask"].to(device),
-        logits_slice=columns.to(device),
-        head=partial(linear_processed_logprobs, targets_NR=targets.to(device), mask_NR=weight > 0),
+        to_device(batch["input_ids"], device),
+        to_device(batch["position_ids"], device),
+        to_device(batch["attention_mask"], device),
+        logits_slice=to_device(columns, device),
+        head=partial(
+            linear_processed_logprobs,
+            targets_NR=to_device(targets, device),
+            positions_K=true_positions(weight > 0, device),
+        ),
     )  # (B, K+R), 0 where the weight is
-    return sft_loss_sum(logp, weight)
+    return sft_loss_sum(logp, to_device(weight, device))

@@ -177,6 +177,26 @@ def all_reduce_max(x: float, device) -> float:
     return float(t)
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device` without making the host wait for the device. A blocking copy from the host to a GPU is followed
+    by a synchronisation of the stream (the host waits for every kernel queued before it), and an asynchronous one
+    from pageable memory may synchronise too (CUDA's API synchronization behavior): the tensor is first copied into
+    page-locked memory (pin_memory, from PyTorch's caching host allocator, which keeps the block until the copy has
+    run), then copied asynchronously. The copy holds the same bytes; `t` may change or go at once. `t` itself when it
+    is on `device` already (every CPU run)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def true_positions(mask: torch.Tensor, device) -> torch.Tensor:
+    """Flat row-major indices (K,) long of `mask`'s True entries, found where the mask is (the host, for a batch's
+    mask: no wait for the device, which nonzero on a GPU tensor makes, since the host needs K) and put on `device`:
+    rlhf.logprobs.linear_processed_logprobs's positions_K."""
+    return to_device(mask.reshape(-1).nonzero().squeeze(1), device)
+
+
 def stream_seed(*parts) -> int:
     """A 63-bit seed from (seed, step, rank, stream name): independent streams that a resumed run can rebuild."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1

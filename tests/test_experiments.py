@@ -1,6 +1,7 @@
 """Experiments as data (experiments/): the runner's order and --reuse, and the declared grids' runs: each a command a
 user could type (the script parses its options), every arm with its own folder and wandb group."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -8,7 +9,10 @@ import pytest
 
 from demo import parse_args
 from experiments.embedded import ABLATION, PREPARED, Demo, ablation_runs, frontier_runs, pipeline, verdict_runs
-from experiments.runner import FINISHED, ExperimentRun, run_all
+from experiments.runner import FINISHED, ExperimentRun, finished_record, run_all
+from experiments.verdict import check_runs, read_verdict
+from experiments.verdict import verdict_runs as file_verdict_runs
+from tests.conftest import ROOT
 from utils.config import parse_config
 
 
@@ -119,3 +123,52 @@ def test_an_unknown_ablation_variant_is_one_line_naming_it(tmp_path):
     demo = demo_for(tmp_path, "--ablation_seeds", "1", "--ablation_variants", "rso", "rso_sometimes")
     with pytest.raises(SystemExit, match="--ablation_variants: unknown rso_sometimes; expected some of rso, "):
         ablation_runs(demo)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The verdict as a file (experiments/verdict.py)
+
+VERDICT = ROOT / "configs" / "verdict" / "embedded.toml"
+MAKE_VERDICT = ["--out", "runs/demo", "--reuse"]  # make verdict's command line beside --verdict FILE
+
+
+def make_verdict_demo(*argv: str) -> Demo:
+    """The Demo of make verdict's command line (its paths as data.synthetic.write_task names them, none written)."""
+    out, data = Path("runs/demo"), Path("runs/demo") / "data"
+    paths = {name: data / kind / f"{split}.jsonl" for name, kind, split in PATHS}
+    return Demo(out, paths, parse_args([*MAKE_VERDICT, *argv]))
+
+
+PATHS = [
+    ("sft_train", "sft", "train"),
+    ("sft_validation", "sft", "validation"),
+    ("prompts_train", "prompts", "train"),
+    ("preference_validation", "preference", "validation"),
+]
+
+
+def records(runs: list[ExperimentRun]) -> list[dict]:
+    """What experiments.runner.finished compares (each run's FINISHED record), with its name and folder."""
+    return [{"name": run.name, "out_dir": str(run.out_dir)} | finished_record(run.script, run.options) for run in runs]
+
+
+def test_the_embedded_verdict_file_runs_what_make_verdict_ran_at_ddecd20():
+    """configs/verdict/embedded.toml gives make verdict's 42 runs with the options and folders the code before it gave
+    (tests/embedded_verdict_runs.json: their FINISHED records), so --reuse keeps the runs that code finished."""
+    frozen = json.loads((ROOT / "tests" / "embedded_verdict_runs.json").read_text())["seed0"]
+    expected = []
+    for seed in range(6):
+        for record in frozen:
+            options = record["options"] | {"seed": str(seed), "run_name": f"verdict-{record['name']}-{seed}"}
+            options["out_dir"] = str(Path(options["out_dir"]).parent / f"seed{seed}")
+            expected.append({"name": record["name"], "out_dir": options["out_dir"]} | record | {"options": options})
+    verdict = read_verdict(str(VERDICT))
+    posts = Path("runs/demo/verdict/data/sft/validation.jsonl")  # verdict_posts(demo, verdict), not written here
+    runs = file_verdict_runs(make_verdict_demo(), verdict, posts)
+    assert records(runs) == expected
+    # the code the file replaces, on the same command lines (a wandb mode, processes per stage)
+    old = ["--verdict_seeds", "6", "--frontier_pool", "256", "--frontier_best_of", "128"]
+    for argv in ([], ["--wandb_mode", "disabled"], ["--nproc", "2"]):
+        runs = file_verdict_runs(make_verdict_demo(*argv), verdict, posts)
+        assert records(runs) == records(verdict_runs(make_verdict_demo(*argv, *old), posts)), argv
+    check_runs(verdict, runs)  # every arm passes its script's checks

@@ -106,7 +106,9 @@ def read_verdict(path: str) -> Verdict:
             raise ConfigError(f"{at}: expected a folder name (letters, digits, _ . -) for the arm")
         if not isinstance(table, dict):
             raise ConfigError(f"{at}: expected a table (stage = ..., then the options it changes), got {table!r}")
-        stage = table.get("stage")
+        if "stage" not in table:
+            raise ConfigError(f"{at}: missing key 'stage' (one of {', '.join(STAGE_OPTIONS)})")
+        stage = table["stage"]
         if stage not in STAGE_OPTIONS:
             raise ConfigError(f"{at}: stage: expected one of {', '.join(STAGE_OPTIONS)}, got {stage!r}")
         arms[arm] = (stage, stage_changes({k: v for k, v in table.items() if k != "stage"}, stage, at))

@@ -11,6 +11,7 @@ arm's own, then what the verdict sets: the measurement on the posts (--frontier_
 (--out/<name>/<arm>/seed<s>) and the wandb names. A value is passed as the command line writes it (a TOML boolean as
 true/false), so a run's FINISHED record (experiments/runner.py) reads the same as the one the command line wrote."""
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ KEYS = {
     "arms": (dict, "the arms: [arms.NAME] with its stage and the options it changes"),
 }
 OPTIONAL = {"pairs": [], "base": {}}
+TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", dict: "a table"}
 
 # Options the verdict sets for every run: the measurement on the same posts (what the pairs compare, post by post),
 # the seed, the folder and the wandb names; --resume false is how every run of an experiment starts
@@ -74,16 +76,18 @@ def read_verdict(path: str) -> Verdict:
     if Path(path).suffix.lower() != ".toml":
         raise ConfigError(f"{where}: expected a .toml file")
     data = read_options_file(path, where)
-    unknown = sorted(set(data) - set(KEYS))
+    unknown = [key for key in data if key not in KEYS]
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; expected some of {', '.join(KEYS)}")
+        close = difflib.get_close_matches(unknown[0], KEYS, n=3)
+        hint = f"did you mean {' or '.join(close)}?" if close else f"expected some of {', '.join(KEYS)}"
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; {hint}")
     missing = [key for key in KEYS if key not in data and key not in OPTIONAL]
     if missing:
         raise ConfigError(f"{where}: missing key {missing[0]!r} ({KEYS[missing[0]][1]})")
     data = OPTIONAL | data
     for key, (kind, what) in KEYS.items():
         if not isinstance(data[key], kind) or isinstance(data[key], bool):  # True is an int to Python
-            raise ConfigError(f"{where}: {key}: expected {kind.__name__} ({what}), got {data[key]!r}")
+            raise ConfigError(f"{where}: {key}: expected {TYPE_NAMES[kind]} ({what}), got {data[key]!r}")
     if not NAME.fullmatch(data["name"]):
         raise ConfigError(f"{where}: name: expected a folder name (letters, digits, _ . -), got {data['name']!r}")
     for key in ("seeds", "posts", "samples", "pool", "best_of"):
@@ -98,6 +102,8 @@ def read_verdict(path: str) -> Verdict:
     for stage, options in data["base"].items():
         if stage not in STAGE_OPTIONS:
             raise ConfigError(f"{where}: base: unknown stage {stage!r}; expected some of {', '.join(STAGE_OPTIONS)}")
+        if not isinstance(options, dict):
+            raise ConfigError(f"{where}: base.{stage}: expected a table of {stage}.py's options, got {options!r}")
         base[stage] = stage_changes(options, stage, f"{where}: base.{stage}")
     arms = {}
     for arm, table in data["arms"].items():

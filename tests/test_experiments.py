@@ -229,10 +229,11 @@ def test_a_verdict_file_reads_as_its_arms_options_as_the_command_line_writes_the
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (("seeds = 2", "seeds = 2\nseed = 3"), "unknown key 'seed'; expected some of name, seeds, posts, "),
+        (("seeds = 2", "seeds = 2\nseed = 3"), "unknown key 'seed'; did you mean seeds?"),
+        (("seeds = 2", "seeds = 2\ngold = 3"), "unknown key 'gold'; expected some of name, seeds, posts, samples, "),
         (("posts = 8\n", ""), "missing key 'posts' (held-out posts every run and best-of-n are measured on)"),
-        (("seeds = 2", 'seeds = "two"'), "seeds: expected int (seeds of every arm), got 'two'"),
-        (("seeds = 2", "seeds = true"), "seeds: expected int (seeds of every arm), got True"),
+        (("seeds = 2", 'seeds = "two"'), "seeds: expected an integer (seeds of every arm), got 'two'"),
+        (("seeds = 2", "seeds = true"), "seeds: expected an integer (seeds of every arm), got True"),
         (("seeds = 2", "seeds = 0"), "seeds: expected a positive integer, got 0"),
         (("best_of = 4", "best_of = 6"), "best_of: expected a power of 2, got 6"),
         (("pool = 8", "pool = 2"), "pool: expected at least best_of = 4, got 2"),
@@ -249,6 +250,8 @@ def test_a_verdict_file_reads_as_its_arms_options_as_the_command_line_writes_the
         (("num_samples = 8", "num_samples = 8\nseed = 1"), "base.grpo: seed is set by the verdict "),
         (('advantage = "rloo"', "frontier_samples = 4"), "arms.rloo: frontier_samples is set by the verdict "),
         (("[base.grpo]", "[base.sft]"), "base: unknown stage 'sft'; expected some of grpo, dpo"),
+        (("[base.grpo]\n", "[base]\ngrpo = 3\n[base.x]\n"), "base.grpo: expected a table of grpo.py's options, got 3"),
+        (("[arms.dpo]\n", "[arms]\ndpo = 3\n[arms.y]\n"), "arms.dpo: expected a table (stage = ..., then the options"),
         (('stage = "dpo"', 'stage = "dpo"\nbeta = [0.1]'), "arms.dpo: beta: expected a number, got [0.1] (list)"),
         (("seeds = 2", "seeds = [2"), "not valid TOML: "),
     ],

@@ -97,7 +97,14 @@ def read_verdict(path: str) -> Verdict:
         raise ConfigError(f"{where}: best_of: expected a power of 2, got {data['best_of']}")
     if data["pool"] < data["best_of"]:
         raise ConfigError(f"{where}: pool: expected at least best_of = {data['best_of']}, got {data['pool']}")
+    base, arms = read_stages(data, where)
+    pairs = read_pairs(data["pairs"], arms, where)
+    scalars = {key: data[key] for key in ("name", "seeds", "posts", "samples", "pool", "best_of")}
+    return Verdict(path, **scalars, pairs=pairs, base=base, arms=arms)
 
+
+def read_stages(data: dict, where: str) -> tuple[dict[str, dict], dict[str, tuple[str, dict]]]:
+    """The file's [base.STAGE] tables and [arms.NAME] tables, each option checked (`stage_changes`)."""
     base = {}
     for stage, options in data["base"].items():
         if stage not in STAGE_OPTIONS:
@@ -120,9 +127,13 @@ def read_verdict(path: str) -> Verdict:
         arms[arm] = (stage, stage_changes({k: v for k, v in table.items() if k != "stage"}, stage, at))
     if not arms:
         raise ConfigError(f"{where}: arms: expected at least one arm ([arms.NAME])")
+    return base, arms
 
+
+def read_pairs(given: list, arms: dict, where: str) -> list[tuple[str, str]]:
+    """The file's pairs, each two names of `arms`."""
     pairs = []
-    for pair in data["pairs"]:
+    for pair in given:
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(a, str) for a in pair)):
             raise ConfigError(f"{where}: pairs: expected pairs of arm names [A, B], got {pair!r}")
         absent = [a for a in pair if a not in arms]
@@ -131,8 +142,7 @@ def read_verdict(path: str) -> Verdict:
         if pair[0] == pair[1]:
             raise ConfigError(f"{where}: pairs: {pair!r} compares an arm with itself")
         pairs.append((pair[0], pair[1]))
-    scalars = {key: data[key] for key in ("name", "seeds", "posts", "samples", "pool", "best_of")}
-    return Verdict(path, **scalars, pairs=pairs, base=base, arms=arms)
+    return pairs
 
 
 def stage_changes(options: dict, stage: str, where: str) -> dict:

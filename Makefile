@@ -30,8 +30,8 @@ ablation: install  # GRPO's selection and global normalization, 3 seeds each, fr
 frontier: install  # the reward-KL frontier: DPO and GRPO grids, 2 seeds, best-of-n, from make demo's SFT policy and reward model
 	$(PY) demo.py --out runs/demo --frontier_seeds 2 --reuse
 
-verdict: install  # the method's contrasts paired over 400 held-out posts, 6 seeds each (~80 min on 2 cores), and best-of-n, from make demo's SFT policy and reward model
-	$(PY) demo.py --out runs/demo --verdict_seeds 6 --frontier_pool 256 --frontier_best_of 128 --reuse
+verdict: install  # the method's contrasts paired over 400 held-out posts, 6 seeds each (~80 min on 2 cores), and best-of-n, from make demo's SFT policy and reward model: configs/verdict/embedded.toml
+	$(PY) demo.py --verdict configs/verdict/embedded.toml --out runs/demo --reuse
 
 lint: install  # ruff's rules and formatting (pyproject.toml [tool.ruff]): `ruff format .` fixes the formatting
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

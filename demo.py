@@ -6,7 +6,8 @@
                                          # normalization, 3 seeds each, from one SFT policy and reward model
     python demo.py --out runs/demo --frontier_seeds 2 --reuse        # make frontier: DPO and GRPO grids and
                                          # best-of-n on gold reward against KL (evaluation/frontier.py)
-    python demo.py --out runs/demo --verdict_seeds 6 --frontier_pool 256 --frontier_best_of 128 --reuse  # make verdict
+    python demo.py --verdict configs/verdict/embedded.toml --out runs/demo --reuse   # make verdict: the arms,
+                                         # pairs, seeds, posts and pool a verdict file declares (docs/reporting.md)
 
 Stages: write the synthetic task (data/synthetic.py) -> SFT (sft.py) -> label pairs of the SFT policy's own
 samples by the gold reward -> reward model (reward_model.py) -> DPO (dpo.py) -> GRPO (grpo.py), each training
@@ -34,6 +35,7 @@ from pathlib import Path
 from experiments import embedded
 from experiments.embedded import ABLATION, ABLATION_METRICS, PREPARED, Demo, pipeline
 from experiments.runner import ExperimentRun, run_all
+from experiments.verdict import Verdict, check_runs, read_verdict, verdict_posts, verdict_runs
 
 
 def publish(demo: Demo, picture: str, folder: Path, text: str) -> None:
@@ -62,28 +64,28 @@ def ablation(demo: Demo) -> str:
     return text
 
 
-def sft_best_of_n(demo: Demo, posts: Path, n_posts: int) -> list[dict]:
-    """Best-of-n from the SFT policy against the reward model on the first `n_posts` of `posts`: one pool of
-    --frontier_pool samples per post, every n up to --frontier_best_of (evaluation.frontier.best_of_n)."""
+def sft_best_of_n(demo: Demo, posts: Path, n_posts: int, n_max: int, pool: int) -> list[dict]:
+    """Best-of-n from the SFT policy against the reward model on the first `n_posts` of `posts`: one pool of `pool`
+    samples per post, every n up to `n_max` (evaluation.frontier.best_of_n)."""
     from data.synthetic import gold_reward
     from data.tokenizer import get_tokenizer
     from evaluation.frontier import best_of_n, load_frontier_prompts
     from model.weights import build_policy, build_reward_model
     from utils.dist import stream
 
-    t0, tok, args = time.time(), get_tokenizer(), demo.args
+    t0, tok = time.time(), get_tokenizer()
     curve = best_of_n(
         build_policy(str(demo.out / "sft" / "hf")).eval(),
         load_frontier_prompts(str(posts), "validation", n_posts, tok, 192, 24),
         build_reward_model(str(demo.out / "rm" / "hf")).eval(),
         tok,
-        stream(args.seed, 0, 0, "best-of-n"),
+        stream(demo.args.seed, 0, 0, "best-of-n"),
         24,
-        n_max=args.frontier_best_of,
+        n_max=n_max,
         gold_fn=gold_reward,
-        pool=args.frontier_pool,
+        pool=pool,
     )
-    print(f"best-of-n from the SFT policy, n up to {args.frontier_best_of}: {time.time() - t0:.0f} s", flush=True)
+    print(f"best-of-n from the SFT policy, n up to {n_max}: {time.time() - t0:.0f} s", flush=True)
     return curve
 
 
@@ -97,7 +99,9 @@ def frontier(demo: Demo) -> str:
 
     args, root = demo.args, demo.out / "frontier"
     root.mkdir(parents=True, exist_ok=True)
-    curve = sft_best_of_n(demo, demo.paths["sft_validation"], args.frontier_prompts)
+    curve = sft_best_of_n(
+        demo, demo.paths["sft_validation"], args.frontier_prompts, args.frontier_best_of, args.frontier_pool
+    )
     methods: dict[str, list[list[dict]]] = {}
 
     def record(run: ExperimentRun | None = None) -> str:
@@ -121,21 +125,20 @@ def frontier(demo: Demo) -> str:
     return text
 
 
-def verdict(demo: Demo) -> str:
-    """The verdict's runs (experiments.embedded.verdict_runs) on --verdict_prompts held-out posts, best-of-n on the
-    same posts; then verdict.md (each pair of VERDICT_PAIRS and each arm against best-of-n at matched KL, with
+def verdict(demo: Demo, spec: Verdict, posts: Path, runs: list[ExperimentRun]) -> str:
+    """A verdict file's runs (experiments.verdict.verdict_runs) on its held-out posts (`posts`), best-of-n on the same
+    posts; then in --out/<name>: verdict.md (each of its pairs and each arm against best-of-n at matched KL, with
     intervals over posts and with seeds; the frontier's table), verdict.json and the pictures (evaluation.plots
     verdict_pictures: assets/verdict.png, each arm's mean path over its seeds against KL; verdict_forest.png, the rows;
     verdict_compute.png, gold against generated tokens and seconds), rewritten after every round of seeds."""
     from evaluation import frontier as measured
     from evaluation.plots import verdict_pictures
 
-    args, root, assets = demo.args, demo.out / "verdict", Path(demo.args.assets)
-    posts = embedded.verdict_posts(demo)
-    curve = sft_best_of_n(demo, posts, args.verdict_prompts)
+    args, root, assets = demo.args, demo.out / spec.name, Path(demo.args.assets)
+    curve = sft_best_of_n(demo, posts, spec.posts, spec.best_of, spec.pool)
     methods: dict[str, list[list[dict]]] = {}
     dirs: dict[str, list[Path]] = {}
-    arms = len(embedded.verdict_arms(demo))
+    arms = len(spec.arms)
 
     def record(run: ExperimentRun | None = None) -> str:
         if run is not None:
@@ -145,7 +148,7 @@ def verdict(demo: Demo) -> str:
         # runs (36 s for 6 seeds of 7 arms on 400 posts, one thread), too much to redo after every run
         if not methods or (run is not None and sum(map(len, methods.values())) % arms):
             return ""
-        pairs = [(a, b) for a, b in embedded.VERDICT_PAIRS if a in methods and b in methods]
+        pairs = [(a, b) for a, b in spec.pairs if a in methods and b in methods]
         rows = measured.verdict_rows(methods, curve, pairs + [(name, measured.BEST_OF_N) for name in methods])
         text = measured.verdict_table(rows) + "\n\n" + measured.frontier_table(curve, methods)
         (root / "verdict.md").write_text(text + "\n")
@@ -154,7 +157,7 @@ def verdict(demo: Demo) -> str:
         return text
 
     assets.mkdir(parents=True, exist_ok=True)
-    run_all(embedded.verdict_runs(demo, posts), args.nproc, after=record, keep_finished=args.reuse)
+    run_all(runs, args.nproc, after=record, keep_finished=args.reuse)
     text = record()
     publish(demo, "verdict.png", root, text)
     return text
@@ -256,20 +259,6 @@ def add_frontier_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_verdict_arguments(p: argparse.ArgumentParser) -> None:
-    """The verdict's options (make verdict); it shares the frontier's samples, pool, DPO steps and evaluation rows."""
-    p.add_argument(
-        "--verdict_seeds",
-        type=int,
-        default=0,
-        help="with N > 0: instead of DPO and GRPO, the verdict (make verdict): the method's contrasts "
-        "(experiments/embedded.py verdict_arms), N seeds each, and best-of-n, paired over the same held-out posts",
-    )
-    p.add_argument("--verdict_prompts", type=int, default=400, help="held-out posts every verdict run is measured on")
-    p.add_argument("--verdict_grpo_betas", type=float, nargs=2, default=[0.4, 0.1], help="the method's KL coefficients")
-    p.add_argument("--verdict_dpo_betas", type=float, nargs=2, default=[0.1, 0.3], help="DPO's betas")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The demo's command line."""
     p = argparse.ArgumentParser(
@@ -341,13 +330,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="which variants of ABLATION to run",
     )
     add_frontier_arguments(p)
-    add_verdict_arguments(p)
+    p.add_argument(
+        "--verdict",
+        default="",
+        metavar="FILE",
+        help="instead of DPO and GRPO, the verdict a TOML file declares (make verdict: "
+        "configs/verdict/embedded.toml): its arms, each a grpo.py or dpo.py run from one SFT policy and reward model, "
+        "its seeds, and best-of-n, paired over the same held-out posts (docs/reporting.md); checked whole before "
+        "anything runs",
+    )
     p.add_argument(
         "--reuse",
         action="store_true",
         help="reuse --out's SFT policy, labelled pairs and reward model "
         "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
-        "one that is redone is redone too); with --frontier_seeds or --verdict_seeds, also keep each run that "
+        "one that is redone is redone too); with --frontier_seeds or --verdict, also keep each run that "
         "finished with the same options (experiment_run.json; its inputs are not compared: delete it to redo it)",
     )
     return p.parse_args(argv)
@@ -355,7 +352,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    from utils.guard import exit_on_error
     from utils.host import cpu_memory_settings
+
+    with exit_on_error():  # a bad verdict file: one line naming the key, exit 2, before anything is written or run
+        spec = read_verdict(args.verdict) if args.verdict else None
 
     cpu_memory_settings()  # the demo's own sampling and scoring run here, on the CPU (utils/host.py)
     t0 = time.time()
@@ -365,13 +366,18 @@ def main() -> None:
     from data.synthetic import write_task
 
     demo = Demo(out, write_task(out / "data", seed=args.seed), args)
+    if spec is not None:  # each arm's options through its script's checks, before any run
+        posts = verdict_posts(demo, spec)
+        verdict_grid = verdict_runs(demo, spec, posts)
+        with exit_on_error():
+            check_runs(spec, verdict_grid)
 
     # 2.-4. SFT, pairs of SFT samples labelled by the gold reward, reward model (or, with --reuse, the ones in --out)
     runs = pipeline(demo)
     run_all(runs[:PREPARED], args.nproc, reuse=args.reuse)
-    if args.verdict_seeds > 0:
-        text = verdict(demo)
-        print(f"\n{text}\n\nwrote {out / 'verdict'} and {Path(args.assets) / 'verdict.png'} ({time.time() - t0:.0f} s)")
+    if spec is not None:
+        text = verdict(demo, spec, posts, verdict_grid)
+        print(f"\n{text}\n\nwrote {out / spec.name} and {Path(args.assets) / 'verdict.png'} ({time.time() - t0:.0f} s)")
         return
     if args.frontier_seeds > 0:
         text = frontier(demo)

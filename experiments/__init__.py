@@ -1,2 +1,3 @@
-"""The experiments: each a list of runs (experiments/embedded.py declares the embedded task's pipeline and grids)
-that one runner runs in order (experiments/runner.py). Imports every package below the scripts."""
+"""The experiments: each a list of runs (experiments/embedded.py declares the embedded task's pipeline and grids;
+experiments/verdict.py reads a verdict from its file) that one runner runs in order (experiments/runner.py). Imports
+every package below the scripts."""

@@ -1,6 +1,7 @@
 """The embedded task's experiments as data: the pipeline (SFT -> labelled pairs -> reward model -> DPO, GRPO) and the
 grids built on its SFT policy and reward model (the ablation, the reward-KL frontier), each a list of `ExperimentRun`s
-for `experiments.runner.run_all`. Every run's options are the ones a user would type; demo.py runs them and reports."""
+for `experiments.runner.run_all`. Every run's options are the ones a user would type; demo.py runs them and reports.
+A verdict is a file (configs/verdict/) whose arms start from the stages' options here (experiments/verdict.py)."""
 
 import argparse
 import json
@@ -310,59 +311,4 @@ def frontier_runs(demo: Demo) -> list[ExperimentRun]:
             run |= {"out_dir": demo.out / "frontier" / folder / f"seed{seed}", "run_name": f"frontier-{folder}-{seed}"}
             run |= {"wandb_group": f"frontier-{folder}", "wandb_tags": f"{stage}={selection or 'dpo'},beta={beta:g}"}
             runs.append(ExperimentRun(name, f"{stage}.py", run))
-    return runs
-
-
-# ----------------------------------------------------------------------------------------------------
-# The verdict (make verdict)
-
-# The contrasts the method raises (GRPO with RSO keeping 8 of --frontier_grpo_samples at beta_rs 2 and global
-# normalization), each arm at the first KL coefficient unless named: the method at both coefficients; uniform
-# selection of 8 from the same samples; plain GRPO with 8 samples per prompt (8x fewer generated); RSO with per-group
-# normalization only; DPO at two betas. Best-of-n from the SFT policy on the same posts is every arm's baseline.
-VERDICT_PAIRS = [("rso", "uniform"), ("rso", "plain8"), ("rso", "per_group"), ("rso", "dpo")]
-
-
-def verdict_arms(demo: Demo) -> dict[str, tuple[str, float, dict]]:
-    """arm -> (stage, KL coefficient, the options it sets over the stage's demo options)."""
-    args = demo.args
-    (b1, b2), (d1, d2), n = args.verdict_grpo_betas, args.verdict_dpo_betas, args.frontier_grpo_samples
-    method = {"selection": "rso", "global_norm": "true", "num_samples": n}
-    return {
-        "rso": ("grpo", b1, method),
-        "rso_beta2": ("grpo", b2, method),
-        "uniform": ("grpo", b1, method | {"selection": "uniform"}),
-        "plain8": ("grpo", b1, {"selection": "all", "num_samples": 8}),
-        "per_group": ("grpo", b1, method | {"global_norm": "false"}),
-        "dpo": ("dpo", d1, {}),
-        "dpo_beta2": ("dpo", d2, {}),
-    }
-
-
-def verdict_posts(demo: Demo) -> Path:
-    """The verdict's held-out posts: --verdict_prompts SFT validation rows of the task written with that many (the
-    training splits are drawn first, so they are the demo's, and every validation post is disjoint from them)."""
-    from data.synthetic import write_task
-
-    return write_task(demo.out / "verdict" / "data", seed=demo.args.seed, n_sft_val=demo.args.verdict_prompts)[
-        "sft_validation"
-    ]
-
-
-def verdict_runs(demo: Demo, posts: Path) -> list[ExperimentRun]:
-    """Every arm of verdict_arms, --verdict_seeds seeds each (every arm's seed 0 first, then seed 1, ...: a verdict
-    cut short has every arm at its first seeds), each measured at every evaluation on `posts` (all of them, per-post
-    values in its frontier_posts.jsonl). Each run's name is its arm."""
-    args, runs = demo.args, []
-    measured = frontier_measured(demo) | {"frontier_data": posts, "frontier_prompts": args.verdict_prompts}
-    for seed in range(args.verdict_seeds):
-        for arm, (stage, beta, changes) in verdict_arms(demo).items():
-            options = (grpo_options(demo) if stage == "grpo" else dpo_options(demo)) | changes | measured
-            if stage == "dpo":
-                options |= {"steps": args.frontier_dpo_steps, "eval_every": max(1, args.frontier_dpo_steps // 3)}
-            options |= {"val_rows": args.frontier_eval_rows} if args.frontier_eval_rows else {}
-            options |= {"pref_rows": args.frontier_eval_rows} if args.frontier_eval_rows and stage == "grpo" else {}
-            options |= {"beta": beta, "seed": seed, "out_dir": demo.out / "verdict" / arm / f"seed{seed}"}
-            options |= {"run_name": f"verdict-{arm}-{seed}", "wandb_group": f"verdict-{arm}", "wandb_tags": arm}
-            runs.append(ExperimentRun(arm, f"{stage}.py", options))
     return runs

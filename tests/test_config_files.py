@@ -25,7 +25,10 @@ STAGES = ("sft", "reward_model", "dpo", "grpo")
 
 
 def config_files() -> list[Path]:
-    return sorted(p for p in CONFIGS.rglob("*") if p.suffix in (".yaml", ".yml", ".toml"))
+    """The stages' option files (configs/verdict/ holds verdicts: tests/test_experiments.py)."""
+    return sorted(
+        p for p in CONFIGS.rglob("*") if p.suffix in (".yaml", ".yml", ".toml") and p.parent.name != "verdict"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -134,6 +137,17 @@ def test_a_missing_file_or_another_suffix_is_named(tmp_path):
     (tmp_path / "run.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"run.json: expected a .yaml, .yml or .toml file"):
         read_config_file(str(tmp_path / "run.json"), sft.Config)
+
+
+def test_a_registered_choice_is_checked_in_a_file_as_on_the_command_line(tmp_path):
+    """--selection takes SELECTIONS' names (option(choices=...)): argparse checks them on the command line, not in a
+    default, so the file's value is checked where the file is read."""
+    path = tmp_path / "grpo.toml"
+    path.write_text('selection = "rso_sometimes"\n')
+    with pytest.raises(ConfigError, match=r"grpo.toml: selection: expected one of all, .*, rso, got 'rso_sometimes'$"):
+        read_config_file(str(path), grpo.Config)
+    path.write_text('selection = "uniform"\n')
+    assert read_config_file(str(path), grpo.Config) == {"selection": "uniform"}
 
 
 def grpo_file(tmp_path) -> Path:

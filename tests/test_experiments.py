@@ -1,15 +1,21 @@
 """Experiments as data (experiments/): the runner's order and --reuse, and the declared grids' runs: each a command a
 user could type (the script parses its options), every arm with its own folder and wandb group."""
 
+import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from demo import parse_args
-from experiments.embedded import ABLATION, PREPARED, Demo, ablation_runs, frontier_runs, pipeline, verdict_runs
-from experiments.runner import FINISHED, ExperimentRun, run_all
-from utils.config import parse_config
+from experiments.embedded import ABLATION, PREPARED, Demo, ablation_runs, frontier_runs, pipeline
+from experiments.runner import FINISHED, ExperimentRun, finished_record, run_all
+from experiments.verdict import check_runs, read_verdict, verdict_runs
+from tests.conftest import ROOT
+from utils.config import ConfigError, parse_config
+
+VERDICT = ROOT / "configs" / "verdict" / "embedded.toml"  # make verdict's
 
 
 def test_run_all_runs_in_order_and_reuse_keeps_only_a_leading_run_that_is_done(tmp_path):
@@ -79,12 +85,13 @@ def script_config(run: ExperimentRun):
 
 
 def test_the_pipeline_and_grids_are_commands_their_scripts_accept(tmp_path):
-    demo = demo_for(tmp_path, "--ablation_seeds", "2", "--frontier_seeds", "2", "--verdict_seeds", "2")
+    demo = demo_for(tmp_path, "--ablation_seeds", "2", "--frontier_seeds", "2")
     runs = pipeline(demo)
     assert [run.script for run in runs] == ["sft.py", "", "reward_model.py", "dpo.py", "grpo.py"]
     assert [run.done is not None for run in runs] == [True] * PREPARED + [False] * (len(runs) - PREPARED)
     scripts = [run for run in runs if run.script]
-    for run in scripts + ablation_runs(demo) + frontier_runs(demo) + verdict_runs(demo, tmp_path / "posts.jsonl"):
+    verdict = verdict_runs(demo, read_verdict(str(VERDICT)), tmp_path / "posts.jsonl")
+    for run in scripts + ablation_runs(demo) + frontier_runs(demo) + verdict:
         cfg = script_config(run)
         assert Path(cfg.out_dir) == run.out_dir, run.name
 
@@ -108,8 +115,9 @@ def test_the_pipeline_and_grids_are_commands_their_scripts_accept(tmp_path):
     assert [script_config(run).seed for run in frontier[:2]] == [0, 1]
     assert len({run.out_dir for run in frontier}) == len(frontier)
 
-    verdict = verdict_runs(demo, tmp_path / "posts.jsonl")
-    assert len(verdict) == 2 * 7 and [script_config(run).seed for run in verdict] == [0] * 7 + [1] * 7
+    assert len(verdict) == 6 * 7 and [script_config(run).seed for run in verdict] == [
+        s for s in range(6) for _ in range(7)
+    ]
     plain, rso = script_config(verdict[3]), script_config(verdict[0])
     assert (plain.num_samples, plain.selection, rso.num_samples, rso.selection) == (8, "all", 64, "rso")
     assert all(script_config(run).frontier_prompts == 400 for run in verdict)
@@ -119,3 +127,168 @@ def test_an_unknown_ablation_variant_is_one_line_naming_it(tmp_path):
     demo = demo_for(tmp_path, "--ablation_seeds", "1", "--ablation_variants", "rso", "rso_sometimes")
     with pytest.raises(SystemExit, match="--ablation_variants: unknown rso_sometimes; expected some of rso, "):
         ablation_runs(demo)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The verdict as a file (experiments/verdict.py)
+
+MAKE_VERDICT = ["--out", "runs/demo", "--reuse"]  # make verdict's command line beside --verdict FILE
+
+
+def make_verdict_demo(*argv: str) -> Demo:
+    """The Demo of make verdict's command line (its paths as data.synthetic.write_task names them, none written)."""
+    out, data = Path("runs/demo"), Path("runs/demo") / "data"
+    paths = {name: data / kind / f"{split}.jsonl" for name, kind, split in PATHS}
+    return Demo(out, paths, parse_args([*MAKE_VERDICT, *argv]))
+
+
+PATHS = [
+    ("sft_train", "sft", "train"),
+    ("sft_validation", "sft", "validation"),
+    ("prompts_train", "prompts", "train"),
+    ("preference_validation", "preference", "validation"),
+]
+
+
+def records(runs: list[ExperimentRun]) -> list[dict]:
+    """What experiments.runner.finished compares (each run's FINISHED record), with its name and folder."""
+    return [{"name": run.name, "out_dir": str(run.out_dir)} | finished_record(run.script, run.options) for run in runs]
+
+
+def test_the_embedded_verdict_file_runs_what_make_verdict_ran_at_ddecd20():
+    """configs/verdict/embedded.toml gives make verdict's 42 runs with the options and folders the code before it gave
+    (tests/embedded_verdict_runs.json: their FINISHED records), so --reuse keeps the runs that code finished."""
+    frozen = json.loads((ROOT / "tests" / "embedded_verdict_runs.json").read_text())["seed0"]
+    expected = []
+    for seed in range(6):
+        for record in frozen:
+            options = record["options"] | {"seed": str(seed), "run_name": f"verdict-{record['name']}-{seed}"}
+            options["out_dir"] = str(Path(options["out_dir"]).parent / f"seed{seed}")
+            expected.append({"name": record["name"], "out_dir": options["out_dir"]} | record | {"options": options})
+    verdict = read_verdict(str(VERDICT))
+    posts = Path("runs/demo/verdict/data/sft/validation.jsonl")  # verdict_posts(demo, verdict), not written here
+    runs = verdict_runs(make_verdict_demo(), verdict, posts)
+    assert records(runs) == expected
+    check_runs(verdict, runs)  # every arm passes its script's checks
+
+
+SMALL = """name = "small"
+seeds = 2
+posts = 8
+samples = 2
+pool = 8
+best_of = 4
+pairs = [["rloo", "grpo"]]
+
+[base.grpo]
+selection = "all"
+num_samples = 8
+
+[arms.grpo]
+stage = "grpo"
+advantage = "grpo"
+
+[arms.rloo]
+stage = "grpo"
+advantage = "rloo"
+
+[arms.dpo]
+stage = "dpo"
+"""
+
+
+def test_a_verdict_file_reads_as_its_arms_options_as_the_command_line_writes_them(tmp_path):
+    """In the file's order; a boolean as true/false, an integer for a number as the number (what str() of the option
+    gives in the run's FINISHED record, as the command line's value does)."""
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL.replace('advantage = "rloo"', 'advantage = "rloo"\nglobal_norm = false') + "beta = 1\n")
+    verdict = read_verdict(str(path))
+    scalars = (verdict.name, verdict.seeds, verdict.posts, verdict.samples, verdict.pool, verdict.best_of)
+    assert scalars == ("small", 2, 8, 2, 8, 4)
+    assert verdict.pairs == [("rloo", "grpo")] and verdict.base == {"grpo": {"selection": "all", "num_samples": 8}}
+    assert verdict.arms == {
+        "grpo": ("grpo", {"advantage": "grpo"}),
+        "rloo": ("grpo", {"advantage": "rloo", "global_norm": "false"}),
+        "dpo": ("dpo", {"beta": 1.0}),
+    }
+    assert [str(v) for v in verdict.arms["dpo"][1].values()] == ["1.0"]
+    demo = demo_for(tmp_path)
+    runs = verdict_runs(demo, verdict, tmp_path / "posts.jsonl")
+    assert [(run.name, run.script, script_config(run).seed) for run in runs] == [
+        (arm, script, seed)
+        for seed in (0, 1)
+        for arm, script in (("grpo", "grpo.py"), ("rloo", "grpo.py"), ("dpo", "dpo.py"))
+    ]
+    rloo = script_config(runs[1])
+    assert (rloo.advantage, rloo.global_norm, rloo.selection, rloo.num_samples) == ("rloo", False, "all", 8)
+    assert (rloo.frontier_prompts, rloo.frontier_samples, Path(rloo.frontier_data)) == (8, 2, tmp_path / "posts.jsonl")
+    assert Path(rloo.out_dir) == tmp_path / "demo" / "small" / "rloo" / "seed0" and rloo.wandb_group == "small-rloo"
+    assert script_config(runs[2]).beta == 1.0 and script_config(runs[0]).global_norm is True  # grpo.py's default
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (("seeds = 2", "seeds = 2\nseed = 3"), "unknown key 'seed'; did you mean seeds?"),
+        (("seeds = 2", "seeds = 2\ngold = 3"), "unknown key 'gold'; expected some of name, seeds, posts, samples, "),
+        (("posts = 8\n", ""), "missing key 'posts' (held-out posts every run and best-of-n are measured on)"),
+        (("seeds = 2", 'seeds = "two"'), "seeds: expected an integer (seeds of every arm), got 'two'"),
+        (("seeds = 2", "seeds = true"), "seeds: expected an integer (seeds of every arm), got True"),
+        (("seeds = 2", "seeds = 0"), "seeds: expected a positive integer, got 0"),
+        (("best_of = 4", "best_of = 6"), "best_of: expected a power of 2, got 6"),
+        (("pool = 8", "pool = 2"), "pool: expected at least best_of = 4, got 2"),
+        (('name = "small"', 'name = "a/b"'), "name: expected a folder name (letters, digits, _ . -), got 'a/b'"),
+        (('[["rloo", "grpo"]]', '[["rloo", "grpo2"]]'), "pairs: ['rloo', 'grpo2'] names 'grpo2', which is not an arm"),
+        (('[["rloo", "grpo"]]', '[["rloo"]]'), "pairs: expected pairs of arm names [A, B], got ['rloo']"),
+        (('[["rloo", "grpo"]]', '[["rloo", "rloo"]]'), "pairs: ['rloo', 'rloo'] compares an arm with itself"),
+        (('advantage = "rloo"', 'advantag = "rloo"'), "arms.rloo: unknown option 'advantag'; did you mean advantage?"),
+        (('advantage = "rloo"', 'advantage = "ppo"'), "arms.rloo: advantage: expected one of grpo, "),
+        (('advantage = "rloo"', "advantage = 2"), "arms.rloo: advantage: expected a string, got 2 (int)"),
+        (('stage = "dpo"', 'stage = "dpo"\nnum_samples = 8'), "arms.dpo: unknown option 'num_samples'"),
+        (('stage = "dpo"', 'stage = "ppo"'), "arms.dpo: stage: expected one of grpo, dpo, got 'ppo'"),
+        (('stage = "dpo"\n', ""), "arms.dpo: missing key 'stage' (one of grpo, dpo)"),
+        (("num_samples = 8", "num_samples = 8\nseed = 1"), "base.grpo: seed is set by the verdict "),
+        (('advantage = "rloo"', "frontier_samples = 4"), "arms.rloo: frontier_samples is set by the verdict "),
+        (("[base.grpo]", "[base.sft]"), "base: unknown stage 'sft'; expected some of grpo, dpo"),
+        (("[base.grpo]\n", "[base]\ngrpo = 3\n[base.x]\n"), "base.grpo: expected a table of grpo.py's options, got 3"),
+        (("[arms.dpo]\n", "[arms]\ndpo = 3\n[arms.y]\n"), "arms.dpo: expected a table (stage = ..., then the options"),
+        (('stage = "dpo"', 'stage = "dpo"\nbeta = [0.1]'), "arms.dpo: beta: expected a number, got [0.1] (list)"),
+        (("seeds = 2", "seeds = [2"), "not valid TOML: "),
+    ],
+)
+def test_a_bad_verdict_file_is_one_error_naming_the_file_and_the_key(tmp_path, edit, message):
+    path = tmp_path / "bad.toml"
+    assert SMALL.count(edit[0]) == 1, edit
+    path.write_text(SMALL.replace(*edit))
+    with pytest.raises(ConfigError) as info:
+        read_verdict(str(path))
+    assert str(info.value).startswith(f"--verdict {path}: {message}"), str(info.value)
+
+
+def test_an_arm_its_script_refuses_is_named_before_any_run(tmp_path):
+    """What only the script's own checks see (its Config's validate): GRPO keeping more samples than it draws."""
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL.replace('advantage = "rloo"', 'advantage = "rloo"\nselection = "rso"\nnum_kept = 16'))
+    verdict = read_verdict(str(path))
+    demo = demo_for(tmp_path)
+    with pytest.raises(ConfigError, match=r"small.toml: arms.rloo: --num_kept 16 exceeds --num_samples 8: "):
+        check_runs(verdict, verdict_runs(demo, verdict, tmp_path / "posts.jsonl"))
+
+
+def test_demo_stops_at_a_bad_verdict_file_in_one_line_with_exit_2_before_anything_runs(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text(SMALL.replace('[["rloo", "grpo"]]', '[["rloo", "ppo"]]'))
+    out = tmp_path / "demo"
+    done = subprocess.run(
+        [sys.executable, "demo.py", "--verdict", str(path), "--out", str(out), "--wandb_mode", "disabled"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-3000:]
+    assert (
+        done.stderr
+        == f"error: --verdict {path}: pairs: ['rloo', 'ppo'] names 'ppo', which is not an arm (grpo, rloo, dpo)\n"
+    )
+    assert not out.exists()

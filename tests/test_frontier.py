@@ -774,49 +774,83 @@ def test_a_tiny_frontier_run(tiny_demo, tmp_path):
     assert "DPO beta 0.1 | 1 |" in table.tensor_proto.string_val[0].decode()
 
 
-@pytest.mark.slow  # eight processes: the demo and seven runs, one per arm
+TINY_VERDICT = """# RLOO against GRPO's advantage, both keeping all 8 samples per prompt, and DPO: a contrast of its own
+name = "rloo_verdict"
+seeds = 1
+posts = 6
+samples = 2
+pool = 8
+best_of = 4
+pairs = [["rloo", "grpo"], ["rloo", "dpo"]]
+
+[base.grpo]
+steps = 2
+selection = "all"
+num_samples = 8
+val_rows = 8
+pref_rows = 8
+
+[base.dpo]
+steps = 2
+eval_every = 1
+val_rows = 8
+
+[arms.rloo]
+stage = "grpo"
+advantage = "rloo"
+
+[arms.grpo]
+stage = "grpo"
+advantage = "grpo"
+global_norm = false
+
+[arms.dpo]
+stage = "dpo"
+beta = 0.3
+"""
+
+
+@pytest.mark.slow  # four processes: the demo and three runs, one per arm
 def test_a_tiny_verdict_run(tiny_demo, tmp_path):
-    cmd = [sys.executable, "demo.py", "--out", str(tiny_demo), "--reuse", "--assets", str(tmp_path)]
-    cmd += ["--verdict_seeds", "1", "--verdict_prompts", "6", "--frontier_dpo_steps", "2", "--grpo_steps", "2"]
-    cmd += [
-        "--frontier_samples",
-        "2",
-        "--frontier_best_of",
-        "4",
-        "--frontier_pool",
-        "8",
-        "--frontier_grpo_samples",
-        "8",
-    ]
-    cmd += ["--frontier_eval_rows", "8", "--wandb_mode", "disabled"]
+    """A verdict from a file of its own (not the package's): its arms' options reach their runs; its tables, written
+    after the round of seeds, pair its arms and each against best-of-n on its posts; --reuse again runs nothing and
+    writes the same tables from the runs it finds."""
+    verdict = tmp_path / "rloo.toml"
+    verdict.write_text(TINY_VERDICT)
+    cmd = [sys.executable, "demo.py", "--verdict", str(verdict), "--out", str(tiny_demo), "--reuse"]
+    cmd += ["--assets", str(tmp_path), "--wandb_mode", "disabled"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     pictures = ("verdict.png", "verdict_forest.png", "verdict_compute.png")
     for picture in pictures:
         assert (tmp_path / picture).stat().st_size > 10_000
     # redrawn from the folder alone (its verdict.json and its runs' metrics), without training: the demo's pictures
-    replot = [sys.executable, "-m", "evaluation.plots", "--verdict", str(tiny_demo / "verdict")]
+    replot = [sys.executable, "-m", "evaluation.plots", "--verdict", str(tiny_demo / "rloo_verdict")]
     replot += ["--out", str(tmp_path / "replot"), "--title", "embedded task"]
     done = subprocess.run(replot, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for picture in pictures:
         assert (tmp_path / "replot" / picture).read_bytes() == (tmp_path / picture).read_bytes(), picture
-    record = json.loads((tiny_demo / "verdict" / "verdict.json").read_text())
-    arms = ["rso", "rso_beta2", "uniform", "plain8", "per_group", "dpo", "dpo_beta2"]
-    assert list(record["methods"]) == arms
+    root = tiny_demo / "rloo_verdict"
+    options = {arm: json.loads((root / arm / "seed0" / "experiment_run.json").read_text()) for arm in ("rloo", "grpo")}
+    assert options["rloo"]["options"]["advantage"] == "rloo" and options["grpo"]["options"]["global_norm"] == "false"
+    assert {r["options"]["num_samples"] for r in options.values()} == {"8"}
+    record = json.loads((root / "verdict.json").read_text())
+    arms = ["rloo", "grpo", "dpo"]
+    assert list(record["methods"]) == arms and [p["n"] for p in record["best_of_n"]] == [1, 2, 4]
+    assert [p["step"] for p in record["methods"]["dpo"][0]] == [0, 1, 2]  # --eval_every 1 of [base.dpo]
     for seeds in record["methods"].values():
         assert len(seeds[0][-1]["posts"]["gold"]) == 6  # every run measured on the verdict's six posts
     pairs = [row["pair"] for row in record["rows"]]
-    contrasts = [("rso", "uniform"), ("rso", "plain8"), ("rso", "per_group"), ("rso", "dpo")]
-    assert pairs == [f"{a} - {b}" for a, b in contrasts] + [f"{arm} - best-of-n" for arm in arms], pairs
-    text = (tiny_demo / "verdict" / "verdict.md").read_text()
+    assert pairs == ["rloo - grpo", "rloo - dpo"] + [f"{arm} - best-of-n" for arm in arms], pairs
+    text = (root / "verdict.md").read_text()
     assert text.startswith("| pair (gold, A - B at matched KL) |")
     # --reuse again: every run finished with these options, so none runs and the tables are written again from them
-    (tiny_demo / "verdict" / "verdict.md").unlink()
+    (root / "verdict.md").unlink()
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert again.stdout.count("(finished with these options)") == len(arms) and "\n$ " not in again.stdout
-    assert (tiny_demo / "verdict" / "verdict.md").read_text() == text
+    assert (root / "verdict.md").read_text() == text
 
 
 def test_compare_draws_evaluation_metrics_against_eval_kl_by_default(tmp_path, monkeypatch):

@@ -8,8 +8,8 @@ torchrun launch does not repeat it once per process).
 
 `--config FILE` (every script) reads options from a YAML or TOML file whose keys are the options' names; the command
 line overrides the file. A string in the file is read as the command line reads it (so YAML's `lr: 1e-6`, a string to
-a YAML 1.1 reader, is a number); any other value must have the option's type. An unknown key or a wrong type ends the
-process with exit code 2 and one line naming the file and the key.
+a YAML 1.1 reader, is a number); any other value must have the option's type. An unknown key, a wrong type or a value
+not among the option's choices ends the process with exit code 2 and one line naming the file and the key.
 
 `--help` lists the options by section (SECTIONS; a comment line `# --- SECTION` among a config's fields starts
 one), each section with the script's own options first, then the shared ones. The option tables in docs/ are the
@@ -298,6 +298,12 @@ def read_config_file(path: str, cls) -> dict:
     the field's type (_file_value). ConfigError naming the file and the key: an unknown key, a wrong type, a file that
     is missing, unreadable or not a mapping of names to values."""
     where = f"--config {path}"
+    return check_options(read_options_file(path, where), cls, where)
+
+
+def read_options_file(path: str, where: str) -> dict:
+    """The mapping a YAML or TOML file (by its suffix) holds; ConfigError starting with `where` for a file that is
+    missing, unreadable, not valid YAML or TOML, or not a mapping."""
     suffix = Path(path).suffix.lower()
     if suffix not in (".yaml", ".yml", ".toml"):
         raise ConfigError(f"{where}: expected a .yaml, .yml or .toml file")
@@ -321,8 +327,17 @@ def read_config_file(path: str, cls) -> dict:
     options = {} if options is None else options  # an empty YAML file
     if not isinstance(options, dict):
         raise ConfigError(f"{where}: expected a mapping of option names to values, got a {type(options).__name__}")
+    return options
+
+
+def check_options(options: dict, cls, where: str) -> dict:
+    """`options` (name -> value, as a file gives them) as values of `cls`'s fields, each checked against the field's
+    type (_file_value) and its declared choices (`option(choices=...)`, a registry). ConfigError starting with
+    `where` and naming the key: an unknown name (with the closest names), a wrong type, a value not among the
+    choices."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
+    choices = declared(cls, "choices")
     values = {}
     for key, value in options.items():
         if key not in names:
@@ -333,6 +348,8 @@ def read_config_file(path: str, cls) -> dict:
             values[key] = _file_value(value, hints[key])
         except ValueError as e:
             raise ConfigError(f"{where}: {key}: {e}") from None
+        if key in choices and values[key] not in choices[key]:
+            raise ConfigError(f"{where}: {key}: expected one of {', '.join(map(str, choices[key]))}, got {value!r}")
     return values
 
 

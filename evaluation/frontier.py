@@ -823,10 +823,10 @@ def main(argv: list[str] | None = None) -> str:
     picture of runs that logged eval/kl (--frontier_prompts), grouped as evaluation/compare.py groups them (runs that
     differ only in seed are one method), with best-of-n from --reference on the first --prompts prompts of --data (the
     runs' --frontier_data); with per-post values (frontier_posts.jsonl) also each method minus best-of-n at its KL and
-    the fitted curves. Gold from --gold_fn's function or --gold_model's reward model; without either the picture
-    draws proxy reward and win rate against KL; without runs,
-    best-of-n alone (e.g. its KL from two pool sizes). The picture and the table also go into the runs' common folder
-    as TensorBoard events and, with --wandb_mode, to wandb (evaluation.compare.publish)."""
+    the fitted curves, and first each --pair A B, A minus B at matched KL (a verdict's pairs). Gold from --gold_fn's
+    function or --gold_model's reward model; without either the picture draws proxy reward and win rate against KL;
+    without runs, best-of-n alone (e.g. its KL from two pool sizes). The picture and the table also go into the runs'
+    common folder as TensorBoard events and, with --wandb_mode, to wandb (evaluation.compare.publish)."""
     import argparse
 
     from data.tokenizer import get_tokenizer
@@ -860,6 +860,15 @@ def main(argv: list[str] | None = None) -> str:
         "keep the KL estimate's bias small at n = 64 (docs/reporting.md)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of best-of-n's samples")
+    p.add_argument(
+        "--pair",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("A", "B"),
+        help="two methods compared at matched KL (A - B, verdict_rows; each named as the table names it), before "
+        "each method against best-of-n; repeatable; needs per-post values",
+    )
     p.add_argument("--out", default="frontier.png", help="the picture; frontier.json beside it holds every point")
     add_publish_arguments(p)
     args = p.parse_args(argv)
@@ -882,6 +891,10 @@ def main(argv: list[str] | None = None) -> str:
         if empty:
             raise CompareError(f"{empty[0]}: no eval/kl in its metrics.jsonl; train it with --frontier_prompts N")
         methods[label(options)] = seeds
+    for pair in args.pair:
+        unknown = [name for name in pair if name not in methods]
+        if unknown:
+            raise CompareError(f"--pair: no method {unknown[0]!r} among the runs; they are {list(methods)}")
     tok = get_tokenizer()
     prompts = load_frontier_prompts(args.data, args.split, args.prompts, tok, args.max_prompt_len, args.max_new_tokens)
     curve = best_of_n(
@@ -900,7 +913,11 @@ def main(argv: list[str] | None = None) -> str:
     title = f"{args.prompts} prompts of {args.data}; error bars 1 standard error over the prompts"
     plot_frontier(curve, methods, out, title)
     out.with_suffix(".json").write_text(json.dumps({"best_of_n": curve, "methods": methods}, indent=1))
-    text = frontier_table(curve, methods)
+    rows = None
+    if args.pair and has_posts(curve, methods):
+        pairs = [(a, b) for a, b in args.pair] + [(name, BEST_OF_N) for name in methods]
+        rows = verdict_rows(methods, curve, pairs, "gold" if "gold" in curve[0] else "proxy")
+    text = frontier_table(curve, methods, rows)
     publish(args, out, "frontier", text, runs)
     print(f"{text}\n\nwrote {out} and {out.with_suffix('.json')}")
     return text

@@ -25,7 +25,10 @@ STAGES = ("sft", "reward_model", "dpo", "grpo")
 
 
 def config_files() -> list[Path]:
-    return sorted(p for p in CONFIGS.rglob("*") if p.suffix in (".yaml", ".yml", ".toml"))
+    """The stages' option files (configs/verdict/ holds verdicts: tests/test_experiments.py)."""
+    return sorted(
+        p for p in CONFIGS.rglob("*") if p.suffix in (".yaml", ".yml", ".toml") and p.parent.name != "verdict"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -142,11 +142,11 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
         p.error(f"--n_prompts must be positive, got {args.n_prompts}")
     if args.temperature <= 0:
         p.error(f"--temperature must be positive, got {args.temperature}")
+    if Path(args.out).suffix != ".jsonl":
+        p.error(f"--out must be a .jsonl file, got {args.out}")
     # each model's kind before anything is read (a policy as --gold_model would score with a random head)
     model_config(args.policy, kind="policy", option="--policy")
     model_config(args.gold_model, kind="reward_model", option="--gold_model")
-    if Path(args.out).suffix != ".jsonl":
-        p.error(f"--out must be a .jsonl file, got {args.out}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = get_tokenizer()
     t0 = time.time()

@@ -95,7 +95,7 @@ class Config(RunConfig, OptimConfig, PairConfig, LoRAConfig, JudgeConfig, Fronti
         if self.eval_samples < 0:
             raise ConfigError(f"--eval_samples must be >= 0, got {self.eval_samples}")
         self.validate_judge()
-        self.validate_frontier()
+        self.validate_frontier(self.judge)
 
 
 def pair_losses(

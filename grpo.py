@@ -136,14 +136,15 @@ class Config(
 
     def validate(self) -> None:
         self.validate_rewards()
-        if any(s.fn is None for s in self.sources()):
+        reads_reward_model = any(s.fn is None for s in self.sources())
+        if reads_reward_model:
             require_nonempty(self, "reward_model")
         self.validate_shared()  # --model, data, run, optimisation and LoRA options
         self.validate_sampling()
         self.validate_selection()
         self.validate_objective()
         self.validate_step_batches()
-        self.validate_frontier()
+        self.validate_frontier(self.reward_model if reads_reward_model else "")
         self.validate_eval_sets()
         require_positive(self, "table_prompts")
         if self.kept < (need := ADVANTAGES.facts.get(self.advantage, {}).get("min_kept", 1)):

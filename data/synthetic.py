@@ -72,6 +72,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.labels import pairs_by_score
+
 # ----------------------------------------------------------------------------------------------------
 # Vocabularies: 20 words each, every " word" a single GPT-2 token (tests check this).
 
@@ -331,17 +333,10 @@ def mean_gold_reward(prompts: Sequence[str], summaries: Sequence[str]) -> float:
 def gold_pairs(prompt: str, summaries: Sequence[str]) -> list[tuple[str, str]]:
     """Disjoint (better, worse) pairs of summaries of one prompt by gold reward, for labelling a policy's own samples:
     of the summaries that ended with END and say something, in order, each is paired with the next unpaired one whose
-    gold reward differs (ties carry no preference). At most len(summaries) // 2 pairs."""
-    left = [(s, gold_reward(prompt, s)) for s in summaries if s.endswith(END) and s[: -len(END)].strip()]
-    pairs = []
-    while left:
-        (a, gold_a), rest = left[0], left[1:]
-        b = next((i for i, (_, gold_b) in enumerate(rest) if gold_b != gold_a), None)
-        if b is None:
-            break  # every summary left has a's gold reward
-        (other, gold_b), left = rest[b], rest[:b] + rest[b + 1 :]
-        pairs.append((a, other) if gold_a > gold_b else (other, a))
-    return pairs
+    gold reward differs (ties carry no preference; data.labels.pairs_by_score). At most len(summaries) // 2 pairs."""
+    usable = [s.endswith(END) and bool(s[: -len(END)].strip()) for s in summaries]
+    scores = [gold_reward(prompt, s) if ok else 0.0 for s, ok in zip(summaries, usable, strict=True)]
+    return [(summaries[i], summaries[j]) for i, j in pairs_by_score(scores, usable)]
 
 
 def swap_key_item(prompt: str, summary: str, rng: random.Random) -> str | None:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from data.tldr import PROMPT_COLUMNS, PromptDataset, decode_responses, load_optional_column, load_rows
-from evaluation.frontier_declarations import LOGGED, METRICS
+from evaluation.frontier_declarations import LOGGED, METRICS, check_gold_model
 from evaluation.samples import sample_summaries
 from evaluation.summaries import reference_summaries
 from model.lora import sharded_module
@@ -151,16 +151,24 @@ def score_samples(
     reward_model=None,
     gold_fn=None,
     micro: int = 64,
+    *,
+    gold_model=None,
 ) -> dict[str, torch.Tensor]:
-    """Per-sample values (P, G) of what applies: gold (gold_fn of the prompt and the decoded summary), proxy_raw and
-    proxy (the reward model's raw score, and gain * raw + bias), win_rate (1 when the reward model scores the
-    summary above the prompt's reference summary, 0 below, 1/2 on a tie)."""
+    """Per-sample values (P, G) of what applies: gold (gold_fn of the prompt and the decoded summary, or the gold
+    reward model's normalized score gain * raw + bias of the same tokens the proxy reads), proxy_raw and proxy (the
+    reward model's raw score, and gain * raw + bias), win_rate (1 when the reward model scores the summary above the
+    prompt's reference summary, 0 below, 1/2 on a tie)."""
     P = len(prompts.prompts)
     out = {}
+    if gold_fn is not None and gold_model is not None:
+        raise ValueError("score_samples: gold from a function or from a gold reward model, not both")
     if gold_fn is not None:
         texts = decode_responses(tok, samples.response_ids, samples.response_mask, samples.has_end)
         gold = [float(gold_fn(prompts.texts[n // group], t)) for n, t in enumerate(texts)]
         out["gold"] = torch.tensor(gold, dtype=torch.float64).view(P, group)
+    if gold_model is not None:
+        raw = score(gold_model, prompt_ids, prompt_mask, samples, group, micro, prefix_sharing=False)
+        out["gold"] = gold_model.normalize(raw).double().cpu().view(P, group)
     if reward_model is not None:
         raw = score(reward_model, prompt_ids, prompt_mask, samples, group, micro, prefix_sharing=False).double()
         out["proxy_raw"] = raw.cpu().view(P, group)
@@ -187,6 +195,8 @@ def measure_posts(
     reward_model=None,
     gold_fn=None,
     micro: int = 64,
+    *,
+    gold_model=None,
 ) -> dict[str, torch.Tensor]:
     """One point on the frontier, per post: `num_samples` summaries of each prompt from the policy at temperature 1;
     for each prompt (P,) float64 the mean over its samples of the log-ratio log pi(y|x) - log pi_ref(y|x) ("kl"), of
@@ -201,7 +211,7 @@ def measure_posts(
     logp = samples.logprobs.double().sum(1).cpu().view(P, num_samples)
     logp_ref = sequence_logprobs(reference, ids, mask, samples, num_samples, micro).cpu().view(P, num_samples)
     values = {"kl": logp - logp_ref.double()}
-    values |= score_samples(prompts, ids, mask, samples, num_samples, tok, reward_model, gold_fn)
+    values |= score_samples(prompts, ids, mask, samples, num_samples, tok, reward_model, gold_fn, gold_model=gold_model)
     values["response_length"] = samples.response_mask.double().sum(1).cpu().view(P, num_samples)
     return {name: v.mean(1) for name, v in values.items()}
 
@@ -228,8 +238,9 @@ def measure(*args, **kwargs) -> dict[str, float]:
 
 class Frontier:
     """--frontier_prompts at every evaluation of a training stage: the prompts, the proxy reward model (sharded like
-    the run's models) and the gold function, built once; evaluate() gives the policy's point (a collective under
-    FSDP: every rank calls it and computes the same numbers)."""
+    the run's models) and the gold function or gold reward model (--frontier_gold_model, sharded the same way), built
+    once; evaluate() gives the policy's point (a collective under FSDP: every rank calls it and computes the same
+    numbers)."""
 
     def __init__(
         self,
@@ -244,7 +255,7 @@ class Frontier:
         gold_fn=None,
     ):
         """`reward_model` (built) and `gold_fn` are the stage's own, used when --frontier_reward_model and
-        --frontier_gold_fn are empty."""
+        --frontier_gold_fn (and --frontier_gold_model, which replaces any gold function) are empty."""
         self.cfg, self.tok, self.seed, self.device, self.run = cfg, tok, cfg.seed, run.device, run
         self.max_new_tokens = cfg.frontier_max_new_tokens or max_new_tokens
         source = cfg.frontier_data or val_data
@@ -259,6 +270,11 @@ class Frontier:
             self.reward_model = shard_model(freeze(build_reward_model(cfg.frontier_reward_model)), run.dtype)
             self.reward_model.to(run.device)
         self.gold_fn = load_function(cfg.frontier_gold_fn, "--frontier_gold_fn") if cfg.frontier_gold_fn else gold_fn
+        self.gold_model = None
+        if cfg.frontier_gold_model:  # gold instead of any function: it only scores, never trains anything
+            self.gold_fn = None
+            self.gold_model = shard_model(freeze(build_reward_model(cfg.frontier_gold_model)), run.dtype)
+            self.gold_model.to(run.device)
 
     @classmethod
     def build(cls, cfg, tok, run, max_new_tokens: int, reward_model=None, gold_fn=None) -> "Frontier | None":
@@ -272,7 +288,7 @@ class Frontier:
     def metric_names(self, prefix: str = "eval/") -> set[str]:
         """The metrics evaluate() logs under `prefix`: measure's KL, length and, for each of score_samples' values that
         applies (gold, proxy_raw and proxy, win_rate), its mean and standard error."""
-        values = ["gold"] if self.gold_fn is not None else []
+        values = ["gold"] if self.gold_fn is not None or self.gold_model is not None else []
         if self.reward_model is not None:
             values += ["proxy_raw", "proxy"] + (["win_rate"] if self.prompts.references is not None else [])
         names = ["kl", "kl_se", "response_length", *values, *(v + "_se" for v in values)]
@@ -294,6 +310,7 @@ class Frontier:
             generator,
             self.reward_model,
             self.gold_fn,
+            gold_model=self.gold_model,
         )
         logger = getattr(self.run, "logger", None)
         if logger is not None:
@@ -333,12 +350,14 @@ def best_of_n(
     gold_fn=None,
     micro: int = 64,
     pool: int = 0,
+    *,
+    gold_model=None,
 ) -> list[dict]:
     """Best-of-n from the reference for n = 1, 2, 4, ..., n_max, from one pool of `pool` (default n_max) samples of
     each prompt at temperature 1 ranked by the proxy (the reward model's raw score; a repeated summary keeps its first
     occurrence's score, so that it is one outcome):
 
-    - every value (gold, proxy, win rate, length) by the all-subsets estimator over the pool
+    - every value (gold: gold_fn's or gold_model's, proxy, win rate, length) by the all-subsets estimator over the pool
       (rlhf.stats.best_of_n_weights: the expected value of best-of-n over every n-subset, ties broken at random);
     - kl: KL(best-of-n || pi_ref) of the pool's empirical distribution (rlhf.stats.best_of_n_pool_kl: repeats one
       outcome), and kl_bound = log n - (n - 1)/n (rlhf.stats.best_of_n_kl, the formula, an upper bound);
@@ -353,7 +372,9 @@ def best_of_n(
     ids, mask, samples = sample_summaries(
         reference, prompts.prompts, pool, max_new_tokens, temperature=1.0, generator=generator
     )
-    values = score_samples(prompts, ids, mask, samples, pool, tok, reward_model, gold_fn, micro)  # each (P, pool)
+    values = score_samples(  # each (P, pool)
+        prompts, ids, mask, samples, pool, tok, reward_model, gold_fn, micro, gold_model=gold_model
+    )
     values["response_length"] = samples.response_mask.double().sum(1).cpu().view(-1, pool)
     first = first_occurrence(samples, pool)  # (P, pool)
     proxy = values["proxy_raw"].gather(1, first)  # a repeat scores as its first occurrence
@@ -802,9 +823,10 @@ def main(argv: list[str] | None = None) -> str:
     picture of runs that logged eval/kl (--frontier_prompts), grouped as evaluation/compare.py groups them (runs that
     differ only in seed are one method), with best-of-n from --reference on the first --prompts prompts of --data (the
     runs' --frontier_data); with per-post values (frontier_posts.jsonl) also each method minus best-of-n at its KL and
-    the fitted curves. Without a --gold_fn the picture draws proxy reward and win rate against KL; without runs,
-    best-of-n alone (e.g. its KL from two pool sizes). The picture and the table also go into the runs' common folder
-    as TensorBoard events and, with --wandb_mode, to wandb (evaluation.compare.publish)."""
+    the fitted curves, and first each --pair A B, A minus B at matched KL (a verdict's pairs). Gold from --gold_fn's
+    function or --gold_model's reward model; without either the picture draws proxy reward and win rate against KL;
+    without runs, best-of-n alone (e.g. its KL from two pool sizes). The picture and the table also go into the runs'
+    common folder as TensorBoard events and, with --wandb_mode, to wandb (evaluation.compare.publish)."""
     import argparse
 
     from data.tokenizer import get_tokenizer
@@ -821,6 +843,12 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--split", default="validation", help="split of --data")
     p.add_argument("--prompts", type=int, default=100, help="prompts of --data (the runs' --frontier_prompts)")
     p.add_argument("--gold_fn", default="", help='a gold reward "module:function" of (prompt, summary); empty: none')
+    p.add_argument(
+        "--gold_model",
+        default="",
+        help="a gold reward model (reward_model.py's hf/ folder; the runs' --frontier_gold_model) whose normalized "
+        "score is the gold reward; it only scores; not --reward_model's folder; empty: --gold_fn",
+    )
     p.add_argument("--max_new_tokens", type=int, default=53, help="tokens per summary (the runs' length)")
     p.add_argument("--max_prompt_len", type=int, default=448, help="tokens per prompt at most")
     p.add_argument("--best_of", type=int, default=64, help="best-of-n's largest n, a power of 2")
@@ -832,6 +860,15 @@ def main(argv: list[str] | None = None) -> str:
         "keep the KL estimate's bias small at n = 64 (docs/reporting.md)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of best-of-n's samples")
+    p.add_argument(
+        "--pair",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("A", "B"),
+        help="two methods compared at matched KL (A - B, verdict_rows; each named as the table names it), before "
+        "each method against best-of-n; repeatable; needs per-post values",
+    )
     p.add_argument("--out", default="frontier.png", help="the picture; frontier.json beside it holds every point")
     add_publish_arguments(p)
     args = p.parse_args(argv)
@@ -839,9 +876,14 @@ def main(argv: list[str] | None = None) -> str:
         p.error(f"--best_of must be a power of 2, got {args.best_of}")
     if args.pool < args.best_of:
         p.error(f"--pool must be at least --best_of ({args.best_of}), got {args.pool}")
+    if args.gold_fn and args.gold_model:
+        p.error("--gold_fn and --gold_model both give the gold reward; give one of them")
     # each model's kind before anything is read (a policy as --reward_model would score with a random head)
     model_config(args.reference, kind="policy", option="--reference")
     model_config(args.reward_model, kind="reward_model", option="--reward_model")
+    if args.gold_model:
+        model_config(args.gold_model, kind="reward_model", option="--gold_model")
+        check_gold_model(args.gold_model, args.reward_model, "--gold_model", "--reward_model")
     methods, runs = {}, [load_run(d) for d in args.runs]
     for options, members in group_runs(runs):
         seeds = [frontier_points(run.dir) for run in members]
@@ -849,6 +891,10 @@ def main(argv: list[str] | None = None) -> str:
         if empty:
             raise CompareError(f"{empty[0]}: no eval/kl in its metrics.jsonl; train it with --frontier_prompts N")
         methods[label(options)] = seeds
+    for pair in args.pair:
+        unknown = [name for name in pair if name not in methods]
+        if unknown:
+            raise CompareError(f"--pair: no method {unknown[0]!r} among the runs; they are {list(methods)}")
     tok = get_tokenizer()
     prompts = load_frontier_prompts(args.data, args.split, args.prompts, tok, args.max_prompt_len, args.max_new_tokens)
     curve = best_of_n(
@@ -861,12 +907,17 @@ def main(argv: list[str] | None = None) -> str:
         n_max=args.best_of,
         gold_fn=load_function(args.gold_fn, "--gold_fn") if args.gold_fn else None,
         pool=args.pool,
+        gold_model=build_reward_model(args.gold_model).eval() if args.gold_model else None,
     )
     out = Path(args.out)
     title = f"{args.prompts} prompts of {args.data}; error bars 1 standard error over the prompts"
     plot_frontier(curve, methods, out, title)
     out.with_suffix(".json").write_text(json.dumps({"best_of_n": curve, "methods": methods}, indent=1))
-    text = frontier_table(curve, methods)
+    rows = None
+    if args.pair and has_posts(curve, methods):
+        pairs = [(a, b) for a, b in args.pair] + [(name, BEST_OF_N) for name in methods]
+        rows = verdict_rows(methods, curve, pairs, "gold" if "gold" in curve[0] else "proxy")
+    text = frontier_table(curve, methods, rows)
     publish(args, out, "frontier", text, runs)
     print(f"{text}\n\nwrote {out} and {out.with_suffix('.json')}")
     return text

@@ -237,9 +237,10 @@ def logged_metric_names() -> set[str]:
     return names
 
 
-# no best though not a count by name: the learning rate, the selection's rounds, the judge's posts, the reward model's
-# normalisation fit (a property of the SFT samples)
+# no best though not a count by name: the learning rate, the selection's rounds and what it kept against its pool (a
+# description of the selection), the judge's posts, the reward model's normalisation fit (a property of the SFT samples)
 NO_BEST = {"train/lr", "rs/rounds_mean", "rs/rounds_max", "eval/summary_prompts"}
+NO_BEST |= {"rs/kept_mean_shift", "rs/kept_std_ratio", "rs/pool_group_std", "rs/kept_ess", "rs/tied_group_fraction"}
 NO_BEST |= {f"norm/{n}" for n in ("raw_mean", "raw_std", "samples", "end_rate", "gain", "bias")}
 
 

@@ -4,7 +4,6 @@ part-way that resumes exactly."""
 import json
 import random
 import re
-import shutil
 import signal
 
 import pytest
@@ -17,11 +16,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_loss_and_gradients_independent_of_world_size_and_accumulation(tmp_path):
-    results = {}
-    for nproc, accum in [(1, 1), (1, 2), (2, 1), (2, 2)]:
-        out = tmp_path / f"{nproc}_{accum}.pt"
-        run_script(["tests/scripts/sft_grads.py", str(out), str(accum)], nproc=nproc)
-        results[(nproc, accum)] = torch.load(out)
+    for nproc in (1, 2):  # one launch per world size computes both accumulations, each from a fresh model
+        run_script(["tests/scripts/sft_grads.py", str(tmp_path), "1", "2"], nproc=nproc)
+    results = {(n, a): torch.load(tmp_path / f"{n}_{a}.pt") for n in (1, 2) for a in (1, 2)}
     ref = results[(1, 1)]
     for key, r in results.items():
         assert abs(r["loss"] - ref["loss"]) < 1e-5, key
@@ -119,20 +116,32 @@ def test_fsdp_gathers_the_root_once_per_micro_batch(tmp_path):
     }, counts
 
 
-def test_sharded_checkpoint_resumes_exactly_on_two_processes_and_on_one(tmp_path):
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory):
+    """tests/scripts/ckpt_dist.py's checkpoint, saved by 2 processes, and its resumes: on 2 processes (--seed 0) and on
+    1 (--seed 0, 1, 1 and 2, one launch: a launch costs seconds of start-up, and each resume starts from fresh weights
+    and loads the same read-only checkpoint). The folder holds run/, save.pt, resume2.pt, resume1.pt, seed{1a,1b,2}.pt
+    and the saved checkpoint's shard files as listed right after the save (shards.txt)."""
+    base = tmp_path_factory.mktemp("ckpt")
+    script, run = "tests/scripts/ckpt_dist.py", str(base / "run")
+    run_script([script, "save", run, str(base / "save.pt")], nproc=2)
+    shards = sorted(p.name for p in (base / "run" / "checkpoints" / "step_00000002" / "sharded").iterdir())
+    (base / "shards.txt").write_text("\n".join(shards))
+    run_script([script, "resume", run, str(base / "resume2.pt")], nproc=2)
+    seeds = [f"{base / name}.pt:{seed}" for name, seed in (("seed1a", 1), ("seed1b", 1), ("seed2", 2))]
+    run_script([script, "resume", run, str(base / "resume1.pt"), *seeds])
+    return base
+
+
+def test_sharded_checkpoint_resumes_exactly_on_two_processes_and_on_one(sharded_checkpoint):
     # two processes train 3 steps and save after step 2, each writing its own shards; a run from other weights loads
     # that checkpoint on 2 processes (and continues bit for bit) and on 1 (the shards are re-cut: the state loaded is
     # the state saved, bit for bit; step 3 then differs only by the order of the gradient reduction)
-    run_script(["tests/scripts/ckpt_dist.py", "save", str(tmp_path / "run"), str(tmp_path / "save.pt")], nproc=2)
-    files = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step_00000002" / "sharded").iterdir())
+    files = (sharded_checkpoint / "shards.txt").read_text().split("\n")
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
-    saved = torch.load(tmp_path / "save.pt")
+    saved = torch.load(sharded_checkpoint / "save.pt")
     for nproc in (2, 1):
-        run = tmp_path / f"run{nproc}"
-        shutil.copytree(tmp_path / "run", run)
-        out = tmp_path / f"resume{nproc}.pt"
-        run_script(["tests/scripts/ckpt_dist.py", "resume", str(run), str(out)], nproc=nproc)
-        resumed = torch.load(out)
+        resumed = torch.load(sharded_checkpoint / f"resume{nproc}.pt")
         for part in ("params", "moments"):
             assert saved["saved"][part].keys() == resumed["loaded"][part].keys()
             for name, t in saved["saved"][part].items():
@@ -152,14 +161,14 @@ def test_sharded_checkpoint_resumes_exactly_on_two_processes_and_on_one(tmp_path
         )
 
 
-def test_a_resume_on_another_world_size_reseeds_every_random_stream_from_the_seed(tmp_path):
+def test_a_resume_on_another_world_size_reseeds_every_random_stream_from_the_seed(sharded_checkpoint):
     # saved by 2 processes, resumed on 1: the per-rank RNG states cannot be restored, so torch, numpy and `random`
     # are reseeded from --seed, the step and the rank: the same seed draws the same numbers, another seed others
-    run_script(["tests/scripts/ckpt_dist.py", "save", str(tmp_path / "run"), str(tmp_path / "save.pt")], nproc=2)
+    # (the three resumes run one after the other in one process: what the draws follow is the seed, not the process)
     draws, stderr = {}, {}
-    for seed, out in (("1", "a"), ("1", "b"), ("2", "c")):
-        done = run_script(["tests/scripts/ckpt_dist.py", "resume", str(tmp_path / "run"), str(tmp_path / out), seed])
-        draws[out], stderr[out] = torch.load(tmp_path / out)["draws"][0], done.stderr
+    for name, out in (("seed1a", "a"), ("seed1b", "b"), ("seed2", "c")):
+        resumed = torch.load(sharded_checkpoint / f"{name}.pt")
+        draws[out], stderr[out] = resumed["draws"][0], resumed["stderr"]
     assert draws["a"] == draws["b"]
     assert all(draws["a"][i] != draws["c"][i] for i in range(3)), draws  # torch, numpy and random each differ
     assert (
@@ -168,13 +177,21 @@ def test_a_resume_on_another_world_size_reseeds_every_random_stream_from_the_see
     )
 
 
-def test_rank_0_chooses_the_checkpoint_and_ranks_that_see_it_differently_stop(tmp_path):
+@pytest.fixture(scope="module")
+def resume_views(tmp_path_factory):
+    """tests/scripts/resume_views.py's three cases in one two-process launch (a launch costs seconds of start-up):
+    case -> [rank 0's result, rank 1's]."""
+    base = tmp_path_factory.mktemp("views")
+    cases = ("pointer", "view", "resume_from")
+    run_script(["tests/scripts/resume_views.py", str(base), *cases], nproc=2)
+    return {case: [(base / f"{case}.txt.{rank}").read_text() for rank in (0, 1)] for case in cases}
+
+
+def test_rank_0_chooses_the_checkpoint_and_ranks_that_see_it_differently_stop(resume_views):
     # rank 1 reads another `latest` (an NFS attribute cache): rank 0's choice holds on both; rank 1 sees the newest
     # checkpoint's shard missing while rank 0 sees it whole: both stop with the same line naming the file and ranks
     for case in ("pointer", "view"):
-        out = tmp_path / f"{case}.txt"
-        run_script(["tests/scripts/resume_views.py", str(tmp_path / case), str(out), case], nproc=2)
-        results = [out.with_name(f"{out.name}.{rank}").read_text() for rank in (0, 1)]
+        results = resume_views[case]
         if case == "pointer":
             assert results == ["step_00000002", "step_00000002"], results
         else:
@@ -183,12 +200,10 @@ def test_rank_0_chooses_the_checkpoint_and_ranks_that_see_it_differently_stop(tm
             assert "rank 0: as written; rank 1: " in results[0] and "is missing" in results[0], results[0]
 
 
-def test_resume_from_is_chosen_by_rank_0(tmp_path):
+def test_resume_from_is_chosen_by_rank_0(resume_views):
     # --resume_from a checkpoint folder whose state.pt rank 1 does not see: rank 0 says it is a checkpoint folder, so
     # both ranks run the same collectives and resume from it (before: rank 1 took it for a run directory)
-    out = tmp_path / "resume_from.txt"
-    run_script(["tests/scripts/resume_views.py", str(tmp_path / "run"), str(out), "resume_from"], nproc=2)
-    results = [out.with_name(f"{out.name}.{rank}").read_text() for rank in (0, 1)]
+    results = resume_views["resume_from"]
     assert results == ["step_00000002", "step_00000002"], results
 
 
@@ -203,10 +218,9 @@ def test_dist_timeout_reaches_the_process_group(tmp_path):
 def test_out_dir_that_ranks_see_differently_is_refused_on_every_rank(tmp_path):
     # ranks writing checkpoint shards into folders that are not one (nodes without a shared filesystem) would leave
     # checkpoints without the other ranks' shards; every rank stops with the same error, and no marker file remains
+    run_script(["tests/scripts/shared_dir.py", str(tmp_path), "same", "per_rank"], nproc=2)  # both cases, one launch
     for mode in ("same", "per_rank"):
-        out = tmp_path / f"{mode}.txt"
-        run_script(["tests/scripts/shared_dir.py", str(tmp_path / mode), str(out), mode], nproc=2)
-        errors = [out.with_name(f"{out.name}.{rank}").read_text() for rank in (0, 1)]
+        errors = [(tmp_path / f"{mode}.txt.{rank}").read_text() for rank in (0, 1)]
         if mode == "same":
             assert errors == ["", ""], errors
         else:

@@ -85,11 +85,11 @@ def test_config_rejects_inconsistent_options():
 def test_global_normalization_and_gradients_do_not_depend_on_world_size_micro_batches_or_prefix_sharing(tmp_path):
     # the reference: one process, one row per sample with its own copy of the prompt; the others pack each prompt
     # once for its samples (grpo --prefix_sharing), FSDP2 gathering and reduce-scattering through the packed forward
-    results = {}
-    for nproc, micro, layout in [(1, 8, "unshared"), (2, 4, "shared"), (2, 1, "shared"), (2, 3, "unshared")]:
-        out = tmp_path / f"{nproc}_{micro}_{layout}.pt"
-        run_script(["tests/scripts/grpo_dist.py", str(out), str(micro), layout], nproc=nproc)
-        results[(nproc, micro, layout)] = torch.load(out)
+    cases = [(1, 8, "unshared"), (2, 4, "shared"), (2, 1, "shared"), (2, 3, "unshared")]
+    for nproc in (1, 2):  # one launch per world size runs its cases, each from fresh models
+        mine = [f"{micro}:{layout}" for n, micro, layout in cases if n == nproc]
+        run_script(["tests/scripts/grpo_dist.py", str(tmp_path), *mine], nproc=nproc)
+    results = {(n, micro, layout): torch.load(tmp_path / f"{n}_{micro}_{layout}.pt") for n, micro, layout in cases}
     ref = results[(1, 8, "unshared")]
     values = torch.randn(16, generator=torch.Generator().manual_seed(1))  # the script's vector
     assert torch.allclose(ref["global_norm"], global_normalize(values), atol=1e-6)

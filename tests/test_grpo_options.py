@@ -3,6 +3,7 @@ mismatch and its rollout correction, the KL estimators and where the KL goes, dy
 worked by hand or exact expectations on a toy categorical policy, then each end to end in a two-process gloo run of
 grpo.py on the embedded task."""
 
+import json
 import math
 
 import pytest
@@ -358,13 +359,16 @@ def embedded_task(tmp_path_factory):
     return files["prompts_train"], folder / "policy"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("option", sorted(OPTIONS))
-def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path):
+@pytest.fixture(scope="module")
+def option_runs(embedded_task, tmp_path_factory):
+    """Every case of OPTIONS run by grpo.py on two gloo processes, one after the other in one launch
+    (tests/scripts/runs.py: a launch costs seconds of start-up; each case is a run of its own, in its own folder,
+    seeded at its start as a fresh process is). Returns the folder that holds each case's run (and, for a case that
+    raised, its traceback) and the launch's failure ("" when every case ran)."""
     prompts, policy = embedded_task
-    run_script(
-        [
-            "grpo.py",
+    base = tmp_path_factory.mktemp("options")
+    cases = {
+        option: [
             "--model",
             str(policy),
             "--rewards",
@@ -406,12 +410,27 @@ def test_option_runs_end_to_end_in_two_processes(option, embedded_task, tmp_path
             "--wandb_mode",
             "disabled",
             "--out_dir",
-            str(tmp_path / "run"),
+            str(base / option),
             *OPTIONS[option],
-        ],
-        nproc=2,
-    )
-    steps = read_metrics(tmp_path / "run")
+        ]
+        for option in sorted(OPTIONS)
+    }
+    (base / "cases.json").write_text(json.dumps(cases))
+    try:
+        run_script(["tests/scripts/runs.py", "grpo.py", str(base / "cases.json")], nproc=2)
+    except AssertionError as e:  # each test names its own case's failure
+        return base, str(e)
+    return base, ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_option_runs_end_to_end_in_two_processes(option, option_runs):
+    base, failure = option_runs
+    errors = sorted(base.glob(f"{option}.error.*"))
+    assert not errors, "\n".join(e.read_text() for e in errors)
+    assert (base / option / "summary.json").is_file(), f"{option} did not run to its end:\n{failure}"
+    steps = read_metrics(base / option)
     assert [m["step"] for m in steps] == [1, 2, 3]
     trained = [m for m in steps if m["train/skipped"] == 0]
     assert trained, steps

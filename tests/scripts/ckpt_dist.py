@@ -1,16 +1,19 @@
 """Run under 1 or 2 processes: sharded checkpoints (torch.distributed.checkpoint) of an FSDP model, optimizer,
 scheduler and a frozen model.
 
-    python tests/scripts/ckpt_dist.py save RUN_DIR OUT.pt      # 3 steps, a checkpoint after step 2
-    python tests/scripts/ckpt_dist.py resume RUN_DIR OUT.pt [SEED]   # fresh weights, load step 2's checkpoint, step 3
+    python tests/scripts/ckpt_dist.py save RUN_DIR OUT.pt  # 3 steps, a checkpoint after step 2
+    python tests/scripts/ckpt_dist.py resume RUN_DIR OUT.pt[:SEED] ...  # fresh weights, step 2's checkpoint, step 3
 
 Both save to OUT.pt (rank 0): the full parameters and AdamW moments after step 3, the learning rate of step 3, and
 the loss of step 3; `save` also the state it saved, `resume` the state right after loading (with the frozen
-model's weights, and every rank's first draws of torch, numpy and `random` after the load, the run's --seed being
-SEED, default 0).
+model's weights, every rank's first draws of torch, numpy and `random` after the load, the run's --seed being
+SEED, default 0, and what the load wrote to stderr). `resume` runs each OUT.pt[:SEED] in turn in one process group
+(one launch for several resumes: a launch costs seconds of start-up), each from fresh weights and its own seed.
 Every step is one SFT step (sft.accumulate_gradients) on the same global batch of 4 rows, split over the ranks.
 """
 
+import contextlib
+import io
 import random
 import sys
 from pathlib import Path
@@ -48,8 +51,7 @@ def full(model, optimizer) -> dict:
     return {"params": params, "moments": moments}
 
 
-def main(mode: str, run_dir: str, out: str, seed: str = "0"):
-    info = setup_distributed("cpu")
+def run(info, mode: str, run_dir: str, out: str, seed: str = "0"):
     torch.manual_seed(0 if mode == "save" else 1)  # a resumed run starts from other weights: the load must replace them
     model = shard_model(GPT2LMHeadModel(CFG))
     frozen = shard_model(freeze(GPT2LMHeadModel(CFG)))
@@ -57,16 +59,20 @@ def main(mode: str, run_dir: str, out: str, seed: str = "0"):
     scheduler = build_scheduler(optimizer, 1, 10)
     result, step = {}, 0
     if mode == "resume":
-        step = load_checkpoint(
-            newest_intact(run_dir, info.rank, info.world_size),
-            model,
-            optimizer,
-            scheduler,
-            META,
-            info.rank,
-            frozen={"reference": frozen},
-            seed=int(seed),
-        )["step"]
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            step = load_checkpoint(
+                newest_intact(run_dir, info.rank, info.world_size),
+                model,
+                optimizer,
+                scheduler,
+                META,
+                info.rank,
+                frozen={"reference": frozen},
+                seed=int(seed),
+            )["step"]
+        sys.stderr.write(stderr.getvalue())
+        result["stderr"] = stderr.getvalue()
         result["draws"] = gather_objects((torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()))
         result["loaded"] = full(model, optimizer)
         result["loaded_frozen"] = {n: p.full_tensor().clone() for n, p in frozen.named_parameters()}
@@ -97,8 +103,15 @@ def main(mode: str, run_dir: str, out: str, seed: str = "0"):
     result["final"], result["loss"] = full(model, optimizer), loss
     if info.rank == 0:
         torch.save(result, out)
+
+
+def main(mode: str, run_dir: str, *outs: str):
+    info = setup_distributed("cpu")
+    for case in outs:
+        out, _, seed = case.partition(":")
+        run(info, mode, run_dir, out, seed or "0")
     cleanup_distributed()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])

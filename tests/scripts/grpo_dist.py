@@ -1,13 +1,15 @@
 """Run under 1 or 2 processes: GRPO's global advantage normalization and one update's loss and gradients.
 
-    python tests/scripts/grpo_dist.py OUT.pt MICRO_BATCH_SIZE [shared|unshared]
+    python tests/scripts/grpo_dist.py OUT_DIR MICRO_BATCH_SIZE:shared|unshared ...
 
-The global batch is fixed: 4 prompts x 4 samples. Rank r takes a contiguous slice of whole prompts (group
-normalization needs a prompt's samples on one rank) and splits it into micro-batches of MICRO_BATCH_SIZE rows,
-packed with each prompt once (shared, the default) or one row per sample with its own copy of the prompt.
-Rank 0 saves, per loss type, the loss and the full gradients, plus the globally normalized advantages of an
-uneven split of a fixed vector (5 values on rank 0, the rest on rank 1) and the selection diagnostics of an uneven
-split of fixed groups (5 groups of G scored rewards, the top 3 kept; the first 4 on rank 0, the last, tied, on rank 1).
+The global batch is fixed: 4 prompts x 4 samples. Rank r takes a contiguous slice of whole prompts (group normalization
+needs a prompt's samples on one rank) and splits it into micro-batches of MICRO_BATCH_SIZE rows, packed with each prompt
+once (shared) or one row per sample with its own copy of the prompt (unshared). Each case runs in turn in one launch (a
+launch costs seconds of start-up), from fresh models of the same seed; rank 0 saves
+OUT_DIR/{WORLD_SIZE}_{MICRO_BATCH_SIZE}_{shared|unshared}.pt: per loss type, the loss and the full gradients, plus the
+globally normalized advantages of an uneven split of a fixed vector (5 values on rank 0, the rest on rank 1) and the
+selection diagnostics of an uneven split of fixed groups (5 groups of G scored rewards, the top 3 kept; the first 4 on
+rank 0, the last, tied, on rank 1).
 """
 
 import sys
@@ -68,8 +70,7 @@ def fixed_rollout(seed=0):
     return prompts, samples, rewards
 
 
-def main(out: str, micro: int, shared: bool):
-    info = setup_distributed("cpu")
+def run_case(info, micro: int, shared: bool) -> dict:
     rank, world = info.rank, info.world_size
     results = {}
 
@@ -123,10 +124,18 @@ def main(out: str, micro: int, shared: bool):
         )
         results[loss_type] = {"loss": metrics["train/loss"], "kl": metrics["train/kl"], "grads": recorder.grads}
     assert all(p.grad is None for p in reference.parameters())
-    if rank == 0:
-        torch.save(results, out)
+    return results
+
+
+def main(out_dir: str, cases: list[str]):
+    info = setup_distributed("cpu")
+    for case in cases:
+        micro, layout = case.split(":")
+        results = run_case(info, int(micro), layout == "shared")
+        if info.rank == 0:
+            torch.save(results, Path(out_dir) / f"{info.world_size}_{micro}_{layout}.pt")
     cleanup_distributed()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), (sys.argv[3] if len(sys.argv) > 3 else "shared") == "shared")
+    main(sys.argv[1], sys.argv[2:])

@@ -1,6 +1,9 @@
 """Run under 1 or 2 processes: one SFT optimizer step's loss and full gradients, saved by rank 0.
 
-python tests/scripts/sft_grads.py OUT.pt ACCUM
+python tests/scripts/sft_grads.py OUT_DIR ACCUM ...
+
+For each ACCUM (micro-batches per rank), in one launch, a fresh model from the same seed:
+OUT_DIR/{world size}_{ACCUM}.pt.
 """
 
 import sys
@@ -29,28 +32,29 @@ def fixed_rows(n=8, seed=0):
     return prompts, responses
 
 
-def main(out: str, accum: int):
+def main(out_dir: str, accums: list[int]):
     info = setup_distributed("cpu")
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=64))
-    shard_model(model)
-    prompts, responses = fixed_rows()
-    # rank r takes rows r, r+world, ...; then splits them into `accum` micro-batches
-    mine = list(range(info.rank, len(prompts), info.world_size))
-    size = len(mine) // accum
-    micro = [
-        collate_sft(
-            [prompts[i] for i in mine[k * size : (k + 1) * size]],
-            [responses[i] for i in mine[k * size : (k + 1) * size]],
-        )
-        for k in range(accum)
-    ]
-    loss = accumulate_gradients(model, micro, info.world_size, info.device)
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    if info.rank == 0:
-        torch.save({"loss": loss, "grads": grads}, out)
+    for accum in accums:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=64))
+        shard_model(model)
+        prompts, responses = fixed_rows()
+        # rank r takes rows r, r+world, ...; then splits them into `accum` micro-batches
+        mine = list(range(info.rank, len(prompts), info.world_size))
+        size = len(mine) // accum
+        micro = [
+            collate_sft(
+                [prompts[i] for i in mine[k * size : (k + 1) * size]],
+                [responses[i] for i in mine[k * size : (k + 1) * size]],
+            )
+            for k in range(accum)
+        ]
+        loss = accumulate_gradients(model, micro, info.world_size, info.device)
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        if info.rank == 0:
+            torch.save({"loss": loss, "grads": grads}, f"{out_dir}/{info.world_size}_{accum}.pt")
     cleanup_distributed()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], [int(a) for a in sys.argv[2:]])

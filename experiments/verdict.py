@@ -427,17 +427,17 @@ def run_verdict(
     dirs: dict[str, list[Path]] = {}
     arms = len(verdict.arms)
 
-    def record(run: ExperimentRun | None = None) -> str:
-        if run is not None:
-            methods.setdefault(run.name, []).append(measured.frontier_points(run.out_dir))
-            dirs.setdefault(run.name, []).append(run.out_dir)
-        # the tables after each round of seeds (every arm's seed s) and at the end: their bootstraps grow with the
-        # runs (36 s for 6 seeds of 7 arms on 400 posts, one thread), too much to redo after every run
-        if not methods or (run is not None and sum(map(len, methods.values())) % arms):
+    def record(run: ExperimentRun) -> str:
+        methods.setdefault(run.name, []).append(measured.frontier_points(run.out_dir))
+        dirs.setdefault(run.name, []).append(run.out_dir)
+        # the tables after each round of seeds (every arm's seed s), the last round's the verdict's: their bootstraps
+        # grow with the runs (36 s for 6 seeds of 7 arms on 400 posts, one thread), too much to redo after every run
+        if sum(map(len, methods.values())) % arms:
             return ""
         pairs = [(a, b) for a, b in verdict.pairs if a in methods and b in methods]
         rows = measured.verdict_rows(methods, curve, pairs + [(name, measured.BEST_OF_N) for name in methods])
-        text = measured.verdict_table(rows) + "\n\n" + measured.frontier_table(curve, methods)
+        against_best_of_n = [row for row in rows if row["b"] == measured.BEST_OF_N]  # the frontier table's own rows
+        text = measured.verdict_table(rows) + "\n\n" + measured.frontier_table(curve, methods, against_best_of_n)
         (root / "verdict.md").write_text(text + "\n")
         (root / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": rows}))
         verdict_pictures(curve, methods, rows, dirs, assets, title)
@@ -445,5 +445,6 @@ def run_verdict(
 
     root.mkdir(parents=True, exist_ok=True)
     assets.mkdir(parents=True, exist_ok=True)
-    run_all(runs, nproc, after=record, keep_finished=reuse)
-    return record()
+    tables = []
+    run_all(runs, nproc, after=lambda run: tables.append(record(run)), keep_finished=reuse)
+    return tables[-1]  # every arm's last seed ends the last round

@@ -35,7 +35,16 @@ from pathlib import Path
 from experiments import embedded
 from experiments.embedded import ABLATION, ABLATION_METRICS, PREPARED, Demo, pipeline
 from experiments.runner import ExperimentRun, run_all
-from experiments.verdict import Verdict, check_runs, read_verdict, verdict_posts, verdict_runs
+from experiments.verdict import (
+    check_runs,
+    embedded_measurement,
+    posts_reading,
+    read_verdict,
+    reference_best_of_n,
+    run_verdict,
+    verdict_posts,
+    verdict_runs,
+)
 
 
 def publish(demo: Demo, picture: str, folder: Path, text: str) -> None:
@@ -65,28 +74,11 @@ def ablation(demo: Demo) -> str:
 
 
 def sft_best_of_n(demo: Demo, posts: Path, n_posts: int, n_max: int, pool: int) -> list[dict]:
-    """Best-of-n from the SFT policy against the reward model on the first `n_posts` of `posts`: one pool of `pool`
-    samples per post, every n up to `n_max` (evaluation.frontier.best_of_n)."""
-    from data.synthetic import gold_reward
-    from data.tokenizer import get_tokenizer
-    from evaluation.frontier import best_of_n, load_frontier_prompts
-    from model.weights import build_policy, build_reward_model
-    from utils.dist import stream
-
-    t0, tok = time.time(), get_tokenizer()
-    curve = best_of_n(
-        build_policy(str(demo.out / "sft" / "hf")).eval(),
-        load_frontier_prompts(str(posts), "validation", n_posts, tok, 192, 24),
-        build_reward_model(str(demo.out / "rm" / "hf")).eval(),
-        tok,
-        stream(demo.args.seed, 0, 0, "best-of-n"),
-        24,
-        n_max=n_max,
-        gold_fn=gold_reward,
-        pool=pool,
-    )
-    print(f"best-of-n from the SFT policy, n up to {n_max}: {time.time() - t0:.0f} s", flush=True)
-    return curve
+    """Best-of-n from the SFT policy against the reward model on the first `n_posts` of `posts` (prompts of 192 tokens
+    at most, the demo's stages'), scored by the task's gold reward: one pool of `pool` samples per post, every n up to
+    `n_max` (experiments.verdict.reference_best_of_n)."""
+    measured = embedded_measurement(demo, posts)
+    return reference_best_of_n(measured, n_posts, n_max, pool, ("validation", 192), seed=demo.args.seed)
 
 
 def frontier(demo: Demo) -> str:
@@ -122,44 +114,6 @@ def frontier(demo: Demo) -> str:
     run_all(embedded.frontier_runs(demo), args.nproc, after=record, keep_finished=args.reuse)
     text = record()
     publish(demo, "frontier.png", root, text)
-    return text
-
-
-def verdict(demo: Demo, spec: Verdict, posts: Path, runs: list[ExperimentRun]) -> str:
-    """A verdict file's runs (experiments.verdict.verdict_runs) on its held-out posts (`posts`), best-of-n on the same
-    posts; then in --out/<name>: verdict.md (each of its pairs and each arm against best-of-n at matched KL, with
-    intervals over posts and with seeds; the frontier's table), verdict.json and the pictures (evaluation.plots
-    verdict_pictures: assets/verdict.png, each arm's mean path over its seeds against KL; verdict_forest.png, the rows;
-    verdict_compute.png, gold against generated tokens and seconds), rewritten after every round of seeds."""
-    from evaluation import frontier as measured
-    from evaluation.plots import verdict_pictures
-
-    args, root, assets = demo.args, demo.out / spec.name, Path(demo.args.assets)
-    curve = sft_best_of_n(demo, posts, spec.posts, spec.best_of, spec.pool)
-    methods: dict[str, list[list[dict]]] = {}
-    dirs: dict[str, list[Path]] = {}
-    arms = len(spec.arms)
-
-    def record(run: ExperimentRun | None = None) -> str:
-        if run is not None:
-            methods.setdefault(run.name, []).append(measured.frontier_points(run.out_dir))
-            dirs.setdefault(run.name, []).append(run.out_dir)
-        # the tables after each round of seeds (every arm's seed s) and at the end: their bootstraps grow with the
-        # runs (36 s for 6 seeds of 7 arms on 400 posts, one thread), too much to redo after every run
-        if not methods or (run is not None and sum(map(len, methods.values())) % arms):
-            return ""
-        pairs = [(a, b) for a, b in spec.pairs if a in methods and b in methods]
-        rows = measured.verdict_rows(methods, curve, pairs + [(name, measured.BEST_OF_N) for name in methods])
-        text = measured.verdict_table(rows) + "\n\n" + measured.frontier_table(curve, methods)
-        (root / "verdict.md").write_text(text + "\n")
-        (root / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": rows}))
-        verdict_pictures(curve, methods, rows, dirs, assets, "embedded task")
-        return text
-
-    assets.mkdir(parents=True, exist_ok=True)
-    run_all(runs, args.nproc, after=record, keep_finished=args.reuse)
-    text = record()
-    publish(demo, "verdict.png", root, text)
     return text
 
 
@@ -352,11 +306,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    from utils.config import ConfigError
     from utils.guard import exit_on_error
     from utils.host import cpu_memory_settings
 
     with exit_on_error():  # a bad verdict file: one line naming the key, exit 2, before anything is written or run
         spec = read_verdict(args.verdict) if args.verdict else None
+        if spec is not None and spec.task is not None:
+            raise ConfigError(
+                f"{spec.where}: its [task] names its own models and posts: run it with python verdict.py --verdict "
+                f"{spec.path} (demo.py runs verdicts on the embedded task)"
+            )
 
     cpu_memory_settings()  # the demo's own sampling and scoring run here, on the CPU (utils/host.py)
     t0 = time.time()
@@ -370,13 +330,17 @@ def main() -> None:
         posts = verdict_posts(demo, spec)
         verdict_grid = verdict_runs(demo, spec, posts)
         with exit_on_error():
-            check_runs(spec, verdict_grid)
+            reading = posts_reading(spec, check_runs(spec, verdict_grid))
 
     # 2.-4. SFT, pairs of SFT samples labelled by the gold reward, reward model (or, with --reuse, the ones in --out)
     runs = pipeline(demo)
     run_all(runs[:PREPARED], args.nproc, reuse=args.reuse)
-    if spec is not None:
-        text = verdict(demo, spec, posts, verdict_grid)
+    if spec is not None:  # best-of-n from the SFT policy on the same posts, the arms, the tables and pictures
+        measured = embedded_measurement(demo, posts)
+        curve = reference_best_of_n(measured, spec.posts, spec.best_of, spec.pool, reading, seed=args.seed)
+        assets = Path(args.assets)
+        text = run_verdict(spec, verdict_grid, curve, out, assets, nproc=args.nproc, reuse=args.reuse)
+        publish(demo, "verdict.png", out / spec.name, text)
         print(f"\n{text}\n\nwrote {out / spec.name} and {Path(args.assets) / 'verdict.png'} ({time.time() - t0:.0f} s)")
         return
     if args.frontier_seeds > 0:

@@ -128,8 +128,8 @@ def spent(rows: list[dict]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The verdict's pictures (demo.py --verdict_seeds): each arm's mean path, the forest plot of the verdict's rows, and
-# gold against the compute spent; redrawn from a verdict folder by `--verdict DIR`
+# The verdict's pictures (demo.py --verdict, verdict.py): each arm's mean path, the forest plot of the verdict's rows,
+# and gold against the compute spent; redrawn from a verdict folder by `--verdict DIR`
 
 
 def mean_path(seeds: list[list[dict]], keys: tuple[str, ...], confidence: float = 0.95) -> dict:
@@ -362,7 +362,7 @@ def replot_verdict(folder: Path, out: Path, title: str = "") -> list[Path]:
     folder = Path(folder)
     record = folder / "verdict.json"
     if not record.is_file():
-        raise FileNotFoundError(f"{record}: not found; demo.py --verdict_seeds N writes it after each round of seeds")
+        raise FileNotFoundError(f"{record}: not found; demo.py --verdict and verdict.py write it after each seed round")
     saved = json.loads(record.read_text())
     methods = saved["methods"]
     return verdict_pictures(
@@ -379,8 +379,9 @@ def main() -> None:
     p.add_argument(
         "--verdict",
         default="",
-        help="a verdict folder (demo.py --verdict_seeds: runs/demo/verdict): redraw verdict.png, verdict_forest.png "
-        "and verdict_compute.png from its verdict.json and its runs, without training, instead of the demo's pictures",
+        help="a verdict folder (demo.py --verdict, verdict.py: runs/demo/verdict): redraw verdict.png, "
+        "verdict_forest.png and verdict_compute.png from its verdict.json and its runs, without training, instead of "
+        "the demo's pictures",
     )
     p.add_argument("--title", default="", help="with --verdict: the pictures' first words; empty: the folder")
     args = p.parse_args()

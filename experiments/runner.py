@@ -98,5 +98,11 @@ def run_script(script: str, options: dict, nproc: int) -> None:
         **os.environ,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc))),
     }
-    subprocess.run(cmd, cwd=ROOT, check=True, env=env)
+    launch(cmd, env)
     (Path(options["out_dir"]) / FINISHED).write_text(json.dumps(finished_record(script, options), indent=1) + "\n")
+
+
+def launch(cmd: list[str], env: dict) -> None:
+    """Run `cmd` from the repository's root and wait for it; CalledProcessError when it exits with another code than 0.
+    (tests/test_gold_model.py runs a verdict's scripts in its own process instead, on the same command lines.)"""
+    subprocess.run(cmd, cwd=ROOT, check=True, env=env)

@@ -134,6 +134,7 @@ def test_an_option_under_no_section_line_still_parses_and_is_listed_last():
 
 TOOLS = (  # every command line but the four training scripts (parse_config, as eval_preferences.py)
     "demo",
+    "verdict",
     "eval_preferences",
     "evaluation.compare",
     "evaluation.plots",

@@ -248,6 +248,8 @@ def test_a_verdict_file_reads_as_its_arms_options_as_the_command_line_writes_the
         (('stage = "dpo"', 'stage = "ppo"'), "arms.dpo: stage: expected one of grpo, dpo, got 'ppo'"),
         (('stage = "dpo"\n', ""), "arms.dpo: missing key 'stage' (one of grpo, dpo)"),
         (("num_samples = 8", "num_samples = 8\nseed = 1"), "base.grpo: seed is set by the verdict "),
+        (('advantage = "rloo"', 'model = "runs/other/hf"'), "arms.rloo: model is set by the verdict: every arm "),
+        (("[base.grpo]", "[task]\ndata = 'x'\n[base.grpo]"), "task: missing key 'configs' (the folder of the stages' "),
         (('advantage = "rloo"', "frontier_samples = 4"), "arms.rloo: frontier_samples is set by the verdict "),
         (("[base.grpo]", "[base.sft]"), "base: unknown stage 'sft'; expected some of grpo, dpo"),
         (("[base.grpo]\n", "[base]\ngrpo = 3\n[base.x]\n"), "base.grpo: expected a table of grpo.py's options, got 3"),
@@ -292,3 +294,25 @@ def test_demo_stops_at_a_bad_verdict_file_in_one_line_with_exit_2_before_anythin
         == f"error: --verdict {path}: pairs: ['rloo', 'ppo'] names 'ppo', which is not an arm (grpo, rloo, dpo)\n"
     )
     assert not out.exists()
+
+
+def test_each_command_refuses_the_other_kind_of_verdict_in_one_line(tmp_path, capsys, monkeypatch):
+    """demo.py runs verdicts on the embedded task, verdict.py those with a [task] table; each names the other."""
+    import demo
+    import verdict
+
+    tldr = ROOT / "configs" / "verdict" / "tldr.toml"
+    monkeypatch.setattr(sys, "argv", ["demo.py", "--verdict", str(tldr), "--out", str(tmp_path / "demo")])
+    with pytest.raises(SystemExit) as exit_:
+        demo.main()
+    assert exit_.value.code == 2 and not (tmp_path / "demo").exists()
+    assert capsys.readouterr().err == (
+        f"error: --verdict {tldr}: its [task] names its own models and posts: run it with python verdict.py "
+        f"--verdict {tldr} (demo.py runs verdicts on the embedded task)\n"
+    )
+    with pytest.raises(SystemExit) as exit_:
+        verdict.main(["--verdict", str(VERDICT), "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and not (tmp_path / "out").exists()
+    assert capsys.readouterr().err.startswith(
+        f"error: --verdict {VERDICT}: no [task] table: a verdict on the embedded "
+    )

@@ -1,11 +1,13 @@
 """Gold from a reward model (Gao, Schulman and Hilton 2022, arXiv 2210.10760) on real TL;DR rows: the labelling rule
 by hand, and the whole path with tiny models: a gold reward model trained on real human pairs, pairs of a policy's
-samples labelled by it (python -m evaluation.label_pairs), a proxy trained on those labels (reward_model.py), two
-arms of two seeds measured with gold from the gold model (dpo.py --frontier_gold_model), best-of-n and the table
-(python -m evaluation.frontier --gold_model) and the verdict's rows."""
+samples labelled by it (python -m evaluation.label_pairs), a proxy trained on those labels (reward_model.py), then a
+verdict file with a [task] table run by verdict.py: two arms of two seeds measured with gold from the gold model
+(dpo.py --frontier_gold_model), best-of-n on the same posts and the verdict's table."""
 
+import importlib
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +22,10 @@ from evaluation.frontier import frontier_points, load_frontier_prompts, verdict_
 from evaluation.frontier_declarations import FrontierConfig
 from evaluation.label_pairs import labelled_rows, usable_summary
 from evaluation.samples import sample_summaries
+from experiments import runner
+from experiments.verdict import check_runs, posts_reading, read_verdict, task_runs
 from model.weights import build_reward_model
-from tests.conftest import shared_file
+from tests.conftest import ROOT, shared_file
 from tests.helpers import end_biased_policy, read_metrics
 from utils.config import ConfigError, parse_config
 from utils.dist import stream
@@ -62,8 +66,59 @@ def run(module, argv: list[str]) -> None:
 
 
 COMMON = ["--dtype", "fp32", "--device", "cpu", "--wandb_mode", "disabled", "--max_prompt_len", "96"]
-FRONTIER = ["--frontier_prompts", "3", "--frontier_samples", "2", "--frontier_max_new_tokens", "12"]
-ARMS = {"beta0.1": ["--beta", "0.1"], "beta0.5": ["--beta", "0.5"]}
+ARMS = {"beta0.1": 0.1, "beta0.5": 0.5}
+
+# The verdict the fixture runs: DPO at two betas on the gold-labelled pairs, two seeds each, measured on three posts
+# with gold from the gold model, best-of-4 from a pool of 8; its [task] and the DPO file are filled in by the fixture
+VERDICT = """name = "gold_verdict"
+seeds = 2
+posts = 3
+samples = 2
+pool = 8
+best_of = 4
+pairs = [["beta0.1", "beta0.5"]]
+
+[task]
+configs = "{configs}"
+data = "{posts}"
+reference = "{sft}"
+proxy = "{proxy}"
+gold_model = "{gold}"
+max_new_tokens = 12
+
+[arms."beta0.1"]
+stage = "dpo"
+beta = 0.1
+
+[arms."beta0.5"]
+stage = "dpo"
+beta = 0.5
+"""
+DPO_OPTIONS = """train_data: {pairs}
+val_data: ""
+steps: 2
+eval_every: 1
+batch_size: 4
+micro_batch_size: 4
+max_prompt_len: 96
+max_response_len: 24
+lr: 2.0e-3
+dtype: fp32
+device: cpu
+"""
+
+
+def launch_here(cmd: list[str], env: dict) -> None:
+    """experiments.runner.launch in this process: the script's main() on the command line verdict.py built (a
+    subprocess per run would import torch again, a few seconds each)."""
+    assert cmd[1].endswith(".py"), cmd  # one process: python SCRIPT --option value ...
+    script = importlib.import_module(Path(cmd[1]).stem)
+    script.main(parse_config(script.Config, cmd[2:]))
+
+
+def write_verdict(path: Path, **task) -> Path:
+    path.write_text(VERDICT.format(**task))
+    return path
 
 
 @torch.no_grad()
@@ -77,8 +132,10 @@ def direct_score(model, prompt: list[int], response: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def gold_path(tmp_path_factory):
-    """The procedure of docs/reporting.md (Gold from a reward model) on real TL;DR rows with tiny models."""
-    from evaluation import frontier, label_pairs
+    """The procedure of docs/reporting.md (Gold from a reward model) on real TL;DR rows with tiny models: the models,
+    then the verdict by python verdict.py --verdict FILE, its runs in this process (launch_here)."""
+    import verdict
+    from evaluation import label_pairs
 
     posts = str(shared_file("tldr-validation-sample.jsonl"))
     tmp = tmp_path_factory.mktemp("gold")
@@ -109,29 +166,31 @@ def gold_path(tmp_path_factory):
         ["--model", "tiny", "--random_init", "true", "--train_data", str(pairs), "--steps", "3", "--eval_every", "-1"]
         + ["--overfit_batch", "true", "--out_dir", str(proxy), *sizes, *COMMON],
     )
-    # 4. two arms (DPO at two betas on the gold-labelled pairs), two seeds each, measured with gold from the gold model
-    measured = [*FRONTIER, "--frontier_data", posts, "--frontier_reward_model", str(proxy / "hf")]
-    measured += ["--frontier_gold_model", str(gold / "hf")]
-    runs = {}
-    for arm, options in ARMS.items():
-        for seed in (0, 1):
-            out = tmp / arm / f"seed{seed}"
-            argv = ["--model", str(sft), "--train_data", str(pairs), "--val_data", "", "--steps", "2"]
-            argv += ["--batch_size", "4", "--micro_batch_size", "4", "--max_response_len", "24", "--lr", "2e-3"]
-            argv += ["--eval_every", "1", "--seed", str(seed), "--out_dir", str(out), *options, *measured, *COMMON]
-            run(dpo, argv)
-            runs.setdefault(arm, []).append(out)
-    # 5. best-of-n from the policy on the same posts, and the table, with gold from the gold model
-    table = frontier.main(
-        [str(d) for seeds in runs.values() for d in seeds]
-        + ["--reference", str(sft), "--reward_model", str(proxy / "hf"), "--gold_model", str(gold / "hf")]
-        + ["--data", posts, "--prompts", "3", "--best_of", "4", "--pool", "8", "--max_new_tokens", "12"]
-        + ["--max_prompt_len", "96", "--out", str(tmp / "frontier.png"), "--tensorboard", "false"]
-        + ["--pair", "beta=0.1", "beta=0.5"]
-    )
-    record = json.loads((tmp / "frontier.json").read_text())
+    # 4. the verdict: its arms from the DPO file of its [task], best-of-n on the same posts, gold from the gold model
+    configs = tmp / "configs"
+    configs.mkdir()
+    (configs / "dpo.yaml").write_text(DPO_OPTIONS.format(pairs=pairs))
+    task = {"configs": configs, "posts": posts, "sft": sft, "proxy": proxy / "hf", "gold": gold / "hf"}
+    path = write_verdict(tmp / "gold_verdict.toml", **task)
+    argv = ["--verdict", str(path), "--out", str(tmp), "--device", "cpu", "--wandb_mode", "disabled", "--reuse"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "launch", launch_here)
+        table = verdict.main(argv)
+    root = tmp / "gold_verdict"
+    runs = {arm: [root / arm / f"seed{seed}" for seed in (0, 1)] for arm in ARMS}
+    record = json.loads((root / "verdict.json").read_text())
     return SimpleNamespace(
-        sft=sft, gold=gold / "hf", proxy=proxy, pairs=pairs, counts=counts, runs=runs, table=table, record=record
+        sft=sft,
+        gold=gold / "hf",
+        proxy=proxy,
+        pairs=pairs,
+        counts=counts,
+        runs=runs,
+        table=table,
+        record=record,
+        root=root,
+        task=task,
+        argv=argv,
     )
 
 
@@ -186,18 +245,95 @@ def test_the_gold_column_is_the_gold_models_score_of_the_samples(gold_path):
 
 
 def test_the_verdict_reads_gold_from_the_gold_model(gold_path):
-    """The command's table has the gold column and every arm against best-of-n at its KL; the verdict's rows pair
-    the two arms' two seeds post by post on the gold model's values."""
+    """verdict.py's table: the pair and each arm against best-of-n at matched KL, its numbers verdict_rows of the runs
+    read again here from their folders (two arms, two seeds, post by post on the gold model's values), the frontier's
+    table with the gold column under it; each run's command line the task's DPO file, the arm's beta and the
+    measurement [task] sets."""
     record, table = gold_path.record, gold_path.table
-    assert table.splitlines()[0] == "| policy | seeds | kl | kl bound | gold | proxy | win_rate |"
-    assert [p["n"] for p in record["best_of_n"]] == [1, 2, 4] and len(record["methods"]) == 2
-    assert "| beta=0.1 - best-of-n | " in table and "beyond best-of-n" not in table
+    assert (gold_path.root / "verdict.md").read_text() == table + "\n"
+    assert [p["n"] for p in record["best_of_n"]] == [1, 2, 4] and list(record["methods"]) == list(ARMS)
     methods = {arm: [frontier_points(d) for d in dirs] for arm, dirs in gold_path.runs.items()}
+    assert methods == record["methods"]
     assert [[p["step"] for p in points] for seeds in methods.values() for points in seeds] == [[0, 1, 2]] * 4
+    assert [row["pair"] for row in record["rows"]] == [
+        "beta0.1 - beta0.5",
+        "beta0.1 - best-of-n",
+        "beta0.5 - best-of-n",
+    ]
     (pair,) = verdict_rows(methods, record["best_of_n"], [("beta0.1", "beta0.5")])
     assert pair["seeds"] == 2 and pair["posts"] == 3 and "note" not in pair, pair
-    # --pair's row in the command's table: the same numbers, read from the same runs' gold values
-    assert f"| beta=0.1 - beta=0.5 | {pair['kl']:.3f} | {pair['difference']:+.3f} | {pair['se_posts']:.3f} |" in table
+    assert table.startswith("| pair (gold, A - B at matched KL) |") and "beyond best-of-n" not in table
+    # the pair's row in the table: the same numbers, read from the same runs' gold values
+    assert f"| beta0.1 - beta0.5 | {pair['kl']:.3f} | {pair['difference']:+.3f} | {pair['se_posts']:.3f} |" in table
+    assert record["rows"][0] == pytest.approx(pair, nan_ok=True)
+    assert "| policy | seeds | kl | kl bound | gold | proxy | win_rate |" in table.splitlines()
+    for arm, beta in ARMS.items():
+        for seed, folder in enumerate(gold_path.runs[arm]):
+            cfg = json.loads((folder / "config.json").read_text())
+            assert (cfg["beta"], cfg["seed"], cfg["model"], cfg["lr"]) == (beta, seed, str(gold_path.sft), 2e-3)
+            assert (cfg["train_data"], cfg["frontier_data"]) == (str(gold_path.pairs), gold_path.task["posts"])
+            assert (cfg["frontier_gold_model"], cfg["frontier_reward_model"]) == (
+                str(gold_path.gold),
+                str(gold_path.proxy / "hf"),
+            )
+    for picture in ("verdict.png", "verdict_forest.png", "verdict_compute.png"):
+        assert (gold_path.root / picture).stat().st_size > 10_000
+
+
+def test_a_second_start_keeps_every_run(gold_path):
+    """--reuse: the same file gives each run the options its FINISHED record holds, so a second start of the command
+    keeps all four (experiments.runner.finished) and rebuilds the tables from them."""
+    spec = read_verdict(gold_path.argv[1])
+    runs = task_runs(spec, Path(gold_path.argv[3]), "disabled")
+    assert [run.out_dir for run in runs] == [gold_path.runs[arm][seed] for seed in (0, 1) for arm in ARMS]
+    assert all(runner.finished(run) for run in runs)
+    changed = task_runs(spec, Path(gold_path.argv[3]), "offline")  # another option: every run again
+    assert not any(runner.finished(run) for run in changed)
+
+
+def refuses(argv: list[str], capsys) -> str:
+    """verdict.py's one line on stderr and its exit code 2, nothing on stdout."""
+    import verdict
+
+    with pytest.raises(SystemExit) as exit_:
+        verdict.main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and err.count("\n") == 1, (exit_.value.code, out, err)
+    return err
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (("gold_model = ", "gold_modle = "), "task: unknown key 'gold_modle'; did you mean gold_model?"),
+        (("max_new_tokens = 12\n", ""), "task: missing key 'max_new_tokens' (tokens of each measured summary "),
+        (("max_new_tokens = 12", "max_new_tokens = 0"), "task.max_new_tokens: expected a positive integer, got 0"),
+        ({"configs": "nowhere"}, "task.configs: nowhere holds none of dpo.yaml, dpo.yml, dpo.toml "),
+        ({"sft": "runs/nowhere/hf"}, "task.reference: model folder runs/nowhere/hf does not exist"),
+        ({"proxy": "SFT"}, "task.proxy SFT is a policy"),
+        ({"gold": "PROXY"}, "task.gold_model PROXY is task.proxy (PROXY): gold must be a reward model the policy "),
+        (("beta = 0.5", "beta = 0.5\nmodel = 'x'"), "arms.beta0.5: model is set by the verdict: every arm starts "),
+        (("beta = 0.5", "beta = 0.5\nmax_prompt_len = 64"), "arms.beta0.5: reads the posts with --val_split "),
+    ],
+)
+def test_a_bad_task_is_one_line_and_exit_2_before_any_run(gold_path, tmp_path, capsys, change, message):
+    """A fault of the file or of its [task]'s models: one line naming the key, exit 2, nothing written or run."""
+    names = {"SFT": str(gold_path.sft), "PROXY": str(gold_path.proxy / "hf")}
+    task = gold_path.task | ({k: names.get(v, v) for k, v in change.items()} if isinstance(change, dict) else {})
+    text = VERDICT.format(**task)
+    if isinstance(change, tuple):
+        assert text.count(change[0]) == 1, change
+        text = text.replace(*change)
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    out = tmp_path / "out"
+    err = refuses(["--verdict", str(path), "--out", str(out), "--device", "cpu"], capsys)
+    for name, folder in names.items():
+        message = message.replace(name, folder)
+    assert err.startswith(f"error: --verdict {path}: {message}"), err
+    assert not out.exists()
+    if "max_prompt_len" in text:
+        assert "--max_prompt_len 64, arms.beta0.1 with --val_split validation --max_prompt_len 96: every arm" in err
 
 
 def test_a_gold_model_that_is_the_proxy_is_refused(gold_path, tmp_path):
@@ -217,46 +353,28 @@ def test_a_gold_model_that_is_the_proxy_is_refused(gold_path, tmp_path):
 # configs/verdict/tldr.toml
 
 
-def tldr_verdict_runs() -> dict[str, tuple[str, list[str]]]:
-    """arm -> (stage, its seed-0 command line) as docs/reporting.md expands configs/verdict/tldr.toml: the stage's
-    configs/tldr/ file, [base.<stage>], the arm's options, then the measurement the verdict sets from [task]."""
-    import tomllib
-
-    from tests.conftest import ROOT
-
-    verdict = tomllib.loads((ROOT / "configs" / "verdict" / "tldr.toml").read_text())
-    task = verdict["task"]
-    measured = {
-        "frontier_prompts": verdict["posts"],
-        "frontier_samples": verdict["samples"],
-        "frontier_data": task["data"],
-        "frontier_reward_model": task["proxy"],
-        "frontier_gold_model": task["gold_model"],
-        "frontier_max_new_tokens": task["max_new_tokens"],
-    }
-    runs = {}
-    for arm, table in verdict["arms"].items():
-        stage = table["stage"]
-        (config,) = (ROOT / "configs" / "tldr").glob(f"{stage}.*")
-        options = verdict["base"][stage] | {k: v for k, v in table.items() if k != "stage"} | measured
-        options |= {"seed": 0, "out_dir": f"runs/{verdict['name']}/{arm}/seed0"}
-        argv = ["--config", str(config)]
-        argv += [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()]
-        runs[arm] = (stage, argv)
-    return runs
-
-
 def test_the_tldr_verdicts_arms_are_valid_runs_measured_by_the_gold_model():
+    """Each arm's first run of configs/verdict/tldr.toml as verdict.py builds it, parsed by its own script: the stage's
+    configs/tldr/ file, [base.<stage>], the arm's options, the measurement from [task]."""
     import grpo
 
     scripts = {"grpo": grpo, "dpo": dpo}
-    runs = tldr_verdict_runs()
-    assert set(runs) == {"rso", "uniform", "plain8", "dpo"}
-    for arm, (stage, argv) in runs.items():
+    spec = read_verdict(str(ROOT / "configs" / "verdict" / "tldr.toml"))
+    runs = task_runs(spec, Path("runs"), "disabled")
+    assert posts_reading(spec, check_runs(spec, runs)) == ("validation", 512)  # best-of-n reads the posts so too
+    first = {run.name: run for run in runs if run.options["seed"] == 0}
+    assert set(first) == {"rso", "uniform", "plain8", "dpo"} and len(runs) == 3 * 4
+    for arm, run in first.items():
+        stage = run.script.removesuffix(".py")
+        argv = [f"--{k}={v}" for k, v in run.options.items()]
         cfg = parse_config(scripts[stage].Config, argv)  # every option declared, of its type, and validated
         assert cfg.frontier_gold_model == "runs/gold_rm/hf" and cfg.frontier_reward_model == "runs/proxy_rm/hf", arm
-        assert cfg.model == "runs/sft/hf" and cfg.frontier_prompts == 400, arm
+        assert cfg.model == "runs/sft/hf" and cfg.frontier_prompts == 400 and cfg.seed == 0, arm
+        assert Path(cfg.out_dir) == Path("runs/verdict_tldr") / arm / "seed0" and cfg.max_prompt_len == 512, arm
         if stage == "grpo":
             assert cfg.reward_model == cfg.frontier_reward_model  # GRPO trains on the proxy the table reads
+            assert cfg.steps == 200 and cfg.prompts_per_step == 256  # [base.grpo], then configs/tldr/grpo.toml
         else:
             assert cfg.train_data == "runs/gold_pairs/train.jsonl"  # DPO on the gold model's labels
+            assert cfg.steps == 600 and cfg.batch_size == 64
+    assert (first["plain8"].options["num_samples"], first["plain8"].options["selection"]) == (8, "all")

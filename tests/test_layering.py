@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"sft", "reward_model", "dpo", "grpo", "eval_preferences", "demo", "sample"}
+SCRIPTS = {"sft", "reward_model", "dpo", "grpo", "eval_preferences", "demo", "sample", "verdict"}
 PACKAGES = {"model", "data", "rlhf", "rollouts", "evaluation", "training", "experiments", "utils", "bench", "tests"}
 
 

@@ -316,3 +316,17 @@ def test_each_command_refuses_the_other_kind_of_verdict_in_one_line(tmp_path, ca
     assert capsys.readouterr().err.startswith(
         f"error: --verdict {VERDICT}: no [task] table: a verdict on the embedded "
     )
+
+
+@pytest.mark.parametrize("name", ["embedded", "dose_response", "budget"])
+def test_each_embedded_verdict_file_is_read_and_its_arms_pass_their_scripts_checks(name):
+    """The checked-in verdicts of the embedded task as demo.py --verdict reads them: every arm's first run through its
+    script's parser and validate, each pair naming two arms, every arm's options as the file says (an option a script
+    renamed, or a choice no longer registered, fails here rather than hours into a grid)."""
+    verdict = read_verdict(str(ROOT / "configs" / "verdict" / f"{name}.toml"))
+    configs = check_runs(verdict, verdict_runs(make_verdict_demo(), verdict, Path("runs/demo/posts.jsonl")))
+    assert set(configs) == set(verdict.arms) and all(a in configs and b in configs for a, b in verdict.pairs)
+    for arm, (_, options) in verdict.arms.items():
+        config = configs[arm]
+        for key, value in {**verdict.base.get(verdict.arms[arm][0], {}), **options}.items():
+            assert str(getattr(config, key)).lower() == str(value).lower(), (name, arm, key)

@@ -59,15 +59,24 @@ FINISHED = "experiment_run.json"
 """What run_script writes in a run's out_dir once its script has exited 0: the script and its options."""
 
 
+NOT_RESULTS = ("wandb_mode",)
+"""Options that change where a run is logged, not what it computes: a run that finished with other values of them is
+still the same run (a verdict run with --wandb_mode disabled is kept by one started with the default, auto)."""
+
+
 def finished(run: ExperimentRun) -> bool:
-    """Whether `run` (a script run) finished with exactly its script and options (its FINISHED record)."""
+    """Whether `run` (a script run) finished with its script and options (its FINISHED record), NOT_RESULTS aside."""
     if not run.script:
         return False
     try:
         record = json.loads((run.out_dir / FINISHED).read_text())
     except (OSError, ValueError):
         return False
-    return record == finished_record(run.script, run.options)
+
+    def results(rec: dict) -> dict:
+        return {**rec, "options": {k: v for k, v in rec.get("options", {}).items() if k not in NOT_RESULTS}}
+
+    return results(record) == results(finished_record(run.script, run.options))
 
 
 def finished_record(script: str, options: dict) -> dict:

@@ -10,7 +10,7 @@ import pytest
 
 from demo import parse_args
 from experiments.embedded import ABLATION, PREPARED, Demo, ablation_runs, frontier_runs, pipeline
-from experiments.runner import FINISHED, ExperimentRun, finished_record, run_all
+from experiments.runner import FINISHED, ExperimentRun, finished, finished_record, run_all
 from experiments.verdict import check_runs, read_verdict, verdict_runs
 from tests.conftest import ROOT
 from utils.config import ConfigError, parse_config
@@ -68,6 +68,9 @@ def test_keep_finished_keeps_each_grid_run_that_finished_with_the_same_options(t
     assert calls() == ["a", "b", "b", "a"]  # a's options changed
     run_all(grid(lr=0.2), 1)
     assert calls() == ["a", "b", "b", "a", "a", "b"]  # without keep_finished every run runs
+    for run in grid(lr=0.2):  # where a run is logged is not what it computes: another --wandb_mode keeps it
+        run.options["wandb_mode"] = "online"
+        assert finished(run), run.name
 
 
 def demo_for(tmp_path: Path, *argv: str) -> Demo:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+import sft
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
 from model.lora import (
     AdaptersOff,
@@ -33,6 +34,7 @@ from tests.helpers import (
     write_pref_rows,
     write_sft_rows,
 )
+from utils.config import parse_config
 from utils.optim import build_optimizer
 
 CFG = GPTConfig(vocab_size=512, n_positions=64, n_layer=2, n_head=2, n_embd=32)
@@ -169,11 +171,11 @@ def test_parameter_counts_match_the_model():
 
 @pytest.mark.slow
 def test_two_process_fsdp_lora_trains_adapters_only_and_matches_one_process(tmp_path):
-    results = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"{nproc}.pt"
-        run_script(["tests/scripts/lora_dist.py", str(out), str(tmp_path / f"hf{nproc}")], nproc=nproc)
-        results[nproc] = torch.load(out)
+    from tests.scripts import lora_dist
+
+    lora_dist.main(str(tmp_path / "1.pt"), str(tmp_path / "hf1"))  # one process: this one, its own one-rank group
+    run_script(["tests/scripts/lora_dist.py", str(tmp_path / "2.pt"), str(tmp_path / "hf2")], nproc=2)
+    results = {nproc: torch.load(tmp_path / f"{nproc}.pt") for nproc in (1, 2)}
     one, two = results[1], results[2]
     for r in (one, two):
         assert r["ref_equal"] and r["merged_off_equals_on"], r
@@ -247,45 +249,47 @@ def test_two_process_dpo_with_lora_starts_at_its_reference_and_trains_only_the_a
 
 
 @pytest.mark.slow
-def test_sft_with_lora_lowers_the_loss_and_exports_merged_weights(tmp_path):
+def test_sft_with_lora_lowers_the_loss_and_exports_merged_weights(tmp_path, capsys):
     data = write_sft_rows(tmp_path / "rows.jsonl", n=16)
     torch.manual_seed(0)
     init = tmp_path / "init"
     start = GPT2LMHeadModel(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128))
     save_hf(start.state_dict(), start.cfg, init)
     run = tmp_path / "run"
-    out = run_script(
-        [
-            "sft.py",
-            "--model",
-            str(init),
-            "--lora_rank",
-            "8",
-            "--lora_targets",
-            "c_attn,c_fc",
-            "--train_data",
-            str(data),
-            "--val_data",
-            "",
-            "--steps",
-            "4",
-            "--batch_size",
-            "8",
-            "--micro_batch_size",
-            "8",
-            "--lr",
-            "1e-2",
-            "--warmup_steps",
-            "1",
-            "--max_prompt_len",
-            "64",
-            "--wandb_mode",
-            "disabled",
-            "--out_dir",
-            str(run),
-        ]
+    sft.main(  # in this process: `python sft.py ...` without the start-up
+        parse_config(
+            sft.Config,
+            [
+                "--model",
+                str(init),
+                "--lora_rank",
+                "8",
+                "--lora_targets",
+                "c_attn,c_fc",
+                "--train_data",
+                str(data),
+                "--val_data",
+                "",
+                "--steps",
+                "4",
+                "--batch_size",
+                "8",
+                "--micro_batch_size",
+                "8",
+                "--lr",
+                "1e-2",
+                "--warmup_steps",
+                "1",
+                "--max_prompt_len",
+                "64",
+                "--wandb_mode",
+                "disabled",
+                "--out_dir",
+                str(run),
+            ],
+        )
     )
-    assert "LoRA adapters on 4 projections" in out.stdout
+    assert "LoRA adapters on 4 projections" in capsys.readouterr().out
     m = read_metrics(run)
     assert m[-1]["train/loss"] < m[0]["train/loss"] - 0.05
     assert changed_weights(init, run / "hf") == {

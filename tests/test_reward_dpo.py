@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import dpo
+import eval_preferences
 import reward_model
 from data.tldr import PREF_COLUMNS, collate_pairs, load_rows
 from data.tokenizer import get_tokenizer
@@ -392,27 +393,30 @@ def test_two_process_dpo_starts_at_log2_learns_and_evaluates(tmp_path):
     assert m[5]["train/reward_margin"] > 0
     assert changed_and_unchanged(init, run / "hf") == []
 
-    # the stand-alone evaluation of the export against its reference agrees with the last validation
-    run_script(
-        [
-            "eval_preferences.py",
-            "--policy",
-            str(run / "hf"),
-            "--reference",
-            str(init),
-            "--val_data",
-            str(data),
-            "--val_rows",
-            "16",
-            "--max_prompt_len",
-            "64",
-            "--max_response_len",
-            "16",
-            "--out_dir",
-            str(tmp_path / "eval"),
-            "--wandb_mode",
-            "disabled",
-        ]
+    # the stand-alone evaluation of the export against its reference agrees with the last validation (in this
+    # process: `python eval_preferences.py ...` without the start-up)
+    eval_preferences.main(
+        parse_config(
+            eval_preferences.Config,
+            [
+                "--policy",
+                str(run / "hf"),
+                "--reference",
+                str(init),
+                "--val_data",
+                str(data),
+                "--val_rows",
+                "16",
+                "--max_prompt_len",
+                "64",
+                "--max_response_len",
+                "16",
+                "--out_dir",
+                str(tmp_path / "eval"),
+                "--wandb_mode",
+                "disabled",
+            ],
+        )
     )
     res = json.loads((tmp_path / "eval" / "preference_eval.json").read_text())["results"]
     assert res["accuracy"] == m[5]["val/accuracy"]
@@ -423,27 +427,29 @@ def test_two_process_dpo_starts_at_log2_learns_and_evaluates(tmp_path):
 def test_ipo_one_process_starts_at_its_target_and_learns(tmp_path):
     data = write_pref_rows(tmp_path / "pairs.jsonl", n=16)
     run = tmp_path / "run"
-    run_script(
-        [
-            "dpo.py",
-            "--model",
-            "tiny",
-            "--random_init",
-            "true",
-            "--loss",
-            "ipo",
-            "--beta",
-            "0.5",
-            "--lr",
-            "1e-3",
-            "--overfit_batch",
-            "true",
-            "--eval_every",
-            "0",
-            *pair_run_args(data, run, 4),
-            "--val_data",
-            "",
-        ]
+    dpo.main(  # in this process: `python dpo.py ...` without the start-up
+        parse_config(
+            dpo.Config,
+            [
+                "--model",
+                "tiny",
+                "--random_init",
+                "true",
+                "--loss",
+                "ipo",
+                "--beta",
+                "0.5",
+                "--lr",
+                "1e-3",
+                "--overfit_batch",
+                "true",
+                "--eval_every",
+                "0",
+                *pair_run_args(data, run, 4),
+                "--val_data",
+                "",
+            ],
+        )
     )
     m = read_metrics(run)
     assert [x["step"] for x in m] == [1, 2, 3, 4]
@@ -473,7 +479,10 @@ def test_dpo_resumes_exactly_after_sigkill_and_exits_cleanly_on_sigterm(tmp_path
             *pair_run_args(data, run, 6),
         ]
 
-    run_script(args(tmp_path / "full"))
+    def run_here(run):  # `python dpo.py ...` in this process, without the start-up (one thread, as run_script's)
+        dpo.main(parse_config(dpo.Config, args(run)[1:]))
+
+    run_here(tmp_path / "full")
     full = read_metrics(tmp_path / "full")
     assert [m["step"] for m in full] == [0, 1, 2, 3, 4, 5, 6]
 
@@ -488,7 +497,7 @@ def test_dpo_resumes_exactly_after_sigkill_and_exits_cleanly_on_sigterm(tmp_path
     assert code == 0 and "Traceback" not in out, out[-3000:]
     stopped = re.search(r"stopped by SIGTERM after step (\d+)", out)
     assert stopped and int(stopped.group(1)) == checkpoint_step(run), out[-3000:]
-    run_script(args(run))
+    run_here(run)
     keys = ("train/loss", "train/grad_norm", "train/accuracy", "train/lr", "val/accuracy", "val/bt_loss")
     context = f"SIGKILL after checkpoint {killed_at} (asked >= {kill_at}), SIGTERM after step {stopped.group(1)}"
     assert_same_metrics(full, read_metrics(run), keys, context)

@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
+import dpo
 import sample
+import sft
 from data.tldr import PromptDataset, decode_responses, pad_prompts
 from data.tokenizer import get_tokenizer
 from evaluation.samples import tldr_prompt
@@ -117,7 +119,7 @@ def test_samples_from_stdin_scored_by_a_reward_model_and_printed_readably(tmp_pa
     assert len({r["reward"] for r in raw}) > 1  # three different summaries, three scores
 
 
-def test_a_stage_on_real_rows_at_default_lengths_reports_progress_samples_and_summary(tmp_path):
+def test_a_stage_on_real_rows_at_default_lengths_reports_progress_samples_and_summary(tmp_path, capfd):
     data = helpers.write_sft_rows(tmp_path / "rows.jsonl", n=24)
     run = tmp_path / "sft"
     args = [
@@ -177,14 +179,16 @@ def test_a_stage_on_real_rows_at_default_lengths_reports_progress_samples_and_su
     assert summary["paths"]["export"] == str(run / "hf") and summary["paths"]["samples"] == str(run / "samples.jsonl")
     assert summary["tokens_per_second"] > 0 and summary["steps"] == 2
     assert "sft summary after 2 steps" in first.stdout and "val/loss" in first.stdout.split("sft summary")[1]
-    # a rerun of the finished run prints the same summary and trains nothing
-    again = run_script(args)
+    # a rerun of the finished run prints the same summary and trains nothing (in this process, both streams captured
+    # at their file descriptors: `python sft.py ...` without the start-up)
+    capfd.readouterr()
+    sft.main(parse_config(sft.Config, args[1:]))
+    again = capfd.readouterr()
     assert json.loads((run / "summary.json").read_text()) == summary
-    assert "sft summary after 2 steps" in again.stdout and "validation loss" not in again.stderr
-    # sample.py reads the export
-    out = run_script(
+    assert "sft summary after 2 steps" in again.out and "validation loss" not in again.err
+    # sample.py reads the export (in this process: `python sample.py ...` without the start-up)
+    _, text = run_sample(
         [
-            "sample.py",
             "--policy",
             str(run / "hf"),
             "--data",
@@ -197,7 +201,7 @@ def test_a_stage_on_real_rows_at_default_lengths_reports_progress_samples_and_su
             "cpu",
         ]
     )
-    assert out.stdout.count("--- summary 1") == 2 and rows[0]["prompt"] in out.stdout
+    assert text.count("--- summary 1") == 2 and rows[0]["prompt"] in text
 
 
 def test_a_default_prompt_length_is_fitted_and_a_given_one_is_refused_naming_what_fits(capsys):
@@ -275,25 +279,27 @@ def test_dpo_judges_its_summaries_against_the_references_at_every_evaluation(tmp
     pairs = helpers.write_pref_rows(tmp_path / "pairs.jsonl", n=16)
     posts = helpers.write_sft_rows(tmp_path / "posts.jsonl", n=10, seed=4)
     run = tmp_path / "dpo"
-    run_script(
-        [
-            "dpo.py",
-            "--model",
-            str(folder),
-            *helpers.pair_run_args(pairs, run, 2),
-            "--eval_every",
-            "2",
-            "--judge",
-            str(tmp_path / "judge"),
-            "--summary_data",
-            str(posts),
-            "--summary_rows",
-            "6",
-            "--max_new_tokens",
-            "8",
-            "--device",
-            "cpu",
-        ]
+    dpo.main(  # in this process: `python dpo.py ...` without the start-up
+        parse_config(
+            dpo.Config,
+            [
+                "--model",
+                str(folder),
+                *helpers.pair_run_args(pairs, run, 2),
+                "--eval_every",
+                "2",
+                "--judge",
+                str(tmp_path / "judge"),
+                "--summary_data",
+                str(posts),
+                "--summary_rows",
+                "6",
+                "--max_new_tokens",
+                "8",
+                "--device",
+                "cpu",
+            ],
+        )
     )
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     judged = [r for r in rows if "val/win_rate" in r]

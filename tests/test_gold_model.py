@@ -7,6 +7,7 @@ verdict file with a [task] table run by verdict.py: two arms of two seeds measur
 import importlib
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -287,7 +288,9 @@ def test_a_second_start_keeps_every_run(gold_path):
     runs = task_runs(spec, Path(gold_path.argv[3]), "disabled")
     assert [run.out_dir for run in runs] == [gold_path.runs[arm][seed] for seed in (0, 1) for arm in ARMS]
     assert all(runner.finished(run) for run in runs)
-    changed = task_runs(spec, Path(gold_path.argv[3]), "offline")  # another option: every run again
+    offline = task_runs(spec, Path(gold_path.argv[3]), "offline")  # where a run is logged, not what it computes
+    assert all(runner.finished(run) for run in offline)
+    changed = [replace(run, options=run.options | {"lr": 1e-3}) for run in runs]  # another option: every run again
     assert not any(runner.finished(run) for run in changed)
 
 

@@ -38,6 +38,7 @@ from experiments.runner import ExperimentRun, run_all
 from experiments.verdict import (
     check_runs,
     embedded_measurement,
+    kept_best_of_n,
     posts_reading,
     read_verdict,
     reference_best_of_n,
@@ -299,7 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="reuse --out's SFT policy, labelled pairs and reward model "
         "(sft/hf, data/policy_pairs, rm/hf), each that exists, instead of training them again (a stage after "
         "one that is redone is redone too); with --frontier_seeds or --verdict, also keep each run that "
-        "finished with the same options (experiment_run.json; its inputs are not compared: delete it to redo it)",
+        "finished with the same options (experiment_run.json; its inputs are not compared: delete it to redo it) "
+        "and, with --verdict, best-of-n drawn from the same models, posts and options (best_of_n.json)",
     )
     return p.parse_args(argv)
 
@@ -337,7 +339,9 @@ def main() -> None:
     run_all(runs[:PREPARED], args.nproc, reuse=args.reuse)
     if spec is not None:  # best-of-n from the SFT policy on the same posts, the arms, the tables and pictures
         measured = embedded_measurement(demo, posts)
-        curve = reference_best_of_n(measured, spec.posts, spec.best_of, spec.pool, reading, seed=args.seed)
+        curve = kept_best_of_n(
+            measured, spec.posts, spec.best_of, spec.pool, reading, out / spec.name, seed=args.seed, reuse=args.reuse
+        )
         assets = Path(args.assets)
         text = run_verdict(spec, verdict_grid, curve, out, assets, nproc=args.nproc, reuse=args.reuse)
         publish(demo, "verdict.png", out / spec.name, text)

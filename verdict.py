@@ -7,7 +7,8 @@ table names the stages' option files, the held-out posts, the reference policy, 
 
 1. read the file and check it whole: its keys, every arm's options through its script's checks, how the arms read
    the posts, each [task] model a folder of its kind (one line, exit 2, before any run; experiments/verdict.py)
-2. best-of-n from the reference on the same posts, ranked by the proxy and scored by the gold model
+2. best-of-n from the reference on the same posts, ranked by the proxy and scored by the gold model; --reuse keeps
+   the one in --out/<name>/best_of_n.json drawn from the same models, posts and options
 3. every arm, seed 0 of each first, each a grpo.py or dpo.py run (torchrun with --nproc > 1) measured at every
    evaluation on the posts with gold from the gold model; --reuse keeps each run that finished with the same options
 4. after each round of seeds: verdict.md and verdict.json in --out/<name> (each pair and each arm against best-of-n at
@@ -24,9 +25,9 @@ from pathlib import Path
 from experiments.verdict import (
     check_runs,
     check_task_models,
+    kept_best_of_n,
     posts_reading,
     read_verdict,
-    reference_best_of_n,
     run_verdict,
     task_measurement,
     task_runs,
@@ -48,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--reuse",
         action="store_true",
         help="keep each run that finished with the same options (its experiment_run.json; its inputs, the models "
-        "and data, are not compared: delete it to redo it)",
+        "and data, are not compared: delete it to redo it) and best-of-n drawn from the same models, posts and "
+        "options (best_of_n.json, which compares them)",
     )
     return p.parse_args(argv)
 
@@ -78,7 +80,17 @@ def main(argv: list[str] | None = None) -> str:
     # 2. best-of-n from the reference on the same posts, gold from the gold model
     measured = task_measurement(spec.task)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    curve = reference_best_of_n(measured, spec.posts, spec.best_of, spec.pool, reading, seed=args.seed, device=device)
+    curve = kept_best_of_n(
+        measured,
+        spec.posts,
+        spec.best_of,
+        spec.pool,
+        reading,
+        out / spec.name,
+        seed=args.seed,
+        device=device,
+        reuse=args.reuse,
+    )
 
     # 3.-4. the arms, seed by seed; the tables and pictures after each round of seeds
     root, assets = out / spec.name, Path(args.assets or out / spec.name)

@@ -5,8 +5,9 @@ the gold reward model). `read_verdict` reads and checks the file whole (ConfigEr
 line and exit 2, before any run); `verdict_runs` (the embedded task's, demo.py --verdict) and `task_runs` (a [task]
 table's, verdict.py) turn it into the runs `experiments.runner.run_all` runs; `check_runs` gives each arm's options to
 its script's own checks (its Config's validate) and `posts_reading` finds how every arm reads the posts, before any
-run; `reference_best_of_n` draws best-of-n from the reference on the same posts, and `run_verdict` runs the arms and
-writes the tables and pictures after each round of seeds. configs/verdict/embedded.toml is make verdict's,
+run; `reference_best_of_n` draws best-of-n from the reference on the same posts (`kept_best_of_n`: kept in the
+verdict's folder with its inputs, and with --reuse taken from there while they are the same), and `run_verdict` runs
+the arms and writes the tables and pictures after each round of seeds. configs/verdict/embedded.toml is make verdict's,
 configs/verdict/tldr.toml the verdict on real TL;DR; docs/reporting.md describes the format.
 
 Each run's options: the stage's starting options (on the embedded task the demo's, experiments.embedded `grpo_options`
@@ -18,6 +19,7 @@ boolean as true/false), so a run's FINISHED record (experiments/runner.py) reads
 wrote."""
 
 import difflib
+import hashlib
 import json
 import re
 import time
@@ -28,6 +30,7 @@ from evaluation.frontier_declarations import check_gold_model
 from experiments.embedded import Demo, dpo_options, frontier_measured, grpo_options
 from experiments.runner import ExperimentRun, run_all
 from utils.config import ConfigError, build_parser, check_options, read_options_file, script_config
+from utils.rundir import write_text_atomic
 
 STAGE_OPTIONS = {"grpo": grpo_options, "dpo": dpo_options}
 """The stages an arm may take: the demo's options of each (its script is <stage>.py)."""
@@ -406,6 +409,83 @@ def reference_best_of_n(
         gold_model=gold_model,
     )
     print(f"best-of-n from {measured.reference}, n up to {best_of}: {time.time() - t0:.0f} s", flush=True)
+    return curve
+
+
+BEST_OF_N = "best_of_n.json"
+"""What kept_best_of_n writes in the verdict's folder: best-of-n's curve and the inputs it was drawn from."""
+
+
+def model_fingerprint(name_or_path: str | Path) -> dict:
+    """A model by its folder and, for each file in it (weights, config.json, a reward model's normalisation), its size
+    and modification time in nanoseconds: a model retrained or exported again at the same path has new files. Not a
+    digest of the safetensors header: it holds only names, dtypes, shapes and offsets, the same for a model retrained
+    at the same size; not a digest of the weights either: the gold model's would be gigabytes read at every start. A
+    name that is no folder (a hub model) is its name alone."""
+    folder = Path(name_or_path)
+    files = sorted(f for f in folder.iterdir() if f.is_file()) if folder.is_dir() else []
+    return {"path": str(name_or_path), "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
+
+
+def posts_fingerprint(source: str | Path) -> dict:
+    """The posts by their source and, for a file, the sha256 of its bytes: the embedded task writes its posts again at
+    every start (verdict_posts, the same rows), so their modification time changes when they do not; a posts file is
+    megabytes, read in milliseconds. A folder or a dataset's name is its name alone."""
+    path = Path(source)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+    return {"path": str(source), "sha256": digest}
+
+
+def best_of_n_inputs(
+    measured: Measurement, posts: int, best_of: int, pool: int, reading: tuple[str, int], *, seed: int, device: str
+) -> dict:
+    """Everything reference_best_of_n's curve depends on, as JSON reads it back: the three models (or the gold
+    function's name), the posts and how they are read, the pool, n, the summaries' length (at temperature 1, which
+    evaluation.frontier.best_of_n fixes), the seed of its stream and the device it samples on (CPU and CUDA draw
+    other samples from the same seed)."""
+    split, max_prompt_len = reading
+    gold = model_fingerprint(measured.gold_model) if measured.gold_model else {"function": measured.gold_fn}
+    return {
+        "reference": model_fingerprint(measured.reference),
+        "proxy": model_fingerprint(measured.proxy),
+        "gold": gold,
+        "posts": posts_fingerprint(measured.data) | {"split": split, "count": posts, "max_prompt_len": max_prompt_len},
+        "pool": pool,
+        "best_of": best_of,
+        "max_new_tokens": measured.max_new_tokens,
+        "seed": seed,
+        "device": str(device),
+    }
+
+
+def kept_best_of_n(
+    measured: Measurement,
+    posts: int,
+    best_of: int,
+    pool: int,
+    reading: tuple[str, int],
+    folder: Path,
+    *,
+    seed: int,
+    device="cpu",
+    reuse: bool,
+) -> list[dict]:
+    """reference_best_of_n's curve, written with its inputs (best_of_n_inputs) to `folder`/BEST_OF_N at once (a run
+    killed while writing leaves the old record or none); with `reuse`, the curve written there when its inputs are
+    these, instead of drawing it again (on real TL;DR: 400 posts x 256 samples generated and scored by two models)."""
+    inputs = best_of_n_inputs(measured, posts, best_of, pool, reading, seed=seed, device=device)
+    path = folder / BEST_OF_N
+    if reuse:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            record = {}
+        if record.get("inputs") == inputs:
+            print(f"reusing best-of-n: {path} (drawn from the same models, posts and options)", flush=True)
+            return record["best_of_n"]
+    curve = reference_best_of_n(measured, posts, best_of, pool, reading, seed=seed, device=device)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"inputs": inputs, "best_of_n": curve}) + "\n")
     return curve
 
 

@@ -333,3 +333,89 @@ def test_each_embedded_verdict_file_is_read_and_its_arms_pass_their_scripts_chec
         config = configs[arm]
         for key, value in {**verdict.base.get(verdict.arms[arm][0], {}), **options}.items():
             assert str(getattr(config, key)).lower() == str(value).lower(), (name, arm, key)
+
+
+def test_best_of_n_is_kept_with_its_inputs_and_drawn_again_when_one_changes(tmp_path, monkeypatch):
+    """kept_best_of_n writes best-of-n's curve with its inputs; --reuse takes it back while they are the same (the posts
+    written again with the same rows, as the embedded task writes them at every start, are the same), and draws it
+    again when one changes: the pool, a model's weights rewritten at the same path, the posts' rows. Without --reuse it
+    is drawn at every start."""
+    import os
+
+    import experiments.verdict as verdict_module
+    from experiments.verdict import BEST_OF_N, Measurement, kept_best_of_n
+
+    models = {}
+    for name in ("sft", "proxy"):
+        models[name] = tmp_path / name
+        models[name].mkdir()
+        (models[name] / "model.safetensors").write_bytes(b"weights " + name.encode())
+        (models[name] / "config.json").write_text("{}")
+    posts = tmp_path / "posts.jsonl"
+    posts.write_text('{"prompt": "a"}\n')
+    measured = Measurement(models["sft"], models["proxy"], posts, 12, gold_fn="data.synthetic:gold_reward")
+    drawn = []
+
+    def draw(measured, posts, best_of, pool, reading, *, seed, device):
+        drawn.append(pool)
+        return [{"n": 1, "gold": 0.1 * len(drawn), "posts": {"gold": [1 / 3, 2.5e-7 * len(drawn)]}}]
+
+    monkeypatch.setattr(verdict_module, "reference_best_of_n", draw)
+    folder = tmp_path / "verdict"
+
+    def best_of_n(pool=8, reuse=True):
+        return kept_best_of_n(measured, 2, 4, pool, ("validation", 96), folder, seed=0, reuse=reuse)
+
+    first = best_of_n(reuse=False)
+    assert best_of_n() == first and len(drawn) == 1  # kept: the same inputs
+    posts.write_text('{"prompt": "a"}\n')  # the same rows written again
+    assert best_of_n() == first and len(drawn) == 1
+    assert best_of_n(pool=16) != first and drawn == [8, 16]  # another pool: drawn again, and written
+    assert best_of_n(pool=16) == best_of_n(pool=16) and len(drawn) == 2
+    weights = models["proxy"] / "model.safetensors"
+    stat = weights.stat()
+    weights.write_bytes(b"weights PROXY")  # retrained at the same path: same size, another time
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    best_of_n(pool=16)
+    assert len(drawn) == 3
+    posts.write_text('{"prompt": "b"}\n')  # other posts at the same path
+    best_of_n(pool=16)
+    assert len(drawn) == 4
+    best_of_n(pool=16, reuse=False)
+    assert len(drawn) == 5
+    record = json.loads((folder / BEST_OF_N).read_text())
+    assert record["inputs"]["pool"] == 16 and record["inputs"]["posts"]["max_prompt_len"] == 96
+    assert record["best_of_n"] == best_of_n(pool=16) and len(drawn) == 5
+
+
+def test_a_best_of_n_record_cut_short_is_never_reused(tmp_path, monkeypatch):
+    """The record is written beside its place and renamed over it: a start killed while writing it leaves the record
+    before it whole (here: the rename fails), and a record that is not whole JSON is drawn again, not read."""
+    import experiments.verdict as verdict_module
+    import utils.rundir
+    from experiments.verdict import BEST_OF_N, Measurement, kept_best_of_n
+
+    posts = tmp_path / "posts.jsonl"
+    posts.write_text('{"prompt": "a"}\n')
+    measured = Measurement(tmp_path / "sft", tmp_path / "proxy", posts, 12, gold_fn="data.synthetic:gold_reward")
+    drawn = []
+    monkeypatch.setattr(verdict_module, "reference_best_of_n", lambda *a, **k: drawn.append(1) or [{"n": len(drawn)}])
+    folder = tmp_path / "verdict"
+
+    def best_of_n(pool):
+        return kept_best_of_n(measured, 2, 4, pool, ("validation", 96), folder, seed=0, reuse=True)
+
+    assert best_of_n(8) == [{"n": 1}]
+    before = (folder / BEST_OF_N).read_text()
+
+    def killed(src, dst):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(utils.rundir.os, "replace", killed)
+        with pytest.raises(KeyboardInterrupt):
+            best_of_n(16)
+    assert (folder / BEST_OF_N).read_text() == before and [p.name for p in folder.iterdir()] == [BEST_OF_N]
+    assert best_of_n(8) == [{"n": 1}] and len(drawn) == 2  # the record before it, whole, kept
+    (folder / BEST_OF_N).write_text(before[: len(before) // 2])  # a record cut short by another writer
+    assert best_of_n(8) == [{"n": 3}] and json.loads((folder / BEST_OF_N).read_text())["best_of_n"] == [{"n": 3}]

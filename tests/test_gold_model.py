@@ -7,6 +7,7 @@ verdict file with a [task] table run by verdict.py: two arms of two seeds measur
 import importlib
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +24,15 @@ from evaluation.frontier_declarations import FrontierConfig
 from evaluation.label_pairs import labelled_rows, usable_summary
 from evaluation.samples import sample_summaries
 from experiments import runner
-from experiments.verdict import check_runs, posts_reading, read_verdict, task_runs
+from experiments.verdict import (
+    BEST_OF_N,
+    check_runs,
+    kept_best_of_n,
+    posts_reading,
+    read_verdict,
+    task_measurement,
+    task_runs,
+)
 from model.weights import build_reward_model
 from tests.conftest import ROOT, shared_file
 from tests.helpers import end_biased_policy, read_metrics
@@ -287,8 +296,42 @@ def test_a_second_start_keeps_every_run(gold_path):
     runs = task_runs(spec, Path(gold_path.argv[3]), "disabled")
     assert [run.out_dir for run in runs] == [gold_path.runs[arm][seed] for seed in (0, 1) for arm in ARMS]
     assert all(runner.finished(run) for run in runs)
-    changed = task_runs(spec, Path(gold_path.argv[3]), "offline")  # another option: every run again
+    offline = task_runs(spec, Path(gold_path.argv[3]), "offline")  # where a run is logged, not what it computes
+    assert all(runner.finished(run) for run in offline)
+    changed = [replace(run, options=run.options | {"lr": 1e-3}) for run in runs]  # another option: every run again
     assert not any(runner.finished(run) for run in changed)
+
+
+def test_a_second_start_keeps_best_of_n(gold_path, monkeypatch):
+    """--reuse: the first start wrote best-of-n's curve with its inputs (the three model folders, the posts, how the
+    arms read them, pool, n, seed, device); the same file on the same models takes it back without drawing, equal to
+    the curve verdict.json holds; a proxy exported again at the same path (another modification time) draws it again."""
+    import os
+
+    import experiments.verdict as verdict_module
+
+    spec = read_verdict(gold_path.argv[1])
+    reading = posts_reading(spec, check_runs(spec, task_runs(spec, Path(gold_path.argv[3]), "disabled")))
+    drawn = []
+    monkeypatch.setattr(verdict_module, "reference_best_of_n", lambda *a, **k: drawn.append(1) or [])
+
+    def best_of_n() -> list[dict]:
+        measured = task_measurement(spec.task)
+        return kept_best_of_n(
+            measured, spec.posts, spec.best_of, spec.pool, reading, gold_path.root, seed=0, reuse=True
+        )
+
+    assert best_of_n() == gold_path.record["best_of_n"] and not drawn
+    record = gold_path.root / BEST_OF_N
+    kept = record.read_text()
+    weights = gold_path.proxy / "hf" / "model.safetensors"
+    stat = weights.stat()
+    try:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        assert best_of_n() == [] and drawn == [1]
+    finally:  # the fixture's folder as it was, for the tests after this one
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        record.write_text(kept)
 
 
 def refuses(argv: list[str], capsys) -> str:

@@ -16,6 +16,7 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
 EOS_ID = 50256  # <|endoftext|>
 END_ID = 198  # "\n": every response ends with exactly one of these (see data.tldr.encode_response)
+END = "\n"  # END_ID's text: data.tldr.decode_responses ends a summary that ended with it
 PAD_ID = 50256  # pads are masked out everywhere, so any valid id works; GPT-2 has no pad token
 
 # The same values as tiktoken_ext/openai_public.py's gpt2(): pre-tokenizer regex (equivalent to the

@@ -23,12 +23,11 @@ import torch
 
 from data.labels import pairs_by_score
 from data.tldr import decode_responses
+from data.tokenizer import END
 from evaluation.frontier import FrontierPrompts, load_frontier_prompts
 from evaluation.samples import sample_summaries
 from evaluation.summaries import reference_summaries
 from rollouts.sampling import score
-
-END = "\n"  # the end token's text (model.sampler.END_ID, 198): decode_responses ends a summary that ended with it
 
 
 def usable_summary(text: str) -> bool:

@@ -6,9 +6,9 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 # make test's pytest-xdist workers: 0 runs the suite in one process; JOBS=N (or auto: one per core) in N, a file's
-# tests on one worker, the longest files first (tests/conftest.py)
+# tests on one worker, the longest files first (tests/conftest.py); the 25 slowest tests' times close the report
 JOBS ?= 0
-PYTEST := -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
+PYTEST := -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=25
 
 .PHONY: install demo ablation frontier verdict lint test test-torch golden clean
 

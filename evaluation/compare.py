@@ -171,6 +171,42 @@ def summarize(members: list[RunMetrics], metric: str, minimize: bool, last: int 
     return {"final": final, "best": best, "seeds": len(series)}
 
 
+# what each GRPO arm's selection kept against its pool (rollouts/metrics.py; docs/grpo.md, Selection diagnostics),
+# with the update's gradient norm and KL: the table a verdict adds below its contrasts (step_means_table)
+SELECTION_METRICS = (
+    "rs/kept_mean_shift",
+    "rs/kept_std_ratio",
+    "rs/pool_group_std",
+    "rs/kept_ess",
+    "rs/tied_group_fraction",
+    "rs/acceptance_rate",
+    "train/grad_norm",
+    "train/kl",
+)
+
+
+def step_means_table(
+    groups: dict[str, list[Path]], metrics: tuple[str, ...] = SELECTION_METRICS, prefix: str = "rs/"
+) -> str:
+    """A markdown table: one row per named group of run folders that logged a metric of `metrics` starting with
+    `prefix` (by default a GRPO run's selection diagnostics), per metric the mean over each run's logged steps, then
+    mean ± spread (sample standard deviation) over the group's runs; n/a where no run of the group logged it. Empty
+    when no group qualifies (a verdict of DPO arms alone)."""
+    rows = []
+    for name, dirs in groups.items():
+        runs = [load_run(d) for d in dirs]
+        cells = []
+        for m in metrics:
+            means = [statistics.fmean(v for _, v in s) for s in (r.series(m) for r in runs) if s]
+            cells.append("n/a" if not means else "{:.3f} ± {:.3f}".format(*mean_spread(means)))
+        if any(c != "n/a" for m, c in zip(metrics, cells, strict=True) if m.startswith(prefix)):
+            rows.append("| " + " | ".join([name, str(len(runs))] + cells) + " |")
+    if not rows:
+        return ""
+    head = ["arm", "runs"] + list(metrics)
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + rows)
+
+
 def label(options: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in options.items()) or "all runs"
 

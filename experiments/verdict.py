@@ -489,17 +489,25 @@ def kept_best_of_n(
     return curve
 
 
+SELECTION_NOTE = (
+    "per run the mean over its training steps, then mean ± standard deviation over seeds (docs/grpo.md, Selection "
+    "diagnostics)"
+)
+
+
 def run_verdict(
     verdict: Verdict, runs: list[ExperimentRun], curve: list[dict], out: Path, assets: Path, *, nproc: int, reuse: bool
 ) -> str:
     """A verdict's runs (`verdict_runs` or `task_runs`), each kept when `reuse` finds it finished with the same options
     (experiments.runner run_all keep_finished), beside best-of-n's `curve` on the same posts; then in --out/<name>
     (`out` / verdict.name): verdict.md (each of its pairs and each arm against best-of-n at matched KL, with intervals
-    over posts and with seeds; the frontier's table), verdict.json and in `assets` the pictures (evaluation.plots
+    over posts and with seeds; the frontier's table; what each GRPO arm's selection kept, evaluation.compare
+    step_means_table), verdict.json and in `assets` the pictures (evaluation.plots
     verdict_pictures: verdict.png, each arm's mean path over its seeds against KL; verdict_forest.png, the rows;
     verdict_compute.png, gold against generated tokens and seconds), rewritten after every round of seeds. Returns
     the table."""
     from evaluation import frontier as measured
+    from evaluation.compare import step_means_table
     from evaluation.plots import verdict_pictures
 
     root, title = out / verdict.name, "embedded task" if verdict.task is None else str(verdict.task.data)
@@ -518,6 +526,9 @@ def run_verdict(
         rows = measured.verdict_rows(methods, curve, pairs + [(name, measured.BEST_OF_N) for name in methods])
         against_best_of_n = [row for row in rows if row["b"] == measured.BEST_OF_N]  # the frontier table's own rows
         text = measured.verdict_table(rows) + "\n\n" + measured.frontier_table(curve, methods, against_best_of_n)
+        kept = step_means_table(dirs)
+        if kept:
+            text += f"\n\nWhat each GRPO arm's selection kept, {SELECTION_NOTE}:\n\n{kept}"
         (root / "verdict.md").write_text(text + "\n")
         (root / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": rows}))
         verdict_pictures(curve, methods, rows, dirs, assets, title)

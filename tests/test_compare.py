@@ -69,6 +69,28 @@ def test_final_and_best_over_seeds_by_hand(runs):
     assert compare.mean_curve(rso, "eval/pref_accuracy") == [(3, pytest.approx(0.65))]
 
 
+def test_step_means_table_averages_each_run_over_its_steps_then_over_seeds_by_hand(tmp_path):
+    """Two RSO runs (kept_mean_shift over steps 0.2, 0.4, 0.6 and 0.5, 0.7, 0.9: per run 0.4 and 0.7, mean 0.55, sample
+    std 0.3 / sqrt 2), one uniform run that logged no grad norm, and a DPO run (no rs/ metric: no row)."""
+    rso = [
+        write_run(
+            tmp_path / f"rso{seed}",
+            {"seed": seed},
+            [{"step": s, "rs/kept_mean_shift": 0.3 * seed + 0.2 * s, "train/grad_norm": 2.0 + seed} for s in (1, 2, 3)],
+        )
+        for seed in (0, 1)
+    ]
+    uniform = [write_run(tmp_path / "uniform0", {"seed": 0}, [{"step": 1, "rs/kept_mean_shift": -0.1}])]
+    dpo = [write_run(tmp_path / "dpo0", {"seed": 0}, [{"step": 1, "train/grad_norm": 1.0}])]
+    metrics = ("rs/kept_mean_shift", "train/grad_norm")
+    text = compare.step_means_table({"rso": rso, "uniform": uniform, "dpo": dpo}, metrics)
+    lines = text.splitlines()
+    assert lines[0] == "| arm | runs | rs/kept_mean_shift | train/grad_norm |" and len(lines) == 4
+    assert lines[2] == f"| rso | 2 | 0.550 ± {0.3 / math.sqrt(2):.3f} | 2.500 ± {math.sqrt(0.5):.3f} |"
+    assert lines[3] == "| uniform | 1 | -0.100 ± 0.000 | n/a |"
+    assert compare.step_means_table({"dpo": dpo}, metrics) == ""
+
+
 def test_an_evaluation_metrics_final_value_is_its_last_evaluation(tmp_path):
     # evaluations along training (eval/kl at steps 0, 10, 20) are not averaged into the final value as per-step
     # metrics are: the KL at step 0 is the reference's 0

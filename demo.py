@@ -344,8 +344,8 @@ def main() -> None:
         )
         assets = Path(args.assets)
         text = run_verdict(spec, verdict_grid, curve, out, assets, nproc=args.nproc, reuse=args.reuse)
-        publish(demo, "verdict.png", out / spec.name, text)
-        print(f"\n{text}\n\nwrote {out / spec.name} and {Path(args.assets) / 'verdict.png'} ({time.time() - t0:.0f} s)")
+        publish(demo, f"{spec.name}.png", out / spec.name, text)
+        print(f"\n{text}\n\nwrote {out / spec.name} and {assets / spec.name}*.png ({time.time() - t0:.0f} s)")
         return
     if args.frontier_seeds > 0:
         text = frontier(demo)

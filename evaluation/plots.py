@@ -1,5 +1,5 @@
 """Pictures for the README: the pipeline diagram and the demo's curves, drawn from metrics.jsonl files; the
-verdict's three pictures, redrawn from a verdict folder's verdict.json and its runs.
+verdict's pictures, redrawn from a verdict folder's verdict.json and its runs.
 
 python -m evaluation.plots --run runs/demo --out assets
 python -m evaluation.plots --verdict runs/demo/verdict --out assets
@@ -278,6 +278,60 @@ def draw_compute(axes, runs: dict[str, list[list[dict]]], key: str = "gold") -> 
     axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
 
 
+def dose_points(rows: list[dict], runs: dict[str, list[Path]]) -> dict[str, list[tuple[float, dict]]]:
+    """The verdict's rows along beta_rs: for each arm B that rows compare other arms against (best-of-n aside), the
+    rows A - B whose A differs from B only in its selection and beta_rs (the options that change a result,
+    evaluation.compare result_options, of each arm's first run's config.json) with A's selection rso (x: its beta_rs)
+    or top (x: 0, the limit beta_rs -> 0), as (x, row) in order of x; B, when it is uniform selection, is the limit
+    beta_rs -> infinity. Only arms B with two or more such rows."""
+    from evaluation.compare import IGNORED, result_options
+
+    def options(arm: str) -> dict | None:
+        path = next((d / "config.json" for d in runs.get(arm, []) if (d / "config.json").is_file()), None)
+        return result_options(json.loads(path.read_text()), IGNORED) if path else None
+
+    doses: dict[str, list[tuple[float, dict]]] = {}
+    for r in rows:
+        a, b = options(r["a"]), options(r["b"]) if r["b"] != BEST_OF_N else None
+        if a is None or b is None or "note" in r or a.get("selection") not in ("rso", "top"):
+            continue
+        changed = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+        if changed <= {"selection", "beta_rs"}:
+            doses.setdefault(r["b"], []).append((0.0 if a["selection"] == "top" else float(a["beta_rs"]), r))
+    return {b: sorted(points, key=lambda p: p[0]) for b, points in doses.items() if len(points) >= 2}
+
+
+def draw_dose(ax, points: list[tuple[float, dict]], against: str, colours: dict[str, str] | None = None) -> None:
+    """Each row's difference A - `against` at matched KL against A's beta_rs (dose_points) on a log axis, with its 95%
+    t interval with seeds (filled where it excludes 0; a line whose gid is the pair), joined in order of beta_rs
+    (gid "dose"); `top` (beta_rs -> 0) drawn a factor 4 left of the smallest beta_rs, and `against` itself at 0 a
+    factor 4 right of the largest (beta_rs -> infinity, when it is uniform selection); a line at 0 (gid "zero")."""
+    colours = colours or {}
+    finite = [x for x, _ in points if x > 0] or [1.0]
+    low, high = min(finite) / 4, max(finite) * 4
+    xs = [x if x > 0 else low for x, _ in points]
+    ax.axhline(0.0, color="black", lw=1, gid="zero", zorder=1)
+    ax.plot(xs + [high], [r["difference"] for _, r in points] + [0.0], color="#888", lw=1, ls="--", gid="dose")
+    for x, (_, r) in zip(xs, points, strict=True):
+        c = colours.get(r["a"], "black")
+        ax.plot([x, x], [r["ci_low"], r["ci_high"]], color=c, lw=2.2, solid_capstyle="butt", gid=r["pair"])
+        ax.plot([x], [r["difference"]], "o", ms=7, color=c, mfc=c if r["distinguishable"] else "white", mew=1.5)
+        ax.annotate(r["a"], (x, r["ci_high"]), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+    ax.plot([high], [0.0], "D", ms=7, color=colours.get(against, "black"), mfc="white", mew=1.5)
+    ax.set_xscale("log")
+    ticks = sorted(set(xs + [high]))
+    labels = [
+        "top\n(0)" if t == low and any(x == 0 for x, _ in points) else f"{against}\n(inf)" if t == high else f"{t:g}"
+        for t in ticks
+    ]
+    ax.set_xticks(ticks, labels)
+    ax.minorticks_off()
+    ax.set_xlim(low / 1.6, high * 1.6)
+    ax.set_xlabel("beta_rs (the selection's temperature; log scale)")
+    ax.set_ylabel(f"A - {against} at matched KL")
+    ax.grid(alpha=0.3)
+
+
 def forest_picture(
     rows: list[dict], out: Path, heading: str = "", colours: dict[str, str] | None = None, key: str = "gold"
 ) -> None:
@@ -301,11 +355,14 @@ def verdict_pictures(
     runs: dict[str, list[Path]],
     out: Path,
     title: str = "",
+    name: str = "verdict",
 ) -> list[Path]:
-    """The verdict's three pictures in the folder `out`: verdict.png (draw_verdict), verdict_forest.png (draw_forest
-    of `rows`) and verdict_compute.png (draw_compute of the run folders `runs`, arm -> its seeds' folders); the key
-    is gold when best-of-n has it, else the proxy. `title` heads each, with the posts, samples per point (the first
-    run's config.json) and best-of-n's pool. Returns the files."""
+    """The verdict's pictures in the folder `out`, named for the verdict (`name`, its folder): NAME.png
+    (draw_verdict), NAME_forest.png (draw_forest of `rows`), NAME_compute.png (draw_compute of the run folders
+    `runs`, arm -> its seeds' folders) and, when rows compare two or more selections along beta_rs against one arm
+    (dose_points), NAME_dose.png (draw_dose, one panel per such arm); the key is gold when best-of-n has it, else the
+    proxy. `title` heads each, with the posts, samples per point (the first run's config.json) and best-of-n's pool.
+    Returns the files."""
     key = "gold" if curve and "gold" in curve[0] else "proxy"
     posts = len(curve[0]["posts"][key]) if curve and "posts" in curve[0] else None
     config = next((d / "config.json" for dirs in runs.values() for d in dirs if (d / "config.json").is_file()), None)
@@ -331,18 +388,33 @@ def verdict_pictures(
         "band the 95% t interval over posts",
         fontsize=9,
     )
-    fig.savefig(out / "verdict.png", dpi=130, bbox_inches="tight")
+    files = [out / f"{name}.png", out / f"{name}_forest.png", out / f"{name}_compute.png"]
+    fig.savefig(files[0], dpi=130, bbox_inches="tight")
     plt.close(fig)
 
-    forest_picture(rows, out / "verdict_forest.png", where, colours, key)
+    forest_picture(rows, files[1], where, colours, key)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     seeds = {name: [spent(read_metrics(d / "metrics.jsonl")) for d in dirs] for name, dirs in runs.items()}
     draw_compute(axes, seeds, key)
     fig.suptitle(f"{where}\neach arm: the mean over its seeds at each evaluation", fontsize=9)
-    fig.savefig(out / "verdict_compute.png", dpi=130, bbox_inches="tight")
+    fig.savefig(files[2], dpi=130, bbox_inches="tight")
     plt.close(fig)
-    return [out / "verdict.png", out / "verdict_forest.png", out / "verdict_compute.png"]
+
+    doses = dose_points(rows, runs)
+    if doses:
+        fig, axes = plt.subplots(1, len(doses), figsize=(6.5 * len(doses), 4.6), squeeze=False)
+        for ax, (against, points) in zip(axes[0], doses.items(), strict=True):
+            draw_dose(ax, points, against, colours)
+        fig.suptitle(
+            f"{where}\neach arm against the arm it is compared with, along beta_rs: the difference in {key} at "
+            "matched KL and its 95% t interval with seeds (filled: excludes 0)",
+            fontsize=9,
+        )
+        files.append(out / f"{name}_dose.png")
+        fig.savefig(files[3], dpi=130, bbox_inches="tight")
+        plt.close(fig)
+    return files
 
 
 def verdict_runs(folder: Path, methods: dict[str, list[list[dict]]]) -> dict[str, list[Path]]:
@@ -356,18 +428,18 @@ def verdict_runs(folder: Path, methods: dict[str, list[list[dict]]]) -> dict[str
 
 
 def replot_verdict(folder: Path, out: Path, title: str = "") -> list[Path]:
-    """The verdict's three pictures (verdict_pictures) redrawn from a verdict folder without training: best-of-n's
-    curve, the arms' points and the rows from its verdict.json (written after each complete round of seeds, so a
-    verdict cut short draws its complete rounds), the compute from its runs' metrics (verdict_runs)."""
+    """The verdict's pictures (verdict_pictures, named for the folder) redrawn from a verdict folder without
+    training: best-of-n's curve, the arms' points and the rows from its verdict.json (written after each complete
+    round of seeds, so a verdict cut short draws its complete rounds), the compute from its runs' metrics
+    (verdict_runs)."""
     folder = Path(folder)
     record = folder / "verdict.json"
     if not record.is_file():
         raise FileNotFoundError(f"{record}: not found; demo.py --verdict and verdict.py write it after each seed round")
     saved = json.loads(record.read_text())
     methods = saved["methods"]
-    return verdict_pictures(
-        saved["best_of_n"], methods, saved.get("rows", []), verdict_runs(folder, methods), out, title or str(folder)
-    )
+    runs, name = verdict_runs(folder, methods), folder.resolve().name
+    return verdict_pictures(saved["best_of_n"], methods, saved.get("rows", []), runs, out, title or str(folder), name)
 
 
 def main() -> None:
@@ -379,9 +451,9 @@ def main() -> None:
     p.add_argument(
         "--verdict",
         default="",
-        help="a verdict folder (demo.py --verdict, verdict.py: runs/demo/verdict): redraw verdict.png, "
-        "verdict_forest.png and verdict_compute.png from its verdict.json and its runs, without training, instead of "
-        "the demo's pictures",
+        help="a verdict folder (demo.py --verdict, verdict.py: runs/demo/verdict): redraw its pictures (NAME.png, "
+        "NAME_forest.png, NAME_compute.png and, along beta_rs, NAME_dose.png, NAME the folder's) from its verdict.json "
+        "and its runs, without training, instead of the demo's pictures",
     )
     p.add_argument("--title", default="", help="with --verdict: the pictures' first words; empty: the folder")
     args = p.parse_args()

@@ -531,7 +531,7 @@ def run_verdict(
             text += f"\n\nWhat each GRPO arm's selection kept, {SELECTION_NOTE}:\n\n{kept}"
         (root / "verdict.md").write_text(text + "\n")
         (root / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": rows}))
-        verdict_pictures(curve, methods, rows, dirs, assets, title)
+        verdict_pictures(curve, methods, rows, dirs, assets, title, verdict.name)
         return text
 
     root.mkdir(parents=True, exist_ok=True)

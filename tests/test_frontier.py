@@ -821,7 +821,7 @@ def test_a_tiny_verdict_run(tiny_demo, tmp_path):
     cmd += ["--assets", str(tmp_path), "--wandb_mode", "disabled"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    pictures = ("verdict.png", "verdict_forest.png", "verdict_compute.png")
+    pictures = ("rloo_verdict.png", "rloo_verdict_forest.png", "rloo_verdict_compute.png")  # named for the verdict
     for picture in pictures:
         assert (tmp_path / picture).stat().st_size > 10_000
     # redrawn from the folder alone (its verdict.json and its runs' metrics), without training: the demo's pictures

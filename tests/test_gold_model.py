@@ -285,7 +285,7 @@ def test_the_verdict_reads_gold_from_the_gold_model(gold_path):
                 str(gold_path.gold),
                 str(gold_path.proxy / "hf"),
             )
-    for picture in ("verdict.png", "verdict_forest.png", "verdict_compute.png"):
+    for picture in ("gold_verdict.png", "gold_verdict_forest.png", "gold_verdict_compute.png"):
         assert (gold_path.root / picture).stat().st_size > 10_000
 
 

@@ -15,7 +15,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from evaluation.frontier import BEST_OF_N  # noqa: E402
 from evaluation.plots import (  # noqa: E402
+    dose_points,
     draw_compute,
+    draw_dose,
     draw_forest,
     draw_verdict,
     main,
@@ -175,10 +177,49 @@ def test_compute_picture_draws_one_line_per_arm_through_its_seeds_means():
     plt.close(fig)
 
 
-def write_run(folder, rows: list[dict]) -> None:
+def write_run(folder, rows: list[dict], config: dict | None = None) -> None:
     folder.mkdir(parents=True)
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "config.json").write_text(json.dumps({"frontier_samples": 2}))
+    (folder / "config.json").write_text(json.dumps({"frontier_samples": 2} | (config or {})))
+
+
+def test_dose_points_keep_the_arms_that_differ_only_in_selection_and_beta_rs_in_order_of_beta_rs(tmp_path, ax):
+    """Against uniform: RSO at beta_rs 8 and 0.5, top (x 0) are on the curve; top_bottom (another selection), RSO
+    from a pool of 16 (another num_samples) and each arm against best-of-n are not; an arm's seed and folder do not
+    count. The picture: each point at its beta_rs (top a factor 4 left of the smallest, uniform at 0 a factor 4 right
+    of the largest), its interval, the dashed line through them in order."""
+    base = {"selection": "uniform", "beta_rs": 2.0, "num_samples": 64, "lr": 3e-4}
+    arms = {
+        "uniform": {},
+        "rso_8": {"selection": "rso", "beta_rs": 8.0},
+        "rso_0.5": {"selection": "rso", "beta_rs": 0.5},
+        "top": {"selection": "top"},
+        "top_bottom": {"selection": "top_bottom"},
+        "rso_16": {"selection": "rso", "num_samples": 16},
+    }
+    runs = {}
+    for arm, changes in arms.items():
+        runs[arm] = [tmp_path / arm / f"seed{s}" for s in (0, 1)]
+        for s, folder in enumerate(runs[arm]):
+            write_run(folder, [], base | changes | {"seed": s, "out_dir": str(folder), "run_name": f"{arm}-{s}"})
+    rows = [
+        forest_row(f"{a} - uniform", d, d - 0.03, d + 0.03, 0.05)
+        for a, d in zip(
+            ("rso_8", "rso_0.5", "top", "top_bottom", "rso_16"), (-0.01, -0.06, -0.09, 0.02, -0.02), strict=True
+        )
+    ] + [forest_row(f"rso_8 - {BEST_OF_N}", -0.1, -0.2, 0.0, 0.08)]
+    doses = dose_points(rows, runs)
+    assert list(doses) == ["uniform"]
+    assert [(x, r["a"]) for x, r in doses["uniform"]] == [(0.0, "top"), (0.5, "rso_0.5"), (8.0, "rso_8")]
+    draw_dose(ax, doses["uniform"], "uniform")
+    assert list(by_gid(ax, "dose").get_xdata()) == [0.125, 0.5, 8.0, 32.0]
+    assert list(by_gid(ax, "dose").get_ydata()) == [-0.09, -0.06, -0.01, 0.0]
+    assert list(by_gid(ax, "top - uniform").get_ydata()) == pytest.approx([-0.12, -0.06])
+    assert list(by_gid(ax, "rso_0.5 - uniform").get_xdata()) == [0.5, 0.5]
+    filled = {tuple(m.get_xdata()): m.get_markerfacecolor() != "white" for m in ax.lines if m.get_marker() == "o"}
+    assert filled == {(0.125,): True, (0.5,): True, (8.0,): False}  # filled where the interval excludes 0
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["top\n(0)", "0.5", "8", "uniform\n(inf)"]
+    assert dose_points(rows[:1] + rows[3:], runs) == {}  # one arm along beta_rs: no curve
 
 
 def test_the_command_redraws_the_verdicts_pictures_from_its_folder(tmp_path, monkeypatch, capsys):
@@ -208,8 +249,9 @@ def test_the_command_redraws_the_verdicts_pictures_from_its_folder(tmp_path, mon
     out = tmp_path / "assets"
     monkeypatch.setattr(sys, "argv", ["plots", "--verdict", str(folder), "--out", str(out)])
     main()
-    for name in ("verdict.png", "verdict_forest.png", "verdict_compute.png"):
+    for name in ("verdict.png", "verdict_forest.png", "verdict_compute.png"):  # named for the folder
         assert (out / name).stat().st_size > 10_000, name
+    assert not (out / "verdict_dose.png").exists()  # no selections along beta_rs
     assert str(out / "verdict_forest.png") in capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", ["plots", "--verdict", str(tmp_path / "none"), "--out", str(out)])
     with pytest.raises(SystemExit) as exit_:

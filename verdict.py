@@ -96,8 +96,11 @@ def main(argv: list[str] | None = None) -> str:
     root, assets = out / spec.name, Path(args.assets or out / spec.name)
     text = run_verdict(spec, runs, curve, out, assets, nproc=args.nproc, reuse=args.reuse)
     table = markdown_rows(text)  # as TensorBoard events in --out/<name> and, with --wandb_mode, a wandb run
-    picture = assets / f"{spec.name}.png"
-    publish_picture(picture, root, spec.name, table, wandb_mode=args.wandb_mode, wandb_group=spec.name)
+    picture, kinds = assets / f"{spec.name}.png", ("forest", "compute", "dose")
+    beside = tuple(p for p in (assets / f"{spec.name}_{kind}.png" for kind in kinds) if p.is_file())
+    publish_picture(
+        picture, root, spec.name, table, wandb_mode=args.wandb_mode, wandb_group=spec.name, beside=beside
+    )  # fmt: skip
     print(f"\n{text}\n\nwrote {root} and the pictures in {assets} ({time.time() - t0:.0f} s)")
     return text
 

@@ -845,6 +845,18 @@ def test_a_tiny_verdict_run(tiny_demo, tmp_path):
     assert pairs == ["rloo - grpo", "rloo - dpo"] + [f"{arm} - best-of-n" for arm in arms], pairs
     text = (root / "verdict.md").read_text()
     assert text.startswith("| pair (gold, A - B at matched KL) |")
+    kept = text[text.index("What each GRPO arm's selection kept") :].splitlines()
+    assert kept[2].startswith("| arm | runs | rs/kept_mean_shift |") and [r.split(" | ")[0] for r in kept[4:]] == [
+        "| rloo",
+        "| grpo",
+    ]  # the GRPO arms' selection diagnostics, DPO's none
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(root), size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    for picture in pictures[:2]:  # the verdict's picture and its forest plot beside it
+        (image,) = events.Images(picture.removesuffix(".png"))
+        assert image.encoded_image_string == (tmp_path / picture).read_bytes()
     # --reuse again: every run finished with these options, so none runs and the tables are written again from them
     (root / "verdict.md").unlink()
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

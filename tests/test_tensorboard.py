@@ -342,11 +342,18 @@ def test_a_published_picture_is_an_image_and_its_table_text_in_its_folder(tmp_pa
     png = tmp_path / "compare.png"
     fig.savefig(png, dpi=50)
     plt.close(fig)
-    publish_picture(png, tmp_path, "compare", (["variant", "reward"], [["rso", 0.5], ["uniform|all", 0.25]]))
+    forest = tmp_path / "verdict_forest.png"
+    fig, ax = plt.subplots(figsize=(2, 2))
+    fig.savefig(forest, dpi=50)
+    plt.close(fig)
+    table = (["variant", "reward"], [["rso", 0.5], ["uniform|all", 0.25]])
+    publish_picture(png, tmp_path, "compare", table, beside=(forest,))
     events = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "tensors": 0})
     events.Reload()
     (image,) = events.Images("compare")
     assert image.encoded_image_string == png.read_bytes() and (image.width, image.height) == (150, 100)
+    (image,) = events.Images("verdict_forest")  # a picture beside it, under its own name
+    assert image.encoded_image_string == forest.read_bytes() and (image.width, image.height) == (100, 100)
     (text,) = events.Tensors("compare/table")
     markdown = text.tensor_proto.string_val[0].decode()
     assert markdown == "| variant | reward |\n|---|---|\n| rso | 0.5 |\n| uniform\\|all | 0.25 |"

@@ -314,18 +314,22 @@ def publish_picture(
     wandb_project: str = "tldr-rlhf",
     wandb_group: str = "",
     run_name: str = "",
+    beside: tuple[Path, ...] = (),
 ) -> None:
     """A picture drawn from finished runs (evaluation/compare.py's comparison, evaluation/frontier.py's frontier) and
     its table, where the runs' own curves are: TensorBoard events in `folder`, the runs' common folder, under `tag`
     (`tensorboard --logdir runs/` shows it beside them; the table as text under `tag`/table), and, with `wandb_mode`
     not disabled, a wandb run of its own (job type `tag`, its files in `folder`) in `wandb_group`, the group of the
-    runs it draws, holding the picture and the table. A failed write of the event file: one line, exit code 4."""
+    runs it draws, holding the picture and the table. The pictures `beside` it (a verdict's forest plot, compute and
+    dose pictures) go with it, each under its file's name less .png. A failed write of the event file: one line, exit
+    code 4."""
     folder = Path(folder)
+    pictures = {tag: Path(png)} | {Path(p).stem: Path(p) for p in beside}
     if tensorboard and tensorboard_installed():
-        picture = Path(png).read_bytes()
         with stop_on_write_failure(str(folder / EVENT_FILES), folder):
             writer = TensorBoardFile(folder)
-            writer.image(tag, picture, 0)
+            for name, path in pictures.items():
+                writer.image(name, path.read_bytes(), 0)
             if table is not None:
                 writer.text(f"{tag}/table", markdown_table(*table), 0)
             writer.close()
@@ -343,7 +347,7 @@ def publish_picture(
         dir=str(folder),
         settings=wandb.Settings(silent=True),
     )
-    logged = {tag: wandb.Image(str(png))}
+    logged = {name: wandb.Image(str(path)) for name, path in pictures.items()}
     if table is not None:
         logged[f"{tag}/table"] = wandb.Table(columns=table[0], data=table[1])
     run.log(logged)

@@ -48,17 +48,15 @@ from experiments.verdict import (
 )
 
 
-def publish(demo: Demo, picture: str, folder: Path, text: str, beside: tuple[str, ...] = ()) -> None:
-    """A grid's picture (and the pictures `beside` it that exist) and table as TensorBoard events in its folder and,
-    with --wandb_mode, a wandb run in the group named for the grid (utils.logging.publish_picture)."""
+def publish(demo: Demo, picture: str, folder: Path, text: str, beside: tuple[Path, ...] = ()) -> None:
+    """A grid's picture (and the pictures `beside` it) and table as TensorBoard events in its folder and, with
+    --wandb_mode, a wandb run in the group named for the grid (utils.logging.publish_picture)."""
     from utils.logging import markdown_rows, publish_picture
 
-    assets, tag = Path(demo.args.assets), picture.removesuffix(".png")
-    others = tuple(assets / name for name in beside if (assets / name).is_file())
+    png, tag = Path(demo.args.assets) / picture, picture.removesuffix(".png")
     publish_picture(
-        assets / picture, folder, tag, markdown_rows(text), wandb_mode=demo.args.wandb_mode, wandb_group=tag,
-        beside=others,
-    )  # fmt: skip
+        png, folder, tag, markdown_rows(text), wandb_mode=demo.args.wandb_mode, wandb_group=tag, beside=beside
+    )
 
 
 def ablation(demo: Demo) -> str:
@@ -348,7 +346,9 @@ def main() -> None:
         )
         assets = Path(args.assets)
         text = run_verdict(spec, verdict_grid, curve, out, assets, nproc=args.nproc, reuse=args.reuse)
-        beside = tuple(f"{spec.name}_{kind}.png" for kind in ("forest", "compute", "dose"))
+        from evaluation.plots import verdict_picture_files
+
+        beside = tuple(verdict_picture_files(assets, spec.name)[1:])
         publish(demo, f"{spec.name}.png", out / spec.name, text, beside)
         print(f"\n{text}\n\nwrote {out / spec.name} and {assets / spec.name}*.png ({time.time() - t0:.0f} s)")
         return

@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> str:
     import torch
 
+    from evaluation.plots import verdict_picture_files
     from utils.config import ConfigError
     from utils.guard import exit_on_error
     from utils.logging import markdown_rows, publish_picture
@@ -96,10 +97,9 @@ def main(argv: list[str] | None = None) -> str:
     root, assets = out / spec.name, Path(args.assets or out / spec.name)
     text = run_verdict(spec, runs, curve, out, assets, nproc=args.nproc, reuse=args.reuse)
     table = markdown_rows(text)  # as TensorBoard events in --out/<name> and, with --wandb_mode, a wandb run
-    picture, kinds = assets / f"{spec.name}.png", ("forest", "compute", "dose")
-    beside = tuple(p for p in (assets / f"{spec.name}_{kind}.png" for kind in kinds) if p.is_file())
+    picture, *beside = verdict_picture_files(assets, spec.name)
     publish_picture(
-        picture, root, spec.name, table, wandb_mode=args.wandb_mode, wandb_group=spec.name, beside=beside
+        picture, root, spec.name, table, wandb_mode=args.wandb_mode, wandb_group=spec.name, beside=tuple(beside)
     )  # fmt: skip
     print(f"\n{text}\n\nwrote {root} and the pictures in {assets} ({time.time() - t0:.0f} s)")
     return text

@@ -348,6 +348,16 @@ def forest_picture(
     plt.close(fig)
 
 
+VERDICT_PICTURES = ("", "_forest", "_compute", "_dose")
+"""verdict_pictures' files, NAME + each + .png: the frontier, the forest plot, the compute and the dose picture."""
+
+
+def verdict_picture_files(folder: Path, name: str) -> list[Path]:
+    """The pictures of the verdict `name` that verdict_pictures drew in `folder`, in VERDICT_PICTURES' order (the
+    dose picture only where it was drawn)."""
+    return [p for p in (Path(folder) / f"{name}{kind}.png" for kind in VERDICT_PICTURES) if p.is_file()]
+
+
 def verdict_pictures(
     curve: list[dict],
     methods: dict[str, list[list[dict]]],
@@ -388,7 +398,7 @@ def verdict_pictures(
         "band the 95% t interval over posts",
         fontsize=9,
     )
-    files = [out / f"{name}.png", out / f"{name}_forest.png", out / f"{name}_compute.png"]
+    files = [out / f"{name}{kind}.png" for kind in VERDICT_PICTURES]
     fig.savefig(files[0], dpi=130, bbox_inches="tight")
     plt.close(fig)
 
@@ -411,10 +421,9 @@ def verdict_pictures(
             "matched KL and its 95% t interval with seeds (filled: excludes 0)",
             fontsize=9,
         )
-        files.append(out / f"{name}_dose.png")
         fig.savefig(files[3], dpi=130, bbox_inches="tight")
         plt.close(fig)
-    return files
+    return files if doses else files[:3]
 
 
 def verdict_runs(folder: Path, methods: dict[str, list[list[dict]]]) -> dict[str, list[Path]]:

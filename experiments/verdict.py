@@ -489,12 +489,6 @@ def kept_best_of_n(
     return curve
 
 
-SELECTION_NOTE = (
-    "per run the mean over its training steps, then mean ± standard deviation over seeds (docs/grpo.md, Selection "
-    "diagnostics)"
-)
-
-
 def run_verdict(
     verdict: Verdict, runs: list[ExperimentRun], curve: list[dict], out: Path, assets: Path, *, nproc: int, reuse: bool
 ) -> str:
@@ -528,7 +522,8 @@ def run_verdict(
         text = measured.verdict_table(rows) + "\n\n" + measured.frontier_table(curve, methods, against_best_of_n)
         kept = step_means_table(dirs)
         if kept:
-            text += f"\n\nWhat each GRPO arm's selection kept, {SELECTION_NOTE}:\n\n{kept}"
+            how = "per run the mean over its training steps, then mean ± standard deviation over seeds"
+            text += f"\n\nWhat each GRPO arm's selection kept, {how} (docs/grpo.md, Selection diagnostics):\n\n{kept}"
         (root / "verdict.md").write_text(text + "\n")
         (root / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": rows}))
         verdict_pictures(curve, methods, rows, dirs, assets, title, verdict.name)

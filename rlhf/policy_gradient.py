@@ -226,6 +226,44 @@ def selection_diagnostics(
     }
 
 
+def gold_alignment(
+    gold_pool_BG: torch.Tensor, reward_BK: torch.Tensor, gold_BK: torch.Tensor, advantage_BK: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How a selection's kept samples and their advantages line up with a monitored gold reward that training never
+    sees (evaluation/selection_signal.py): per group (B,) float64, from the gold of all G scored samples (B, G) and,
+    for the K kept, the training reward, the gold and the advantage the update gives each (B, K). With m_G, s2_G the
+    pool's gold mean and sample variance in the group, s_pool = sqrt(mean over groups of s2_G) and
+    rms = sqrt(mean over every kept sample of A^2):
+
+        gold_shift     (mean_K gold - m_G) / sqrt(s2_G): how far the kept gold mean lies above the pool's, in the
+                       pool's gold standard deviations (NaN for a group whose pool's gold tied)
+        gold_var_ratio s2_K / s2_G of the gold (NaN where the pool's gold tied)
+        corr           Pearson correlation of reward and gold over the K kept (NaN where either is constant): how
+                       well the reward the update ranks by tells gold apart among the samples it trains on
+        signal         mean over the K kept of A (gold - m_G), over rms * s_pool: the update's advantage-weighted
+                       gold, scale-free. Its mean over the batch's groups is mean(A (gold - m_G)) / (rms s_pool), the
+                       first-order change of the policy's mean gold (in pool standard deviations, per unit of
+                       advantage) when every kept sample's log-probability moves by its advantage, each sample an
+                       outcome of its own; with advantages centred in the group (sum_k A = 0) m_G drops out and it is
+                       the kept samples' covariance of advantage and gold
+
+    The means over groups (NaN left out) describe the batch; each group's value is one post's, for errors over
+    posts."""
+    pool, r, g, a = (t.double() for t in (gold_pool_BG, reward_BK, gold_BK, advantage_BK))
+    B, K = r.shape
+    pool_mean, pool_var = pool.mean(1), pool.var(1)  # (B,)
+    nan = torch.full_like(pool_mean, float("nan"))
+    spread = pool_var > 0
+    shift = torch.where(spread, (g.mean(1) - pool_mean) / pool_var.sqrt(), nan)
+    var_ratio = torch.where(spread, g.var(1) / pool_var, nan) if K > 1 else nan
+    dr, dg = r - r.mean(1, keepdim=True), g - g.mean(1, keepdim=True)  # (B, K)
+    denom = ((dr * dr).sum(1) * (dg * dg).sum(1)).sqrt()
+    corr = torch.where(denom > 0, (dr * dg).sum(1) / denom, nan)
+    scale = K * (a * a).mean().sqrt() * pool_var.mean().sqrt()
+    signal = (a * (g - pool_mean[:, None])).sum(1) / scale if float(scale) > 0 else nan
+    return {"gold_shift": shift, "gold_var_ratio": var_ratio, "corr": corr, "signal": signal}
+
+
 # ----------------------------------------------------------------------------------------------------
 # Advantages (--advantage: ADVANTAGES). Each estimator takes the rewards (B, K) of the K kept samples of B groups and
 # `reduce_sum`, which sums a tensor over ranks (the estimators that use batch statistics read the global batch

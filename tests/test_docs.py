@@ -138,6 +138,7 @@ TOOLS = (  # every command line but the four training scripts (parse_config, as 
     "eval_preferences",
     "evaluation.compare",
     "evaluation.plots",
+    "evaluation.selection_signal",
     "bench.run_all",
     "bench.prefix_sharing",
     "bench.update_stage",

@@ -981,3 +981,28 @@ def test_the_command_line_checks_each_models_kind_in_one_line(tiny_demo, tmp_pat
         assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {option} "), done.stderr[
             -2000:
         ]
+
+
+def test_selection_signal_on_tiny_models(tiny_demo, tmp_path):
+    """evaluation/selection_signal.py end to end on the tiny random models: one row per selection, the whole pool's
+    row at no shift and the pool's own spread, the top K above the pool's mean, the paired
+    difference to uniform, the JSON; a bad --selections entry is one ConfigError naming it."""
+    from evaluation.selection_signal import main
+    from utils.config import ConfigError
+
+    out = tmp_path / "signal.json"
+    args = ["--policy", str(tiny_demo / "sft" / "hf"), "--reward_model", str(tiny_demo / "rm" / "hf")]
+    args += ["--data", str(tiny_demo / "data" / "sft" / "validation.jsonl"), "--gold_fn", "data.synthetic:gold_reward"]
+    args += ["--prompts", "6", "--pool", "8", "--kept", "4", "--draws", "2", "--prompts_per_step", "4"]
+    text = main([*args, "--selections", "uniform", "rso:2", "top", "top_bottom", "all", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    rows = {row["selection"]: row for row in saved["rows"]}
+    assert list(rows) == ["uniform", "rso:2", "top", "top_bottom", "all"]
+    assert text.count("\n| ") == 1 + 1 + 5 - 1 and "gold signal - uniform's" in text  # heading, rule, 5 rows
+    assert rows["all"]["reward_shift"][0] == 0 and abs(rows["all"]["gold_std_ratio"][0] - 1) < 1e-12
+    assert rows["top"]["reward_shift"][0] > max(0.0, rows["uniform"]["reward_shift"][0])  # the top K lie above
+    assert "signal_minus_baseline" in rows["top"] and "signal_minus_baseline" not in rows["uniform"]
+    assert saved["settings"]["pool"] == 8 and -1 <= saved["settings"]["pool_corr"] <= 1
+    for bad, match in (("best", "unknown selection 'best'"), ("rso", "RSO needs beta_rs > 0"), ("rso:x", "a number")):
+        with pytest.raises(ConfigError, match=match):
+            main([*args, "--selections", bad, "--out", str(out)])

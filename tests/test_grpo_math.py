@@ -16,6 +16,7 @@ from rlhf.policy_gradient import (
     clipped_surrogate,
     dr_grpo_weights,
     global_normalize,
+    gold_alignment,
     group_center,
     group_normalize,
     grpo_weights,
@@ -143,6 +144,64 @@ def test_selection_diagnostics_of_each_selection_on_normal_rewards():
         assert abs(float(got["std_ratio"]) - ratio) < 0.05, (name, beta, float(got["std_ratio"]))
         assert abs(float(got["ess"]) - ess) < 0.05, (name, beta, float(got["ess"]))
         assert float(got["tied_fraction"]) == 0 and abs(float(got["pool_std"]) - 1) < 0.01
+
+
+def test_gold_alignment_by_hand():
+    """Two groups of G = 4 scored samples, K = 2 kept (rlhf/policy_gradient.py gold_alignment):
+    group 0: pool gold 0..3 (mean 1.5, s2 5/3), kept gold 2, 3 (s2 1/2), rewards 1, 2, advantages -1, +1:
+             gold shift 1 / sqrt(5/3), variance ratio 0.3, corr +1;
+    group 1: pool gold all 1 (tied), kept rewards 0, 4 with advantages +1, -1: shift, ratio and corr undefined.
+    rms of the advantages 1, s_pool = sqrt((5/3 + 0) / 2): signal of group 0 (-0.5 + 1.5) / (2 s_pool), of group 1
+    0 (its gold equals the pool mean)."""
+    pool = torch.tensor([[0.0, 1.0, 2.0, 3.0], [1.0] * 4])
+    reward = torch.tensor([[1.0, 2.0], [0.0, 4.0]])
+    gold = torch.tensor([[2.0, 3.0], [1.0, 1.0]])
+    adv = torch.tensor([[-1.0, 1.0], [1.0, -1.0]])
+    got = gold_alignment(pool, reward, gold, adv)
+    s_pool = math.sqrt(5 / 6)
+    want = {
+        "gold_shift": (1 / math.sqrt(5 / 3), math.nan),
+        "gold_var_ratio": (0.3, math.nan),
+        "corr": (1.0, math.nan),
+        "signal": (1 / (2 * s_pool), 0.0),
+    }
+    assert got.keys() == want.keys()
+    for name, values in want.items():
+        for v, w in zip(got[name].tolist(), values, strict=True):
+            assert (math.isnan(v) and math.isnan(w)) or abs(v - w) < 1e-12, (name, got[name], values)
+    # the signal scales with neither the advantages' nor the gold's units
+    twice = gold_alignment(3 * pool, reward, 3 * gold, 5 * adv)
+    assert torch.allclose(twice["signal"], got["signal"], rtol=1e-12)
+
+
+def test_gold_alignment_of_selections_on_normal_rewards():
+    """Gold = reward + independent noise of the same spread (correlation 1/sqrt 2 over the pool), 8 of 64 kept,
+    group-normalized advantages. Uniform selection keeps the pool's correlation; RSO at beta_rs 2 tilts a normal
+    without changing its shape, so the signal stays uniform's (0.640 against 0.647 on this draw); the pool's top end
+    bends the tilt at beta_rs 0.5 and cuts it off for the top 8, which shrink the spread, the correlation and the
+    signal (range restriction); keeping the extremes raises all three; gold independent of the reward: signal 0."""
+    from rlhf.policy_gradient import select
+
+    g = torch.Generator().manual_seed(0)
+    reward = torch.randn(4000, 64, generator=g)
+    gold = reward + torch.randn(4000, 64, generator=g)
+    got = {}
+    for name, beta in (("uniform", 0.0), ("rso", 2.0), ("rso", 0.5), ("top", 0.0), ("top_bottom", 0.0)):
+        idx, _ = select(reward, name, 8, beta, g)
+        r_K = reward.gather(1, idx)
+        stats = gold_alignment(gold, r_K, gold.gather(1, idx), group_normalize(r_K))
+        got[name, beta] = {k: float(v.nanmean()) for k, v in stats.items()}
+    assert abs(got["uniform", 0.0]["corr"] - 1 / math.sqrt(2)) < 0.03
+    assert abs(got["uniform", 0.0]["gold_shift"]) < 0.02
+    order = [got[k]["signal"] for k in (("top_bottom", 0.0), ("uniform", 0.0), ("rso", 0.5), ("top", 0.0))]
+    assert order == sorted(order, reverse=True), order
+    assert abs(got["rso", 2.0]["signal"] - got["uniform", 0.0]["signal"]) < 0.03, got
+    assert got["top", 0.0]["corr"] < got["uniform", 0.0]["corr"] - 0.1 < got["top_bottom", 0.0]["corr"] - 0.2
+    idx, _ = select(reward, "uniform", 8, 0.0, g)
+    r_K = reward.gather(1, idx)
+    noise = torch.randn(4000, 64, generator=g)
+    independent = gold_alignment(noise, r_K, noise.gather(1, idx), group_normalize(r_K))
+    assert abs(float(independent["signal"].mean())) < 0.02
 
 
 def test_rso_with_huge_beta_is_uniform_over_indices():

@@ -35,9 +35,10 @@ from utils.dist import stream
 from utils.logging import EvalProgress
 
 DEFAULT_SELECTIONS = ("uniform", "rso:8", "rso:2", "rso:0.5", "top", "top_bottom", "all")
-COLUMNS = {  # column: (statistic of gold_alignment, its heading)
+COLUMNS = {  # statistic: its heading
     "reward_shift": "reward shift (pool sd)",
     "gold_shift": "gold shift (pool sd)",
+    "logp_shift": "log-prob shift (pool sd)",
     "gold_std_ratio": "gold spread, kept / pool",
     "corr": "corr(reward, gold), kept",
     "signal": "gold signal",
@@ -61,6 +62,7 @@ def parse_selection(spec: str) -> tuple[str, float]:
 def selection_stats(
     reward_PG: torch.Tensor,
     gold_PG: torch.Tensor,
+    logp_PG: torch.Tensor,
     selection: str,
     beta_rs: float,
     kept: int,
@@ -70,8 +72,9 @@ def selection_stats(
     draws: int,
     generator: torch.Generator,
 ) -> dict[str, torch.Tensor]:
-    """Per post (P,) float64: each statistic of gold_alignment, and reward_shift (the same shift of the training
-    reward: the kept mean above the pool's, in pool standard deviations), averaged over `draws` selections of the same
+    """Per post (P,) float64: each statistic of gold_alignment, and reward_shift and logp_shift (the same shift of
+    the training reward and of each sample's log-probability under the policy, `logp_PG`: the kept mean above the
+    pool's, in pool standard deviations), averaged over `draws` selections of the same
     pools (NaN where a post's statistic is undefined on every draw; top and top_bottom are drawn once, being
     deterministic). Advantages (and --global_norm's whitening) are computed over consecutive batches of `batch`
     posts, as over a step's batch."""
@@ -81,12 +84,13 @@ def selection_stats(
     counts: dict[str, torch.Tensor] = {}
     for _ in range(1 if keeps_all or selection in ("top", "top_bottom") else draws):  # the others are random
         for start in range(0, P, batch):
-            r, g = reward_PG[start : start + batch], gold_PG[start : start + batch]
+            r, g, lp = (t[start : start + batch] for t in (reward_PG, gold_PG, logp_PG))
             idx, _ = select(r, selection, kept, beta_rs, generator)
             r_K, g_K = r.gather(1, idx), g.gather(1, idx)
             a = advantages(r_K, estimator, global_norm, pool_BG=r).view_as(r_K)
             values = gold_alignment(g, r_K, g_K, a)
             values["reward_shift"] = gold_alignment(r, r_K, r_K, a)["gold_shift"]  # the same formula on the reward
+            values["logp_shift"] = gold_alignment(lp, r_K, lp.gather(1, idx), a)["gold_shift"]  # and the log-prob
             for name, v in values.items():
                 sums.setdefault(name, torch.zeros(P, dtype=torch.float64))[start : start + batch] += v.nan_to_num()
                 counts.setdefault(name, torch.zeros(P, dtype=torch.float64))[start : start + batch] += ~v.isnan()
@@ -187,12 +191,14 @@ def main(argv: list[str] | None = None) -> str:
     penalized = penalize_missing_end(values["proxy_raw"].flatten(), samples.has_end.cpu(), args.missing_end_penalty)
     reward = reward_model.normalize(penalized).double().view(-1, args.pool)  # what grpo.py's selection ranks by
     gold = values["gold"]
+    logp = samples.logprobs.double().sum(1).cpu().view(-1, args.pool)  # log pi(y|x) of each sample, as drawn
 
     generator = stream(args.seed, 0, 0, "selection-signal-draws")
     per_post = {
         spec: selection_stats(
             reward,
             gold,
+            logp,
             name,
             beta,
             args.kept,

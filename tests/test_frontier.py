@@ -999,7 +999,8 @@ def test_selection_signal_on_tiny_models(tiny_demo, tmp_path):
     rows = {row["selection"]: row for row in saved["rows"]}
     assert list(rows) == ["uniform", "rso:2", "top", "top_bottom", "all"]
     assert text.count("\n| ") == 1 + 1 + 5 - 1 and "gold signal - uniform's" in text  # heading, rule, 5 rows
-    assert rows["all"]["reward_shift"][0] == 0 and abs(rows["all"]["gold_std_ratio"][0] - 1) < 1e-12
+    assert rows["all"]["reward_shift"][0] == 0 == rows["all"]["logp_shift"][0]
+    assert abs(rows["all"]["gold_std_ratio"][0] - 1) < 1e-12
     assert rows["top"]["reward_shift"][0] > max(0.0, rows["uniform"]["reward_shift"][0])  # the top K lie above
     assert "signal_minus_baseline" in rows["top"] and "signal_minus_baseline" not in rows["uniform"]
     assert saved["settings"]["pool"] == 8 and -1 <= saved["settings"]["pool_corr"] <= 1

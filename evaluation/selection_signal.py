@@ -74,11 +74,10 @@ def selection_stats(
 ) -> dict[str, torch.Tensor]:
     """Per post (P,) float64: each statistic of gold_alignment, and reward_shift and logp_shift (the same shift of
     the training reward and of each sample's log-probability under the policy, `logp_PG`: the kept mean above the
-    pool's, in pool standard deviations), averaged over `draws` selections of the same
-    pools (NaN where a post's statistic is undefined on every draw; top and top_bottom are drawn once, being
-    deterministic). Advantages (and --global_norm's whitening) are computed over consecutive batches of `batch`
-    posts, as over a step's batch."""
-    P, G = reward_PG.shape
+    pool's, in pool standard deviations), averaged over `draws` selections of the same pools (NaN where a post's
+    statistic is undefined on every draw; top and top_bottom, deterministic, are drawn once). Advantages (and
+    --global_norm's whitening) are computed over consecutive batches of `batch` posts, as over a step's batch."""
+    P = reward_PG.shape[0]
     keeps_all = SELECTIONS.facts[selection].get("keeps_all", False)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}

@@ -454,8 +454,7 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    try:
+    from utils.guard import exit_on_error
+
+    with exit_on_error():  # a user error (ConfigError, ModelLoadError, ...): one `error:` line and its exit code
         main()
-    except CompareError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)

@@ -172,13 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    import sys
+    from utils.guard import exit_on_error
 
-    from model.weights import ModelLoadError
-    from utils.config import ConfigError
-
-    try:
+    with exit_on_error():  # a user error (ConfigError, ModelLoadError, ...): one `error:` line and its exit code
         main()
-    except (ConfigError, ModelLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)

@@ -224,12 +224,7 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    import sys
+    from utils.guard import exit_on_error
 
-    from model.weights import ModelLoadError
-
-    try:
+    with exit_on_error():  # a user error (ConfigError, ModelLoadError, ...): one `error:` line and its exit code
         main()
-    except (ConfigError, ModelLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)

@@ -5,10 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
-# make test runs in two parts: every test but the demo's learning test in JOBS pytest-xdist workers (a file's tests on
-# one worker, the longest files first: tests/conftest.py; JOBS=0: one process, auto: one per core), then the learning
-# test alone, whose demo computes on two threads as `make demo` does (beside another worker's tests its threads would
-# wait for each other: README, Tests). Each part ends with the times of its 25 slowest tests.
+# make test's pytest-xdist workers (a file's tests on one worker, the longest files first: tests/conftest.py); JOBS=0
+# runs the suite in one process, auto one worker per core. The 25 slowest tests' times close the report.
 JOBS ?= 2
 PYTEST := -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=25
 
@@ -39,8 +37,7 @@ lint: install  # ruff's rules and formatting (pyproject.toml [tool.ruff]): `ruff
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 test: install
-	$(PY) $(PYTEST) --deselect tests/test_learning.py
-	$(PY) -m pytest -q --durations=25 tests/test_learning.py
+	$(PY) $(PYTEST)
 
 # The suite (without the demo's learning test) under another PyTorch, in a venv of its own: .venv-<version>.
 # e.g. `make test-torch TORCH=torch==2.11.0`. Other torch releases than the pinned CPU wheel are CUDA builds from

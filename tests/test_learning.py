@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from data.synthetic import END, SUMMARIES, mean_gold_reward
-from tests.conftest import IN_A_WORKER, SUITE_UNSET, run_script
+from tests.conftest import SUITE_UNSET, run_script
 
 RM_ACCURACY_MIN = 0.55  # chance is 0.5; seven runs of three seeds: 0.66 to 0.78 on 256 held-out pairs
 DPO_ACCURACY_MIN = 0.55  # seven runs: 0.61 to 0.70
@@ -43,9 +43,10 @@ def demo(tmp_path_factory) -> tuple[dict, object]:
     run_script(
         ["demo.py", "--out", str(out), "--assets", str(tmp_path / "assets"), "--wandb_mode", "disabled"],
         timeout=1800,
-        # make demo's two threads when the learning test runs alone (make test); one in a pytest-xdist worker, where
-        # two threads beside another worker's tests wait for each other (the SFT was not done after 20 minutes so)
-        env={"OMP_NUM_THREADS": "1" if IN_A_WORKER else "2"},
+        # make demo's two threads, which wait for each other without spinning (OMP_WAIT_POLICY=passive): beside another
+        # worker's tests two spinning threads each wait for the other's core (the demo's SFT was not done after 20
+        # minutes so); passive, 100 SFT steps take as long as one thread's there, and as long as spinning alone
+        env={"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "passive"},
         unset=SUITE_UNSET,  # the demo's own memory settings, as `make demo` runs it
     )
     summary = json.loads((out / "summary.json").read_text())

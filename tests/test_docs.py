@@ -141,7 +141,6 @@ TOOLS = (  # every command line but the four training scripts (parse_config, as 
     "evaluation.selection_signal",
     "bench.run_all",
     "bench.prefix_sharing",
-    "bench.update_stage",
     "bench.trl_grpo",
     "bench.trl_stages",
     "model.lora",

@@ -1,29 +1,78 @@
-"""Where a decode step's time goes: host dispatch against kernel time, eager against graphed, at several row counts.
+"""Where a decode step's time goes: host dispatch against kernel time, eager against graphed, at several row counts
+(docs/benchmarks.md: "bench/gpu_all.sh", "Host work per decode token").
 
     python -m bench.decode_profile --out runs/bench/decode_profile.json      # on a GPU: gpt2 bf16, 64/256/1,024 rows
     python -m bench.decode_profile --device cpu --quick                    # the same steps on a CPU (tiny model)
 
-The configuration of bench/compiled.py's sampler: 16 prompts of 352-384 tokens x G samples (G = 4, 16, 64: 64, 256
-and 1,024 rows), the default prefix sharing, 56 new tokens forced (nothing stops a row). For each row count:
-  - generate, eager and compile=True (on a GPU: each step and its draw replayed as one CUDA graph, StepGraph): seconds
-    per call and generated tokens/s (prefill included), medians of 3 calls after a warm-up call;
-  - on a GPU, torch.profiler over one call of each: kernels and their GPU time per token, CUDA launches per token,
-    the top kernels; the eager step's wall-clock against its kernels' GPU time says how host-bound it is;
-  - the floor of a decode step (bench/stage_floors.py's decode_floor: bytes read and FLOPs against the H100's published
-    bandwidth and bf16 peak) and the graphed step's ratio to it.
+16 prompts of 352-384 tokens x G samples (G = 4, 16, 64), prefix sharing, 56 new tokens forced. Per row count:
+generate eager and compile=True (medians of 3 calls after a warm-up), the non-view ATen ops the eager step dispatches
+per token (any device), the decode step's floor (bench/stage_floors.py decode_floor), and on a GPU torch.profiler's
+kernels, GPU time and launches per token and the graphed step against its floor.
 """
 
 import argparse
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench import common
 from bench.stage_floors import decode_floor
 from model.gpt2 import PRESETS, GPT2LMHeadModel
 from model.sampler import generate
+
+# ATen ops that return a view of their input or only rename it (no kernel runs); reshape, flatten and contiguous copy
+# when the layout needs it, and the copy (a nested clone / copy_) is counted
+VIEW_OPS = {
+    f"aten::{name}"
+    for name in "view _unsafe_view reshape transpose t permute slice select expand expand_as unsqueeze squeeze "
+    "as_strided split split_with_sizes unbind chunk narrow alias detach lift_fresh view_as unflatten flatten "
+    "_reshape_alias resolve_conj resolve_neg numpy_T contiguous".split()
+}
+
+
+def aten_parent(e):
+    parent = e.cpu_parent
+    while parent is not None and not parent.name.startswith("aten::"):
+        parent = parent.cpu_parent
+    return parent
+
+
+def top_level_ops(prof) -> Counter:
+    """Non-view ATen ops with no ATen ancestor (what Python or a module dispatches), plus the copies a top-level
+    view-like op made."""
+    counts = Counter()
+    for e in prof.events():
+        if e.name.startswith("aten::") and e.name not in VIEW_OPS:
+            parent = aten_parent(e)
+            if parent is None or (parent.name in VIEW_OPS and aten_parent(parent) is None):
+                counts[e.name] += 1
+    return counts
+
+
+def ops_per_token(
+    model, ids, mask, G: int, share: bool = True, check_every: int = 1, short: int = 4, long: int = 12
+) -> dict[str, float]:
+    """Op name -> non-view ATen ops the eager sampler dispatches per decode token: (ops of a `long`-token call - ops of
+    a `short`-token call) / (long - short), so the prefill and the per-call set-up cancel. Nothing stops a row."""
+
+    def count(new: int) -> Counter:
+        def call():
+            g = torch.Generator(device=ids.device).manual_seed(0)
+            generate(
+                model, ids, mask, G, new, generator=g, stop_ids=(), prefix_sharing=share, done_check_every=check_every
+            )
+
+        call()  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            call()
+        return top_level_ops(prof)
+
+    a, b = count(short), count(long)
+    return {k: (b[k] - a[k]) / (long - short) for k in a | b}
 
 
 def profile_rows(model, ids, mask, G: int, new: int, device, figure) -> None:
@@ -45,6 +94,8 @@ def profile_rows(model, ids, mask, G: int, new: int, device, figure) -> None:
         figure(f"{N} rows: generate {mode}, s/call", seconds[mode], "s", warmup_s=warm)
         figure(f"{N} rows: generate {mode}, tok/s", N * new / seconds[mode], "tok/s")
     figure(f"{N} rows: compile / eager speed-up", seconds["eager"] / seconds["compile"], "x")
+    ops = ops_per_token(model, ids, mask, G, check_every=8 if device.type == "cuda" else 1)
+    figure(f"{N} rows: eager, ATen ops per token", sum(ops.values()), "ops", ops=ops)
     floor = decode_floor(model.cfg, S, P, G, new, bytes_per_value=2)
     peaks = common.GPU_PEAKS["H100"]
     floor_s = max(floor["bytes"] / peaks["bytes_per_s"], floor["flops"] / peaks["flops_per_s"])
@@ -52,9 +103,7 @@ def profile_rows(model, ids, mask, G: int, new: int, device, figure) -> None:
     if device.type != "cuda":
         return
     for mode in ("eager", "compile"):
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        ) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             call(mode == "compile")
             torch.cuda.synchronize()
         k = common.profile_summary(prof, new)  # per token

@@ -31,7 +31,8 @@
 #                  with the GPU capped at 24 GiB, with and without --frozen_cpu_offload, one process per preset
 #                                                                                 -> memory_fit.json, memory_fit.log
 #   decode 150     python -m bench.decode_profile: the sampler eager and --compile (one CUDA graph per step) at
-#                  64 / 256 / 1,024 rows of gpt2, kernels and GPU time per token, the floor -> decode.json, decode.log
+#                  64 / 256 / 1,024 rows of gpt2, ATen ops, kernels and GPU time per token, the floor
+#                                                                                        -> decode.json, decode.log
 #   decode_tests 150  pytest -m gpu -k "cuda_graphs or records_each or fused_head": the recorded decode step equal
 #                  to eager, recorded once per shape under FSDP2 (none in a second pass), the fused head's memory
 #                                                                                          -> pytest_decode.log

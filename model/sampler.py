@@ -19,7 +19,7 @@ its calls (`utils.fsdp.gathered_params`).
 Host work per token. On a GPU a small model's decode step is bound by the host dispatching its ops, not by the GPU,
 so the loop dispatches few: positions, masks and constants are built once per call, the stop test and the masks
 once after the loop, and the only host sync is the done check (every DONE_CHECK_EVERY_GPU tokens on a GPU);
-`python -m bench.decode_ops` counts the ops per token (docs/benchmarks.md). With `compile=True` (--compile) the
+`python -m bench.decode_profile` counts the ops per token (docs/benchmarks.md). With `compile=True` (--compile) the
 decode runs on static shapes: on a GPU each step and its draw are recorded once as a CUDA graph and replayed
 (StepGraph: one launch per token instead of some hundreds), on a CPU the step runs under torch.compile
 (compiled_decode_step). On a GPU the head's weight is padded to aligned rows (padded_head_weight) and the

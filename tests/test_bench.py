@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rollouts.step
-from bench import common, decode_ops, grpo_step, lora_memory, prefix_sharing, run_all, sampler, train, trl_grpo
+from bench import common, decode_profile, grpo_step, lora_memory, prefix_sharing, run_all, sampler, train, trl_grpo
 from bench.common import random_prompts
 from data.tldr import collate_pairs, collate_sft
 from model.gpt2 import PRESETS, GPTConfig
@@ -289,7 +289,7 @@ def test_prefix_sharing_counts_each_prompt_once_per_group(fresh_process_group, o
 
 
 def test_decode_ops_per_token_and_per_layer(one_thread):
-    """bench/decode_ops.py's count of the host work per decoded token: a decode step of the shared-prefix path
+    """bench/decode_profile.py's count of the host work per decoded token: a decode step of the shared-prefix path
     dispatches at most 30 ops per layer and a tiny model's whole token at most 100 (docs/benchmarks.md has the
     counts); the count does not depend on the weights or the rows."""
     from model.gpt2 import GPT2LMHeadModel
@@ -300,7 +300,7 @@ def test_decode_ops_per_token_and_per_layer(one_thread):
         model = GPT2LMHeadModel(GPTConfig(vocab_size=512, n_layer=n_layer, n_head=2, n_embd=64, n_positions=128)).eval()
         ids, mask = random_prompts(2, 16, 10, model.cfg.vocab_size, seed=0, pad_id=0)
         counts[n_layer] = sum(
-            decode_ops.ops_per_token(model, ids, mask, 4, share=True, check_every=8, short=2, long=5).values()
+            decode_profile.ops_per_token(model, ids, mask, 4, share=True, check_every=8, short=2, long=5).values()
         )
     assert counts[2] <= 100 and 0 < counts[3] - counts[2] <= 30, counts
 

@@ -1,9 +1,6 @@
-"""Timing plumbing shared by the benchmarks: warm-up, repeats and median; CUDA events on GPUs; the machine
-description every result file starts with; peak memory; result rows and the final table.
-
-Nothing here imports transformers, datasets or wandb at module level: the GPU image has no datasets/wandb, and every
-benchmark module must import there.
-"""
+"""The benchmarks' plumbing: timing (warm-up, interleaved repeats, median; CUDA events on GPUs), profiles and host
+synchronisations, the machine, peak memory, result rows and the table (docs/benchmarks.md, "How things are measured").
+No transformers, datasets or wandb at module level: every benchmark must import on the GPU image, which lacks some."""
 
 import datetime
 import importlib.util
@@ -47,10 +44,8 @@ def cuda_graph_recordings() -> Iterator[list[int]]:
         torch.cuda.CUDAGraph.capture_begin = begin
 
 
-# Published peaks of the GPUs lent here (NVIDIA H100 and H200 SXM datasheets): HBM bandwidth and dense bf16
-# tensor-core FLOP/s, keyed by a name torch.cuda.get_device_name contains. Measured on those machines (the device
-# tool's KINDS.md): a copy ~3.0 TB/s (H100) and ~4.3 TB/s (H200), a large bf16 product ~800 TFLOP/s on both; MFU and
-# floors against the published figures are conservative either way.
+# Datasheet peaks (H100 / H200 SXM): HBM bytes/s and dense bf16 FLOP/s, keyed by part of torch.cuda.get_device_name.
+# Measured there: a copy ~3.0 / ~4.3 TB/s, a large bf16 product ~800 TFLOP/s, so MFU and floors against these are low.
 GPU_PEAKS = {
     "H100": {"bytes_per_s": 3.35e12, "flops_per_s": 989e12},
     "H200": {"bytes_per_s": 4.8e12, "flops_per_s": 989e12},
@@ -64,28 +59,21 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass
 class Timing:
-    """Seconds of the timed repeats (warm-up runs excluded): wall-clock (CUDA events on GPU), and this
-    process's CPU time, which other processes on the same cores inflate less than wall-clock time."""
+    """Seconds of the timed repeats: wall-clock (CUDA events on GPU) and this process's CPU time."""
 
     times: list[float]
     cpu_times: list[float] = field(default_factory=list)
-    others_cores: list[float] = field(default_factory=list)
-    """Cores used by other processes during each call (from /proc/stat): the interference on a shared machine."""
-    outputs: list = field(default_factory=list, repr=False)
-    """What each timed call returned (for counting tokens)."""
+    others_cores: list[float] = field(default_factory=list)  # cores other processes used during each call
+    outputs: list = field(default_factory=list, repr=False)  # what each timed call returned (to count tokens)
 
     @property
     def median(self) -> float:
         return statistics.median(self.times)
 
-    @property
-    def min(self) -> float:
-        return min(self.times)
-
     def to_dict(self) -> dict:
         return {
             "median_s": self.median,
-            "min_s": self.min,
+            "min_s": min(self.times),
             "times_s": self.times,
             "cpu_times_s": self.cpu_times,
             "others_cores": self.others_cores,
@@ -110,9 +98,8 @@ def machine_busy_seconds() -> float | None:
 
 
 def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.2, window_s: float = 2.0) -> float:
-    """Wait until other processes use less than `threshold_cores` cores over a `window_s` window, at most
-    max_wait_s seconds; returns the cores they used in the last window. The CPU figures of a shared
-    2-core machine are only worth reporting when nothing else runs."""
+    """Wait (at most max_wait_s) until other processes use under `threshold_cores` cores over `window_s`; returns the
+    cores they used in the last window."""
     deadline = time.perf_counter() + max_wait_s
     while True:
         b0, t0 = machine_busy_seconds(), time.perf_counter()
@@ -125,10 +112,8 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.2, window_s: fl
 
 
 def choose_threads(setting: str) -> tuple[int, str]:
-    """(torch CPU threads, why) for run_all --threads: a number, "0" (torch's default), or "auto": the cores that
-    other processes leave idle over a 2 s window, at least 1. Threads that share a core with another process wait
-    for each other at every parallel region: on the shared 2-core machine a tiny-model decode step took 30x longer
-    with 2 threads than with 1 while two other processes ran."""
+    """(torch CPU threads, why) for run_all --threads: a number, "0" (torch's default), or "auto": the cores other
+    processes leave idle over 2 s, at least 1 (threads sharing a core with another process wait at every barrier)."""
     default = torch.get_num_threads()
     if setting != "auto":
         n = int(setting)
@@ -138,12 +123,10 @@ def choose_threads(setting: str) -> tuple[int, str]:
     return n, f"auto: other processes used {others:.1f} of {os.cpu_count()} cores"
 
 
-QUIET_WAIT_S = 0.0
-"""Set by run_all --wait_quiet: before every timed call on CPU, wait up to this long for other processes to stop."""
+QUIET_WAIT_S = 0.0  # run_all --wait_quiet: before every timed CPU call, wait up to this long for other processes
 
 
 def wait_if_asked(device: torch.device) -> None:
-    """On CPU with run_all --wait_quiet: wait (bounded) for other processes to go idle before a timed call."""
     if QUIET_WAIT_S > 0 and device.type == "cpu":
         wait_for_quiet(QUIET_WAIT_S)
 
@@ -171,10 +154,8 @@ def _timed_call(fn: Callable[[], object], device: torch.device, timing: Timing) 
 
 
 def measure(fn: Callable[[], object], device: torch.device, warmup: int = 1, repeats: int = 3) -> Timing:
-    """Run fn `warmup` times untimed, then `repeats` times timed; return every timed duration.
-
-    On CUDA the interval is read from CUDA events recorded around the call (after a synchronize, so queued
-    work from before does not leak in); on CPU from time.perf_counter. The median is what the table shows."""
+    """Run fn `warmup` times untimed, then `repeats` times timed (CUDA events after a synchronize on GPU, else
+    time.perf_counter)."""
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -187,8 +168,8 @@ def measure(fn: Callable[[], object], device: torch.device, warmup: int = 1, rep
 def measure_interleaved(
     fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 3
 ) -> dict[str, Timing]:
-    """Time several alternatives in turn, repeat after repeat (A B C A B C ...), so that a change in the load of
-    a shared machine hits all of them alike; ratios are then taken per repeat. Warm up before calling."""
+    """Time alternatives in turn, repeat after repeat (A B A B ...), so a change in the machine's load hits all alike.
+    Warm up before calling."""
     timings = {name: Timing([]) for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -204,8 +185,7 @@ def median_ratio(a: Timing, b: Timing) -> float:
 # ----------------------------------------------------------------------------------------------------
 # Where the time goes: torch.profiler's events, and the host's waits for the device
 
-# CUDA runtime calls that make the host wait for the device (a blocking copy is a cudaMemcpyAsync followed by a
-# cudaStreamSynchronize in PyTorch's copy_)
+# CUDA runtime calls that make the host wait (PyTorch's blocking copy_ is a cudaMemcpyAsync + cudaStreamSynchronize)
 SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
 
 
@@ -220,14 +200,9 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile_summary(prof, count: int, top: int = 12) -> dict:
-    """What a torch.profiler run of `count` units (steps, tokens) spent, per unit.
-
-    On a GPU: device kernels (events on a CUDA device) and their time summed (`kernel_ms`) and as the union of their
-    intervals (`busy_ms`: the time the GPU computes; less than the sum when kernels overlap), the CUDA runtime's
-    launch calls (`launches`) and the calls that make the host wait (`syncs`, SYNC_CALLS), the top kernels by time.
-    On a CPU there are no device events and nothing to wait for: the "kernels" are the ATen ops that compute (their
-    self CPU time, views and wrappers near 0), and `launches` counts the ATen ops dispatched. Both: the top ATen ops by
-    self CPU time (the host's side)."""
+    """What a torch.profiler run of `count` units (steps, tokens) spent, per unit: on a GPU its kernels' time summed
+    (`kernel_ms`) and as the union of their intervals (`busy_ms`), launch calls, SYNC_CALLS and the top kernels; on a
+    CPU the ATen ops stand for kernels (self CPU time) and launches. Both: the top ATen ops by self CPU time."""
     device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     cpu_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     aten = [e for e in cpu_events if e.name.startswith("aten::")]
@@ -263,24 +238,11 @@ def profile_summary(prof, count: int, top: int = 12) -> dict:
     }
 
 
-# Tensor methods and functions whose result the host reads from the tensor's values: on a GPU each waits for every
-# kernel queued before it (the host stops running ahead of the device)
-HOST_READS = {
-    "item",
-    "tolist",
-    "__float__",
-    "__int__",
-    "__bool__",
-    "__index__",
-    "__format__",
-    "cpu",
-    "numpy",
-    "nonzero",
-    "argwhere",
-    "masked_select",
-    "unique",
-    "unique_consecutive",
-}
+# Calls whose result the host reads from a tensor's values: on a GPU each waits for every kernel queued before it
+HOST_READS = set(
+    "item tolist __float__ __int__ __bool__ __index__ __format__ cpu numpy nonzero argwhere masked_select unique "
+    "unique_consecutive".split()
+)
 
 
 def _names_device(a) -> bool:
@@ -288,17 +250,13 @@ def _names_device(a) -> bool:
 
 
 class HostSyncs(TorchFunctionMode):
-    """Count, by name, the calls inside the block that make the host wait for a GPU: reads of a device tensor's values
-    (HOST_READS, and indexing with a boolean tensor, whose result's size the host needs), and on a GPU the copies of
-    a host tensor to it without non_blocking=True (PyTorch follows a blocking copy with a stream synchronisation).
-    Reads of host tensors cost nothing and are not counted.
+    """Count (`counts`, by name) the calls inside the block that make the host wait for a GPU: reads of a device
+    tensor's values (HOST_READS, indexing with a boolean tensor) and on a GPU blocking copies of host tensors to it.
 
-    On a GPU a host tensor is one on the CPU. On a CPU, where every tensor is, the block tells them apart by where
-    they come from, as a GPU run would place them: `host_tensors` (a step's batches) and what is computed from host
-    tensors alone, or created without a `device`, are on the host; a `.to(device)` of a host tensor returns a new
-    view (the same values) that is on the device, as are parameters, the model's outputs and what is computed from
-    them. So a CPU run counts the reads a GPU run waits for (but not a .to("cpu") of a device tensor, which it cannot
-    tell from a .to(device): use .cpu()). `counts`: a Counter of names."""
+    On a CPU the block places tensors as a GPU run would: `host_tensors` (a step's batches), what is computed from host
+    tensors alone or created without a `device` are on the host; a `.to(device)` of a host tensor returns a new view
+    on the device, as are parameters and what is computed from them (a .to("cpu") of a device tensor reads as a
+    .to(device): use .cpu())."""
 
     def __init__(self, device: torch.device, host_tensors=()):
         super().__init__()
@@ -423,9 +381,8 @@ def _vm_hwm_bytes() -> int | None:
 
 
 def reset_peak_memory(device: torch.device) -> bool:
-    """Start a new peak-memory window. CUDA: torch.cuda.reset_peak_memory_stats. CPU: writing "5" to
-    /proc/self/clear_refs resets the kernel's peak RSS (VmHWM) to the current RSS (Linux >= 4.0). Returns False
-    when the window could not be reset (the CPU peak then counts from process start)."""
+    """Start a new peak-memory window (CUDA: reset_peak_memory_stats; CPU: "5" to /proc/self/clear_refs resets VmHWM);
+    False when it could not be reset (the CPU peak then counts from process start)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return True
@@ -437,9 +394,8 @@ def reset_peak_memory(device: torch.device) -> bool:
 
 
 def peak_memory(device: torch.device, was_reset: bool = True) -> tuple[int, str]:
-    """(bytes, what they are) of the peak since reset_peak_memory: on CUDA torch.cuda.max_memory_allocated
-    (tensors only, not the caching allocator's reserve or the CUDA context); on CPU the peak resident set size of
-    this process (weights, activations, Python and the loaded libraries)."""
+    """(bytes, what they are) of the peak since reset_peak_memory: max_memory_allocated on CUDA, else the process's
+    peak resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
     hwm = _vm_hwm_bytes()
@@ -455,9 +411,8 @@ def peak_memory(device: torch.device, was_reset: bool = True) -> tuple[int, str]
 
 
 def result(bench: str, name: str, value: float | None, unit: str, note: str = "", config=None, **details) -> dict:
-    """One figure: the benchmark it belongs to, what it is, its value and unit, a short note, the named
-    configuration it was measured at (a dataclass with a `name` field), and details (raw timings, token counts)
-    that go to the JSON file only. A non-finite value is an error, not a figure."""
+    """One figure: benchmark, name, value, unit, note, the named configuration (a dataclass with a `name`) and details
+    for the JSON only (timings, counts). A non-finite value is an error, not a figure."""
     if value is not None:
         value = float(value)
         if not math.isfinite(value):
@@ -514,9 +469,8 @@ def mib(n_bytes: float) -> float:
 def random_prompts(
     n: int, max_len: int, min_len: int, vocab_size: int, seed: int, pad_id: int = 50256
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """n prompts of random token ids, lengths uniform in [min_len, max_len], left-padded as data.tldr does:
-    (prompt_ids (n, max_len) long, prompt_mask (n, max_len) bool). Random ids need no tokenizer, and
-    throughput does not depend on which ids they are. Ids below 50,000 avoid the end and EOS tokens."""
+    """n prompts of random ids below 50,000 (no end or EOS token), lengths uniform in [min_len, max_len], the first
+    max_len long, left-padded as data.tldr does: (prompt_ids (n, max_len) long, prompt_mask (n, max_len) bool)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=g)
     lengths[0] = max_len  # the batch is exactly max_len wide

@@ -1,26 +1,7 @@
-"""Training throughput of SFT, reward-model and DPO optimizer steps: tokens/s, model TFLOP/s and (on a GPU with a
-known peak) MFU.
-
-Each step is what the scripts run per optimizer step, through their own functions: forward and backward over the
-micro-batches (sft.accumulate_gradients, reward_model.accumulate_gradients, dpo.accumulate_gradients), gradient
-clipping, AdamW step, zero_grad; models FSDP2-sharded in a one-process group with the scripts' dtype rule (bf16
-parameters on GPU, fp32 on CPU). Batches are random token ids in data.tldr's layout (left-padded prompts,
-right-padded responses ending with the end token), built by data.tldr.collate_sft / collate_pairs, so padding and
-position ids are what training sees. A script that does not import, or whose function changed signature, fails the
-benchmark with its error: the figures are of the scripts' own code or none.
-
-FLOPs (forward + backward, per optimizer step), the PaLM/Chinchilla convention:
-    model FLOPs = sum over real (non-padding) tokens of (6 N + 12 L d T)
-N: parameters that take part in matrix products (the tied embedding/head counted once, as the head; position
-embeddings and, for the reward model, the token embedding excluded: lookups are not FLOPs); L layers, d width,
-T the padded sequence width (the attention term). DPO adds the frozen reference's forward pass, 2 N + 4 L d T per
-token, so 8 N + 16 L d T. The formula counts the LM head at every token, as llm.c's and nanoGPT's MFU do; our
-losses compute it at response positions only, so the FLOPs actually executed (padding included, head at response
-positions) are reported beside it.
-    MFU = model FLOPs / step seconds / peak, peak = 989 TFLOP/s (dense bf16, H100/H200 SXM datasheet); the
-utilisation against REFERENCE.md's measured ~800 TFLOP/s is in the note. On CPU, MFU is not reported: no peak
-figure for a shared 2-core virtual machine would mean anything; model TFLOP/s is.
-"""
+"""SFT, reward-model and DPO optimizer steps through the scripts' own functions (accumulate_gradients, clipping,
+AdamW), FSDP2 in a one-process group: tokens/s, model TFLOP/s, MFU on a GPU with a known peak, peak memory; and
+(train_profile) where such a step's time goes. Method and FLOP formula: docs/benchmarks.md, "train" and
+"train_profile"."""
 
 import copy
 import time
@@ -33,7 +14,7 @@ import dpo
 import reward_model
 import sft
 from bench import common
-from bench.common import GPU_PEAKS, measure, result
+from bench.common import GPU_PEAKS, count_params, measure, result
 from data.tldr import collate_pairs, collate_sft
 from data.tokenizer import END_ID
 from model.gpt2 import PRESETS, GPT2LMHeadModel, GPTConfig
@@ -49,72 +30,26 @@ MEASURED_PEAK_H100 = 800e12  # REFERENCE.md: a large bf16 matrix product on one 
 
 @dataclass
 class TrainConfig:
-    name: str
-    """Named configuration, printed with every figure."""
-    preset: str
-    """model.gpt2.PRESETS key, randomly initialised."""
-    batch_rows: int
-    """Rows per optimizer step (SFT), or pairs per step (reward model, DPO)."""
-    micro_rows: int
-    """Rows (or pairs) per forward/backward."""
-    prompt_len: int
-    """Longest prompt (the width of the left-padded prompt block)."""
+    name: str  # named configuration, printed with every figure
+    preset: str  # model.gpt2.PRESETS key, randomly initialised
+    batch_rows: int  # rows (SFT) or pairs (reward model, DPO) per optimizer step
+    micro_rows: int  # rows or pairs per forward/backward
+    prompt_len: int  # longest prompt (the left-padded prompt block's width); lengths uniform from min_prompt_len
     min_prompt_len: int
-    """Shortest prompt; lengths uniform in between."""
-    response_len: int
-    """Longest response, end token included."""
+    response_len: int  # longest response, end token included; lengths uniform from min_response_len
     min_response_len: int
-    """Shortest response."""
-    warmup: int = 1
-    """Untimed optimizer steps first."""
-    repeats: int = 3
-    """Timed optimizer steps; the median is reported."""
-    compile: bool = False
-    """Each transformer block of the trained model under torch.compile, as the scripts' --compile
-    (utils/fsdp.py shard_model's compile_blocks); the warm-up step pays the compilation."""
+    warmup: int = 1  # untimed optimizer steps first
+    repeats: int = 3  # timed optimizer steps; the median is reported
+    compile: bool = False  # the scripts' --compile: each block of the trained model compiled (the warm-up pays it)
 
 
 def configs(device: torch.device, quick: bool) -> list[TrainConfig]:
     if device.type == "cuda":
-        return [
-            TrainConfig(
-                "gpu-gpt2-124M" + ("-quick" if quick else ""),
-                "gpt2",
-                batch_rows=64,
-                micro_rows=16,
-                prompt_len=384,
-                min_prompt_len=352,
-                response_len=56,
-                min_response_len=40,
-                repeats=2 if quick else 3,
-            )
-        ]
+        name, repeats = ("gpu-gpt2-124M-quick", 2) if quick else ("gpu-gpt2-124M", 3)
+        return [TrainConfig(name, "gpt2", 64, 16, 384, 352, 56, 40, repeats=repeats)]
     if quick:
-        return [
-            TrainConfig(
-                "cpu-tiny-quick",
-                "tiny",
-                batch_rows=16,
-                micro_rows=8,
-                prompt_len=64,
-                min_prompt_len=48,
-                response_len=16,
-                min_response_len=8,
-                repeats=3,
-            )
-        ]
-    return [
-        TrainConfig(
-            "cpu-tiny",
-            "tiny",
-            batch_rows=32,
-            micro_rows=16,
-            prompt_len=128,
-            min_prompt_len=96,
-            response_len=32,
-            min_response_len=16,
-        )
-    ]
+        return [TrainConfig("cpu-tiny-quick", "tiny", 16, 8, 64, 48, 16, 8)]
+    return [TrainConfig("cpu-tiny", "tiny", 32, 16, 128, 96, 32, 16)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -128,12 +63,10 @@ def random_rows(n: int, cfg: TrainConfig, vocab_size: int, seed: int) -> tuple[l
     top = min(vocab_size, 50000)
     prompts, responses = [], []
     for i in range(n):
-        p = cfg.prompt_len if i == 0 else int(torch.randint(cfg.min_prompt_len, cfg.prompt_len + 1, (), generator=g))
-        r = (
-            cfg.response_len
-            if i == 0
-            else int(torch.randint(cfg.min_response_len, cfg.response_len + 1, (), generator=g))
-        )
+        p, r = cfg.prompt_len, cfg.response_len
+        if i > 0:
+            p = int(torch.randint(cfg.min_prompt_len, cfg.prompt_len + 1, (), generator=g))
+            r = int(torch.randint(cfg.min_response_len, cfg.response_len + 1, (), generator=g))
         prompts.append(torch.randint(0, top, (p,), generator=g).tolist())
         responses.append(torch.randint(0, top, (r - 1,), generator=g).tolist() + [END_ID])
     return prompts, responses
@@ -178,13 +111,10 @@ def matmul_params(c: GPTConfig, n_unique_params: int, lm_head: bool) -> tuple[in
 def flops_per_step(
     c: GPTConfig, n: int, head: int, micro: list[dict], forward_passes: float = 3.0, packed_pairs: bool = False
 ) -> tuple[float, float]:
-    """(model FLOPs, executed FLOPs) of one optimizer step. forward_passes: 3 for forward + backward (backward
-    costs two forwards), 4 when a frozen reference adds one forward (DPO).
-
-    model: per real token of the prompt + response rows 2 N + 4 L d T per forward-pass equivalent (6 N + 12 L d T
-    for training). executed: every padded position through the body, the head only at response positions. With
-    `packed_pairs` (collate_pairs batches run as packed rows, reward_model.py's and dpo.py's default), each pair's
-    prompt goes through the body once, so less is executed than the model FLOPs count."""
+    """(model FLOPs, executed FLOPs) of one optimizer step; forward_passes 3 (forward + backward), 4 with a frozen
+    reference's forward (DPO). model: 2 N + 4 L d T per real token and pass; executed: every padded position through
+    the body (`packed_pairs`: each pair's prompt once, as reward_model.py and dpo.py run them), the head at response
+    positions only."""
     model = executed = 0.0
     for b in micro:
         rows, width = b["input_ids"].shape
@@ -203,76 +133,50 @@ def peak_for(device: torch.device) -> tuple[float, str] | None:
     return next(((v["flops_per_s"], k) for k, v in GPU_PEAKS.items() if k in name), None)
 
 
-def throughput_rows(
-    name: str,
-    cfg: TrainConfig,
-    device,
-    timing,
-    micro: list[dict],
-    flops: tuple[float, float],
-    n: int,
-    unit_name: str,
-    formula: str = "6N + 12LdT",
-) -> list[dict]:
-    """Tokens/s, pairs or rows/s, model and executed TFLOP/s and (on a GPU with a known peak) MFU of one step."""
+def throughput_rows(name: str, cfg: TrainConfig, device, timing, s: "Stage", bench: str = BENCH) -> list[dict]:
+    """Tokens/s, rows or pairs/s, model and executed TFLOP/s and (on a GPU with a known peak) MFU of one step."""
     seconds = timing.median
-    real, response = batch_tokens(micro)
-    model_flops, executed = flops
-    d = {
-        "seconds": seconds,
-        "real_tokens": real,
-        "response_tokens": response,
-        "model_flops": model_flops,
-        "executed_flops": executed,
-        "n_matmul_params": n,
-        "timing": timing.to_dict(),
-    }
+    real, response = batch_tokens(s.micro)
+    model_flops, executed = s.flops
+    d = dict(seconds=seconds, real_tokens=real, response_tokens=response, model_flops=model_flops)
+    d.update(executed_flops=executed, n_matmul_params=s.n, timing=timing.to_dict())
+
+    def row(figure: str, value: float, unit: str, note: str = "", **details) -> dict:
+        return result(bench, f"{name}: {figure}", value, unit, note=note, config=cfg, **details)
+
+    tokens = f"{seconds:.3f} s/step, {real:,} real tokens ({response:,} response) per step{timing.interference}"
+    tflops = f"{s.formula} per real token, N={s.n / 1e6:.2f}M; executed {executed / seconds / 1e12:.3g} TFLOP/s "
+    tflops += "(head at response positions, padding included)"
     rows = [
-        result(
-            BENCH,
-            f"{name}: tokens/s",
-            real / seconds,
-            "tok/s",
-            note=f"{seconds:.3f} s/step, {real:,} real tokens ({response:,} response) per step{timing.interference}",
-            config=cfg,
-            **d,
-        ),
-        result(BENCH, f"{name}: {unit_name}/s", cfg.batch_rows / seconds, f"{unit_name}/s", config=cfg),
-        result(
-            BENCH,
-            f"{name}: model TFLOP/s",
-            model_flops / seconds / 1e12,
-            "TFLOP/s",
-            note=f"{formula} per real token, N={n / 1e6:.2f}M; executed {executed / seconds / 1e12:.3g} TFLOP/s "
-            f"(head at response positions, padding included)",
-            config=cfg,
-        ),
+        row("tokens/s", real / seconds, "tok/s", tokens, **d),
+        row(f"{s.unit}/s", cfg.batch_rows / seconds, f"{s.unit}/s"),
+        row("model TFLOP/s", model_flops / seconds / 1e12, "TFLOP/s", tflops),
     ]
     peak = peak_for(device)
     if peak is not None:
         value, gpu = peak
+        mfu = f"model FLOPs / {value / 1e12:.0f} TFLOP/s ({gpu} dense bf16 datasheet); "
+        mfu += f"{100 * model_flops / seconds / MEASURED_PEAK_H100:.1f}% of ~800 measured; "
         rows.append(
-            result(
-                BENCH,
-                f"{name}: MFU",
+            row(
+                "MFU",
                 100 * model_flops / seconds / value,
                 "%",
-                note=f"model FLOPs / {value / 1e12:.0f} TFLOP/s ({gpu} dense bf16 datasheet); "
-                f"{100 * model_flops / seconds / MEASURED_PEAK_H100:.1f}% of ~800 measured; "
-                f"executed FLOPs: {100 * executed / seconds / value:.1f}%",
-                config=cfg,
+                mfu + f"executed FLOPs: {100 * executed / seconds / value:.1f}%",
             )
         )
-    print(
-        f"  {name}: {real / seconds:,.0f} tok/s, {model_flops / seconds / 1e12:.3g} model TFLOP/s "
-        f"({seconds:.3f} s/step)",
-        flush=True,
-    )
+    print(f"  {name}: {real / seconds:,.0f} tok/s, {model_flops / seconds / 1e12:.3g} model TFLOP/s", flush=True)
     return rows
 
 
 # ----------------------------------------------------------------------------------------------------
 # Steps
+
+
+def build_sharded(model: torch.nn.Module, device: torch.device, compile_blocks: bool = False) -> torch.nn.Module:
+    """FSDP2 as the scripts wrap it (bf16 compute on GPU, fp32 on CPU); `compile_blocks`: --compile's blocks."""
+    shard_model(model, resolve_dtype("auto", device), compile_blocks=compile_blocks)
+    return model.to(device)
 
 
 def optimizer_step(model, optimizer) -> None:
@@ -281,22 +185,8 @@ def optimizer_step(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def build_sharded(model: torch.nn.Module, device: torch.device, compile_blocks: bool = False) -> torch.nn.Module:
-    """FSDP2 wrapping as the scripts do it: bf16 compute on GPU, fp32 on CPU (resolve_dtype "auto"); with
-    `compile_blocks`, --compile's per-block torch.compile."""
-    shard_model(model, resolve_dtype("auto", device), compile_blocks=compile_blocks)
-    return model.to(device)
-
-
-def unique_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def sft_step(
-    model: GPT2LMHeadModel, micro: list[dict], world: int, device: torch.device, compile_blocks: bool = False
-) -> Callable[[], float]:
-    """One SFT optimizer step over `micro` as sft.py takes it (sft.accumulate_gradients: completion-only NLL over
-    the step's response tokens, then clipping, AdamW, zero_grad); shards `model` first."""
+def sft_step(model, micro: list[dict], world: int, device, compile_blocks: bool = False) -> Callable[[], float]:
+    """One SFT optimizer step over `micro` as sft.py takes it; shards `model` first."""
     model = build_sharded(model, device, compile_blocks)
     optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
     model.train()
@@ -310,16 +200,9 @@ def sft_step(
 
 
 def reward_model_step(
-    model: RewardModel,
-    micro: list[dict],
-    world: int,
-    n_pairs: int,
-    device: torch.device,
-    prefix_sharing: bool = True,
-    compile_blocks: bool = False,
+    model, micro: list[dict], world: int, n_pairs: int, device, prefix_sharing: bool = True, compile_blocks=False
 ) -> Callable[[], dict]:
-    """One reward-model optimizer step over `micro` (collate_pairs batches of `n_pairs` pairs in all) as
-    reward_model.py takes it (Bradley-Terry loss, mean over the step's pairs); shards `model` first."""
+    """One reward-model optimizer step over `micro` (n_pairs pairs in all) as reward_model.py takes it."""
     model = build_sharded(model, device, compile_blocks)
     optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
     model.train()
@@ -333,22 +216,14 @@ def reward_model_step(
 
 
 def dpo_step(
-    policy: GPT2LMHeadModel,
-    micro: list[dict],
-    world: int,
-    n_pairs: int,
-    device: torch.device,
-    beta: float = 0.1,
-    prefix_sharing: bool = True,
-    compile_blocks: bool = False,
+    policy, micro: list[dict], world: int, n_pairs: int, device, beta=0.1, prefix_sharing=True, compile_blocks=False
 ) -> Callable[[], dict]:
-    """One DPO optimizer step over `micro` as dpo.py takes it (sigmoid loss, the frozen reference a copy of
-    `policy` made here, stored in bf16 on GPU as dpo.main does, its log-probs computed inside the step); shards
-    both."""
+    """One DPO optimizer step over `micro` as dpo.py takes it, the frozen reference a copy of `policy` (bf16 on GPU,
+    as dpo.main stores it)."""
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     dtype = resolve_dtype("auto", device)
     if dtype is not None:
-        reference.to(dtype)  # as dpo.main: the frozen reference is stored in bf16 on GPU
+        reference.to(dtype)
     shard_model(reference, None)
     reference.to(device)
     policy = build_sharded(policy, device, compile_blocks)
@@ -358,9 +233,8 @@ def dpo_step(
     policy.train()
 
     def step():
-        metrics = dpo.accumulate_gradients(
-            policy, reference, micro, world, n_pairs, loss_fn, dpo_cfg.beta, device, prefix_sharing
-        )
+        args = (policy, reference, micro, world, n_pairs, loss_fn, dpo_cfg.beta, device, prefix_sharing)
+        metrics = dpo.accumulate_gradients(*args)
         optimizer_step(policy, optimizer)
         return metrics
 
@@ -371,16 +245,12 @@ def dpo_step(
 class Stage:
     """One stage's optimizer step at a configuration, built and ready to call, with what its figures need."""
 
-    label: str
-    """The stage and the functions the step runs, for the figures' names."""
+    label: str  # the stage and the functions its step runs
     step: Callable[[], object]
     micro: list[dict]
-    flops: tuple[float, float]
-    """(model FLOPs, executed FLOPs) per step (flops_per_step)."""
-    n: int
-    """N of the MFU formula."""
-    unit: str
-    """What a row of the batch is: rows (SFT) or pairs."""
+    flops: tuple[float, float]  # (model, executed) FLOPs per step
+    n: int  # N of the MFU formula
+    unit: str  # what a row of the batch is: rows or pairs
     formula: str = "6N + 12LdT"
 
 
@@ -388,57 +258,40 @@ STAGES = ("SFT", "reward model", "DPO")
 
 
 def build_stage(stage: str, cfg: TrainConfig, device: torch.device, world: int) -> Stage:
-    """The models (random weights, seed 0), micro-batches and step of `stage` (one of STAGES) at `cfg`."""
+    """The model (random weights, seed 0), micro-batches and step of `stage` (one of STAGES) at `cfg`."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}, expected one of {STAGES}")
     torch.manual_seed(0)
+    model = (RewardModel if stage == "reward model" else GPT2LMHeadModel)(PRESETS[cfg.preset])
+    n, head = matmul_params(model.cfg, count_params(model), lm_head=stage != "reward model")
     if stage == "SFT":
-        model = GPT2LMHeadModel(PRESETS[cfg.preset])
-        n, head = matmul_params(model.cfg, unique_params(model), lm_head=True)
         micro = sft_micro_batches(cfg, model.cfg.vocab_size)
-        return Stage(
-            "SFT (sft.accumulate_gradients + AdamW)",
-            sft_step(model, micro, world, device, cfg.compile),
-            micro,
-            flops_per_step(model.cfg, n, head, micro),
-            n,
-            "rows",
-        )
+        step = sft_step(model, micro, world, device, cfg.compile)
+        flops = flops_per_step(model.cfg, n, head, micro)
+        return Stage("SFT (sft.accumulate_gradients + AdamW)", step, micro, flops, n, "rows")
+    micro = pair_micro_batches(cfg, model.cfg.vocab_size)
     if stage == "reward model":
-        model = RewardModel(PRESETS[cfg.preset])
-        n, head = matmul_params(model.cfg, unique_params(model), lm_head=False)
-        micro = pair_micro_batches(cfg, model.cfg.vocab_size)
-        return Stage(
-            "reward model (reward_model.accumulate_gradients + AdamW)",
-            reward_model_step(model, micro, world, cfg.batch_rows, device, compile_blocks=cfg.compile),
-            micro,
-            flops_per_step(model.cfg, n, head, micro, packed_pairs=True),
-            n,
-            "pairs",
-        )
-    if stage == "DPO":
-        policy = GPT2LMHeadModel(PRESETS[cfg.preset])
-        n, head = matmul_params(policy.cfg, unique_params(policy), lm_head=True)
-        micro = pair_micro_batches(cfg, policy.cfg.vocab_size)
-        return Stage(
-            "DPO (dpo.accumulate_gradients + AdamW)",
-            dpo_step(policy, micro, world, cfg.batch_rows, device, compile_blocks=cfg.compile),
-            micro,
-            # + the reference's forward
-            flops_per_step(policy.cfg, n, head, micro, forward_passes=4.0, packed_pairs=True),
-            n,
-            "pairs",
-            formula="8N + 16LdT (with the reference's forward)",
-        )
-    raise ValueError(f"unknown stage {stage!r}, expected one of {STAGES}")
+        step = reward_model_step(model, micro, world, cfg.batch_rows, device, compile_blocks=cfg.compile)
+        flops = flops_per_step(model.cfg, n, head, micro, packed_pairs=True)
+        return Stage("reward model (reward_model.accumulate_gradients + AdamW)", step, micro, flops, n, "pairs")
+    step = dpo_step(model, micro, world, cfg.batch_rows, device, compile_blocks=cfg.compile)
+    flops = flops_per_step(model.cfg, n, head, micro, forward_passes=4.0, packed_pairs=True)  # + the reference
+    formula = "8N + 16LdT (with the reference's forward)"
+    return Stage("DPO (dpo.accumulate_gradients + AdamW)", step, micro, flops, n, "pairs", formula)
+
+
+def measure_stage(stage: str, cfg: TrainConfig, device: torch.device, world: int) -> tuple:
+    """(Stage, Timing, peak bytes, what they are) over its warm-up and timed steps."""
+    s = build_stage(stage, cfg, device, world)
+    was_reset = common.reset_peak_memory(device)
+    t = measure(s.step, device, warmup=cfg.warmup, repeats=cfg.repeats)
+    return (s, t, *common.peak_memory(device, was_reset))
 
 
 def bench_stage(stage: str, cfg: TrainConfig, device: torch.device, world: int) -> list[dict]:
     """Throughput of `stage` at `cfg`, and its peak memory over the timed steps."""
-    s = build_stage(stage, cfg, device, world)
-    was_reset = common.reset_peak_memory(device)
-    t = measure(s.step, device, warmup=cfg.warmup, repeats=cfg.repeats)
-    peak, what = common.peak_memory(device, was_reset)
-    name = f"{cfg.name} {s.label}"
-    rows = throughput_rows(name, cfg, device, t, s.micro, s.flops, s.n, s.unit, s.formula)
+    s, t, peak, what = measure_stage(stage, cfg, device, world)
+    rows = throughput_rows(f"{cfg.name} {s.label}", cfg, device, t, s)
     rows.append(result(BENCH, f"{cfg.name} {stage}: peak memory", common.mib(peak), "MiB", note=what, config=cfg))
     print(f"  {cfg.name} {stage}: peak memory {common.mib(peak):,.0f} MiB ({what})", flush=True)
     return rows
@@ -454,16 +307,8 @@ def run(device: torch.device, quick: bool, cfgs: list[TrainConfig] | None = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if device.type != "cuda":
-            rows.append(
-                result(
-                    BENCH,
-                    f"{cfg.name}: MFU",
-                    None,
-                    "",
-                    note="not reported on CPU: no meaningful peak for a shared CPU; model TFLOP/s is shown",
-                    config=cfg,
-                )
-            )
+            why = "not reported on CPU: no meaningful peak for a shared CPU; model TFLOP/s is shown"
+            rows.append(result(BENCH, f"{cfg.name}: MFU", None, "", note=why, config=cfg))
     return rows
 
 
@@ -479,8 +324,7 @@ def describe(cfg: TrainConfig) -> str:
 # Profile (run_all --only train_profile): where a step's time goes, and the options that may win it back
 
 PROFILE = "train_profile"
-# each a change to the configuration, profiled beside it in the same run: fewer, larger kernels per step (twice the
-# rows per micro-batch, as memory allows), and the scripts' --compile (compiled blocks: fewer, fused kernels)
+# profiled beside the configuration: fewer, larger kernels (twice the rows per micro-batch), fused ones (--compile)
 VARIANTS: dict[str, Callable[[TrainConfig], TrainConfig]] = {
     "as configured": lambda c: c,
     "micro-batch x2": lambda c: replace(c, micro_rows=min(c.batch_rows, 2 * c.micro_rows)),
@@ -489,9 +333,8 @@ VARIANTS: dict[str, Callable[[TrainConfig], TrainConfig]] = {
 
 
 def profile_plan(device: torch.device, quick: bool) -> list[tuple[str, str]]:
-    """(variant, stage) pairs to profile: every stage as configured and with larger micro-batches; compiled blocks on
-    a GPU only (a CPU takes minutes to compile), every stage, or at --quick the SFT step alone (compilation takes a
-    minute or more of a GPU check's ten)."""
+    """(variant, stage) pairs: every stage as configured and with micro-batches x2; --compile on a GPU only (at --quick
+    the SFT step alone: compiling takes minutes of a GPU check's ten)."""
     plan = [(v, s) for v in ("as configured", "micro-batch x2") for s in STAGES]
     if device.type == "cuda":
         plan += [("--compile", s) for s in (("SFT",) if quick else STAGES)]
@@ -501,22 +344,15 @@ def profile_plan(device: torch.device, quick: bool) -> list[tuple[str, str]]:
 def profile_stage(
     stage: str, variant: str, cfg: TrainConfig, device: torch.device, world: int, steps: int = 2
 ) -> list[dict]:
-    """Throughput of `stage` at VARIANTS[variant](cfg), unprofiled (throughput_rows, with peak memory), then one step
-    under bench.common.HostSyncs (the host's waits for the device, counted) and `steps` steps under torch.profiler
-    (CPU activities, and CUDA on a GPU): per step the kernels' time against the wall clock, the device's busy time
-    and what is left of the wall (the host's: launches, Python, waits), kernel launches, synchronising calls, the top
-    kernels and the top host ops (bench.common.profile_summary)."""
+    """Throughput and peak memory of `stage` at VARIANTS[variant](cfg), unprofiled; then one step under
+    common.HostSyncs and `steps` under torch.profiler (common.profile_summary): wall against kernel time, GPU busy,
+    launches, host synchronisations, the top kernels and host ops."""
     cfg = VARIANTS[variant](cfg)
-    s = build_stage(stage, cfg, device, world)
     name = f"{cfg.name} {stage}, {variant}"
     print(f"[{PROFILE}] {name}: {describe(cfg)}", flush=True)
-    was_reset = common.reset_peak_memory(device)
-    t = measure(s.step, device, warmup=cfg.warmup, repeats=cfg.repeats)
-    peak, what = common.peak_memory(device, was_reset)
-    rows = throughput_rows(name, cfg, device, t, s.micro, s.flops, s.n, s.unit, s.formula)
+    s, t, peak, what = measure_stage(stage, cfg, device, world)
+    rows = throughput_rows(name, cfg, device, t, s, bench=PROFILE)
     rows.append(result(PROFILE, f"{name}: peak memory", common.mib(peak), "MiB", note=what, config=cfg))
-    for r in rows:
-        r["bench"] = PROFILE
     batches = [v for b in s.micro for v in b.values() if isinstance(v, torch.Tensor)]
     with common.HostSyncs(device, batches) as syncs:
         s.step()
@@ -538,43 +374,24 @@ def profile_stage(
     def row(figure: str, value: float, unit: str, note: str = "", **extra) -> None:
         rows.append(result(PROFILE, f"{name}: {figure}", value, unit, note=note, config=cfg, **extra))
 
-    row(
-        "wall per step, profiled",
-        wall_ms,
-        "ms",
-        f"{steps} steps under torch.profiler; unprofiled median {t.median * 1e3:.1f} ms",
-        **details,
-    )
+    unprofiled = f"{steps} steps under torch.profiler; unprofiled median {t.median * 1e3:.1f} ms"
+    row("wall per step, profiled", wall_ms, "ms", unprofiled, **details)
     row(f"{kernels} per step", k["kernel_ms"], "ms", f"{k['kernel_ms'] / wall_ms:.1%} of the profiled wall")
     if on_gpu:
+        busy = f"union of the kernels' intervals: {k['busy_ms'] / wall_ms:.1%} of the wall; the rest "
         row(
             "GPU busy per step",
             k["busy_ms"],
             "ms",
-            f"union of the kernels' intervals: {k['busy_ms'] / wall_ms:.1%} of the wall; the rest "
-            f"({wall_ms - k['busy_ms']:.1f} ms) the GPU waits for the host",
+            busy + f"({wall_ms - k['busy_ms']:.1f} ms) the GPU waits for the host",
         )
-    row(
-        "kernel launches per step" if on_gpu else "ATen ops per step",
-        sum(k["launches"].values()),
-        "calls",
-        ", ".join(f"{n} {c:,.0f}" for n, c in k["launches"].items()),
-    )
-    waits = sum(k["syncs"].values())
-    row(
-        "host synchronisations per step",
-        syncs.total,
-        "calls",
-        "counted by bench.common.HostSyncs: "
-        + (", ".join(f"{n} {c}" for n, c in sorted(syncs.counts.items())) or "none")
-        + (
-            f"; the profiler's CUDA calls that wait: {waits:g} ("
-            + (", ".join(f"{n} {c:g}" for n, c in k["syncs"].items()) or "none")
-            + ")"
-            if on_gpu
-            else ""
-        ),
-    )
+    launches = ", ".join(f"{n} {c:,.0f}" for n, c in k["launches"].items())
+    row("kernel launches per step" if on_gpu else "ATen ops per step", sum(k["launches"].values()), "calls", launches)
+    counted = ", ".join(f"{n} {c}" for n, c in sorted(syncs.counts.items())) or "none"
+    if on_gpu:
+        waits = ", ".join(f"{n} {c:g}" for n, c in k["syncs"].items()) or "none"
+        counted += f"; the profiler's CUDA calls that wait: {sum(k['syncs'].values()):g} ({waits})"
+    row("host synchronisations per step", syncs.total, "calls", "counted by bench.common.HostSyncs: " + counted)
     print(f"  wall {wall_ms:.1f} ms/step profiled ({t.median * 1e3:.1f} unprofiled), {kernels} {k['kernel_ms']:.1f}")
     print(f"  host synchronisations per step: {dict(syncs.counts)}" + (f"; CUDA calls: {k['syncs']}" if on_gpu else ""))
     for top in k["top"][:8]:

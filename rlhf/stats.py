@@ -497,6 +497,242 @@ VARIANCES = ("var_seed", "var_post", "var_residual")
 
 
 # ----------------------------------------------------------------------------------------------------
+# Decisions over a verdict's family of contrasts (issue 62): p-values of the with-seeds t, Holm's step-down, a dose
+# read as one trend with seeds as blocks, and "level" only through two one-sided tests
+
+
+def incomplete_beta(x: float, a: float, b: float) -> float:
+    """The regularized incomplete beta function I_x(a, b) (a, b > 0, 0 <= x <= 1), by its continued fraction evaluated
+    with the modified Lentz method (Numerical Recipes 3rd ed., 6.4). The fraction converges fast for
+    x < (a + 1) / (a + b + 2); above it, I_x(a, b) = 1 - I_{1-x}(b, a). Relative accuracy ~1e-14."""
+    if not (a > 0 and b > 0 and 0.0 <= x <= 1.0):
+        raise ValueError(f"incomplete_beta needs a, b > 0 and 0 <= x <= 1, got x = {x}, a = {a}, b = {b}")
+    if x == 0.0 or x == 1.0:
+        return x
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - incomplete_beta(1.0 - x, b, a)
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 100_000):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),  # the even step d_2m
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),  # the odd step d_2m+1
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            return math.exp(log_front) * h / a
+    raise RuntimeError(f"incomplete_beta's continued fraction did not converge at x = {x}, a = {a}, b = {b}")
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with df > 0 degrees of freedom (not necessarily whole; inf: the normal's), by
+    P(|T| > |t|) = I_{df / (df + t^2)}(df / 2, 1 / 2) (incomplete_beta)."""
+    if not df > 0:
+        raise ValueError(f"t_cdf needs df > 0, got {df}")
+    if math.isnan(t):
+        return math.nan
+    if math.isinf(df):
+        return 0.5 * math.erfc(-t / math.sqrt(2.0))
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    tail = 0.5 * incomplete_beta(df / (df + t * t), df / 2, 0.5)  # P(T > |t|)
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_statistic(estimate: float, se: float) -> float:
+    """estimate / se; +-inf for se = 0 and an estimate off 0, 0 for both 0."""
+    if se > 0:
+        return estimate / se
+    return math.copysign(math.inf, estimate) if estimate != 0 else 0.0
+
+
+def t_test_p(estimate: float, se: float, df: float) -> float:
+    """Two-sided p-value of the t statistic estimate / se on df degrees of freedom (the with-seeds t of
+    difference_interval: H0 a true difference of 0; p < 1 - c exactly when its c interval excludes 0). se = 0 gives 0
+    for an estimate off 0 and 1 at 0."""
+    if not se >= 0 or math.isnan(estimate):
+        raise ValueError(f"t_test_p needs se >= 0 and an estimate, got estimate = {estimate}, se = {se}")
+    return 2.0 * t_cdf(-abs(t_statistic(estimate, se)), df)
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's (1979) step-down adjusted p-values, in the input's order: with the m p-values sorted p_(1) <= ... <=
+    p_(m), adjusted p_(i) = max over j <= i of min(1, (m - j + 1) p_(j)). Rejecting where adjusted p < alpha keeps
+    the chance of any false rejection in the family at most alpha, under any dependence between the tests. The
+    running max makes them monotone in p (a smaller p never gets a larger adjusted p); equal to the closed test of
+    Bonferroni's intersections, max over families I containing i of min(1, |I| min_{j in I} p_j)."""
+    if any(not 0.0 <= p <= 1.0 for p in p_values):
+        raise ValueError(f"p-values must be in [0, 1], got {p_values}")
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def tost(estimate: float, se: float, df: float, margin: float = 0.05, alpha: float = 0.05) -> dict:
+    """Equivalence within +-margin by two one-sided t tests (Schuirmann 1987), each at level alpha: H0- true
+    difference <= -margin (p_lower = P(T >= (estimate + margin) / se)) and H0+ >= +margin (p_upper = P(T <=
+    (estimate - margin) / se)), T Student's t on df. Shown equal when both reject: p = max(p_lower, p_upper) < alpha,
+    exactly when the 1 - 2 alpha interval (the 90% one at alpha 5%: ci_low, ci_high) lies strictly inside (-margin,
+    +margin). A row's own test, not adjusted over the family (each "equal" is one claim at level alpha). se = 0: equal
+    when |estimate| < margin."""
+    if not margin > 0 or not 0 < alpha < 0.5 or not se >= 0:
+        raise ValueError(f"tost needs margin > 0, 0 < alpha < 0.5 and se >= 0, got {margin}, {alpha}, {se}")
+    if se == 0:
+        p_lower, p_upper = float(estimate <= -margin), float(estimate >= margin)
+        half = 0.0
+    else:
+        p_lower = 1.0 - t_cdf((estimate + margin) / se, df)
+        p_upper = t_cdf((estimate - margin) / se, df)
+        half = t_quantile(1.0 - alpha, df) * se
+    p = max(p_lower, p_upper)
+    return {
+        "p_lower": p_lower,
+        "p_upper": p_upper,
+        "p": p,
+        "ci_low": estimate - half,
+        "ci_high": estimate + half,
+        "equal": p < alpha,
+    }
+
+
+EQUAL, DIFFERENT, SMALL, UNDECIDED = "equal", "different", "different, within the margin", "undecided"
+"""decision's words: shown equal within the margin (tost); shown different from 0 (family-wise adjusted p < alpha);
+both (a difference shown, and shown smaller than the margin); neither."""
+
+
+def decision(equal: bool, distinguishable: bool) -> str:
+    """The word for a row: EQUAL when only the equivalence test (tost) shows it within the margin, DIFFERENT when only
+    the adjusted test shows it off 0, SMALL when both do, UNDECIDED when neither: the data allow a difference of the
+    margin's size and also none."""
+    if equal:
+        return SMALL if distinguishable else EQUAL
+    return DIFFERENT if distinguishable else UNDECIDED
+
+
+def family_decisions(
+    rows: list[tuple[float, float, float]],
+    alpha: float = 0.05,
+    primary: list[int] | None = None,
+    margin: float = 0.05,
+) -> list[dict]:
+    """Family-wise decisions over a verdict's contrasts, rows (estimate, se, df) (a verdict row's difference, se and df
+    with seeds), in their order: the t statistic, its two-sided p (t_test_p), the Holm-adjusted p (holm) over its
+    family, "distinguishable" when adjusted p < alpha, the equivalence test within +-margin (tost at alpha: p_equal and
+    its 1 - 2 alpha interval) and the decision's word (decision).
+
+    The family is every row, or with `primary` (indices of rows) two families adjusted apart: the primary rows among
+    themselves, the rest among themselves, reported as "exploratory" (their adjusted p does not count the primary
+    ones: a claim from them is a lead for a new experiment, not a result)."""
+    everyone = set(range(len(rows)))
+    first = everyone if primary is None else set(primary)
+    if not first <= everyone:
+        raise ValueError(f"primary indices {sorted(first)} must index the {len(rows)} rows")
+    families = [("all", sorted(everyone))] if primary is None else [("primary", sorted(first))]
+    if primary is not None:
+        families.append(("exploratory", sorted(everyone - first)))
+    out = []
+    for estimate, se, df in rows:
+        eq = tost(estimate, se, df, margin, alpha)
+        out.append(
+            {
+                "t": t_statistic(estimate, se),
+                "p": t_test_p(estimate, se, df),
+                "p_equal": eq["p"],
+                "ci_equal": (eq["ci_low"], eq["ci_high"]),
+                "equal": eq["equal"],
+            }
+        )
+    for family, members in families:
+        for i, p_adjusted in zip(members, holm([out[i]["p"] for i in members]), strict=True):
+            distinguishable = p_adjusted < alpha
+            out[i] |= {
+                "family": family,
+                "p_adjusted": p_adjusted,
+                "distinguishable": distinguishable,
+                "decision": decision(out[i]["equal"], distinguishable),
+            }
+    return out
+
+
+def seed_slopes(differences_SD: torch.Tensor, doses: list[float]) -> torch.Tensor:
+    """Each seed's least-squares slope (S,) of its differences (S seeds, D doses) on the doses:
+    sum_d (x_d - mean x)(y_sd - mean_d y_sd) / sum_d (x_d - mean x)^2. Each seed's own intercept is fitted, so what a
+    seed shares at every dose (its level) drops out: seeds are blocks."""
+    y = differences_SD.double()
+    x = torch.as_tensor(doses, dtype=torch.float64)
+    if y.dim() != 2 or y.shape[1] != x.numel():
+        raise ValueError(f"differences must be (seeds, doses) with {x.numel()} doses, got shape {tuple(y.shape)}")
+    if not bool(torch.isfinite(y).all()) or not bool(torch.isfinite(x).all()):
+        raise ValueError(
+            "differences and doses must be finite: a seed missing a dose (NaN) has no slope comparable to the others'; "
+            "drop that seed or that dose; give an infinite dose (uniform, beta_rs -> inf) a finite one, e.g. its rank"
+        )
+    xc = x - x.mean()
+    if float((xc * xc).sum()) == 0.0:
+        raise ValueError(f"the doses must not all be equal, got {doses}")
+    return ((y - y.mean(1, keepdim=True)) * xc).sum(1) / (xc * xc).sum()
+
+
+def sign_flip_p(values: torch.Tensor) -> float:
+    """Exact two-sided p of the sign-flip (randomisation) test that values (S,) are symmetric about 0: the share of the
+    2^S arrangements of their signs whose |sum| is at least the observed |sum| (the observed one among them, so p >=
+    2 / 2^S). Assumes independent values each symmetric about 0 under H0; no normality. At most 20 values."""
+    v = values.double().flatten()
+    S = v.numel()
+    if not 1 <= S <= 20:
+        raise ValueError(f"sign_flip_p enumerates 2^S arrangements: needs 1 <= S <= 20, got {S}")
+    observed = abs(float(v.sum()))
+    tolerance = 1e-12 * float(v.abs().sum())  # the same sum added in another order
+    bits = (torch.arange(2**S)[:, None] >> torch.arange(S)) & 1  # (2^S, S)
+    sums = ((1 - 2 * bits).double() * v).sum(1).abs()  # (2^S,)
+    return float((sums >= observed - tolerance).double().mean())
+
+
+def dose_trend(
+    differences_SD: torch.Tensor, doses: list[float], confidence: float = 0.95, sign_flip: bool = False
+) -> dict:
+    """One trend over a dose with seeds as blocks: each seed's matched differences at D doses (S, D) (e.g. each seed's
+    mean per-post difference of an arm against uniform, at doses log beta_rs or the dose's rank) give the seed's
+    least-squares slope (seed_slopes); the trend is their mean over seeds, with the standard error of that mean (their
+    sample std / sqrt(S)), t = slope / se on S - 1 degrees of freedom, the t interval at `confidence` and the
+    two-sided p (t_test_p). Seeds are the unit: the doses of one seed share its run-to-run luck, so the S D points are
+    not independent, and the pooled regression's error would be wrong. With sign_flip, also the exact sign-flip p over
+    the seeds' slopes (sign_flip_p), valid without normality (its smallest value is 2 / 2^S: 0.125 with 4 seeds).
+    Assumes independent seeds; the slope summarises a linear trend in the dose as given. Needs S >= 2, no NaN."""
+    slopes = seed_slopes(differences_SD, doses)  # (S,)
+    S = slopes.numel()
+    if S < 2:
+        raise ValueError(f"a trend over seeds needs at least 2 seeds, got {S}")
+    slope, se = float(slopes.mean()), float(slopes.std(correction=1)) / math.sqrt(S)
+    half = t_quantile((1 + confidence) / 2, S - 1) * se
+    out = {
+        "slope": slope,
+        "se": se,
+        "t": t_statistic(slope, se),
+        "df": S - 1,
+        "ci_low": slope - half,
+        "ci_high": slope + half,
+        "p": t_test_p(slope, se, S - 1),
+        "slopes": slopes.tolist(),
+        "seeds": S,
+    }
+    if sign_flip:
+        out["p_sign_flip"] = sign_flip_p(slopes)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
 # Gao, Schulman and Hilton 2022 (arXiv 2210.10760, eqs. 1-2): gold gained against d = sqrt(KL)
 
 

@@ -1,23 +1,6 @@
-"""One full GRPO step at a named configuration: time and share per stage, generated and total tokens/s per
-device, peak memory.
-
-The step is rollouts.step.train_step, the function grpo.main() calls for its stages 2-7 (generate, score, select,
-advantages, reference log-probs, update), on models built by rollouts.models.build_models as main() builds them
-(policy, frozen reference copy, frozen reward model, FSDP-sharded; bf16 parameters on GPU, fp32 on CPU), with the
-reward sources of --rewards in a rollouts.sampling.RewardSpec and the prompts in a rollouts.prompts.PromptSet.
-Stage seconds are train_step's own (StepResult.seconds, from utils.logging.StageTimer, which synchronises the GPU
-around each stage), so a change to the step is measured as soon as it is made. Data loading (stage 1) and logging
-(stage 8) are left out: prompts are random token ids already on the device.
-
-Figures (world size 1, so "per device" is the whole step):
-- step seconds: median over `repeats` steps after `warmup` untimed steps;
-- per stage: median seconds, and share = stage median / step median ("other" is the step minus its stages);
-- generated tokens/s = response tokens sampled (up to and including each end token) / step seconds;
-- total tokens/s = (real prompt tokens x G + generated tokens) / step seconds, i.e. every token of every sampled
-  sequence, verl's `perf/throughput` definition;
-- update tokens/s = real tokens of the K x prompts trained sequences / update seconds;
-- peak memory over the timed steps: torch.cuda.max_memory_allocated on GPU, the process's max RSS on CPU.
-"""
+"""One GRPO step (rollouts.step.train_step on models built as grpo.main() builds them, random prompts): time and share
+per stage, generated and total tokens/s per device, peak memory against rollouts/memory.py's estimate; and memory_fit,
+the largest GPT-2 whose step runs in 24 GiB (docs/benchmarks.md, "grpo" and "memory_fit")."""
 
 import json
 import statistics
@@ -52,47 +35,26 @@ STAGES = ("generate", "score", "select", "advantages", "reference", "update")
 
 @dataclass
 class GRPOBenchConfig:
-    name: str
-    """Named configuration, printed with every figure."""
-    preset: str
-    """model.gpt2.PRESETS key of the policy and the reward model, randomly initialised."""
-    prompts: int
-    """Prompts per step (grpo --prompts_per_step)."""
-    num_samples: int
-    """G: responses sampled per prompt."""
-    num_kept: int
-    """K: responses kept per prompt for the update (ignored by selection "all", which keeps G)."""
-    selection: str
-    """grpo --selection: rso, top_bottom, uniform or all."""
+    name: str  # named configuration, printed with every figure
+    preset: str  # model.gpt2.PRESETS key of the policy and the reward model, randomly initialised
+    prompts: int  # grpo --prompts_per_step
+    num_samples: int  # G
+    num_kept: int  # K (selection "all" keeps G)
+    selection: str  # grpo --selection
     max_new_tokens: int
-    """Response tokens sampled at most."""
-    prompt_len: int
-    """Longest prompt (the width of the left-padded batch)."""
+    prompt_len: int  # the longest prompt (the left-padded batch's width); lengths uniform from min_prompt_len
     min_prompt_len: int
-    """Shortest prompt; lengths are uniform in [min_prompt_len, prompt_len]."""
-    gen_prompts: int
-    """Prompts per generation call (x G rows in the KV cache)."""
-    micro_batch_size: int
-    """Sequences per forward/backward of the policy and the reference."""
-    score_micro_batch_size: int
-    """Sequences per reward-model forward."""
-    warmup: int = 1
-    """Untimed steps first (allocator, kernel selection, first-call set-up)."""
-    repeats: int = 3
-    """Timed steps; medians are reported."""
-    rewards: str = "reward_model"
-    """grpo --rewards: the reward model alone (the reference step), or functions too, which then score the random
-    prompts' and responses' decoded text."""
-    lora_rank: int = 0
-    """grpo --lora_rank: 0 trains every weight against a frozen reference copy; r > 0 trains LoRA adapters and the
-    reference is the policy with its adapters off."""
-    compile: bool = False
-    """grpo --compile: the sampler's decode step under torch.compile (the warm-up step pays the compilation)."""
-    frozen_cpu_offload: bool = False
-    """grpo --frozen_cpu_offload: the reference's and the reward model's shards kept in CPU memory (a GPU only)."""
+    gen_prompts: int  # prompts per generate call
+    micro_batch_size: int  # sequences per forward/backward of the policy and the reference
+    score_micro_batch_size: int  # sequences per reward-model forward
+    warmup: int = 1  # untimed steps first
+    repeats: int = 3  # timed steps; medians are reported
+    rewards: str = "reward_model"  # grpo --rewards (functions score the random prompts' decoded text)
+    lora_rank: int = 0  # grpo --lora_rank (r > 0: the reference is the policy with its adapters off)
+    compile: bool = False  # grpo --compile (the warm-up step pays the compilation)
+    frozen_cpu_offload: bool = False  # grpo --frozen_cpu_offload (a GPU only)
+    # bench/trl_grpo.py only: TRL's bf16 mixed precision; None: on a GPU only (True is TRL's default on a CPU too)
     trl_bf16: bool | None = None
-    """bench/trl_grpo.py only: TRL's `bf16` (mixed precision); None: on a GPU only, fp32 on a CPU as our side runs
-    there. True on a CPU is TRL's own default (GRPOConfig's bf16 is True unless fp16 is set)."""
 
     def grpo_config(self) -> grpo.Config:
         """grpo.Config of this benchmark (everything else at grpo.py's defaults: temperature 1, beta 0.04, ...)."""
@@ -129,51 +91,11 @@ class GRPOBenchConfig:
         )
 
 
-# REFERENCE.md's GRPO step: 256 prompts x 64 samples x 56 new tokens, prompts ~384 tokens, the reward model on all
-# 16,384 samples, RSO keeps 8 per prompt, 2,048 sequences trained; the other benchmarks' steps are it or the CPU's
-# with some fields replaced (dataclasses.replace)
-GPU_REFERENCE = GRPOBenchConfig(
-    "gpu-reference",
-    "gpt2",
-    prompts=256,
-    num_samples=64,
-    num_kept=8,
-    selection="rso",
-    max_new_tokens=56,
-    prompt_len=384,
-    min_prompt_len=352,
-    gen_prompts=16,
-    micro_batch_size=32,
-    score_micro_batch_size=128,
-)
-CPU_TINY = GRPOBenchConfig(
-    "cpu-tiny",
-    "tiny",
-    prompts=8,
-    num_samples=16,
-    num_kept=4,
-    selection="rso",
-    max_new_tokens=16,
-    prompt_len=64,
-    min_prompt_len=48,
-    gen_prompts=8,
-    micro_batch_size=16,
-    score_micro_batch_size=64,
-)
-CPU_TINY_QUICK = GRPOBenchConfig(
-    "cpu-tiny-quick",
-    "tiny",
-    prompts=4,
-    num_samples=8,
-    num_kept=4,
-    selection="rso",
-    max_new_tokens=8,
-    prompt_len=48,
-    min_prompt_len=32,
-    gen_prompts=4,
-    micro_batch_size=16,
-    score_micro_batch_size=32,
-)
+# REFERENCE.md's GRPO step: 256 prompts (~384 tokens) x 64 samples x 56 new tokens, all 16,384 scored, RSO keeps 8;
+# the other benchmarks' steps are it or a CPU one with some fields replaced (dataclasses.replace)
+GPU_REFERENCE = GRPOBenchConfig("gpu-reference", "gpt2", 256, 64, 8, "rso", 56, 384, 352, 16, 32, 128)
+CPU_TINY = GRPOBenchConfig("cpu-tiny", "tiny", 8, 16, 4, "rso", 16, 64, 48, 8, 16, 64)
+CPU_TINY_QUICK = GRPOBenchConfig("cpu-tiny-quick", "tiny", 4, 8, 4, "rso", 8, 48, 32, 4, 16, 32)
 
 
 def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
@@ -196,8 +118,7 @@ class StepInputs:
 
 
 def build(bcfg: GRPOBenchConfig, device: torch.device) -> StepInputs:
-    """grpo.main()'s set-up for train_step, with random weights (seed 0, as bench/trl_grpo.py's export) and random
-    prompts instead of a dataset: every reward source applies to every prompt."""
+    """grpo.main()'s set-up for train_step, random weights (seed 0) and random prompts, every reward source on each."""
     cfg = bcfg.grpo_config()
     world = setup_distributed(device.type).world_size
     per_rank_sizes(cfg, world)  # the exact-division checks of main()
@@ -236,8 +157,8 @@ def token_counts(r: StepResult, prompts: PromptSet, G: int) -> dict[str, int]:
 
 
 def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
-    """Warm-up and timed rollouts.step.train_step calls at one configuration: per-step seconds (wall clock, device
-    synchronised), train_step's stage seconds, token counts and peak memory."""
+    """Warm-up and timed train_step calls: step seconds (device synchronised), stage seconds, token counts, peak
+    memory and its estimate."""
     s = build(bcfg, device)
 
     def one_step(step: int):  # 1-based, as train_step counts
@@ -288,106 +209,60 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
 def step_rows(bcfg: GRPOBenchConfig, m: dict, bench: str = BENCH, label: str = "ours") -> list[dict]:
     """The table rows of one measured configuration."""
     step = statistics.median(m["step_seconds"])
-    c, world = m["counts"], m["world_size"]
-    busy = (
-        f"; other processes used up to {max(m['others_cores']):.1f} cores"
-        if max(m["others_cores"], default=0) >= 0.1
-        else ""
-    )
-    name = f"{bcfg.name} {label}"
-    details = {"measurements": m}
+    c, world, name = m["counts"], m["world_size"], f"{bcfg.name} {label}"
+    busy = max(m["others_cores"], default=0)
+    busy = f"; other processes used up to {busy:.1f} cores" if busy >= 0.1 else ""
+
+    def row(figure: str, value: float, unit: str, note: str = "", **details) -> dict:
+        return result(bench, f"{name}: {figure}", value, unit, note=note, config=bcfg, **details)
+
     rows = [
-        result(
-            bench,
-            f"{name}: step",
+        row(
+            "step",
             step,
             "s",
-            note=f"median of {len(m['step_seconds'])} steps after {bcfg.warmup} warm-up{busy}",
-            config=bcfg,
-            **details,
+            f"median of {len(m['step_seconds'])} steps after {bcfg.warmup} warm-up{busy}",
+            measurements=m,
         )
     ]
     medians = {k: statistics.median(v) for k, v in m["stage_seconds"].items()}
-    other = statistics.median(
+    medians["other"] = statistics.median(
         s - sum(m["stage_seconds"][k][i] for k in STAGES) for i, s in enumerate(m["step_seconds"])
     )
-    for k in (*STAGES, "other"):
-        seconds = medians.get(k, other)
-        rows.append(result(bench, f"{name}: {k}", seconds, "s", note=f"{seconds / step:.1%} of the step", config=bcfg))
+    rows += [row(k, medians[k], "s", f"{medians[k] / step:.1%} of the step") for k in (*STAGES, "other")]
     if m.get("device_type") == "cuda":  # each stage against what an H100 cannot beat
         for k, floor in gpu_stage_floors(bcfg, c).items():
-            rows.append(
-                result(
-                    bench,
-                    f"{name}: {k} / H100 floor",
-                    medians[k] / floor,
-                    "x",
-                    note=f"floor {floor * 1e3:.1f} ms (bench/stage_floors.py gpu_stage_floors), "
-                    f"measured {medians[k]:.3f} s",
-                    config=bcfg,
-                )
-            )
+            note = f"floor {floor * 1e3:.1f} ms (bench/stage_floors.py gpu_stage_floors), measured {medians[k]:.3f} s"
+            rows.append(row(f"{k} / H100 floor", medians[k] / floor, "x", note))
+    generated = f"{c['generated_tokens']:,} generated tokens ({c['sequences']:,} sequences) per step"
+    total = f"{c['total_tokens']:,} prompt + generated tokens of all sampled sequences per step"
+    trained = f"{c['trained_tokens']:,} tokens of {c['trained_sequences']:,} trained sequences"
     rows += [
-        result(
-            bench,
-            f"{name}: generated tokens/s per device",
-            c["generated_tokens"] / step / world,
-            "tok/s",
-            note=f"{c['generated_tokens']:,} generated tokens ({c['sequences']:,} sequences) per step",
-            config=bcfg,
-        ),
-        result(
-            bench,
-            f"{name}: total tokens/s per device",
-            c["total_tokens"] / step / world,
-            "tok/s",
-            note=f"{c['total_tokens']:,} prompt + generated tokens of all sampled sequences per step",
-            config=bcfg,
-        ),
-        result(
-            bench,
-            f"{name}: update tokens/s",
-            c["trained_tokens"] / medians["update"],
-            "tok/s",
-            note=f"{c['trained_tokens']:,} tokens of {c['trained_sequences']:,} trained sequences",
-            config=bcfg,
-        ),
+        row("generated tokens/s per device", c["generated_tokens"] / step / world, "tok/s", generated),
+        row("total tokens/s per device", c["total_tokens"] / step / world, "tok/s", total),
+        row("update tokens/s", c["trained_tokens"] / medians["update"], "tok/s", trained),
     ]
-    rows += memory_rows(bcfg, m, bench, name)
-    return rows
+    return rows + memory_rows(bcfg, m, bench, name)
 
 
 GAP = 0.10  # a measured peak further than this from the estimate is flagged (issue 53: within 10% or explained)
 
 
 def memory_rows(bcfg: GRPOBenchConfig, m: dict, bench: str, name: str) -> list[dict]:
-    """The measured peak, rollouts/memory.py's estimate of it, and measured / estimated, flagged when the two differ by
-    more than GAP."""
+    """The measured peak, rollouts/memory.py's estimate, and measured / estimated, flagged beyond GAP."""
     measured, estimated = m["peak_memory_bytes"], m["estimated_peak_bytes"]
     ratio = measured / estimated
     flag = f"GAP over {GAP:.0%}" if abs(ratio - 1) > GAP else f"within {GAP:.0%}"
-    parts = ", ".join(f"{k} {mib(v):,.0f}" for k, v in m["estimated_bytes"].items())
     print(f"  peak memory {mib(measured):,.0f} MiB measured, {mib(estimated):,.0f} MiB estimated: {flag}", flush=True)
-    return [
-        result(bench, f"{name}: peak memory", mib(measured), "MiB", note=m["peak_memory_what"], config=bcfg),
-        result(
-            bench,
-            f"{name}: estimated peak memory",
-            mib(estimated),
-            "MiB",
-            note=f"rollouts/memory.py's step estimate ({parts} MiB)",
-            config=bcfg,
-        ),
-        result(
-            bench,
-            f"{name}: peak memory, measured / estimated",
-            ratio,
-            "x",
-            note=flag
-            + ("" if m["device_type"] == "cuda" else " (the CPU's peak is the process's RSS: not comparable)"),
-            config=bcfg,
-        ),
-    ]
+    if m["device_type"] != "cuda":
+        flag += " (the CPU's peak is the process's RSS: not comparable)"
+    parts = ", ".join(f"{k} {mib(v):,.0f}" for k, v in m["estimated_bytes"].items())
+    rows = [(f"{name}: peak memory", mib(measured), "MiB", m["peak_memory_what"])]
+    rows.append(
+        (f"{name}: estimated peak memory", mib(estimated), "MiB", f"rollouts/memory.py's step estimate ({parts} MiB)")
+    )
+    rows.append((f"{name}: peak memory, measured / estimated", ratio, "x", flag))
+    return [result(bench, *r[:3], note=r[3], config=bcfg) for r in rows]
 
 
 def bench_config(bcfg: GRPOBenchConfig, device: torch.device, bench: str = BENCH, label: str = "ours") -> list[dict]:
@@ -417,16 +292,8 @@ FIT_BENCH = "memory_fit"
 FIT_CAP_GIB = 24.0  # a 24 GB card, as the reference implementation's
 # the step: 4 prompts x 64 samples, RSO keeps 8 (32 sequences trained), the reference step's lengths, micro-batches
 # small enough that the weights, not one micro-batch's activations, decide what fits
-FIT = replace(
-    GPU_REFERENCE,
-    name="fit-24GiB",
-    prompts=4,
-    gen_prompts=4,
-    micro_batch_size=4,
-    score_micro_batch_size=32,
-    warmup=1,
-    repeats=1,
-)
+FIT = replace(GPU_REFERENCE, name="fit-24GiB", prompts=4, gen_prompts=4, micro_batch_size=4, score_micro_batch_size=32)
+FIT = replace(FIT, warmup=1, repeats=1)
 FIT_CHILD_S = 150  # a child's time limit: process start, random weights on the CPU, a warm-up step and a timed one
 FIT_BUDGET_S = {True: 180, False: 540}  # the whole search, by --quick: within bench/gpu_all.sh's memory_fit check
 
@@ -434,9 +301,8 @@ FIT_BUDGET_S = {True: 180, False: 540}  # the whole search, by --quick: within b
 def fit_config(preset: str, offload: bool, device: torch.device) -> GRPOBenchConfig:
     """FIT with `preset` (on a CPU the quick tiny step: the search's plumbing, nothing capped)."""
     base = FIT if device.type == "cuda" else replace(CPU_TINY_QUICK, warmup=1, repeats=1)
-    return replace(
-        base, name=f"{base.name} {preset}{' offload' if offload else ''}", preset=preset, frozen_cpu_offload=offload
-    )
+    name = f"{base.name} {preset}{' offload' if offload else ''}"
+    return replace(base, name=name, preset=preset, frozen_cpu_offload=offload)
 
 
 def fit_child(preset: str, offload: bool, cap_gib: float, device: torch.device) -> dict:
@@ -530,40 +396,27 @@ def memory_fit(device: torch.device, quick: bool, runs: Callable[[str, bool, flo
         for preset, r in tried.items():
             cfg = fit_config(preset, offload, device)
             if r["outcome"] != "ran":
-                rows.append(
-                    result(
-                        FIT_BENCH,
-                        f"{cfg.name}: GRPO step",
-                        None,
-                        "",
-                        note=f"not measured: {r['outcome']}" + (f": {r['error']}" if r.get("error") else ""),
-                        config=cfg,
-                    )
-                )
+                why = f"not measured: {r['outcome']}" + (f": {r['error']}" if r.get("error") else "")
+                rows.append(result(FIT_BENCH, f"{cfg.name}: GRPO step", None, "", note=why, config=cfg))
                 continue
-            ratio = r["peak_bytes"] / r["estimated_peak_bytes"]
+            peaks = f"peak {mib(r['peak_bytes']):,.0f} MiB, estimated {mib(r['estimated_peak_bytes']):,.0f} MiB "
+            peaks += f"(measured / estimated {r['peak_bytes'] / r['estimated_peak_bytes']:.2f})"
             rows.append(
-                result(
-                    FIT_BENCH,
-                    f"{cfg.name}: GRPO step",
-                    r["step_seconds"],
-                    "s",
-                    note=f"peak {mib(r['peak_bytes']):,.0f} MiB, estimated {mib(r['estimated_peak_bytes']):,.0f}"
-                    f" MiB (measured / estimated {ratio:.2f})",
-                    config=cfg,
-                    **r,
-                )
+                result(FIT_BENCH, f"{cfg.name}: GRPO step", r["step_seconds"], "s", note=peaks, config=cfg, **r)
             )
         skipped = [p for p in presets if p not in tried]
+        note = (
+            best or "none ran"
+        ) + f"; {FIT.describe() if device.type == 'cuda' else 'tiny step on a CPU, nothing capped'}"
+        note += f"; not tried: {', '.join(skipped)} (the search's order)" if skipped else ""
+        layers = None if best is None else model_config(best, True).n_layer
         rows.append(
             result(
                 FIT_BENCH,
                 f"memory_fit {mode}: largest GPT-2 in {FIT_CAP_GIB:g} GiB",
-                None if best is None else model_config(best, True).n_layer,
+                layers,
                 "layers",
-                note=(f"{best}" if best else "none ran")
-                + f"; {FIT.describe() if device.type == 'cuda' else 'tiny step on a CPU, nothing capped'}"
-                + (f"; not tried: {', '.join(skipped)} (the search's order)" if skipped else ""),
+                note=note,
                 largest=best,
             )
         )

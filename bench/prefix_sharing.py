@@ -1,33 +1,20 @@
-"""Prefix sharing (grpo --prefix_sharing) on a TL;DR-shaped GRPO step: each prompt computed and stored once per group
-against every sample carrying its own copy, interleaved in one run, per stage.
+"""Prefix sharing (grpo --prefix_sharing) on a GRPO step of real TL;DR prompts: each prompt computed and stored once
+per group against every sample carrying its own copy, interleaved in one run, per stage (docs/benchmarks.md,
+"prefix_sharing").
 
-    python -m bench.run_all --only prefix_sharing   # the configurations below, for the device present
-    python -m bench.prefix_sharing --preset tiny    # one configuration from the command line
-    python -m bench.prefix_sharing --preset gpt2 --prompts 2 --repeats 2
+    python -m bench.run_all --only prefix_sharing [--data DIR]   # the configurations below, for the device present
+    python -m bench.prefix_sharing --data DIR/tldr-validation-sample.jsonl --preset gpt2 --prompts 2 --repeats 2
 
-The prompts are real TL;DR prompts from ../shared/data (tldr-validation-sample.jsonl, the first --prompts rows, cut
-at 512 tokens as grpo.py cuts them), so the prompt lengths are TL;DR's; 53 new tokens, G = 16 samples per prompt,
-RSO keeps K = 8 (on GPU the reference configuration, 256 prompts x 64 samples -> 8); policy, reference and reward
-model are randomly initialised GPT-2s of --preset (fp32 on CPU, bf16 on GPU). Each repeat runs rollouts.step.train_step
-once shared and once unshared at the same step index (the same sampling stream) with the learning rate at a
-negligible 1e-12, so both see the same weights and sample the same responses;
-the two modes alternate so that a change in the machine's load hits both alike.
-
-Figures per mode (median over repeats, no warm-up step; ratio = unshared / shared):
-- seconds of the whole step and of each stage (train_step's own StepResult.seconds);
-- tokens processed per stage: generate, the positions held in the KV caches of the step's generate calls (what
-  every decode step reads); score, the real tokens the reward model's forwards compute; reference and update, the
-  real tokens of the packed or prompt + response rows of the trained micro-batches;
-- memory: the KV cache of one generate call (bytes, from the shapes: rollouts/memory.kv_cache_bytes, which
-  tests/test_prefix_sharing.py checks against what the sampler allocates), and the step's peak
-  (torch.cuda.max_memory_allocated on GPU; on CPU the process's peak RSS, weights included).
+Each repeat runs train_step shared, then unshared, at the same step index with the learning rate at 1e-12 (the same
+weights and samples). Per mode: step and stage seconds, the tokens each stage processes, one generate call's KV cache
+(rollouts/memory.kv_cache_bytes) and the step's peak memory; then unshared / shared.
 """
 
 import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,35 +35,23 @@ from utils.fsdp import resolve_dtype
 from utils.optim import build_optimizer, build_scheduler
 
 BENCH = "prefix_sharing"
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tldr-validation-sample.jsonl"
+PROMPTS_FILE = "tldr-validation-sample.jsonl"  # in run_all --data
 
 
 @dataclass
 class PrefixBenchConfig:
-    name: str = "tldr"
-    """Named configuration, printed with every figure."""
-    preset: str = "tiny"
-    """model.gpt2.PRESETS key of the policy and the reward model, randomly initialised."""
-    prompts: int = 4
-    """Prompts per step: the first N rows of the data file."""
-    num_samples: int = 16
-    """G: responses sampled per prompt."""
-    num_kept: int = 8
-    """K: responses RSO keeps per prompt."""
+    name: str = "tldr"  # named configuration, printed with every figure
+    preset: str = "tiny"  # model.gpt2.PRESETS key of the policy and the reward model, randomly initialised
+    prompts: int = 4  # prompts per step: the first N rows of the data file
+    num_samples: int = 16  # G
+    num_kept: int = 8  # K, kept by RSO
     max_new_tokens: int = 53
-    """Response tokens sampled at most."""
-    max_prompt_len: int = 512
-    """Prompts are cut at this many tokens (grpo --max_prompt_len)."""
-    gen_prompts: int = 16
-    """Prompts per generate call."""
-    micro_batch_size: int = 32
-    """Sequences per forward/backward of the policy and the reference."""
-    score_micro_batch_size: int = 64
-    """Sequences per reward-model forward."""
-    repeats: int = 2
-    """Interleaved pairs of steps (shared, unshared); medians are reported."""
-    data: str = str(DATA)
-    """TL;DR prompt rows (jsonl with a prompt column)."""
+    max_prompt_len: int = 512  # grpo --max_prompt_len: where prompts are cut
+    gen_prompts: int = 16  # prompts per generate call
+    micro_batch_size: int = 32  # sequences per forward/backward of the policy and the reference
+    score_micro_batch_size: int = 64  # sequences per reward-model forward
+    repeats: int = 2  # interleaved pairs of steps (shared, unshared); medians are reported
+    data: str = ""  # the TL;DR prompt rows (jsonl with a prompt column): run() sets it from its data folder
 
     def grpo_config(self, shared: bool) -> grpo.Config:
         cfg = grpo.Config(
@@ -189,103 +164,52 @@ def measure(bcfg: PrefixBenchConfig, device: torch.device) -> dict:
 
 def rows_of(bcfg: PrefixBenchConfig, m: dict) -> list[dict]:
     """Table rows: per mode the step, each stage with its tokens, the KV cache and the peak; the ratios."""
-    rows = []
-    med = {
-        mode: {
-            "step": statistics.median(m[mode]["step"]),
-            **{k: statistics.median(v) for k, v in m[mode]["stages"].items()},
-        }
-        for mode in ("shared", "unshared")
-    }
+
+    def row(figure: str, value: float, unit: str, note: str = "", **details) -> dict:
+        return common.result(BENCH, f"{bcfg.name}{figure}", value, unit, note=note, config=bcfg, **details)
+
+    rows, med = [], {}
     for mode in ("shared", "unshared"):
-        t = m[mode]["tokens"]
+        t, peak = m[mode]["tokens"], common.mib(max(m[mode]["peak"]))
+        med[mode] = {"step": statistics.median(m[mode]["step"])}
+        med[mode].update((k, statistics.median(v)) for k, v in m[mode]["stages"].items())
         rows.append(
-            common.result(
-                BENCH,
-                f"{bcfg.name} {mode}: step",
-                med[mode]["step"],
-                "s",
-                note=f"median of {bcfg.repeats}, interleaved",
-                config=bcfg,
-                measurements=m[mode],
+            row(
+                f" {mode}: step", med[mode]["step"], "s", f"median of {bcfg.repeats}, interleaved", measurements=m[mode]
             )
         )
-        for k in STAGES:
-            note = f"{t[k]:,} tokens" if k in t else ""
-            rows.append(common.result(BENCH, f"{bcfg.name} {mode}: {k}", med[mode][k], "s", note=note, config=bcfg))
+        rows += [row(f" {mode}: {k}", med[mode][k], "s", f"{t[k]:,} tokens" if k in t else "") for k in STAGES]
         rows.append(
-            common.result(
-                BENCH,
-                f"{bcfg.name} {mode}: KV cache of a generate call",
-                common.mib(t["kv_cache_bytes"]),
-                "MiB",
-                note="from the shapes",
-                config=bcfg,
-            )
+            row(f" {mode}: KV cache of a generate call", common.mib(t["kv_cache_bytes"]), "MiB", "from the shapes")
         )
-        rows.append(
-            common.result(
-                BENCH,
-                f"{bcfg.name} {mode}: step peak memory",
-                common.mib(max(m[mode]["peak"])),
-                "MiB",
-                note=m[mode]["peak_what"],
-                config=bcfg,
-            )
-        )
+        rows.append(row(f" {mode}: step peak memory", peak, "MiB", m[mode]["peak_what"]))
     for k in ("step", "score", "reference", "update", "generate"):
-        rows.append(
-            common.result(
-                BENCH, f"{bcfg.name}: unshared / shared, {k}", med["unshared"][k] / med["shared"][k], "x", config=bcfg
-            )
-        )
-    rows.append(
-        common.result(
-            BENCH,
-            f"{bcfg.name}: shared / unshared, KV cache",
-            m["shared"]["tokens"]["kv_cache_bytes"] / m["unshared"]["tokens"]["kv_cache_bytes"],
-            "x",
-            config=bcfg,
-        )
-    )
-    return rows
+        rows.append(row(f": unshared / shared, {k}", med["unshared"][k] / med["shared"][k], "x"))
+    kv = m["shared"]["tokens"]["kv_cache_bytes"] / m["unshared"]["tokens"]["kv_cache_bytes"]
+    return rows + [row(": shared / unshared, KV cache", kv, "x")]
 
 
 def configs(device: torch.device, quick: bool) -> list[PrefixBenchConfig]:
-    if device.type == "cuda":
-        # the reference configuration: 256 prompts x 64 samples -> 8 kept, 53 new tokens, gpt2
-        return [
-            PrefixBenchConfig(
-                "gpu-reference-tldr",
-                "gpt2",
-                prompts=32 if quick else 256,
-                num_samples=64,
-                num_kept=8,
-                score_micro_batch_size=128,
-                repeats=2,
-            )
-        ]
-    if quick:  # tiny holds 512 positions: prompts cut at 448 leave room for the 53 new tokens
-        return [
-            PrefixBenchConfig(
-                "cpu-tiny-tldr-quick",
-                "tiny",
-                prompts=2,
-                num_samples=8,
-                num_kept=4,
-                max_new_tokens=16,
-                max_prompt_len=448,
-                repeats=1,
-            )
-        ]
-    # gpt2 (124M) shape on 2 shared CPU cores: 4 prompts (230, 311, 371 and 375 tokens; the file's mean is 345), so
-    # one interleaved pair takes minutes, not hours
+    if device.type == "cuda":  # the reference configuration: 256 prompts x 64 samples -> 8 kept, 53 new tokens, gpt2
+        name, prompts = "gpu-reference-tldr", 32 if quick else 256
+        return [PrefixBenchConfig(name, "gpt2", prompts, 64, 8, score_micro_batch_size=128, repeats=2)]
+    if quick:  # tiny holds 512 positions: prompts cut at 448 leave room for the new tokens
+        return [PrefixBenchConfig("cpu-tiny-tldr-quick", "tiny", 2, 8, 4, 16, max_prompt_len=448, repeats=1)]
+    # the gpt2 shape on 2 CPU cores: 4 prompts (230, 311, 371 and 375 tokens), so a pair of steps takes minutes
     return [PrefixBenchConfig("cpu-gpt2-tldr", "gpt2", prompts=4, repeats=2)]
 
 
-def run(device: torch.device, quick: bool, cfgs: list[PrefixBenchConfig] | None = None) -> list[dict]:
+def run(device: torch.device, quick: bool, cfgs: list[PrefixBenchConfig] | None = None, data=None) -> list[dict]:
+    """`data`: the folder of PROMPTS_FILE, for the configurations whose own `data` is not set; without the file a
+    configuration is a row saying why it was not measured."""
     rows = []
     for bcfg in cfgs or configs(device, quick):
+        if not bcfg.data and data is not None:
+            bcfg = replace(bcfg, data=str(Path(data) / PROMPTS_FILE))
+        if not bcfg.data or not Path(bcfg.data).is_file():
+            why = f"{bcfg.data or PROMPTS_FILE} not found (run_all --data: the folder of the real TL;DR rows)"
+            rows.append(common.skipped(BENCH, f"{bcfg.name}: prefix sharing", why, config=bcfg))
+            continue
         print(
             f"[{BENCH}] {bcfg.name}: {bcfg.prompts} TL;DR prompts x {bcfg.num_samples} samples -> {bcfg.num_kept} "
             f"kept, {bcfg.max_new_tokens} new tokens, {bcfg.repeats} interleaved pairs on {device}",

@@ -4,6 +4,7 @@
     python -m bench.run_all --quick                  # smaller configurations: a smoke test
     python -m bench.run_all --device cpu --out runs/bench/cpu.json
     python -m bench.run_all --only sampler grpo      # a subset
+    python -m bench.run_all --data DIR               # the real TL;DR rows from DIR (default ../shared/data)
     bash bench/gpu_all.sh OUT_DIR                    # on a GPU machine: GPU tests + this, logs in OUT_DIR
 
 Benchmarks (one module each, docs/benchmarks.md explains every figure):
@@ -11,7 +12,7 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     train    bench/train.py      SFT, reward-model and DPO optimizer steps: tokens/s, TFLOP/s, MFU on GPU
     grpo     bench/grpo_step.py  one GRPO step: time and share per stage, tokens/s, peak memory
     trl      bench/trl_grpo.py   TRL's GRPOTrainer vs our step on the same configuration (or why it was not run)
-    prefix_sharing  bench/prefix_sharing.py  GRPO step on TL;DR prompts, prefix sharing on vs off, per stage
+    prefix_sharing  bench/prefix_sharing.py  GRPO step on --data's TL;DR prompts, prefix sharing on vs off, per stage
     compile  bench/compiled.py   --compile vs eager: sampler tokens/s, a GRPO step, compile time (named only)
     floor    bench/floor.py      the TRL side-by-side's step of ours against its matrix products, per stage (named only)
     trl_stages  bench/trl_stages.py  TRL's SFT, Reward and DPO trainers vs our steps on the same weights and rows,
@@ -22,13 +23,12 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     memory_fit  bench/grpo_step.py   the largest GPT-2 whose GRPO step 64 -> 8 runs in 24 GiB of GPU, with and
                                      without --frozen_cpu_offload, each preset in a process of its own (named only)
 
-Every timed figure is the median of repeats after untimed warm-up runs. A figure that could not be measured is
-listed with the reason; a benchmark that fails is listed with its error and the others still run (exit status 1).
-The JSON holds the environment (date, device, versions, commit, load average), the arguments, and every figure
-with its named configuration and raw timings.
+Every timed figure is the median of repeats after warm-up. A figure not measured is listed with the reason; a
+benchmark that fails is listed with its error and the others still run (exit status 1). docs/benchmarks.md: the JSON.
 """
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -41,58 +41,30 @@ from bench import common
 from utils.host import cpu_memory_settings
 
 BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl", "prefix_sharing")
-NAMED_ONLY = ("compile", "floor", "trl_stages", "train_profile", "memory_fit")  # run only when --only names them:
-# compilation takes minutes (bench/gpu_all.sh runs it); the floor repeats the TRL side-by-side's step of ours, to set
-# it against its matrix products; trl_stages takes minutes of CPU and needs trl; the profile and the memory search are
-# GPU checks (bench/gpu_all.sh)
+# run only when --only names them: compile and the memory search take minutes and are GPU checks (bench/gpu_all.sh),
+# as is the profile; the floor repeats the TRL side-by-side's step; trl_stages takes minutes of CPU and needs trl
+NAMED_ONLY = ("compile", "floor", "trl_stages", "train_profile", "memory_fit")
+RUNS = {  # benchmark -> (module of bench/, its function of (device, quick))
+    "sampler": ("sampler", "run"),
+    "train": ("train", "run"),
+    "grpo": ("grpo_step", "run"),
+    "lora": ("lora_memory", "run"),
+    "trl": ("trl_grpo", "run"),
+    "prefix_sharing": ("prefix_sharing", "run"),
+    "compile": ("compiled", "run"),
+    "floor": ("floor", "run"),
+    "trl_stages": ("trl_stages", "run"),
+    "train_profile": ("train", "profile"),
+    "memory_fit": ("grpo_step", "memory_fit"),
+}
+READS_DATA = ("prefix_sharing", "trl_stages")  # take data=the folder of the real TL;DR rows (--data)
+DATA = common.ROOT.parent / "shared" / "data"
 
 
-def run_benchmark(name: str, device: torch.device, quick: bool) -> list[dict]:
-    if name == "sampler":
-        from bench import sampler
-
-        return sampler.run(device, quick)
-    if name == "train":
-        from bench import train
-
-        return train.run(device, quick)
-    if name == "grpo":
-        from bench import grpo_step
-
-        return grpo_step.run(device, quick)
-    if name == "lora":
-        from bench import lora_memory
-
-        return lora_memory.run(device, quick)
-    if name == "trl":
-        from bench import trl_grpo
-
-        return trl_grpo.run(device, quick)
-    if name == "compile":
-        from bench import compiled
-
-        return compiled.run(device, quick)
-    if name == "floor":
-        from bench import floor
-
-        return floor.run(device, quick)
-    if name == "trl_stages":
-        from bench import trl_stages
-
-        return trl_stages.run(device, quick)
-    if name == "train_profile":
-        from bench import train
-
-        return train.profile(device, quick)
-    if name == "memory_fit":
-        from bench import grpo_step
-
-        return grpo_step.memory_fit(device, quick)
-    if name == "prefix_sharing":
-        from bench import prefix_sharing
-
-        return prefix_sharing.run(device, quick)
-    raise ValueError(f"unknown benchmark {name}")
+def run_benchmark(name: str, device: torch.device, quick: bool, data: Path = DATA) -> list[dict]:
+    module, function = RUNS[name]
+    run = getattr(importlib.import_module(f"bench.{module}"), function)
+    return run(device, quick, data=data) if name in READS_DATA else run(device, quick)
 
 
 def write_results(path: Path, env: dict, args: dict, rows: list[dict], errors: list[str]) -> None:
@@ -126,6 +98,13 @@ def main(argv=None) -> int:
         choices=BENCHMARKS + NAMED_ONLY,
         default=list(BENCHMARKS),
         help=f"run only these ({', '.join(NAMED_ONLY)}: only when named)",
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=DATA,
+        help="folder of the real TL;DR rows (tldr-validation-sample.jsonl, tldr-preference-validation-sample.jsonl): "
+        "without them prefix_sharing is not measured and trl_stages times random rows",
     )
     parser.add_argument(
         "--threads",
@@ -162,12 +141,14 @@ def main(argv=None) -> int:
     )
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
 
+    if set(args.only) & set(READS_DATA) and not args.data.is_dir():
+        print(f"--data {args.data}: no such folder (the real TL;DR rows): prefix_sharing is not measured", flush=True)
     rows, errors = [], []
     t_start = time.perf_counter()
     for name in args.only:
         t0 = time.perf_counter()
         try:
-            rows += run_benchmark(name, device, args.quick)
+            rows += run_benchmark(name, device, args.quick, args.data)
         except Exception as e:  # one broken benchmark must not hide the others' figures
             traceback.print_exc()
             errors.append(f"{name}: {type(e).__name__}: {e}")

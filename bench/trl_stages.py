@@ -1,70 +1,11 @@
-"""TRL's SFTTrainer, RewardTrainer and DPOTrainer against our SFT, reward-model and DPO optimizer steps, on the same
-weights and the same rows, interleaved step by step (`python -m bench.run_all --only trl_stages`).
+"""TRL's SFTTrainer, RewardTrainer and DPOTrainer against our SFT, reward-model and DPO optimizer steps on the same
+weights and rows, interleaved step by step (`python -m bench.run_all --device cpu --only trl_stages [--data DIR]`).
 
-Two model shapes, randomly initialised: `tiny` (2 layers, 64 wide, the full 50,257-token vocabulary: the tied
-embedding/head is 97% of the weights, so the LM head dominates) and the `gpt2` shape (124M: the body dominates).
-Both sides start from the same weights: ours built with seed 0 as bench/train.py builds them, exported with
-model.weights.save_hf, loaded by TRL with from_pretrained (the reward model as GPT2ForSequenceClassification).
-
-Rows: real TL;DR rows from ../shared/data when the folder is there, else random token ids with lengths drawn from
-the same ranges (the table's notes say which). SFT trains on the first rows of tldr-validation-sample.jsonl (prompt,
-human-written summary: the SFT columns; tldr-train-sample.jsonl has 10 rows, fewer than a step takes), the reward
-model and DPO on the first human preference pairs of tldr-preference-validation-sample.jsonl. Prompts are cut and
-responses end with the end token ("\\n", 198) exactly as the scripts encode them (data.tldr: SFTDataset,
-PreferenceDataset). Every step trains on the same rows, in the same micro-batches on both sides. TRL sees exactly
-our token ids: the stand-in tokenizer of bench/trl_common.py (one character per GPT-2 id), with the end token as its
-EOS, so TRL appends nothing to a response that already ends with it; the child checks that TRL's tokenized rows are
-our ids.
-
-Settings on both sides: fp32 on CPU, the same rows per step and per micro-batch (TRL: per_device_train_batch_size
-= our micro-batch, gradient_accumulation_steps = batch / micro-batch, train_sampling_strategy "sequential"), fused
-AdamW (torch.optim.AdamW(fused=True): ours utils.optim.build_optimizer, TRL optim "adamw_torch_fused", its default
-with this torch), betas (0.9, 0.95), eps 1e-8, a constant learning rate 1e-5, weight decay 0, gradient clipping at
-1.0, no gradient checkpointing (TRL's default is on; ours is off), no dropout.
-- SFT: completion-only loss (TRL completion_only_loss=True; ours: prompt_weight 0), the NLL summed over the
-  step's response tokens and divided by their count over the whole step (TRL's num_items_in_batch), no packing.
-- Reward model: Bradley-Terry, -log sigmoid(r_chosen - r_rejected) averaged over the step's pairs, the reward read
-  at the last real token (the end token; TRL's GPT2ForSequenceClassification finds it from the pad id); no margin,
-  no reward centering (center_rewards_coefficient None).
-- DPO: sigmoid loss, beta 0.1, no label smoothing; the frozen reference a copy of the initial policy, its
-  log-probs computed inside every step for that step's micro-batches (TRL: precompute_ref_log_probs False, the
-  reference loaded from the same folder).
-
-What differs, and why:
-- Layout. Ours left-pads the prompts and right-pads the responses (data.tldr.collate_sft: width = longest prompt
-  + longest response of the micro-batch) and runs the LM head at response positions only; TRL right-pads whole
-  rows (width = the longest prompt + response) and computes log-probs with its fused, chunked LM head
-  (trl.trainer.utils.add_fused_lm_head), which on a device without Triton (this CPU) scores every position of the
-  padded batch, prompt and padding included, and masks the loss afterwards (on CUDA it scores labelled positions
-  only); for its logged metrics that head also computes each position's entropy and top-1 hit (SFT, DPO), which
-  ours does not. Each side runs as it ships: that is what its step costs, and why the ratios where the head
-  dominates (tiny) are CPU figures that a GPU would not show.
-- Prefix sharing (reward model, DPO). Ours runs each pair's prompt once and both responses against its keys and
-  values (reward_model.py's and dpo.py's default, --prefix_sharing true); TRL runs chosen and rejected as two
-  full rows, each prompt twice. So a third side runs ours with prefix sharing off, the same work as TRL's rows,
-  and its ratio separates what prefix sharing saves from the rest.
-- Parallelism. Ours runs under FSDP2 in a one-process group, as the scripts do on one device; TRL under
-  accelerate with no distributed wrapper.
-- Bookkeeping. A TRL step includes the trainer's own work around the optimizer step: fetching and collating the
-  micro-batches, its metrics (entropy, token accuracy, reward statistics: a few .item() calls per micro-batch) and
-  logging every step (logging_steps 1, report_to none: the first step's loss is read from it). Our step is
-  accumulate_gradients + clipping + AdamW + zero_grad on micro-batches collated once (bench/train.py's step); the
-  scripts' data loading and logging around it are not timed.
-
-Interleaving: TRL runs in a child process (`python -m bench.trl_stages --child SPEC`), one per stage and shape,
-kept alive for all its steps: its trainer pauses in on_step_end until the parent says go, so steps alternate
-ours, TRL, ours, TRL, ... (pair stages: ours, ours without prefix sharing, TRL, ...), and a change in the load of
-a shared machine hits both. While one side runs, the other waits on a pipe and uses no CPU. Starting a trainer per
-step would time its start-up; running all of TRL's steps in one go (bench/trl_grpo.py) would not be interleaved.
-A TRL step is the child's time from "go" to the next on_step_end; the parent's wall-clock around it (the figure)
-adds only the pipe round trip. The first step of each side is an untimed warm-up (TRL's includes train()'s
-set-up). Figures per stage and shape: each side's median step, and TRL / ours as the median of the per-repeat
-ratios; the JSON has every repeat, the first step's loss on each side (the same weights and rows give the same
-loss up to rounding: a check that both train on the same thing) and TRL's versions.
-
-CPU only: the configurations are sized for 2 cores (the gpt2 shape: 4 rows or pairs per step, prompts cut at 192
-tokens). When trl, datasets or accelerate is not installed, our steps are still measured and the table says why
-TRL's were not; when they are, a TRL run that fails fails the benchmark.
+Method, settings on both sides and what differs: docs/benchmarks.md, "trl_stages". The rows are the first TL;DR rows
+of the caller's data folder (run_all --data), or random ids of the same lengths without it. TRL runs in a child
+process (`python -m bench.trl_stages --child SPEC`) whose trainer waits in on_step_end for the parent's "go", so the
+sides alternate and a change in the machine's load hits both. CPU only; without trl, datasets or accelerate our steps
+are measured and a row says why TRL's were not.
 """
 
 import argparse
@@ -102,9 +43,7 @@ from model.weights import save_hf
 from utils.dist import setup_distributed
 
 BENCH = "trl_stages"
-DATA = ROOT.parent / "shared" / "data"
-SFT_FILE = DATA / "tldr-validation-sample.jsonl"
-PAIRS_FILE = DATA / "tldr-preference-validation-sample.jsonl"
+SFT_FILE, PAIRS_FILE = "tldr-validation-sample.jsonl", "tldr-preference-validation-sample.jsonl"  # in run_all --data
 STAGES = ("sft", "reward_model", "dpo")
 TRAINERS = {"sft": "SFTTrainer", "reward_model": "RewardTrainer", "dpo": "DPOTrainer"}
 DPO_BETA = 0.1
@@ -112,49 +51,14 @@ LEARNING_RATE = 1e-5  # bench/train.py's optimizer
 
 
 def configs(quick: bool) -> list[TrainConfig]:
-    """prompt_len / response_len: where real rows are cut (data.tldr), and the longest synthetic row; the minimums
-    only shape synthetic rows, drawn from the range of the real ones (TL;DR prompts of the first rows: 194-448
-    tokens after the cut at 448, summaries 25-48 tokens with the end token)."""
+    """prompt_len / response_len: where real rows are cut (data.tldr) and the longest synthetic row; the minimums shape
+    synthetic rows only (the first TL;DR prompts: 194-448 tokens after the cut at 448, summaries 25-48)."""
     if quick:
-        return [
-            TrainConfig(
-                "cpu-tiny-tldr-quick",
-                "tiny",
-                batch_rows=4,
-                micro_rows=2,
-                prompt_len=128,
-                min_prompt_len=128,
-                response_len=32,
-                min_response_len=24,
-                warmup=1,
-                repeats=2,
-            )
-        ]
+        return [TrainConfig("cpu-tiny-tldr-quick", "tiny", 4, 2, 128, 128, 32, 24, warmup=1, repeats=2)]
+    # tiny holds 512 positions: 448 + 48 fit; gpt2 on 2 CPU cores: a short step (every real prompt here exceeds 192)
     return [
-        TrainConfig(
-            "cpu-tiny-tldr",  # tiny holds 512 positions: 448 + 48 fit
-            "tiny",
-            batch_rows=8,
-            micro_rows=4,
-            prompt_len=448,
-            min_prompt_len=192,
-            response_len=48,
-            min_response_len=24,
-            warmup=1,
-            repeats=3,
-        ),
-        TrainConfig(
-            "cpu-gpt2-tldr",  # 2 CPU cores: a short step (every real prompt of these rows is longer than 192)
-            "gpt2",
-            batch_rows=4,
-            micro_rows=2,
-            prompt_len=192,
-            min_prompt_len=192,
-            response_len=48,
-            min_response_len=24,
-            warmup=1,
-            repeats=3,
-        ),
+        TrainConfig("cpu-tiny-tldr", "tiny", 8, 4, 448, 192, 48, 24, warmup=1, repeats=3),
+        TrainConfig("cpu-gpt2-tldr", "gpt2", 4, 2, 192, 192, 48, 24, warmup=1, repeats=3),
     ]
 
 
@@ -162,13 +66,16 @@ def configs(quick: bool) -> list[TrainConfig]:
 # Rows and weights (the parent's, shared by both sides)
 
 
-def stage_rows(cfg: TrainConfig, stage: str, vocab_size: int) -> tuple[dict[str, list[list[int]]], str]:
+def stage_rows(
+    cfg: TrainConfig, stage: str, vocab_size: int, data: Path | None
+) -> tuple[dict[str, list[list[int]]], str]:
     """The step's rows as token ids ({"prompts", "responses"} for SFT, {"prompts", "chosen", "rejected"} for the
-    pair stages) and where they come from."""
+    pair stages) from the TL;DR files in `data`, or random ones when they are not there, and which they are."""
     pairs = stage != "sft"
-    file = PAIRS_FILE if pairs else SFT_FILE
-    if not file.is_file():
-        why = f"synthetic rows ({file} not found), lengths {cfg.min_prompt_len}-{cfg.prompt_len} + "
+    file = Path(data or "") / (PAIRS_FILE if pairs else SFT_FILE)
+    if data is None or not file.is_file():
+        missing = f"{file} not found" if data else "no data folder"
+        why = f"synthetic rows ({missing}), lengths {cfg.min_prompt_len}-{cfg.prompt_len} + "
         why += f"{cfg.min_response_len}-{cfg.response_len}"
         if pairs:
             prompts, chosen, rejected = random_pairs(cfg.batch_rows, cfg, vocab_size, 0)
@@ -185,11 +92,8 @@ def stage_rows(cfg: TrainConfig, stage: str, vocab_size: int) -> tuple[dict[str,
     else:
         ds = SFTDataset(rows, tok, cfg.prompt_len, cfg.response_len, name=name)
         ids = {"prompts": ds.prompts, "responses": ds.responses}
-    lengths = {k: (min(map(len, v)), max(map(len, v))) for k, v in ids.items()}
-    where = f"TL;DR rows: the first {cfg.batch_rows} of {name}, " + ", ".join(
-        f"{k} {lo}-{hi}" for k, (lo, hi) in lengths.items()
-    )
-    return ids, where
+    lengths = ", ".join(f"{k} {min(map(len, v))}-{max(map(len, v))}" for k, v in ids.items())
+    return ids, f"TL;DR rows: the first {cfg.batch_rows} of {name}, {lengths}"
 
 
 def seeded_model(stage: str, preset: str) -> torch.nn.Module:
@@ -264,7 +168,7 @@ def check_tokenized(stage: str, dataset, rows: dict) -> None:
 
 
 def trl_trainer(stage: str, cfg: TrainConfig, rows: dict, model_dir: str, work: Path, device: torch.device, callback):
-    """The TRL trainer for the stage, with the settings of the module docstring."""
+    """The TRL trainer for the stage, with our step's settings (docs/benchmarks.md, "trl_stages")."""
     import trl
 
     steps = cfg.warmup + cfg.repeats
@@ -421,15 +325,16 @@ class TRLChild:
 
 
 def bench_stage(
-    stage: str, cfg: TrainConfig, device: torch.device, world: int, with_trl: bool, why: str, timeout_s: float
+    stage: str, cfg: TrainConfig, device: torch.device, world: int, trl_missing: str | None, timeout_s: float, data
 ) -> list[dict]:
+    """Our step(s) and TRL's (unless `trl_missing` says why not) of `stage`, interleaved, and the ratios."""
     name = f"{cfg.name} {stage.replace('_', ' ')}"
-    rows, where = stage_rows(cfg, stage, PRESETS[cfg.preset].vocab_size)
+    rows, where = stage_rows(cfg, stage, PRESETS[cfg.preset].vocab_size, data)
     print(f"[{BENCH}] {name}: {where}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-trl-stages-") as tmp:
         work = Path(tmp)
         child = None
-        if with_trl:
+        if trl_missing is None:
             exported = seeded_model(stage, cfg.preset)  # the weights every side starts from
             save_hf(exported.state_dict(), exported.cfg, work / "model")
             spec = {
@@ -477,25 +382,15 @@ def bench_stage(
             details["first_step_loss"] = losses[label]
         out.append(result(BENCH, f"{name}: {label}{trainer} step", t.median, "s", note=note, config=cfg, **details))
     if child is None:
-        out.append(skipped(BENCH, f"{name}: TRL {TRAINERS[stage]} step", why, config=cfg))
+        out.append(skipped(BENCH, f"{name}: TRL {TRAINERS[stage]} step", trl_missing, config=cfg))
         return out
     trl_loss = done["losses"][0] if done["losses"] else None
     for label in (k for k in timings if k != "TRL"):
-        loss_note = f"first-step loss ours {losses[label]:.6f}, TRL " + (
-            f"{trl_loss:.6f}" if trl_loss is not None else "not logged"
-        )
-        out.append(
-            result(
-                BENCH,
-                f"{name}: TRL step / {label} step",
-                median_ratio(timings[label], timings["TRL"]),
-                "x",
-                note=f"median of per-repeat ratios (interleaved); {loss_note}",
-                config=cfg,
-                first_step_loss_ours=losses[label],
-                first_step_loss_trl=trl_loss,
-            )
-        )
+        theirs = "not logged" if trl_loss is None else f"{trl_loss:.6f}"
+        note = f"median of per-repeat ratios (interleaved); first-step loss ours {losses[label]:.6f}, TRL {theirs}"
+        ratio = median_ratio(timings[label], timings["TRL"])
+        losses_ = dict(first_step_loss_ours=losses[label], first_step_loss_trl=trl_loss)
+        out.append(result(BENCH, f"{name}: TRL step / {label} step", ratio, "x", note=note, config=cfg, **losses_))
     for r in out:
         if r["value"] is not None:
             print(f"  {r['name']}: {r['value']:.3f} {r['unit']}", flush=True)
@@ -508,7 +403,9 @@ def run(
     cfgs: list[TrainConfig] | None = None,
     stages: tuple[str, ...] = STAGES,
     timeout_s: float = 1800,
+    data: Path | None = None,
 ) -> list[dict]:
+    """`data`: the folder of the TL;DR files (random rows without it)."""
     if device.type != "cpu":
         return [skipped(BENCH, "TRL stages", "a CPU benchmark (fp32 on both sides): run it with --device cpu")]
     world = setup_distributed(device.type).world_size  # a one-process group, as bench/train.py
@@ -521,7 +418,7 @@ def run(
             flush=True,
         )
         for stage in stages:
-            rows += bench_stage(stage, cfg, device, world, available, why, timeout_s)
+            rows += bench_stage(stage, cfg, device, world, None if available else why, timeout_s, data)
     return rows
 
 

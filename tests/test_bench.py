@@ -14,6 +14,7 @@ from bench import common, decode_profile, grpo_step, lora_memory, prefix_sharing
 from bench.common import random_prompts
 from data.tldr import collate_pairs, collate_sft
 from model.gpt2 import PRESETS, GPTConfig
+from tests.conftest import SHARED_DATA, shared_file
 
 SAMPLER = sampler.SamplerConfig(
     name="test-sampler",
@@ -115,7 +116,8 @@ def by_name(rows: list[dict], bench: str, suffix: str) -> dict:
 
 def test_run_all_prints_table_and_writes_json(tmp_path, micro_configs, capsys):
     out = tmp_path / "results.json"
-    assert run_all.main(["--device", "cpu", "--quick", "--out", str(out), "--threads", "1"]) == 0
+    args = ["--device", "cpu", "--quick", "--out", str(out), "--threads", "1", "--data", str(SHARED_DATA)]
+    assert run_all.main(args) == 0
     doc = json.loads(out.read_text())  # strict JSON: no NaN or infinity
     env = doc["environment"]
     for key in ("date", "device", "device_name", "torch", "cpu", "torch_threads", "command", "git_commit"):
@@ -143,6 +145,8 @@ def test_run_all_prints_table_and_writes_json(tmp_path, micro_configs, capsys):
     # no silent gaps: the missing TRL step and the CPU MFU say why
     assert "not installed" in by_name(rows, "trl", "TRL GRPOTrainer")["note"]
     assert "not reported on CPU" in by_name(rows, "train", ": MFU")["note"]
+    if not (SHARED_DATA / prefix_sharing.PROMPTS_FILE).is_file():  # without the real rows, a row says so
+        assert "tldr-validation-sample.jsonl not found" in by_name(rows, "prefix_sharing", ": prefix sharing")["note"]
     printed = capsys.readouterr().out
     assert "bench" in printed and "figure" in printed and f"wrote {out}" in printed
     for r in rows:
@@ -271,7 +275,8 @@ def test_benchmarks_on_gpu(tmp_path, fresh_process_group):
 
 
 def test_prefix_sharing_counts_each_prompt_once_per_group(fresh_process_group, one_thread):
-    m = prefix_sharing.measure(PREFIX, torch.device("cpu"))
+    bcfg = dataclasses.replace(PREFIX, data=str(shared_file(prefix_sharing.PROMPTS_FILE)))
+    m = prefix_sharing.measure(bcfg, torch.device("cpu"))
     lengths, G, K, new = m["prompt_lengths"], PREFIX.num_samples, PREFIX.num_kept, PREFIX.max_new_tokens
     shared, unshared = m["shared"]["tokens"], m["unshared"]["tokens"]
     # one prompt per generate call: the cache holds the prompt once and G response parts, or G copies of both
@@ -282,7 +287,7 @@ def test_prefix_sharing_counts_each_prompt_once_per_group(fresh_process_group, o
     assert unshared["update"] == unshared["reference"] and shared["update"] == shared["reference"]
     assert unshared["score"] > shared["score"]
     assert shared["kv_cache_bytes"] == sum(2 * 2 * 64 * 4 * (lengths[0] + G * new) for _ in [0])  # first call: prompt 0
-    rows = prefix_sharing.rows_of(PREFIX, m)
+    rows = prefix_sharing.rows_of(bcfg, m)
     assert by_name(rows, "prefix_sharing", "shared / unshared, KV cache")["value"] == pytest.approx(
         (lengths[0] + G * new) / (G * (lengths[0] + new))
     )

@@ -15,6 +15,7 @@ from bench import run_all, trl_common, trl_stages
 from bench.train import TrainConfig
 from bench.trl_common import child_env
 from data.tokenizer import END_ID
+from tests.conftest import SHARED_DATA, shared_file
 from utils import host
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +71,10 @@ def test_without_trl_our_steps_and_why_not(tmp_path, monkeypatch, fresh_process_
     threads = torch.get_num_threads()
     try:
         assert (
-            run_all.main(["--device", "cpu", "--quick", "--only", "trl_stages", "--out", str(out), "--threads", "1"])
+            run_all.main(
+                ["--device", "cpu", "--quick", "--only", "trl_stages", "--out", str(out), "--threads", "1"]
+                + ["--data", str(SHARED_DATA)]
+            )
             == 0
         )
     finally:
@@ -86,17 +90,22 @@ def test_without_trl_our_steps_and_why_not(tmp_path, monkeypatch, fresh_process_
     assert not any(r["unit"] == "x" for r in rows)  # no ratio without TRL's step
 
 
-def test_rows_real_or_synthetic_say_which(monkeypatch):
-    ids, where = trl_stages.stage_rows(MICRO, "dpo", 50257)
+def test_rows_synthetic_without_the_data_say_so():
+    ids, where = trl_stages.stage_rows(MICRO, "sft", 50257, Path("/nonexistent"))
+    assert where.startswith("synthetic rows (/nonexistent/tldr-validation-sample.jsonl not found)")
+    assert [len(p) for p in ids["prompts"]][0] == MICRO.prompt_len and ids["responses"][0][-1] == END_ID
+    ids, where = trl_stages.stage_rows(MICRO, "dpo", 50257, None)
+    assert where.startswith("synthetic rows (no data folder)")
     assert len(ids["prompts"]) == len(ids["chosen"]) == len(ids["rejected"]) == MICRO.batch_rows
     assert all(r[-1] == END_ID for r in ids["chosen"] + ids["rejected"])
-    if trl_stages.PAIRS_FILE.is_file():
-        assert where.startswith("TL;DR rows: the first 2 of tldr-preference-validation-sample.jsonl")
-        assert max(map(len, ids["prompts"])) <= MICRO.prompt_len
-    monkeypatch.setattr(trl_stages, "SFT_FILE", Path("/nonexistent/sft.jsonl"))
-    ids, where = trl_stages.stage_rows(MICRO, "sft", 50257)
-    assert where.startswith("synthetic rows (/nonexistent/sft.jsonl not found)")
-    assert [len(p) for p in ids["prompts"]][0] == MICRO.prompt_len and ids["responses"][0][-1] == END_ID
+
+
+def test_rows_real_from_the_data_folder():
+    ids, where = trl_stages.stage_rows(MICRO, "dpo", 50257, shared_file(trl_stages.PAIRS_FILE).parent)
+    assert where.startswith("TL;DR rows: the first 2 of tldr-preference-validation-sample.jsonl")
+    assert len(ids["prompts"]) == len(ids["chosen"]) == len(ids["rejected"]) == MICRO.batch_rows
+    assert all(r[-1] == END_ID for r in ids["chosen"] + ids["rejected"])
+    assert max(map(len, ids["prompts"])) <= MICRO.prompt_len
 
 
 def test_stand_in_tokenizer_with_the_end_token_as_eos():
@@ -116,7 +125,7 @@ def test_quick_against_trl(monkeypatch, fresh_process_group):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rows = trl_stages.run(torch.device("cpu"), quick=True)
+        rows = trl_stages.run(torch.device("cpu"), quick=True, data=SHARED_DATA)
     finally:
         torch.set_num_threads(threads)
     ratios = [r for r in rows if r["unit"] == "x"]

@@ -1,26 +1,7 @@
 """Sampler throughput: our KV-cache sampler (model/sampler.generate) against transformers'
-`GPT2LMHeadModel.generate(num_return_sequences=G)` on the same weights, prompts and settings, in the same run;
-then prefix sharing (one prefill per prompt) against one prefill per sample, where a decode step spends its
-time, and on CUDA the memory-bandwidth bound of decoding.
-
-Fairness rules, all in one place:
-- The same weights: our randomly initialised GPT-2 is exported with model.weights.save_hf and loaded with
-  transformers.GPT2LMHeadModel.from_pretrained, in the same dtype; the largest logit difference on one prompt is
-  reported, so a broken export cannot go unnoticed.
-- The same prompts: random token ids, lengths uniform in [min_prompt_len, prompt_len], left-padded, with the
-  attention mask. Throughput does not depend on which ids they are.
-- The same distribution: temperature 1, no top-k (transformers' default would be 50), top-p 1, G samples per
-  prompt (num_samples / num_return_sequences).
-- The same work: a fixed number of new tokens. Ours with stop_ids=() (nothing stops a row), transformers with
-  generation_config.eos_token_id = None (`min_new_tokens` would add a logits processor instead). So generated
-  tokens = rows x new tokens in both.
-- Timed: one untimed warm-up call per engine, then `repeats` rounds in which every engine runs once in turn
-  (interleaved, so a change in the load of a shared machine hits all engines alike); the median time is reported,
-  and a speed-up is the median of the per-round ratios.
-
-Both engines copy the prompt's keys and values to each of the G rows and decode every row against its own copy;
-ours computes the prompt once per group (prefill) where transformers computes it G times.
-"""
+generate(num_return_sequences=G) on the same weights, prompts and settings, interleaved; prefix sharing against one
+prefill per sample; where a decode step spends its time (docs/benchmarks.md, "sampler": the fairness rules). The
+decode step against its floor on a GPU: bench/decode_profile.py."""
 
 import importlib.util
 import tempfile
@@ -37,94 +18,31 @@ from model.sampler import END_ID, EOS_ID, PAD_ID, generate, process_logits, samp
 
 BENCH = "sampler"
 
-# Memory bandwidth for the decode bound: H100 as measured in /work/shared/REFERENCE.md (datasheet 3.35 TB/s);
-# H200 the datasheet figure, marked as such in the output.
-MEMORY_BANDWIDTH = {"H100": (3.0e12, "measured, REFERENCE.md"), "H200": (4.8e12, "datasheet")}
-
 
 @dataclass
 class SamplerConfig:
-    name: str
-    """Named configuration, printed with every figure."""
-    preset: str
-    """model.gpt2.PRESETS key; randomly initialised (throughput does not depend on the weights' values)."""
-    dtype: str
-    """fp32 or bf16: the dtype of the weights and of the computation, in both engines."""
-    prompt_len: int
-    """Width of the left-padded prompt batch (the longest prompt)."""
+    name: str  # named configuration, printed with every figure
+    preset: str  # model.gpt2.PRESETS key, randomly initialised
+    dtype: str  # fp32 or bf16: weights and computation, in both engines
+    prompt_len: int  # the longest prompt (the left-padded batch's width); lengths uniform from min_prompt_len
     min_prompt_len: int
-    """Shortest prompt; lengths are uniform in [min_prompt_len, prompt_len]."""
-    new_tokens: int
-    """Decode steps, forced in every engine."""
-    group: int
-    """G: samples per prompt (num_samples / num_return_sequences)."""
-    rows: tuple[int, ...]
-    """Batch sizes N = prompts x G of the ours-vs-transformers comparison."""
-    share_prompts: int
-    """Prompts in the prefix-sharing comparison (each with G samples); 0 skips it."""
-    warmup: int = 1
-    """Untimed calls per engine before timing."""
-    repeats: int = 3
-    """Timed rounds; the median is reported."""
-    with_hf: bool = True
-    """Run transformers' generate side by side (reported as not measured when transformers is missing)."""
-    stage_steps: int = 8
-    """Decode steps replayed stage by stage for the time breakdown; 0 skips it."""
-    roofline: bool = False
-    """Report decode throughput against the memory-bandwidth bound (CUDA only)."""
+    new_tokens: int  # decode steps, forced in every engine
+    group: int  # G: samples per prompt
+    rows: tuple[int, ...]  # batch sizes N = prompts x G of ours against transformers
+    share_prompts: int  # prompts of the prefix-sharing comparison (0: none)
+    warmup: int = 1  # untimed calls per engine
+    repeats: int = 3  # timed rounds; the median is reported
+    with_hf: bool = True  # transformers' generate beside ours (a row says why when it is missing)
+    stage_steps: int = 8  # decode steps replayed stage by stage (0: none)
 
 
 def configs(device: torch.device, quick: bool) -> list[SamplerConfig]:
-    if device.type == "cuda":
-        # GPT-2 124M at the reference GRPO shape: prompts up to 384 tokens, 56 new tokens, 64 samples per prompt;
-        # N = 64 / 256 / 1024 are the batch sizes of REFERENCE.md's decode bounds.
-        return [
-            SamplerConfig(
-                name="gpu-gpt2-124M" + ("-quick" if quick else ""),
-                preset="gpt2",
-                dtype="bf16",
-                prompt_len=384,
-                min_prompt_len=352,
-                new_tokens=56,
-                group=64,
-                rows=(64, 256) if quick else (64, 256, 1024),
-                share_prompts=4,
-                repeats=2 if quick else 3,
-                stage_steps=8,
-                roofline=True,
-            )
-        ]
+    if device.type == "cuda":  # GPT-2 124M at the reference GRPO shape; N = 64 / 256 / 1,024 as REFERENCE.md's bounds
+        name, rows = ("gpu-gpt2-124M-quick", (64, 256)) if quick else ("gpu-gpt2-124M", (64, 256, 1024))
+        return [SamplerConfig(name, "gpt2", "bf16", 384, 352, 56, 64, rows, 4, repeats=2 if quick else 3)]
     if quick:
-        return [
-            SamplerConfig(
-                name="cpu-tiny-quick",
-                preset="tiny",
-                dtype="fp32",
-                prompt_len=64,
-                min_prompt_len=48,
-                new_tokens=16,
-                group=8,
-                rows=(16, 64),
-                share_prompts=2,
-                repeats=3,
-                stage_steps=4,
-            )
-        ]
-    return [
-        SamplerConfig(
-            name="cpu-tiny",
-            preset="tiny",
-            dtype="fp32",
-            prompt_len=128,
-            min_prompt_len=96,
-            new_tokens=32,
-            group=16,
-            rows=(16, 64, 256),
-            share_prompts=4,
-            repeats=3,
-            stage_steps=8,
-        )
-    ]
+        return [SamplerConfig("cpu-tiny-quick", "tiny", "fp32", 64, 48, 16, 8, (16, 64), 2, stage_steps=4)]
+    return [SamplerConfig("cpu-tiny", "tiny", "fp32", 128, 96, 32, 16, (16, 64, 256), 4)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -250,58 +168,39 @@ STAGE_NOTES = {
 
 
 # ----------------------------------------------------------------------------------------------------
-# Memory-bandwidth bound of decoding (CUDA)
-
-
-def decode_bound_tokens_per_s(
-    n_params: int,
-    bytes_per_param: int,
-    kv_bytes_per_token: int,
-    rows: int,
-    prompt_len: int,
-    steps: int,
-    bandwidth: float,
-) -> float:
-    """Upper bound on decoded tokens/s when each decode step reads every weight once plus the cached keys and
-    values of every row (REFERENCE.md: 247 MB of bf16 weights + 36,864 B per cached token for GPT-2 124M)."""
-    seconds = sum(
-        (n_params * bytes_per_param + rows * (prompt_len + t) * kv_bytes_per_token) / bandwidth for t in range(steps)
-    )
-    return rows * steps / seconds
-
-
-def bandwidth_for(device: torch.device) -> tuple[float, str] | None:
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in MEMORY_BANDWIDTH.items() if k in name), None)
-
-
-# ----------------------------------------------------------------------------------------------------
 # The benchmark
 
 
 def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> list[dict]:
-    rows = []
-    P, R, G = cfg.prompt_len, cfg.new_tokens, cfg.group
+    P, R, G, label = cfg.prompt_len, cfg.new_tokens, cfg.group, cfg.name
     ours, hf, logit_diff, why_no_hf = build_models(cfg, device, workdir)
-    label = cfg.name
     print(
         f"[sampler] {label}: {cfg.preset} {cfg.dtype}, prompts {cfg.min_prompt_len}-{P} tokens, {R} new tokens forced, "
         f"G={G}, {cfg.warmup} warm-up + {cfg.repeats} interleaved repeats",
         flush=True,
     )
+
+    def row(figure: str, value: float, unit: str, note: str = "", **details) -> dict:
+        return result(BENCH, f"{label}{figure}", value, unit, note=note, config=cfg, **details)
+
+    def timed(calls: dict, new_tokens: int, warmup: int) -> dict[str, Timing]:
+        for _ in range(warmup):
+            for call in calls.values():
+                call(R)
+        return measure_interleaved({k: (lambda c=c: c(new_tokens)) for k, c in calls.items()}, device, cfg.repeats)
+
     if hf is None:
-        rows.append(skipped(BENCH, f"{label}: transformers generate", why_no_hf, config=cfg))
+        rows = [skipped(BENCH, f"{label}: transformers generate", why_no_hf, config=cfg)]
     else:
-        rows.append(
-            result(
-                BENCH,
-                f"{label}: same weights, max |logit diff| ours vs transformers",
+        rows = [
+            row(
+                ": same weights, max |logit diff| ours vs transformers",
                 logit_diff,
                 "abs",
-                note=f"{cfg.dtype}, one 64-token prompt",
-                config=cfg,
+                f"{cfg.dtype}, one 64-token prompt",
             )
-        )
+        ]
+    ratio_note = "median of per-repeat time ratios"
 
     # 1. ours vs transformers generate, G samples per prompt, several batch sizes
     for N in cfg.rows:
@@ -312,41 +211,19 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
         engines = {"ours": lambda r, i=ids, m=mask: run_ours(ours, i, m, G, r, seed=1)}
         if hf is not None:
             engines["transformers"] = lambda r, i=ids, m=mask: run_hf(hf, i, m, G, r, seed=1)
-        for _ in range(cfg.warmup):
-            for call in engines.values():
-                call(R)
-        timings = measure_interleaved({k: (lambda c=c: c(R)) for k, c in engines.items()}, device, cfg.repeats)
+        timings = timed(engines, R, cfg.warmup)
         for name, t in timings.items():
             d = rate_details(t, P)
             what = "model/sampler.generate" if name == "ours" else "GPT2LMHeadModel.generate(num_return_sequences=G)"
-            rows.append(
-                result(
-                    BENCH,
-                    f"{label} N={N} ({B} prompts x G={G}): {name}",
-                    d["tokens_per_s"],
-                    "tok/s",
-                    note=f"{what}; {t.median:.3f} s/call{t.interference}",
-                    config=cfg,
-                    rows=N,
-                    **d,
-                )
-            )
+            note = f"{what}; {t.median:.3f} s/call{t.interference}"
+            rows.append(row(f" N={N} ({B} prompts x G={G}): {name}", d["tokens_per_s"], "tok/s", note, rows=N, **d))
             print(f"  N={N:5d} {name:13s} {d['tokens_per_s']:12,.0f} generated tok/s ({t.median:.3f} s)", flush=True)
         if hf is not None:
-            rows.append(
-                result(
-                    BENCH,
-                    f"{label} N={N}: ours / transformers speed-up",
-                    median_ratio(timings["ours"], timings["transformers"]),
-                    "x",
-                    note="median of per-repeat time ratios",
-                    config=cfg,
-                    rows=N,
-                )
-            )
+            speed_up = median_ratio(timings["ours"], timings["transformers"])
+            rows.append(row(f" N={N}: ours / transformers speed-up", speed_up, "x", ratio_note, rows=N))
 
-    # 2. prefix sharing: S prompts x G samples with one prefill per prompt, against the same prompts repeated G
-    #    times as separate rows (num_samples=1); the prefill share from calls that generate one token
+    # 2. prefix sharing: S prompts x G samples, one prefill per prompt, against the prompts repeated G times as rows;
+    #    the prefill's share from calls that generate one token
     S = cfg.share_prompts
     if S > 0:
         ids, mask = (t.to(device) for t in random_prompts(S, P, cfg.min_prompt_len, ours.cfg.vocab_size, seed=100 + S))
@@ -355,42 +232,18 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
             "shared": lambda r: run_ours(ours, ids, mask, G, r, seed=2),
             "unshared": lambda r: run_ours(ours, ids_rep, mask_rep, 1, r, seed=2),
         }
-        for _ in range(cfg.warmup):
-            for call in calls.values():
-                call(R)
-        full = measure_interleaved({k: (lambda c=c: c(R)) for k, c in calls.items()}, device, cfg.repeats)
-        prefill = measure_interleaved({k: (lambda c=c: c(1)) for k, c in calls.items()}, device, cfg.repeats)
+        full, prefill = timed(calls, R, cfg.warmup), timed(calls, 1, 0)
         for mode in calls:
-            d = rate_details(full[mode], P)
-            share = prefill[mode].median / full[mode].median
-            rows.append(
-                result(
-                    BENCH,
-                    f"{label} {S} prompts x {G}: ours, prefix {mode}",
-                    d["tokens_per_s"],
-                    "tok/s",
-                    note=f"{full[mode].median:.3f} s/call; prefill + 1 token {prefill[mode].median:.3f} s ({share:.0%})"
-                    f"{full[mode].interference}",
-                    config=cfg,
-                    prefill=prefill[mode].to_dict(),
-                    **d,
-                )
-            )
+            d, one = rate_details(full[mode], P), prefill[mode].median
+            note = f"{full[mode].median:.3f} s/call; prefill + 1 token {one:.3f} s ({one / full[mode].median:.0%})"
+            note += full[mode].interference
+            name = f" {S} prompts x {G}: ours, prefix {mode}"
+            rows.append(row(name, d["tokens_per_s"], "tok/s", note, prefill=prefill[mode].to_dict(), **d))
             print(
-                f"  {S} prompts x {G} prefix {mode:9s} {d['tokens_per_s']:12,.0f} generated tok/s "
-                f"({full[mode].median:.3f} s, prefill + 1 token {prefill[mode].median:.3f} s)",
-                flush=True,
+                f"  {S} prompts x {G} prefix {mode:9s} {d['tokens_per_s']:12,.0f} generated tok/s ({note})", flush=True
             )
-        rows.append(
-            result(
-                BENCH,
-                f"{label} {S} prompts x {G}: prefix shared / unshared speed-up",
-                median_ratio(full["shared"], full["unshared"]),
-                "x",
-                note="median of per-repeat time ratios",
-                config=cfg,
-            )
-        )
+        speed_up = median_ratio(full["shared"], full["unshared"])
+        rows.append(row(f" {S} prompts x {G}: prefix shared / unshared speed-up", speed_up, "x", ratio_note))
 
     # 3. where a decode step of ours spends its time
     if cfg.stage_steps > 0:
@@ -399,68 +252,12 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
         stages = decode_stages(ours, N, P, cfg.stage_steps, device)
         step_ms = sum(v for k, v in stages.items() if k != "prefill")
         for name, ms in stages.items():
-            if name == "prefill":
-                note = f"{N} prompts of up to {P} tokens, logits at the last position"
-            else:
-                note = f"{ms / step_ms:.0%} of a decode step; {STAGE_NOTES[name]}"
-            rows.append(result(BENCH, f"{label} N={N} decode step: {name}", ms, "ms", note=note, config=cfg))
-        rows.append(
-            result(
-                BENCH,
-                f"{label} N={N} decode step: total",
-                step_ms,
-                "ms",
-                note="replay with a synchronize between stages",
-                config=cfg,
-            )
-        )
+            note = f"{ms / step_ms:.0%} of a decode step; {STAGE_NOTES[name]}" if name != "prefill" else ""
+            note = note or f"{N} prompts of up to {P} tokens, logits at the last position"
+            rows.append(row(f" N={N} decode step: {name}", ms, "ms", note))
+        rows.append(row(f" N={N} decode step: total", step_ms, "ms", "replay with a synchronize between stages"))
         print("  decode step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()), flush=True)
 
-    # 4. memory-bandwidth bound of decoding (CUDA): weights once per step + every row's cached keys/values
-    if cfg.roofline and device.type == "cuda":
-        bw = bandwidth_for(device)
-        if bw is None:
-            rows.append(
-                skipped(
-                    BENCH,
-                    f"{label}: decode bandwidth bound",
-                    f"no bandwidth figure for {torch.cuda.get_device_name(device)}",
-                    config=cfg,
-                )
-            )
-        else:
-            bandwidth, source = bw
-            c = ours.cfg
-            n_params = common.count_params(ours)
-            bytes_per = 2 if cfg.dtype == "bf16" else 4
-            kv_bytes = 2 * c.n_layer * c.n_embd * bytes_per  # k and v, every layer: 36,864 B for GPT-2 124M in bf16
-            for N in cfg.rows:
-                ids, mask = (t.to(device) for t in random_prompts(N, P, cfg.min_prompt_len, c.vocab_size, seed=7 + N))
-                calls = {
-                    "full": lambda i=ids, m=mask: run_ours(ours, i, m, 1, R, seed=3),
-                    "prefill": lambda i=ids, m=mask: run_ours(ours, i, m, 1, 1, seed=3),
-                }
-                calls["full"]()
-                t = measure_interleaved(calls, device, cfg.repeats)
-                decode_rate = N * (R - 1) / max(t["full"].median - t["prefill"].median, 1e-9)
-                bound = decode_bound_tokens_per_s(n_params, bytes_per, kv_bytes, N, P + 1, R - 1, bandwidth)
-                rows.append(
-                    result(
-                        BENCH,
-                        f"{label} N={N} G=1: decode tok/s, prefill excluded",
-                        decode_rate,
-                        "tok/s",
-                        note=f"bound {bound:,.0f} tok/s = {100 * decode_rate / bound:.0f}% (weights "
-                        f"{n_params * bytes_per / 1e6:.0f} MB + {kv_bytes:,} B per cached token per step at "
-                        f"{bandwidth / 1e12:.1f} TB/s, {source})",
-                        config=cfg,
-                        bound=bound,
-                        bandwidth=bandwidth,
-                        timing=t["full"].to_dict(),
-                        prefill=t["prefill"].to_dict(),
-                    )
-                )
-                print(f"  decode bound N={N}: {decode_rate:,.0f} tok/s of {bound:,.0f}", flush=True)
     ours = hf = None  # frees the models (the timing lambdas hold the names, not them)
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -1,20 +1,8 @@
-"""--compile against eager: the sampler's decode tokens/s and one GRPO step, with the compilation timed apart.
-
-    python -m bench.run_all --only compile                    # the device present (named only: not in the default set)
-    python -m bench.run_all --only compile --device cpu --quick
-
-Sampler: model/sampler.generate on a randomly initialised model, S prompts x G samples (the default prefix sharing),
-a fixed number of new tokens (stop_ids=(): nothing stops a row), eager against compile=True. One eager warm-up call;
-the first compiled call is timed alone (compilation + one call); then `repeats` rounds in which each mode runs once in
-turn. tokens/s = rows x new tokens / median seconds of a call (prefill included); compile seconds = the first
-compiled call - the median compiled call.
-
-GRPO: bench/grpo_step.py's step (rollouts.step.train_step) at its configuration, --compile false and true, each with one
-warm-up step (the compiled run's pays the compilation: reported as such) and `repeats` timed steps.
-
-Once per process: on a GPU each decode shape's steps are recorded as CUDA graphs at their first use
-(model/sampler.StepGraph); on a CPU the compiled decode step is built once (model/sampler.compiled_decode_step) and the
-GRPO run compiles again only for shapes it has not seen (a new prompt width gives a dynamic-shape graph).
+"""--compile against eager: the sampler's decode tokens/s and one GRPO step (bench/grpo_step.py's, with its peak
+memory against the estimate), the compilation timed apart (`python -m bench.run_all --only compile [--quick]`).
+The first compiled call or step is timed alone (compilation + one call); then eager and compiled in turn. On a GPU each
+decode shape's steps are recorded as CUDA graphs at their first use (model/sampler.StepGraph), on a CPU the decode
+step is compiled once (model/sampler.compiled_decode_step).
 """
 
 import statistics
@@ -34,52 +22,25 @@ BENCH = "compile"
 
 @dataclass
 class DecodeCompileConfig:
-    name: str
-    """Named configuration, printed with every figure."""
-    preset: str
-    """model.gpt2.PRESETS key; randomly initialised."""
-    dtype: str
-    """fp32 or bf16."""
-    prompts: int
-    """S: prompts per generate call."""
-    group: int
-    """G: samples per prompt (rows = S x G)."""
-    prompt_len: int
-    """Width of the left-padded prompt batch."""
+    name: str  # named configuration, printed with every figure
+    preset: str  # model.gpt2.PRESETS key, randomly initialised
+    dtype: str  # fp32 or bf16
+    prompts: int  # S: prompts per generate call
+    group: int  # G: samples per prompt (rows = S x G)
+    prompt_len: int  # the left-padded batch's width; lengths uniform from min_prompt_len
     min_prompt_len: int
-    """Shortest prompt; lengths are uniform in [min_prompt_len, prompt_len]."""
-    new_tokens: int
-    """Decode steps, forced."""
-    repeats: int = 3
-    """Timed rounds; the median is reported."""
+    new_tokens: int  # decode steps, forced
+    repeats: int = 3  # timed rounds; the median is reported
 
 
 def configs(device: torch.device, quick: bool) -> tuple[DecodeCompileConfig, GRPOBenchConfig]:
     if device.type == "cuda":
         # gpt2 at the reference decode shape, 1,024 rows (16 prompts x 64 samples), and REFERENCE.md's GRPO step
-        sampler = DecodeCompileConfig(
-            "gpu-gpt2-1024-rows",
-            "gpt2",
-            "bf16",
-            prompts=16,
-            group=64,
-            prompt_len=384,
-            min_prompt_len=352,
-            new_tokens=56,
-            repeats=2 if quick else 3,
-        )
+        sampler = DecodeCompileConfig("gpu-gpt2-1024-rows", "gpt2", "bf16", 16, 64, 384, 352, 56, 2 if quick else 3)
         step = replace(GPU_REFERENCE, prompts=32 if quick else 256, repeats=2 if quick else 3)
         return sampler, step
-    sampler = DecodeCompileConfig(
-        "cpu-tiny",
-        "tiny",
-        "fp32",
-        prompts=2 if quick else 4,
-        group=8 if quick else 16,
-        prompt_len=64,
-        min_prompt_len=48,
-        new_tokens=16 if quick else 32,
-    )
+    S, G, new = (2, 8, 16) if quick else (4, 16, 32)
+    sampler = DecodeCompileConfig("cpu-tiny", "tiny", "fp32", S, G, 64, 48, new)
     step = replace(CPU_TINY_QUICK, name="cpu-tiny")
     return sampler, step
 
@@ -113,42 +74,23 @@ def bench_sampler(cfg: DecodeCompileConfig, device: torch.device) -> list[dict]:
         t = measure_interleaved({"eager": lambda: call(False), "compile": lambda: call(True)}, device, cfg.repeats)
     again = f", {recorded[0]} CUDA graphs recorded after the first call" if device.type == "cuda" else ""
     out = []
+
+    def row(figure: str, value: float, unit: str, note: str, **details) -> None:
+        out.append(result(BENCH, f"{cfg.name}: sampler, {figure}", value, unit, note=note, config=cfg, **details))
+
     for mode, timing in t.items():
         rate = rows * cfg.new_tokens / timing.median
-        out.append(
-            result(
-                BENCH,
-                f"{cfg.name}: sampler, {mode}",
-                rate,
-                "tok/s",
-                note=f"{timing.median:.3f} s/call, prefill included{again if mode == 'compile' else ''}"
-                f"{timing.interference}",
-                config=cfg,
-                timing=timing.to_dict(),
-            )
-        )
+        note = f"{timing.median:.3f} s/call, prefill included{again if mode == 'compile' else ''}{timing.interference}"
+        row(mode, rate, "tok/s", note, timing=timing.to_dict())
         print(f"  sampler {mode:7s} {rate:12,.0f} tok/s ({timing.median:.3f} s/call{again})", flush=True)
-    out.append(
-        result(
-            BENCH,
-            f"{cfg.name}: sampler, compile / eager speed-up",
-            common.median_ratio(t["compile"], t["eager"]),
-            "x",
-            note="median of per-repeat time ratios",
-            config=cfg,
-        )
+    row(
+        "compile / eager speed-up",
+        common.median_ratio(t["compile"], t["eager"]),
+        "x",
+        "median of per-repeat time ratios",
     )
     compile_s = first - t["compile"].median
-    out.append(
-        result(
-            BENCH,
-            f"{cfg.name}: sampler, compilation",
-            compile_s,
-            "s",
-            note=f"first compiled call {first:.1f} s - median compiled call",
-            config=cfg,
-        )
-    )
+    row("compilation", compile_s, "s", f"first compiled call {first:.1f} s - median compiled call")
     print(f"  sampler compilation {compile_s:.1f} s", flush=True)
     return out
 
@@ -163,45 +105,28 @@ def bench_step(bcfg: GRPOBenchConfig, device: torch.device) -> list[dict]:
         m = measure_steps(b, device)
         step = medians[mode] = statistics.median(m["step_seconds"])
         generate_s = statistics.median(m["stage_seconds"]["generate"])
-        out.append(
-            result(
-                BENCH,
-                f"{b.name}: GRPO step, {mode}",
-                step,
-                "s",
-                note=f"median of {len(m['step_seconds'])} steps; generate {generate_s:.3f} s",
-                config=b,
-                measurements=m,
-            )
-        )
+        note = f"median of {len(m['step_seconds'])} steps; generate {generate_s:.3f} s"
+        out.append(result(BENCH, f"{b.name}: GRPO step, {mode}", step, "s", note=note, config=b, measurements=m))
         out += memory_rows(b, m, BENCH, f"{b.name}: GRPO step, {mode}")
         if compiled:
             first = m["warmup_step_seconds"][0]
-            out.append(
-                result(
-                    BENCH,
-                    f"{b.name}: GRPO step, compilation",
-                    first - step,
-                    "s",
-                    note=f"warm-up step {first:.1f} s - median step",
-                    config=b,
-                )
-            )
+            note = f"warm-up step {first:.1f} s - median step"
+            out.append(result(BENCH, f"{b.name}: GRPO step, compilation", first - step, "s", note=note, config=b))
         print(
             f"  step {step:.3f} s (generate {generate_s:.3f} s), warm-up step {m['warmup_step_seconds'][0]:.1f} s",
             flush=True,
         )
-    out.append(
+    ratio = medians["eager"] / medians["compile"]
+    return out + [
         result(
             BENCH,
             f"{bcfg.name}: GRPO step, eager / compile",
-            medians["eager"] / medians["compile"],
+            ratio,
             "x",
             note="ratio of median step times",
             config=bcfg,
         )
-    )
-    return out
+    ]
 
 
 def run(device: torch.device, quick: bool) -> list[dict]:

@@ -1,18 +1,9 @@
-"""GRPO's step against its compute floor, stage by stage, at the side-by-side configuration of bench/trl_grpo.py
-(cpu-trl-comparison on a CPU: the tiny GPT-2 with the full 50,257-word vocabulary, 8 prompts x 16 samples x 16 new
-tokens, all 128 samples trained; on a GPU its gpu-trl-comparison).
+"""GRPO's step against its compute floor, stage by stage, at the TRL side-by-side configuration (bench/trl_grpo.py):
+a stage's floor is its matrix products alone (bench/stage_floors.py stage_products), the head's timed one by one with
+torch.mm at their shapes on the same machine and threads, the body's FLOPs charged at the fastest head product's rate
+(a lower bound). What a stage does beyond them is the gap (docs/benchmarks.md, "GRPO's step against its compute floor").
 
-    python -m bench.run_all --only floor                   # named only, like compile
     python -m bench.run_all --only floor --device cpu --threads 2
-
-A stage's floor is the time of its matrix products alone, run with torch.mm at the shapes and counts the stage runs
-them, on the same machine and threads, just before the step is timed: the LM head's products (the tiny model's
-50,257 x 64 head is 97% of its weights) timed one by one, and the transformer body's FLOPs charged at the fastest
-head product's rate (the body's 64-wide products run slower than that, so the floor stays a lower bound). What a
-stage does beyond its products (softmax, the draw, gathers, FSDP's hooks, Python) is the gap between its measured
-time and its floor. A product (m, k) x (k, n) is 2mkn FLOPs.
-
-The products each stage runs are bench/stage_floors.py's stage_products (its docstring lists them).
 """
 
 import statistics

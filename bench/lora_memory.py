@@ -1,12 +1,7 @@
-"""Memory held by GRPO's trainable policy and its reference: full fine-tuning with a frozen reference copy
-against LoRA, whose reference is the same weights with the adapters off (model/lora.py).
-
-Measured, not computed: each set-up is built as grpo.main() builds it (bench/grpo_step.py's `build`: FSDP-sharded,
-bf16 parameters on CUDA, fp32 on CPU), one real GRPO step (rollouts/step.py) is taken (generation, a reward
-function, reference log-probs, the update), and the bytes of every parameter of the policy and the reference and of
-AdamW's state are counted after it; on CUDA also torch.cuda.memory_allocated after the step (activations freed).
-Activations are the same in both and are not part of the figure. model/lora.py's lora_memory_report gives the same
-parameter and state bytes from the model's shape alone (`python -m model.lora`), without running anything.
+"""Memory held by GRPO's policy and its reference after one real step (rollouts/step.py on set-ups built as grpo.main()
+builds them, bench/grpo_step.py's `build`): full fine-tuning with a frozen copy against LoRA, whose reference is the
+policy with its adapters off; parameters and AdamW state counted (activations are the same in both), on CUDA also
+memory_allocated. `python -m model.lora` computes the same bytes from the shapes alone.
 """
 
 from dataclasses import dataclass, replace
@@ -35,24 +30,10 @@ def _bytes(tensors) -> int:
 
 
 def step_config(cfg: LoRAMemoryConfig) -> GRPOBenchConfig:
-    """One small GRPO step: 2 prompts of up to 128 tokens x 8 samples x 16 new tokens, every sample kept, the
-    `length` reward function (no reward model, so only the policy and its reference are held)."""
+    """2 prompts of 96-128 tokens x 8 samples x 16 new tokens, all kept, the `length` reward (no reward model held)."""
+    name = f"{cfg.name}-step"
     return GRPOBenchConfig(
-        f"{cfg.name}-step",
-        cfg.preset,
-        prompts=2,
-        num_samples=8,
-        num_kept=8,
-        selection="all",
-        max_new_tokens=16,
-        prompt_len=128,
-        min_prompt_len=96,
-        gen_prompts=2,
-        micro_batch_size=8,
-        score_micro_batch_size=16,
-        warmup=0,
-        repeats=1,
-        rewards="length",
+        name, cfg.preset, 2, 8, 8, "all", 16, 128, 96, 2, 8, 16, warmup=0, repeats=1, rewards="length"
     )
 
 
@@ -84,43 +65,21 @@ def run(device: torch.device, quick: bool) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         lora, lora_trainable, lora_alloc = held_after_step(replace(step, lora_rank=cfg.rank), device)
-        mib = 2**20
-        what = f"{dtype} parameters, AdamW, after one GRPO step (train_step)"
-        rows += [
-            common.result(
-                BENCH,
-                "full fine-tune + reference copy: held",
-                full / mib,
-                "MiB",
-                config=cfg,
-                note=f"{what}; trainable {full_trainable:,}",
-            ),
-            common.result(
-                BENCH,
+        mib, what = 2**20, f"{dtype} parameters, AdamW, after one GRPO step (train_step)"
+        figures = [
+            ("full fine-tune + reference copy: held", full / mib, "MiB", f"{what}; trainable {full_trainable:,}"),
+            (
                 f"LoRA r={cfg.rank}, reference = adapters off: held",
                 lora / mib,
                 "MiB",
-                config=cfg,
-                note=f"{what}; trainable {lora_trainable:,}",
+                f"{what}; trainable {lora_trainable:,}",
             ),
-            common.result(
-                BENCH,
-                "LoRA saves",
-                (full - lora) / mib,
-                "MiB",
-                config=cfg,
-                note=f"{full / lora:.1f}x less held (activations excluded)",
-            ),
+            ("LoRA saves", (full - lora) / mib, "MiB", f"{full / lora:.1f}x less held (activations excluded)"),
         ]
         if full_alloc is not None:
-            rows.append(
-                common.result(
-                    BENCH,
-                    "CUDA allocated after the step: full / LoRA",
-                    full_alloc / max(lora_alloc, 1),
-                    "x",
-                    config=cfg,
-                    note=f"{full_alloc / mib:.0f} / {lora_alloc / mib:.0f} MiB",
-                )
+            allocated = f"{full_alloc / mib:.0f} / {lora_alloc / mib:.0f} MiB"
+            figures.append(
+                ("CUDA allocated after the step: full / LoRA", full_alloc / max(lora_alloc, 1), "x", allocated)
             )
+        rows += [common.result(BENCH, *f[:3], note=f[3], config=cfg) for f in figures]
     return rows

@@ -1,24 +1,13 @@
-"""The compute a GRPO step's stages cannot avoid, counted from the step's token counts: pure arithmetic, no timing.
-bench/floor.py times these products on the machine; bench/grpo_step.py sets a GPU step's stages against
-gpu_stage_floors. `bcfg` is a bench.grpo_step.GRPOBenchConfig (its preset, prompts, num_samples, max_new_tokens and
-gen_prompts), not imported: grpo_step imports this module.
+"""The compute a GRPO step's stages cannot avoid, from the step's token counts: arithmetic, no timing. bench/floor.py
+times these products on the machine, bench/grpo_step.py sets a GPU step's stages against gpu_stage_floors and
+bench/decode_profile.py the recorded decode step against decode_floor. `bcfg` is a bench.grpo_step.GRPOBenchConfig
+(not imported: grpo_step imports this module).
 
-The products, with N sampled rows, K trained rows, prompts with T_p real tokens each and responses of R tokens
-(the counts of the step just measured):
-  generate   prefill: the body over each prompt's tokens once, the head at its last position; then for each later
-             token, one decode step of the body and the head over the N rows (N x C times C x V)
-  score      the reward model's body over each prompt once and every sampled response (prefix sharing: the packed
-             rows hold each prompt once; its head is one number per sequence)
-  reference  the frozen reference's body over the K trained rows (each prompt once: prefix sharing), its head at
-             their response positions, in chunks of rlhf.logprobs.CHUNK positions on a CPU
-  update     the policy's forward as the reference's, and its backward: the head's two products over all response
-             positions at once (dh = G W, dW = G^T h) and the body's at twice its forward FLOPs
-Attention's own products (scores and values, 4 T C per token and layer) are counted with the body.
-
-On a GPU a decode step is bound by memory, not by its products: decode_floor counts the bytes a step must read (the
-weights once, each prompt's keys and values once per group, each row's own ones) and its FLOPs, against
-bench/common.py's GPU_PEAKS, the datasheets' bandwidth and dense bf16 peak (bench/decode_profile.py sets the recorded
-step against it).
+With N sampled and K trained rows: generate runs the prefill (the body over each prompt once, the head at its last
+position) and one decode step per later token (the body and an N x C x V head); score the reward model's body over
+each prompt once and every response; reference the frozen body over the K rows (each prompt once) and the head at
+their response positions in chunks (rlhf.logprobs); update that forward and its backward (the head's dh = G W and
+dW = G^T h, the body at twice its forward). Attention's products (4 T C per token and layer) count with the body.
 """
 
 import torch

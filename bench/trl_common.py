@@ -1,9 +1,6 @@
 """What the TRL side-by-sides (bench/trl_grpo.py, bench/trl_stages.py) share: whether TRL is installed, a stand-in
-tokenizer that keeps our token ids through TRL's text round trips, and the environment of the child process a
-TRL trainer runs in.
-
-Nothing here imports trl, datasets, transformers or tokenizers at module level: the benchmarks must import (and say
-why TRL was not measured) where they are not installed.
+tokenizer that keeps our token ids through TRL's text round trips, the TRL child process's environment and settings.
+Nothing here imports trl, datasets, transformers or tokenizers at module level: the benchmarks must import without.
 """
 
 import importlib.metadata

@@ -1,24 +1,7 @@
-"""TRL's GRPOTrainer against our GRPO step on the same configuration, side by side in one run.
-
-TRL has no rejection sampling and trains on every sample, so the comparison configuration uses our selection
-"all" (K = G): both sides generate prompts x G responses, score all of them with the same reward model, compute
-reference log-probs (beta 0.04) and take one optimizer step over all of them, in micro-batches of the same size.
-The same weights on both sides: our randomly initialised policy and reward model (same seed as
-bench/grpo_step.py) exported with model.weights.save_hf, which TRL loads with from_pretrained.
-
-TRL works on text. So that its prompts are exactly our token ids, it gets a stand-in tokenizer that maps each
-GPT-2 id to one character (id i -> chr(0x20000 + i), "<|endoftext|>" = 50256): text round trips keep every id,
-with no tokenizer download. TRL settings: loss_type "grpo", scale_rewards "group", beta 0.04, epsilon 0.2,
-one iteration per batch, temperature 1, no top-k/top-p, gradient checkpointing off (TRL's default is on; ours is
-off), bf16 mixed precision on GPU (TRL's default: fp32 weights under autocast), fp32 on CPU; generation with
-transformers' generate over the whole batch of prompts x G in one call (TRL's path without vLLM), stopping at
-<|endoftext|> only (ours also at "\\n"; with random weights either stops in ~0.2% of rows).
-
-A TRL step is the wall-clock time between consecutive optimizer steps (callback on_step_end): generation,
-scoring, reference log-probs, forward/backward over the micro-batches and the optimizer step, plus the trainer's
-own bookkeeping. It runs in a subprocess (`python -m bench.trl_grpo`) so that the trainer, accelerate and its
-memory peak are kept apart from the other benchmarks. When trl, datasets or accelerate is not installed
-(importlib.util.find_spec), the table says so; when they are, a TRL run that fails fails the benchmark.
+"""TRL's GRPOTrainer against our GRPO step on the same configuration (selection "all": TRL trains on every sample),
+the same weights (save_hf, loaded by from_pretrained) and prompts (a stand-in tokenizer, one character per GPT-2 id).
+TRL runs in a subprocess (`python -m bench.trl_grpo`), apart from the other benchmarks' process group and memory peak;
+without trl, datasets or accelerate a row says so. Settings and method: docs/benchmarks.md, "trl".
 """
 
 import argparse
@@ -44,10 +27,8 @@ BENCH = "trl"
 
 
 def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
-    """The comparison configuration: our step's, with selection "all" (K = G). TRL generates a whole step's prompts x
-    G in one generate call, so on the GPU it is 16 prompts x 64 samples (a 1,024-row KV cache), not the 256 prompts of
-    the reference step. On the CPU, REFERENCE.md's figure for TRL: 128 samples of 16 tokens on a 2-layer, 64-wide
-    GPT-2."""
+    """Our step's, with selection "all" (K = G); on a GPU 16 prompts x 64 (TRL generates a step in one call), on a CPU
+    REFERENCE.md's TRL figure: 128 samples of 16 tokens on the tiny GPT-2."""
     if device.type == "cuda":
         name, prompts, repeats = ("gpu-trl-comparison-quick", 4, 2) if quick else ("gpu-trl-comparison", 16, 3)
         return [replace(GPU_REFERENCE, name=name, prompts=prompts, num_kept=64, selection="all", repeats=repeats)]
@@ -61,8 +42,7 @@ def configs(device: torch.device, quick: bool) -> list[GRPOBenchConfig]:
 
 
 def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
-    """Build the same models and prompts as bench/grpo_step.py, run GRPOTrainer for warmup + repeats optimizer
-    steps, write step times and peak memory as JSON."""
+    """GRPOTrainer on bench/grpo_step.py's models and prompts for warmup + repeats steps: step times, peak memory."""
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
@@ -167,19 +147,8 @@ def run_trl(bcfg: GRPOBenchConfig, device: torch.device, timeout_s: int = 1800) 
     name = f"{bcfg.name} TRL GRPOTrainer"
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         out_file = Path(tmp) / "trl.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.trl_grpo",
-            "--device",
-            str(device),
-            "--config",
-            json.dumps(dataclasses.asdict(bcfg)),
-            "--out",
-            str(out_file),
-            "--threads",
-            str(torch.get_num_threads()),
-        ]
+        cmd = [sys.executable, "-m", "bench.trl_grpo", "--device", str(device), "--out", str(out_file)]
+        cmd += ["--config", json.dumps(dataclasses.asdict(bcfg)), "--threads", str(torch.get_num_threads())]
         env = child_env()
         print(f"[{BENCH}] {name}: {bcfg.warmup} warm-up + {bcfg.repeats} timed steps in a subprocess", flush=True)
         t0 = time.perf_counter()
@@ -197,25 +166,12 @@ def run_trl(bcfg: GRPOBenchConfig, device: torch.device, timeout_s: int = 1800) 
     mean_len = statistics.median(m["completion_mean_length"]) if m["completion_mean_length"] else bcfg.max_new_tokens
     generated = mean_len * m["sequences"]
     print(f"  TRL step {step:.3f} s ({time.perf_counter() - t0:.0f} s with start-up), trl {m['trl']}", flush=True)
+    steps = f"median of {len(m['step_seconds'])} steps after {bcfg.warmup} warm-up; trl {m['trl']}, "
+    steps += f"transformers {m['transformers']}"
+    tokens = f"{m['sequences']:,} sequences x {mean_len:.1f} mean completion tokens per step"
     return [
-        result(
-            BENCH,
-            f"{name}: step",
-            step,
-            "s",
-            note=f"median of {len(m['step_seconds'])} steps after {bcfg.warmup} warm-up; trl {m['trl']}, "
-            f"transformers {m['transformers']}",
-            config=bcfg,
-            measurements=m,
-        ),
-        result(
-            BENCH,
-            f"{name}: generated tokens/s per device",
-            generated / step,
-            "tok/s",
-            note=f"{m['sequences']:,} sequences x {mean_len:.1f} mean completion tokens per step",
-            config=bcfg,
-        ),
+        result(BENCH, f"{name}: step", step, "s", note=steps, config=bcfg, measurements=m),
+        result(BENCH, f"{name}: generated tokens/s per device", generated / step, "tok/s", note=tokens, config=bcfg),
         result(
             BENCH, f"{name}: peak memory", mib(m["peak_memory_bytes"]), "MiB", note=m["peak_memory_what"], config=bcfg
         ),
@@ -234,16 +190,9 @@ def run(device: torch.device, quick: bool, cfgs: list[GRPOBenchConfig] | None = 
         theirs = run_trl(bcfg, device)
         rows += theirs
         if theirs[0]["value"] is not None:
-            rows.append(
-                result(
-                    BENCH,
-                    f"{bcfg.name}: TRL step / our step",
-                    theirs[0]["value"] / ours[0]["value"],
-                    "x",
-                    note="ratio of medians (the two run one after the other, not interleaved)",
-                    config=bcfg,
-                )
-            )
+            note = "ratio of medians (the two run one after the other, not interleaved)"
+            ratio = theirs[0]["value"] / ours[0]["value"]
+            rows.append(result(BENCH, f"{bcfg.name}: TRL step / our step", ratio, "x", note=note, config=bcfg))
     return rows
 
 

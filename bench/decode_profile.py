@@ -5,8 +5,9 @@
     python -m bench.decode_profile --device cpu --quick                    # the same steps on a CPU (tiny model)
 
 16 prompts of 352-384 tokens x G samples (G = 4, 16, 64), prefix sharing, 56 new tokens forced. Per row count:
-generate eager and compile=True (medians of 3 calls after a warm-up), the non-view ATen ops the eager step dispatches
-per token (any device), the decode step's floor (bench/stage_floors.py decode_floor), and on a GPU torch.profiler's
+generate eager and compile=True (medians of 3 calls after a warm-up, which pays the compilation or the recording; the
+CUDA graphs recorded after it, none unless a call records again), the non-view ATen ops the eager step dispatches per
+token (any device), the decode step's floor (bench/stage_floors.py decode_floor), and on a GPU torch.profiler's
 kernels, GPU time and launches per token and the graphed step against its floor.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench import common
+from bench import common, profiling
 from bench.stage_floors import decode_floor
 from model.gpt2 import PRESETS, GPT2LMHeadModel
 from model.sampler import generate
@@ -90,8 +91,9 @@ def profile_rows(model, ids, mask, G: int, new: int, device, figure) -> None:
         call(mode == "compile")  # warm-up (the graphs' recording, or the compilation on a CPU)
         common.synchronize(device)
         warm = time.perf_counter() - t0
-        seconds[mode] = common.measure(lambda m=mode: call(m == "compile"), device, warmup=0, repeats=3).median
-        figure(f"{N} rows: generate {mode}, s/call", seconds[mode], "s", warmup_s=warm)
+        with common.cuda_graph_recordings() as recorded:  # none after the warm-up unless a call records again
+            seconds[mode] = common.measure(lambda m=mode: call(m == "compile"), device, warmup=0, repeats=3).median
+        figure(f"{N} rows: generate {mode}, s/call", seconds[mode], "s", warmup_s=warm, graphs_recorded=recorded[0])
         figure(f"{N} rows: generate {mode}, tok/s", N * new / seconds[mode], "tok/s")
     figure(f"{N} rows: compile / eager speed-up", seconds["eager"] / seconds["compile"], "x")
     ops = ops_per_token(model, ids, mask, G, check_every=8 if device.type == "cuda" else 1)
@@ -106,7 +108,7 @@ def profile_rows(model, ids, mask, G: int, new: int, device, figure) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             call(mode == "compile")
             torch.cuda.synchronize()
-        k = common.profile_summary(prof, new)  # per token
+        k = profiling.profile_summary(prof, new)  # per token
         figure(f"{N} rows: {mode}, kernels per token", k["kernels"], "kernels", **k)
         figure(f"{N} rows: {mode}, GPU kernel time per token", k["kernel_ms"], "ms")
         print(f"    launches per token: {k['launches']}")

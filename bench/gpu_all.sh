@@ -25,8 +25,8 @@
 #   train_profile 120  python -m bench.run_all --quick --only train_profile: torch.profiler over SFT / reward model /
 #                  DPO steps (as configured, micro-batches x2, --compile for SFT): kernel time against wall, GPU busy,
 #                  launches and host synchronisations per step, top kernels     -> train_profile.json, train_profile.log
-#   compile 180    python -m bench.run_all --quick --only compile: --compile against eager (the sampler at 1,024
-#                  rows, a GRPO step, each with its peak memory against the estimate)     -> compile.json, compile.log
+#   compile 180    python -m bench.run_all --quick --only compile: --compile against eager on a GRPO step, with its
+#                  peak memory against the estimate                                       -> compile.json, compile.log
 #   memory_fit 210 python -m bench.run_all --quick --only memory_fit: the largest GPT-2 whose GRPO step 64 -> 8 runs
 #                  with the GPU capped at 24 GiB, with and without --frozen_cpu_offload, one process per preset
 #                                                                                 -> memory_fit.json, memory_fit.log

@@ -13,7 +13,7 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     grpo     bench/grpo_step.py  one GRPO step: time and share per stage, tokens/s, peak memory
     trl      bench/trl_grpo.py   TRL's GRPOTrainer vs our step on the same configuration (or why it was not run)
     prefix_sharing  bench/prefix_sharing.py  GRPO step on --data's TL;DR prompts, prefix sharing on vs off, per stage
-    compile  bench/compiled.py   --compile vs eager: sampler tokens/s, a GRPO step, compile time (named only)
+    compile  bench/compiled.py   --compile vs eager on a GRPO step, compile time apart (named only)
     floor    bench/floor.py      the TRL side-by-side's step of ours against its matrix products, per stage (named only)
     trl_stages  bench/trl_stages.py  TRL's SFT, Reward and DPO trainers vs our steps on the same weights and rows,
                                      interleaved; tiny and gpt2 shape on CPU (named only)

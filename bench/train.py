@@ -13,7 +13,7 @@ import torch
 import dpo
 import reward_model
 import sft
-from bench import common
+from bench import common, profiling
 from bench.common import GPU_PEAKS, count_params, measure, result
 from data.tldr import collate_pairs, collate_sft
 from data.tokenizer import END_ID
@@ -344,9 +344,9 @@ def profile_plan(device: torch.device, quick: bool) -> list[tuple[str, str]]:
 def profile_stage(
     stage: str, variant: str, cfg: TrainConfig, device: torch.device, world: int, steps: int = 2
 ) -> list[dict]:
-    """Throughput and peak memory of `stage` at VARIANTS[variant](cfg), unprofiled; then one step under
-    common.HostSyncs and `steps` under torch.profiler (common.profile_summary): wall against kernel time, GPU busy,
-    launches, host synchronisations, the top kernels and host ops."""
+    """Throughput and peak memory of `stage` at VARIANTS[variant](cfg), unprofiled; then one step under HostSyncs and
+    `steps` under torch.profiler (profile_summary): wall against kernel time, GPU busy, launches, host
+    synchronisations, the top kernels and host ops."""
     cfg = VARIANTS[variant](cfg)
     name = f"{cfg.name} {stage}, {variant}"
     print(f"[{PROFILE}] {name}: {describe(cfg)}", flush=True)
@@ -354,7 +354,7 @@ def profile_stage(
     rows = throughput_rows(name, cfg, device, t, s, bench=PROFILE)
     rows.append(result(PROFILE, f"{name}: peak memory", common.mib(peak), "MiB", note=what, config=cfg))
     batches = [v for b in s.micro for v in b.values() if isinstance(v, torch.Tensor)]
-    with common.HostSyncs(device, batches) as syncs:
+    with profiling.HostSyncs(device, batches) as syncs:
         s.step()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -366,7 +366,7 @@ def profile_stage(
             s.step()
         common.synchronize(device)
         wall_ms = (time.perf_counter() - t0) / steps * 1e3
-    k = common.profile_summary(prof, steps)
+    k = profiling.profile_summary(prof, steps)
     on_gpu = device.type == "cuda"
     kernels = "GPU kernels" if on_gpu else "ATen ops (self CPU time)"
     details = {"profile": k, "host_syncs": dict(syncs.counts)}
@@ -391,7 +391,7 @@ def profile_stage(
     if on_gpu:
         waits = ", ".join(f"{n} {c:g}" for n, c in k["syncs"].items()) or "none"
         counted += f"; the profiler's CUDA calls that wait: {sum(k['syncs'].values()):g} ({waits})"
-    row("host synchronisations per step", syncs.total, "calls", "counted by bench.common.HostSyncs: " + counted)
+    row("host synchronisations per step", syncs.total, "calls", "counted by bench.profiling.HostSyncs: " + counted)
     print(f"  wall {wall_ms:.1f} ms/step profiled ({t.median * 1e3:.1f} unprofiled), {kernels} {k['kernel_ms']:.1f}")
     print(f"  host synchronisations per step: {dict(syncs.counts)}" + (f"; CUDA calls: {k['syncs']}" if on_gpu else ""))
     for top in k["top"][:8]:

@@ -10,7 +10,18 @@ import pytest
 import torch
 
 import rollouts.step
-from bench import common, decode_profile, grpo_step, lora_memory, prefix_sharing, run_all, sampler, train, trl_grpo
+from bench import (
+    common,
+    decode_profile,
+    grpo_step,
+    lora_memory,
+    prefix_sharing,
+    profiling,
+    run_all,
+    sampler,
+    train,
+    trl_grpo,
+)
 from bench.common import random_prompts
 from data.tldr import collate_pairs, collate_sft
 from model.gpt2 import PRESETS, GPTConfig
@@ -356,12 +367,12 @@ def test_decode_floor_counts_by_hand_and_scoring_reads_each_prompt_once():
 
 
 def test_host_syncs_counts_reads_of_device_tensors_only():
-    """bench.common.HostSyncs on a CPU run: a host tensor (the batch) and what is computed from it alone are read for
+    """bench.profiling.HostSyncs on a CPU run: a host tensor (the batch) and what is computed from it alone are read for
     free; a .to(device) of it, a parameter, and what is computed from them are device tensors, whose reads a GPU run
     waits for."""
     batch = torch.tensor([1.0, 0.0, 2.0])
     weight = torch.nn.Parameter(torch.ones(3))
-    with common.HostSyncs(torch.device("cpu"), [batch]) as h:
+    with profiling.HostSyncs(torch.device("cpu"), [batch]) as h:
         float(batch.sum())  # host
         batch.nonzero()  # host
         moved = batch.to("cpu")
@@ -388,7 +399,7 @@ def test_a_training_step_waits_for_the_device_the_same_times_whatever_its_micro_
     for micro_rows in (2, 1):  # 2 and 4 micro-batches
         s = train.build_stage(stage, dataclasses.replace(TRAIN, micro_rows=micro_rows), device, world)
         batches = [v for b in s.micro for v in b.values() if isinstance(v, torch.Tensor)]
-        with common.HostSyncs(device, batches) as h:
+        with profiling.HostSyncs(device, batches) as h:
             s.step()
         counts[micro_rows] = dict(h.counts)
     once = {"__float__": 2} if stage == "SFT" else {"__float__": 1, "tolist": 1}  # loss / statistics, clipped norm
@@ -398,7 +409,7 @@ def test_a_training_step_waits_for_the_device_the_same_times_whatever_its_micro_
 def test_profile_summary_and_the_profile_rows_on_cpu(one_thread, fresh_process_group):
     from utils.dist import setup_distributed
 
-    assert common._busy_us([(5, 6), (0, 2), (1, 3)]) == 4  # the union of the intervals
+    assert profiling._busy_us([(5, 6), (0, 2), (1, 3)]) == 4  # the union of the intervals
     world = setup_distributed("cpu").world_size
     rows = train.profile_stage("SFT", "micro-batch x2", TRAIN, torch.device("cpu"), world, steps=1)
     assert by_name(rows, "train_profile", "host synchronisations per step")["value"] == 2

@@ -9,8 +9,10 @@ PY := $(VENV)/bin/python
 # runs the suite in one process, auto one worker per core. The 25 slowest tests' times close the report.
 JOBS ?= 2
 PYTEST := -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=25
+# The learning test runs the whole demo (~13 minutes on 2 cores): make check runs it, make test leaves it out.
+LEARNING := tests/test_learning.py
 
-.PHONY: install demo ablation frontier verdict lint test test-torch golden clean
+.PHONY: install demo ablation frontier verdict lint test check test-torch golden clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,8 +38,11 @@ verdict: install  # the method's contrasts paired over 400 held-out posts, 6 see
 lint: install  # ruff's rules and formatting (pyproject.toml [tool.ruff]): `ruff format .` fixes the formatting
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-test: install
-	$(PY) $(PYTEST)
+test: install  # after every change: every test but the learning test
+	$(PY) $(PYTEST) --ignore=$(LEARNING)
+
+check: lint test  # before a merge (what .ci/run runs): lint, make test, then the learning test alone on both cores
+	$(PY) -m pytest -q $(LEARNING)
 
 # The suite (without the demo's learning test) under another PyTorch, in a venv of its own: .venv-<version>.
 # e.g. `make test-torch TORCH=torch==2.11.0`. Other torch releases than the pinned CPU wheel are CUDA builds from
@@ -47,7 +52,7 @@ test-torch:
 	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pip install -q --upgrade pip
 	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pip install -q "$(TORCH)"
 	$(VENV)-$(subst torch==,,$(TORCH))/bin/python -m pip install -q -e ".[dev]"
-	$(VENV)-$(subst torch==,,$(TORCH))/bin/python $(PYTEST) --deselect tests/test_learning.py
+	$(VENV)-$(subst torch==,,$(TORCH))/bin/python $(PYTEST) --ignore=$(LEARNING)
 
 golden: install  # rewrite tests/golden/*.json: only for a change meant to move numbers (say which, and why)
 	$(PY) -m tests.golden.stages

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# The real TL;DR rows: ../shared/data beside the checkout; RLHF_SHARED_DATA points elsewhere (a path with no rows, e.g.
+# RLHF_SHARED_DATA=/nonexistent, shows the suite without them: every test that reads them skips with its reason).
+SHARED_DATA = Path(os.environ.get("RLHF_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 # The suite's processes are short: a process's first large blocks on transparent huge pages cost more than its few
 # steps gain from them (utils/host.py huge_pages; docs/benchmarks.md), so the suite and the runs it starts go without,
@@ -19,13 +21,13 @@ SUITE_UNSET = () if "THP_MEM_ALLOC_ENABLE" in os.environ else ("THP_MEM_ALLOC_EN
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
 
 
-# `make test` runs the suite in JOBS pytest-xdist workers (2 by default; --dist loadfile: a file's tests, and the
-# module-scoped fixtures they share, stay on one worker). Each worker is one process of several sharing the machine's
-# cores, so it computes on one thread (the scripts the tests start already do: run_script's OMP_NUM_THREADS=1; the
-# learning test's demo is the one exception, tests/test_learning.py), and the files go out longest first so that no
-# long file starts last: the learning test's demo from the start, beside the others. SLOWEST_FIRST: the files whose
-# tests take longest on a 2-core machine (pytest --durations), longest first; the others follow in their own order. One
-# process (JOBS=0) keeps the files' own order.
+# `make test` runs the suite but the learning test in JOBS pytest-xdist workers (2 by default; --dist loadfile: a
+# file's tests, and the module-scoped fixtures they share, stay on one worker); `make check` runs the learning test
+# after it, alone. Each worker is one process of several sharing the machine's cores, so it computes on one thread (the
+# scripts the tests start already do: run_script's OMP_NUM_THREADS=1; the learning test's demo is the one exception,
+# tests/test_learning.py), and the files go out longest first so that no long file starts last. SLOWEST_FIRST: the
+# files whose tests take longest on a 2-core machine (pytest --durations), longest first; the others follow in their
+# own order. One process (JOBS=0) keeps the files' own order.
 SLOWEST_FIRST = (
     "test_learning.py",
     "test_frontier.py",

@@ -28,8 +28,9 @@ from data.tldr import (
     pad_prompts,
 )
 from data.tokenizer import END_ID, EOS_ID, PAD_ID, get_tokenizer
+from tests.conftest import SHARED_DATA
 
-DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA_DIR = SHARED_DATA
 VAL_FILE = DATA_DIR / "tldr-validation-sample.jsonl"
 TRAIN_FILE = DATA_DIR / "tldr-train-sample.jsonl"
 PREF_FILE = DATA_DIR / "tldr-preference-validation-sample.jsonl"
@@ -41,7 +42,7 @@ SUBREDDIT_IDS = [50, 10526, 22083, 49828, 25]  # "SUBREDDIT:" = "S" "UB" "RED" "
 
 def needs_data(path: Path) -> Path:
     if not path.is_file():
-        pytest.skip(f"real TL;DR sample {path} not found (../shared/data beside the repo)")
+        pytest.skip(f"real TL;DR sample {path} not found (the ../shared/data folder is absent)")
     return path
 
 

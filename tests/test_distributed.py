@@ -208,7 +208,8 @@ def test_resume_from_is_chosen_by_rank_0(resume_views):
 
 
 def test_dist_timeout_reaches_the_process_group(tmp_path):
-    # rank 1 is busy for 8 s; under a 3 s timeout rank 0's barrier fails after 3 s (torch's gloo default: 30 minutes)
+    # rank 1 is busy until rank 0 is done (8 s at most); under a 3 s timeout rank 0's barrier fails after 3 s (torch's
+    # gloo default: 30 minutes)
     out = tmp_path / "timeout.json"
     run_script(["tests/scripts/dist_timeout.py", str(out), "0.05"], nproc=2)
     result = json.loads(out.read_text())

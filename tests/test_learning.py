@@ -42,10 +42,10 @@ def demo(tmp_path_factory) -> tuple[dict, object]:
     out = tmp_path / "demo"
     run_script(
         ["demo.py", "--out", str(out), "--assets", str(tmp_path / "assets"), "--wandb_mode", "disabled"],
-        timeout=3600,  # beside the other tests 1,256 s on the AMD EPYC Zen 4; alone ~20 minutes on the AVX2-only kind
-        # make demo's two threads, which wait for each other without spinning (OMP_WAIT_POLICY=passive): beside another
-        # worker's tests two spinning threads each wait for the other's core (the demo's SFT was not done after 20
-        # minutes so); passive, 100 SFT steps take as long as one thread's there, and as long as spinning alone
+        timeout=3600,  # alone ~13 minutes on the AMD EPYC Zen 4, ~20 on the AVX2-only kind (README)
+        # make demo's two threads, which wait for each other without spinning (OMP_WAIT_POLICY=passive): make check runs
+        # this file alone, where passive threads are as fast as spinning ones; run beside other tests (pytest -n 2 over
+        # the whole folder), two spinning threads would each wait for the other's core
         env={"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "passive"},
         unset=SUITE_UNSET,  # the demo's own memory settings, as `make demo` runs it
     )

@@ -90,7 +90,8 @@ def frontier(demo: Demo) -> str:
     posts (KL to the SFT policy, gold and proxy reward of --frontier_samples temperature-1 samples per post); then
     frontier.md (the table), frontier.json (every point) and assets/frontier.png, rewritten after every run so that a
     run cut short keeps what it measured; at the end the picture and table published (`publish`). Returns the table."""
-    from evaluation.frontier import frontier_points, frontier_table, plot_frontier
+    from evaluation.frontier import frontier_table, plot_frontier
+    from evaluation.matched import frontier_points
 
     args, root = demo.args, demo.out / "frontier"
     root.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,8 @@ import torch
 
 from data.tldr import PREF_COLUMNS, load_rows
 from data.tokenizer import get_tokenizer
-from evaluation.frontier import Frontier
 from evaluation.frontier_declarations import FrontierConfig
+from evaluation.measure import Frontier
 from evaluation.preference import eval_set_logps, evaluate_policy, pair_logprobs, preference_metric_names
 from evaluation.samples import Judge, JudgeConfig, SampleLog
 from model.lora import LoRAConfig

@@ -32,8 +32,8 @@ from typing import Literal
 
 from data.tldr import ShardedLoader
 from data.tokenizer import get_tokenizer
-from evaluation.frontier import Frontier
 from evaluation.frontier_declarations import FrontierConfig
+from evaluation.measure import Frontier
 from evaluation.preference import eval_set_logps, evaluate_policy
 from evaluation.summaries import (
     EvalSetsConfig,
@@ -95,8 +95,8 @@ class Config(
     EvalSetsConfig,
 ):
     """utils/config.py's option groups, GRPO's (rollouts/options.py: sampling, selection, rewards, objective, the
-    step's batch sizes, offload), the frontier's (evaluation/frontier.py), the evaluation sets' and the sample tables'
-    (evaluation/summaries.py), with the script's own options below."""
+    step's batch sizes, offload), the frontier's (evaluation/frontier_declarations.py), the evaluation sets' and the
+    sample tables' (evaluation/summaries.py), with the script's own options below."""
 
     # --- models
     model: str = option("runs/sft/hf", model="policy")

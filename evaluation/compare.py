@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> str:
     if not metrics:
         raise CompareError(f"none of the default metrics was logged; name some with --metrics: {', '.join(known)}")
     check_metrics(runs, metrics, "--metrics")
-    # eval/kl (the policy's own samples at temperature 1, evaluation/frontier.py) before train/kl (the training
+    # eval/kl (the policy's own samples at temperature 1, evaluation/measure.py) before train/kl (the training
     # samples): the one evaluation metrics are measured beside, and the one DPO logs
     x = next((k for k in ("eval/kl", "train/kl") if k in known), "") if args.x is None else args.x
     if x:

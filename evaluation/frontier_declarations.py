@@ -1,7 +1,8 @@
-"""The frontier's declarations, apart from evaluation/frontier.py so that evaluation/compare.py reads them without
-importing the frontier (whose command line imports compare): its metrics (LOGGED: what a training stage logs at an
-evaluation, with the direction in which each improves) and its options (FrontierConfig: --frontier_prompts and the
-rest, which dpo.py and grpo.py compose into their Config)."""
+"""The frontier's declarations, apart from evaluation/measure.py and evaluation/frontier.py so that
+evaluation/compare.py reads them without importing the frontier (whose command line imports compare): its metrics
+(LOGGED: what a training stage logs at an evaluation, with the direction in which each improves; POSTS_TABLE: the
+per-post values) and its options (FrontierConfig: --frontier_prompts and the rest, which dpo.py and grpo.py compose
+into their Config)."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,11 @@ LOGGED = {  # summarize_posts' values -> the metric a training stage logs each a
 }
 for _name in METRICS:
     LOGGED[_name + "_se"] = metric(LOGGED[_name] + "_se", "min", f"standard error over the posts of {LOGGED[_name]}")
+
+POSTS_TABLE = "frontier_posts"
+"""The table (utils.logging.Logger.table: frontier_posts.jsonl in the run directory) of every evaluation's per-post
+values (evaluation/measure.py Frontier.evaluate writes it): the unit of the paired comparisons (evaluation/matched.py
+frontier_points reads it back for verdict_rows)."""
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from data.labels import pairs_by_score
 from data.tldr import decode_responses
 from data.tokenizer import END
-from evaluation.frontier import FrontierPrompts, load_frontier_prompts
+from evaluation.measure import FrontierPrompts, load_frontier_prompts
 from evaluation.samples import sample_summaries
 from evaluation.summaries import reference_summaries
 from rollouts.sampling import score

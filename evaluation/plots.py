@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import FancyBboxPatch, Patch  # noqa: E402
 
-from evaluation.frontier import BEST_OF_N  # noqa: E402
+from evaluation.matched import BEST_OF_N  # noqa: E402
 from rlhf.stats import t_quantile  # noqa: E402
 
 
@@ -213,7 +213,7 @@ def draw_verdict(ax, curve: list[dict], methods: dict[str, list[list[dict]]], ke
 
 
 def draw_forest(ax, rows: list[dict], colours: dict[str, str] | None = None) -> list[float]:
-    """The verdict's rows (evaluation.frontier.verdict_rows, in their order from the top: the pairs, then each arm
+    """The verdict's rows (evaluation.matched.verdict_rows, in their order from the top: the pairs, then each arm
     against best-of-n below a dotted line): each row's difference A - B at matched KL (filled where the interval
     excludes 0, open where not) and its 95% t interval with seeds (ci_low, ci_high; a line whose gid is the pair),
     over a grey bar from -detectable to +detectable (the smallest true difference its seeds and posts detect at 80%

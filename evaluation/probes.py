@@ -56,9 +56,9 @@ def gold_of_samples(
 def eval_kl(policy_dir: Path, sft_dir: Path, prompts_file: Path, seed: int) -> float:
     """KL(pi || pi_sft) of a policy's own summaries (the first 200 posts of a file x 8, temperature 1, 24 tokens): the
     mean over the samples of log pi(y|x) - log pi_sft(y|x), each summed over the summary's tokens (eval/kl's
-    estimate, evaluation.frontier.measure); the KL at which methods are compared, unlike GRPO's per-token train/kl."""
+    estimate, evaluation.measure.measure); the KL at which methods are compared, unlike GRPO's per-token train/kl."""
     from data.tokenizer import get_tokenizer
-    from evaluation.frontier import load_frontier_prompts, measure
+    from evaluation.measure import load_frontier_prompts, measure
     from model.weights import build_policy
 
     tok = get_tokenizer()

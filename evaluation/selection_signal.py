@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from evaluation.frontier import load_frontier_prompts, score_samples
+from evaluation.measure import load_frontier_prompts, score_samples
 from evaluation.samples import sample_summaries
 from rlhf.policy_gradient import (
     ADVANTAGES,

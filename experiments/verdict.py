@@ -352,7 +352,7 @@ def check_runs(verdict: Verdict, runs: list[ExperimentRun]) -> dict:
 
 def posts_reading(verdict: Verdict, configs: dict) -> tuple[str, int]:
     """The split and prompt length with which every arm reads the posts (its --val_split and --max_prompt_len:
-    evaluation.frontier Frontier.build), which best-of-n reads them with too; ConfigError naming an arm that reads them
+    evaluation.measure Frontier.build), which best-of-n reads them with too; ConfigError naming an arm that reads them
     otherwise than the first arm: the pairs compare the same prompts, post by post."""
     readings = {arm: (cfg.val_split, cfg.max_prompt_len) for arm, cfg in configs.items()}
     first, reading = next(iter(readings.items()))
@@ -386,9 +386,10 @@ def reference_best_of_n(
 ) -> list[dict]:
     """Best-of-n from the reference on the first `posts` posts (read as the arms read them: `reading`, split and
     prompt length), ranked by the proxy, scored by the gold: one pool of `pool` samples per post, every n up to
-    `best_of` (evaluation.frontier.best_of_n); its samples from the stream (seed, "best-of-n")."""
+    `best_of` (evaluation.best_of_n.best_of_n); its samples from the stream (seed, "best-of-n")."""
     from data.tokenizer import get_tokenizer
-    from evaluation.frontier import best_of_n, load_frontier_prompts
+    from evaluation.best_of_n import best_of_n
+    from evaluation.measure import load_frontier_prompts
     from model.weights import build_policy, build_reward_model
     from rlhf.rewards import load_function
     from utils.dist import stream
@@ -441,7 +442,7 @@ def best_of_n_inputs(
 ) -> dict:
     """Everything reference_best_of_n's curve depends on, as JSON reads it back: the three models (or the gold
     function's name), the posts and how they are read, the pool, n, the summaries' length (at temperature 1, which
-    evaluation.frontier.best_of_n fixes), the seed of its stream and the device it samples on (CPU and CUDA draw
+    evaluation.best_of_n.best_of_n fixes), the seed of its stream and the device it samples on (CPU and CUDA draw
     other samples from the same seed)."""
     split, max_prompt_len = reading
     gold = model_fingerprint(measured.gold_model) if measured.gold_model else {"function": measured.gold_fn}
@@ -500,8 +501,9 @@ def run_verdict(
     verdict_pictures: verdict.png, each arm's mean path over its seeds against KL; verdict_forest.png, the rows;
     verdict_compute.png, gold against generated tokens and seconds), rewritten after every round of seeds. Returns
     the table."""
-    from evaluation import frontier as measured
+    from evaluation import matched
     from evaluation.compare import step_means_table
+    from evaluation.frontier import frontier_table
     from evaluation.plots import verdict_pictures
 
     root, title = out / verdict.name, "embedded task" if verdict.task is None else str(verdict.task.data)
@@ -510,16 +512,16 @@ def run_verdict(
     arms = len(verdict.arms)
 
     def record(run: ExperimentRun) -> str:
-        methods.setdefault(run.name, []).append(measured.frontier_points(run.out_dir))
+        methods.setdefault(run.name, []).append(matched.frontier_points(run.out_dir))
         dirs.setdefault(run.name, []).append(run.out_dir)
         # the tables after each round of seeds (every arm's seed s), the last round's the verdict's: their bootstraps
         # grow with the runs (36 s for 6 seeds of 7 arms on 400 posts, one thread), too much to redo after every run
         if sum(map(len, methods.values())) % arms:
             return ""
         pairs = [(a, b) for a, b in verdict.pairs if a in methods and b in methods]
-        rows = measured.verdict_rows(methods, curve, pairs + [(name, measured.BEST_OF_N) for name in methods])
-        against_best_of_n = [row for row in rows if row["b"] == measured.BEST_OF_N]  # the frontier table's own rows
-        text = measured.verdict_table(rows) + "\n\n" + measured.frontier_table(curve, methods, against_best_of_n)
+        rows = matched.verdict_rows(methods, curve, pairs + [(name, matched.BEST_OF_N) for name in methods])
+        against_best_of_n = [row for row in rows if row["b"] == matched.BEST_OF_N]  # the frontier table's own rows
+        text = matched.verdict_table(rows) + "\n\n" + frontier_table(curve, methods, against_best_of_n)
         kept = step_means_table(dirs)
         if kept:
             how = "per run the mean over its training steps, then mean ± standard deviation over seeds"

@@ -294,8 +294,8 @@ def test_judge_and_frontier_reward_models_keep_no_forward_records(one_rank_group
     records: after any number of forwards they hold none (sharded before freezing, each forward adds 2 x units)."""
     from data.synthetic import write_task
     from data.tokenizer import get_tokenizer
-    from evaluation.frontier import Frontier
     from evaluation.frontier_declarations import FrontierConfig
+    from evaluation.measure import Frontier
     from evaluation.samples import Judge, JudgeConfig
     from model.gpt2 import PRESETS
     from model.weights import save_hf

@@ -17,17 +17,10 @@ import torch.nn.functional as F
 
 from data.synthetic import write_task
 from data.tokenizer import get_tokenizer
-from evaluation.frontier import (
-    BEST_OF_N,
-    FrontierPrompts,
-    best_of_n,
-    frontier_points,
-    frontier_table,
-    measure,
-    sequence_logprobs,
-    verdict_rows,
-    verdict_table,
-)
+from evaluation.best_of_n import best_of_n
+from evaluation.frontier import frontier_table
+from evaluation.matched import BEST_OF_N, frontier_points, verdict_rows, verdict_table
+from evaluation.measure import FrontierPrompts, measure, sequence_logprobs
 from evaluation.samples import sample_summaries
 from model.gpt2 import PRESETS, GPT2LMHeadModel
 from model.heads import RewardModel
@@ -577,7 +570,8 @@ def test_frontier_table_fits_gaos_forms_through_points_made_from_them(tmp_path):
     gold the same gain over its own baseline: the fits give alpha and beta back with degenerate intervals, the table
     holds the points (both KLs), the variance components, each method minus best-of-n at its KL and the fits, and
     the picture draws."""
-    from evaluation.frontier import fit_curves, plot_frontier
+    from evaluation.frontier import plot_frontier
+    from evaluation.matched import fit_curves
 
     base = [1.0, 2.0, 4.0]  # three posts, each its own reference gold
 
@@ -615,7 +609,7 @@ def test_fit_intervals_count_the_seeds_spread():
     points is their mean), while the seeds' spread is real. With the seeds resampled too, alpha's interval is the
     spread of the mean of three draws from {1.0, 1.2, 1.4}: inside [1.0, 1.4], at least 0.2 wide; beta stays 0.3
     (every seed has it). Best-of-n, one curve, keeps its interval over posts (degenerate here)."""
-    from evaluation.frontier import fit_curves
+    from evaluation.matched import fit_curves
 
     base = [1.0, 2.0, 4.0]
 
@@ -639,8 +633,8 @@ def test_evaluate_writes_per_post_values_that_frontier_points_reads(tmp_path):
     frontier_points gives them back with the logged means (the mean of the per-post values)."""
     from types import SimpleNamespace
 
-    from evaluation.frontier import Frontier
     from evaluation.frontier_declarations import FrontierConfig
+    from evaluation.measure import Frontier
     from utils.logging import Logger
 
     paths = write_task(tmp_path / "data", seed=0)
@@ -940,8 +934,8 @@ def test_metric_names_are_the_ones_evaluate_logs(tmp_path):
     # the stages check --best_metric against Frontier.metric_names before their first step, without evaluating
     from types import SimpleNamespace
 
-    from evaluation.frontier import Frontier
     from evaluation.frontier_declarations import FrontierConfig
+    from evaluation.measure import Frontier
 
     paths = write_task(tmp_path / "data", seed=0)
     policy, reference = two_policies()

@@ -19,9 +19,10 @@ import reward_model
 from data.labels import pairs_by_score
 from data.tldr import encode_prompt, encode_response
 from data.tokenizer import get_tokenizer
-from evaluation.frontier import frontier_points, load_frontier_prompts, verdict_rows
 from evaluation.frontier_declarations import FrontierConfig
 from evaluation.label_pairs import labelled_rows, usable_summary
+from evaluation.matched import frontier_points, verdict_rows
+from evaluation.measure import load_frontier_prompts
 from evaluation.samples import sample_summaries
 from experiments import runner
 from experiments.verdict import (

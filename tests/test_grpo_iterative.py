@@ -392,7 +392,7 @@ def test_eval_kl_after_a_reference_refresh_is_the_kl_to_the_starting_policy(lora
     """--ref_refresh_every 1 with --frontier_prompts: the reference becomes the policy after step 1, yet eval/kl at
     step 2 is exactly the frontier's measurement of the exported policy against the starting one (the same samples:
     its generator is keyed by the step), not against the refreshed reference."""
-    from evaluation.frontier import load_frontier_prompts, measure
+    from evaluation.measure import load_frontier_prompts, measure
     from model.weights import build_policy
     from utils.checkpoint import read_tensors
     from utils.dist import stream

@@ -13,7 +13,7 @@ import pytest
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from evaluation.frontier import BEST_OF_N  # noqa: E402
+from evaluation.matched import BEST_OF_N  # noqa: E402
 from evaluation.plots import (  # noqa: E402
     dose_points,
     draw_compute,

@@ -211,11 +211,11 @@ def rewrite_state(folder, state) -> None:
 
     import torch
 
-    from utils.checkpoint import DIGESTS, _digests, _listing_digest
+    from utils.digests import DIGESTS, file_digests, listing_digest
 
     torch.save(state, folder / "state.pt")
-    files = json.loads((folder / DIGESTS).read_text())["files"] | _digests(folder, ["state.pt"])
-    (folder / DIGESTS).write_text(json.dumps({"files": files, "sha256": _listing_digest(files)}))
+    files = json.loads((folder / DIGESTS).read_text())["files"] | file_digests(folder, ["state.pt"])
+    (folder / DIGESTS).write_text(json.dumps({"files": files, "sha256": listing_digest(files)}))
 
 
 class RunsCode:

@@ -16,12 +16,12 @@ Layout under a run directory:
 Every rank writes only the shards it holds into a temporary folder, flushed to disk before it is renamed: a process
 killed during a save leaves the previous checkpoint and `latest` intact; a save that cannot write (a full disk)
 removes it and stops every rank with one line. DCP records every tensor's global shape, so a run resumes on another
-number of ranks. A resume checks every file against digests.json first (the ranks hash a share each): a damaged
-checkpoint is named in one warning line and the next older one is tried. A checkpoint of an older format of this
-project is refused with one line. docs/distributed.md and docs/errors.md describe the format and its guarantees.
+number of ranks. A resume checks every file against digests.json first (utils/digests.py; the ranks hash a share
+each): a damaged checkpoint is named in one warning line and the next older one is tried. A checkpoint of an older
+format of this project is refused with one line. docs/distributed.md and docs/errors.md describe the format and its
+guarantees.
 """
 
-import hashlib
 import json
 import os
 import pickle
@@ -45,11 +45,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.utils._pytree import tree_leaves
 
+from utils.digests import DIGESTS, file_digests, listing_digest, read_digests, sha256, size_problem
 from utils.dist import barrier, broadcast_object, gather_objects, rank_and_world, reseed, rng_state, set_rng_state
 from utils.rundir import RunWriteError, describe_write_failure, read_best, save_torch_synced, warn, write_text_atomic
 
 SHARDED = "sharded"  # the DCP folder inside a checkpoint
-DIGESTS = "digests.json"  # {file relative to the checkpoint: {"bytes", "sha256"}} of every other file in it
 
 
 class CheckpointError(RuntimeError):
@@ -65,24 +65,6 @@ class CheckpointWriteError(RunWriteError):
 def _step_folders(ckpt_root: Path) -> list[Path]:
     """Complete checkpoints (a state.pt inside), oldest first."""
     return sorted(p for p in ckpt_root.glob("step_*") if (p / "state.pt").is_file())
-
-
-def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _digests(folder: Path, names: list[str]) -> dict[str, dict]:
-    """{name: {"bytes", "sha256"}} of files inside `folder` (names relative to it)."""
-    return {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in names}
-
-
-def _listing_digest(files: dict) -> str:
-    """SHA-256 of digests.json's own list, so that an edit of the list itself is found too."""
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def _state_bytes(state: dict) -> int:
@@ -153,7 +135,7 @@ def save_checkpoint(
         # each rank hashes the shard files it wrote (DCP names them __RANK_N.distcp), rank 0 also the index
         written_here = sorted(p.name for p in (tmp / SHARDED).glob(f"__{rank}_*"))
         written_here += [".metadata"] if rank == 0 else []
-        digests = {f"{SHARDED}/{k}": v for k, v in _digests(tmp / SHARDED, written_here).items()}
+        digests = {f"{SHARDED}/{k}": v for k, v in file_digests(tmp / SHARDED, written_here).items()}
     except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank when any rank failed to write (its
         # CheckpointException is a BaseException)
         error = describe_write_failure(e, ckpt_root, needed)
@@ -175,9 +157,9 @@ def save_checkpoint(
                 tmp / "meta.json",
                 json.dumps({**meta, "step": step, "digests": DIGESTS, "options": options}, default=str),
             )
-            files = {k: v for d in all_digests for k, v in d.items()} | _digests(tmp, ["state.pt", "meta.json"])
+            files = {k: v for d in all_digests for k, v in d.items()} | file_digests(tmp, ["state.pt", "meta.json"])
             files = dict(sorted(files.items()))
-            write_text_atomic(tmp / DIGESTS, json.dumps({"files": files, "sha256": _listing_digest(files)}, indent=1))
+            write_text_atomic(tmp / DIGESTS, json.dumps({"files": files, "sha256": listing_digest(files)}, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             write_text_atomic(ckpt_root / "latest", final.name)
@@ -228,34 +210,6 @@ def check_format(path: Path, rank: int = 0) -> None:
         )
 
 
-def _read_digests(path: Path) -> tuple[dict, str | None]:
-    """({file name: {"bytes", "sha256"}} as digests.json lists them, None), or ({}, what is wrong)."""
-    if not (path / "state.pt").is_file():
-        return {}, f"{path / 'state.pt'} is missing"
-    try:
-        record = json.loads((path / DIGESTS).read_bytes().decode("utf-8"))
-        if _listing_digest(record["files"]) != record["sha256"]:
-            return {}, f"{path / DIGESTS} was altered (its list does not match its own SHA-256)"
-        if not all({"bytes", "sha256"} <= set(entry) for entry in record["files"].values()):
-            raise ValueError("an entry lacks its bytes or sha256")
-        return record["files"], None
-    except FileNotFoundError:
-        return {}, f"{path / DIGESTS} is missing"
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return {}, f"{path / DIGESTS} cannot be read ({type(e).__name__}: {e})"
-
-
-def _size_problem(file: Path, want: int) -> str | None:
-    """What this rank's view of the file system says is wrong with `file`'s size; None when it is as written."""
-    try:
-        size = file.stat().st_size
-    except FileNotFoundError:
-        return f"{file} is missing"
-    except OSError as e:
-        return f"{file} cannot be checked ({type(e).__name__}: {e})"
-    return f"{file} has {size:,} bytes, {want:,} were written" if size != want else None
-
-
 def checkpoint_problem(path: str | Path, rank: int = 0, world: int = 1) -> str | None:
     """None when the checkpoint at `path` is intact, else what is wrong with it, naming the file: state.pt or
     digests.json missing or unreadable, or a file it lists missing, of another size or with another SHA-256 (a
@@ -263,9 +217,9 @@ def checkpoint_problem(path: str | Path, rank: int = 0, world: int = 1) -> str |
     it sees every listed file at its size (ranks whose views of a shared file system differ: CheckpointError, one
     line naming the first file and the ranks); rank r hashes files r, r + world, ..."""
     path = Path(path)
-    recorded, problem = broadcast_object(_read_digests(path) if rank == 0 else None)
+    recorded, problem = broadcast_object(read_digests(path) if rank == 0 else None)
     names = sorted(recorded)
-    views = gather_objects({name: _size_problem(path / name, recorded[name]["bytes"]) for name in names})
+    views = gather_objects({name: size_problem(path / name, recorded[name]["bytes"]) for name in names})
     for name in names:
         if any(view[name] != views[0][name] for view in views):
             sees = "; ".join(f"rank {r}: {view[name] or 'as written'}" for r, view in enumerate(views))
@@ -275,7 +229,7 @@ def checkpoint_problem(path: str | Path, rank: int = 0, world: int = 1) -> str |
             )
     altered = "was altered (its SHA-256 differs from the one recorded when it was written)"
     hashed_here = [n for n in names[rank::world] if views[0][n] is None]  # files r, r + world, ... seen whole
-    problems_here = {n: f"{path / n} {altered}" for n in hashed_here if _sha256(path / n) != recorded[n]["sha256"]}
+    problems_here = {n: f"{path / n} {altered}" for n in hashed_here if sha256(path / n) != recorded[n]["sha256"]}
     problems = {k: v for d in gather_objects(problems_here) for k, v in d.items()}
     problems |= {name: views[0][name] for name in names if views[0][name] is not None}
     if problem is None and problems:

@@ -35,11 +35,11 @@ def run_case(run_dir: Path, case: str, rank: int, world_size: int) -> str:
     for step in (1, 2):
         save_checkpoint(run_dir, step, model, optimizer, scheduler, {"stage": "test"}, rank=rank)
     # rank 1's view of the run directory, for this case only (put back below)
-    read_pointer, size_problem, is_file = checkpoint._read_pointer, checkpoint._size_problem, Path.is_file
+    read_pointer, size_problem, is_file = checkpoint._read_pointer, checkpoint.size_problem, Path.is_file
     if rank == 1 and case == "pointer":
         checkpoint._read_pointer = lambda ckpt_root: "step_00000001"
     if rank == 1 and case == "view":
-        checkpoint._size_problem = lambda file, want: (
+        checkpoint.size_problem = lambda file, want: (
             f"{file} is missing" if file.name == "__1_0.distcp" else size_problem(file, want)
         )
     if rank == 1 and case == "resume_from":
@@ -52,7 +52,7 @@ def run_case(run_dir: Path, case: str, rank: int, world_size: int) -> str:
     except CheckpointError as e:
         return f"error: {e}"
     finally:
-        checkpoint._read_pointer, checkpoint._size_problem, Path.is_file = read_pointer, size_problem, is_file
+        checkpoint._read_pointer, checkpoint.size_problem, Path.is_file = read_pointer, size_problem, is_file
 
 
 def main(base: str, cases: list[str]):

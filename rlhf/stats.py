@@ -204,7 +204,7 @@ def best_of_n_pool_kl(proxy_PN: torch.Tensor, n: int) -> torch.Tensor:
 
     With F the proxy's empirical CDF over the pool, best-of-n keeps a summary of score r with probability
     F(r)^n - F(r-)^n; a summary drawn m times is one outcome of probability m / N under pi_ref, so repeats must carry
-    one score (evaluation.frontier gives a repeat its first occurrence's). Distinct summaries that tie share the
+    one score (evaluation.best_of_n gives a repeat its first occurrence's). Distinct summaries that tie share the
     block's probability in proportion to their own (the tie broken at random, as in best_of_n_weights), so the
     log-ratio is the block's, log((F(r)^n - F(r-)^n) / Q_r) with Q_r = F(r) - F(r-), and
 

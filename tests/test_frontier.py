@@ -1,5 +1,6 @@
-"""The reward-KL frontier (evaluation/frontier.py, rlhf/stats.py): the KL estimate against the exact KL of one-token
-responses, best-of-n's selection and its KL formula on known rewards, and a tiny `demo.py --frontier_seeds` run."""
+"""The reward-KL frontier (evaluation/measure.py, best_of_n.py, matched.py, frontier.py; rlhf/stats.py): the KL
+estimate against the exact KL of one-token responses, best-of-n's selection and its KL formula on known rewards, and a
+tiny `demo.py --frontier_seeds` run."""
 
 import itertools
 import json

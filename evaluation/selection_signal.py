@@ -10,7 +10,7 @@ each row's signal minus uniform's is a paired difference over posts.
     python -m evaluation.selection_signal --policy runs/demo/sft/hf --reward_model runs/demo/rm/hf \\
         --data runs/demo/verdict/data/sft/validation.jsonl --gold_fn data.synthetic:gold_reward
 
-docs/results.md ("Why RSO trails uniform selection") reads its table for the verdict's policy and posts."""
+docs/results.md ("RSO against uniform selection") reads its table for the verdict's policy and posts."""
 
 import argparse
 import json

@@ -24,7 +24,7 @@ def bench_step(bcfg: GRPOBenchConfig, device: torch.device) -> list[dict]:
     out = []
     medians = {}
     for compiled in (False, True):
-        b = GRPOBenchConfig(**{**bcfg.__dict__, "compile": compiled})
+        b = replace(bcfg, compile=compiled)
         mode = "compile" if compiled else "eager"
         print(f"[{BENCH}] {b.name} GRPO step, {mode}: {b.describe()}", flush=True)
         m = measure_steps(b, device)
@@ -37,20 +37,11 @@ def bench_step(bcfg: GRPOBenchConfig, device: torch.device) -> list[dict]:
             first = m["warmup_step_seconds"][0]
             note = f"warm-up step {first:.1f} s - median step"
             out.append(result(BENCH, f"{b.name}: GRPO step, compilation", first - step, "s", note=note, config=b))
-        print(
-            f"  step {step:.3f} s (generate {generate_s:.3f} s), warm-up step {m['warmup_step_seconds'][0]:.1f} s",
-            flush=True,
-        )
+        warm = m["warmup_step_seconds"][0]
+        print(f"  step {step:.3f} s (generate {generate_s:.3f} s), warm-up step {warm:.1f} s", flush=True)
     ratio = medians["eager"] / medians["compile"]
     return out + [
-        result(
-            BENCH,
-            f"{bcfg.name}: GRPO step, eager / compile",
-            ratio,
-            "x",
-            note="ratio of median step times",
-            config=bcfg,
-        )
+        result(BENCH, f"{bcfg.name}: GRPO step, eager / compile", ratio, "x", "ratio of median step times", bcfg)
     ]
 
 

@@ -31,6 +31,10 @@ from utils.optim import build_optimizer, build_scheduler
 
 BENCH = "grpo"
 STAGES = ("generate", "score", "select", "advantages", "reference", "update")
+SAME_AS_GRPO = (  # GRPOBenchConfig's fields that grpo.Config has under the same name and meaning
+    "rewards num_samples num_kept selection max_new_tokens gen_prompts micro_batch_size score_micro_batch_size "
+    "lora_rank compile frozen_cpu_offload"
+).split()
 
 
 @dataclass
@@ -58,26 +62,10 @@ class GRPOBenchConfig:
 
     def grpo_config(self) -> grpo.Config:
         """grpo.Config of this benchmark (everything else at grpo.py's defaults: temperature 1, beta 0.04, ...)."""
-        cfg = grpo.Config(
-            model=self.preset,
-            random_init=True,
-            reward_model=self.preset,
-            reward_random_init=True,
-            rewards=self.rewards,
-            max_prompt_len=self.prompt_len,
-            num_samples=self.num_samples,
-            max_new_tokens=self.max_new_tokens,
-            gen_prompts=self.gen_prompts,
-            selection=self.selection,
-            num_kept=self.num_kept,
-            prompts_per_step=self.prompts,
-            micro_batch_size=self.micro_batch_size,
-            score_micro_batch_size=self.score_micro_batch_size,
-            warmup_steps=0,
-            lora_rank=self.lora_rank,
-            compile=self.compile,
-            frozen_cpu_offload=self.frozen_cpu_offload,
-        )
+        same = {k: getattr(self, k) for k in SAME_AS_GRPO}
+        renamed = dict(model=self.preset, reward_model=self.preset, max_prompt_len=self.prompt_len)
+        fixed = dict(random_init=True, reward_random_init=True, warmup_steps=0)  # random weights, no warm-up
+        cfg = grpo.Config(**same, **renamed, **fixed, prompts_per_step=self.prompts)
         cfg.validate()
         return cfg
 
@@ -181,13 +169,8 @@ def measure_steps(bcfg: GRPOBenchConfig, device: torch.device) -> dict:
     world = s.world
     dtype = resolve_dtype(s.cfg.dtype, device)
     gpt = model_config(bcfg.preset, True)
-    estimate = step_memory(
-        s.cfg,
-        gpt,
-        gpt if any(src.fn is None for src in s.spec.sources) else None,
-        world,
-        torch.finfo(dtype or torch.float32).bits // 8,
-    )
+    reward_cfg = gpt if any(src.fn is None for src in s.spec.sources) else None
+    estimate = step_memory(s.cfg, gpt, reward_cfg, world, torch.finfo(dtype or torch.float32).bits // 8)
     s = None  # drops the models and optimizer (one_step's closure holds the name, not them)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -216,15 +199,8 @@ def step_rows(bcfg: GRPOBenchConfig, m: dict, bench: str = BENCH, label: str = "
     def row(figure: str, value: float, unit: str, note: str = "", **details) -> dict:
         return result(bench, f"{name}: {figure}", value, unit, note=note, config=bcfg, **details)
 
-    rows = [
-        row(
-            "step",
-            step,
-            "s",
-            f"median of {len(m['step_seconds'])} steps after {bcfg.warmup} warm-up{busy}",
-            measurements=m,
-        )
-    ]
+    steps = f"median of {len(m['step_seconds'])} steps after {bcfg.warmup} warm-up{busy}"
+    rows = [row("step", step, "s", steps, measurements=m)]
     medians = {k: statistics.median(v) for k, v in m["stage_seconds"].items()}
     medians["other"] = statistics.median(
         s - sum(m["stage_seconds"][k][i] for k in STAGES) for i, s in enumerate(m["step_seconds"])
@@ -269,11 +245,8 @@ def bench_config(bcfg: GRPOBenchConfig, device: torch.device, bench: str = BENCH
     print(f"[{bench}] {bcfg.name}: {bcfg.describe()}; {bcfg.warmup} warm-up + {bcfg.repeats} timed steps", flush=True)
     m = measure_steps(bcfg, device)
     step = statistics.median(m["step_seconds"])
-    print(
-        f"  step {step:.3f} s: "
-        + ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in m["stage_seconds"].items()),
-        flush=True,
-    )
+    stages = ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in m["stage_seconds"].items())
+    print(f"  step {step:.3f} s: {stages}", flush=True)
     return step_rows(bcfg, m, bench, label)
 
 
@@ -401,25 +374,15 @@ def memory_fit(device: torch.device, quick: bool, runs: Callable[[str, bool, flo
                 continue
             peaks = f"peak {mib(r['peak_bytes']):,.0f} MiB, estimated {mib(r['estimated_peak_bytes']):,.0f} MiB "
             peaks += f"(measured / estimated {r['peak_bytes'] / r['estimated_peak_bytes']:.2f})"
-            rows.append(
-                result(FIT_BENCH, f"{cfg.name}: GRPO step", r["step_seconds"], "s", note=peaks, config=cfg, **r)
-            )
+            rows.append(result(FIT_BENCH, f"{cfg.name}: GRPO step", r["step_seconds"], "s", peaks, cfg, **r))
         skipped = [p for p in presets if p not in tried]
         note = (
             best or "none ran"
         ) + f"; {FIT.describe() if device.type == 'cuda' else 'tiny step on a CPU, nothing capped'}"
         note += f"; not tried: {', '.join(skipped)} (the search's order)" if skipped else ""
         layers = None if best is None else model_config(best, True).n_layer
-        rows.append(
-            result(
-                FIT_BENCH,
-                f"memory_fit {mode}: largest GPT-2 in {FIT_CAP_GIB:g} GiB",
-                layers,
-                "layers",
-                note=note,
-                largest=best,
-            )
-        )
+        answer = f"memory_fit {mode}: largest GPT-2 in {FIT_CAP_GIB:g} GiB"
+        rows.append(result(FIT_BENCH, answer, layers, "layers", note=note, largest=best))
     return rows
 
 

@@ -66,20 +66,15 @@ def run(device: torch.device, quick: bool) -> list[dict]:
             torch.cuda.empty_cache()
         lora, lora_trainable, lora_alloc = held_after_step(replace(step, lora_rank=cfg.rank), device)
         mib, what = 2**20, f"{dtype} parameters, AdamW, after one GRPO step (train_step)"
+        lora_held = f"LoRA r={cfg.rank}, reference = adapters off: held"
         figures = [
             ("full fine-tune + reference copy: held", full / mib, "MiB", f"{what}; trainable {full_trainable:,}"),
-            (
-                f"LoRA r={cfg.rank}, reference = adapters off: held",
-                lora / mib,
-                "MiB",
-                f"{what}; trainable {lora_trainable:,}",
-            ),
+            (lora_held, lora / mib, "MiB", f"{what}; trainable {lora_trainable:,}"),
             ("LoRA saves", (full - lora) / mib, "MiB", f"{full / lora:.1f}x less held (activations excluded)"),
         ]
         if full_alloc is not None:
             allocated = f"{full_alloc / mib:.0f} / {lora_alloc / mib:.0f} MiB"
-            figures.append(
-                ("CUDA allocated after the step: full / LoRA", full_alloc / max(lora_alloc, 1), "x", allocated)
-            )
+            ratio = full_alloc / max(lora_alloc, 1)
+            figures.append(("CUDA allocated after the step: full / LoRA", ratio, "x", allocated))
         rows += [common.result(BENCH, *f[:3], note=f[3], config=cfg) for f in figures]
     return rows

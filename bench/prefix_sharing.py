@@ -3,18 +3,15 @@ per group against every sample carrying its own copy, interleaved in one run, pe
 "prefix_sharing").
 
     python -m bench.run_all --only prefix_sharing [--data DIR]   # the configurations below, for the device present
-    python -m bench.prefix_sharing --data DIR/tldr-validation-sample.jsonl --preset gpt2 --prompts 2 --repeats 2
 
 Each repeat runs train_step shared, then unshared, at the same step index with the learning rate at 1e-12 (the same
 weights and samples). Per mode: step and stage seconds, the tokens each stage processes, one generate call's KV cache
 (rollouts/memory.kv_cache_bytes) and the step's peak memory; then unshared / shared.
 """
 
-import argparse
-import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +33,9 @@ from utils.optim import build_optimizer, build_scheduler
 
 BENCH = "prefix_sharing"
 PROMPTS_FILE = "tldr-validation-sample.jsonl"  # in run_all --data
+SAME_AS_GRPO = (  # PrefixBenchConfig's fields that grpo.Config has under the same name and meaning
+    "num_samples num_kept max_new_tokens max_prompt_len gen_prompts micro_batch_size score_micro_batch_size".split()
+)
 
 
 @dataclass
@@ -54,23 +54,10 @@ class PrefixBenchConfig:
     data: str = ""  # the TL;DR prompt rows (jsonl with a prompt column): run() sets it from its data folder
 
     def grpo_config(self, shared: bool) -> grpo.Config:
-        cfg = grpo.Config(
-            model=self.preset,
-            random_init=True,
-            reward_model=self.preset,
-            reward_random_init=True,
-            max_prompt_len=self.max_prompt_len,
-            num_samples=self.num_samples,
-            num_kept=self.num_kept,
-            max_new_tokens=self.max_new_tokens,
-            gen_prompts=self.gen_prompts,
-            prompts_per_step=self.prompts,
-            micro_batch_size=self.micro_batch_size,
-            score_micro_batch_size=self.score_micro_batch_size,
-            lr=1e-12,
-            warmup_steps=0,
-            prefix_sharing=shared,
-        )
+        same = {k: getattr(self, k) for k in SAME_AS_GRPO}
+        renamed = dict(model=self.preset, reward_model=self.preset, prompts_per_step=self.prompts)
+        fixed = dict(random_init=True, reward_random_init=True, lr=1e-12, warmup_steps=0)  # the same weights each step
+        cfg = grpo.Config(**same, **renamed, **fixed, prefix_sharing=shared)
         cfg.validate()
         return cfg
 
@@ -82,14 +69,8 @@ def tldr_prompt_set(bcfg: PrefixBenchConfig, n_sources: int, device) -> PromptSe
         raise ValueError(f"{bcfg.data} holds {len(rows)} prompts, the benchmark asks for {bcfg.prompts}")
     data = PromptDataset(rows, get_tokenizer(), bcfg.max_prompt_len, name=bcfg.data)
     ids, mask = pad_prompts(data.prompts)
-    return PromptSet(
-        ids.to(device),
-        mask.to(device),
-        data.texts,
-        list(range(len(rows))),
-        torch.ones(len(rows), n_sources, dtype=torch.bool),
-        bcfg.data,
-    )
+    every_source = torch.ones(len(rows), n_sources, dtype=torch.bool)
+    return PromptSet(ids.to(device), mask.to(device), data.texts, list(range(len(rows))), every_source, bcfg.data)
 
 
 def stage_tokens(r: StepResult, prompts: PromptSet, cfg: grpo.Config, model_cfg) -> dict[str, int]:
@@ -105,14 +86,8 @@ def stage_tokens(r: StepResult, prompts: PromptSet, cfg: grpo.Config, model_cfg)
     N, score_tokens = r.samples.response_ids.shape[0], 0
     for s in range(0, N, cfg.score_micro_batch_size):
         rows = torch.arange(s, min(s + cfg.score_micro_batch_size, N), device=prompts.ids.device)
-        batch = model_rows(
-            prompts.ids,
-            prompts.mask,
-            r.samples.response_ids[rows],
-            r.samples.response_mask[rows],
-            rows // G,
-            cfg.prefix_sharing,
-        )
+        responses = (r.samples.response_ids[rows], r.samples.response_mask[rows])
+        batch = model_rows(prompts.ids, prompts.mask, *responses, rows // G, cfg.prefix_sharing)
         score_tokens += int(batch["attention_mask"].sum())
     trained = sum(int(b.attention_mask.sum()) for b in r.batches)
     return {
@@ -153,10 +128,8 @@ def measure(bcfg: PrefixBenchConfig, device: torch.device) -> dict:
             m["peak"].append(common.peak_memory(device, was_reset)[0])
             m["tokens"] = stage_tokens(r, prompts, cfg, models.policy.cfg)
             m["peak_what"] = common.peak_memory(device, was_reset)[1]
-            print(
-                f"  {mode} step {m['step'][-1]:.2f} s: " + ", ".join(f"{k} {r.seconds[k]:.2f}" for k in STAGES),
-                flush=True,
-            )
+            stages = ", ".join(f"{k} {r.seconds[k]:.2f}" for k in STAGES)
+            print(f"  {mode} step {m['step'][-1]:.2f} s: {stages}", flush=True)
     out["prompt_lengths"] = prompts.mask.sum(-1).tolist()
     print(f"  prompt lengths {out['prompt_lengths']}", flush=True)
     return out
@@ -173,15 +146,11 @@ def rows_of(bcfg: PrefixBenchConfig, m: dict) -> list[dict]:
         t, peak = m[mode]["tokens"], common.mib(max(m[mode]["peak"]))
         med[mode] = {"step": statistics.median(m[mode]["step"])}
         med[mode].update((k, statistics.median(v)) for k, v in m[mode]["stages"].items())
-        rows.append(
-            row(
-                f" {mode}: step", med[mode]["step"], "s", f"median of {bcfg.repeats}, interleaved", measurements=m[mode]
-            )
-        )
+        steps = f"median of {bcfg.repeats}, interleaved"
+        rows.append(row(f" {mode}: step", med[mode]["step"], "s", steps, measurements=m[mode]))
         rows += [row(f" {mode}: {k}", med[mode][k], "s", f"{t[k]:,} tokens" if k in t else "") for k in STAGES]
-        rows.append(
-            row(f" {mode}: KV cache of a generate call", common.mib(t["kv_cache_bytes"]), "MiB", "from the shapes")
-        )
+        kv = common.mib(t["kv_cache_bytes"])
+        rows.append(row(f" {mode}: KV cache of a generate call", kv, "MiB", "from the shapes"))
         rows.append(row(f" {mode}: step peak memory", peak, "MiB", m[mode]["peak_what"]))
     for k in ("step", "score", "reference", "update", "generate"):
         rows.append(row(f": unshared / shared, {k}", med["unshared"][k] / med["shared"][k], "x"))
@@ -217,26 +186,3 @@ def run(device: torch.device, quick: bool, cfgs: list[PrefixBenchConfig] | None 
         )
         rows += rows_of(bcfg, measure(bcfg, device))
     return rows
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    for name, value in asdict(PrefixBenchConfig()).items():
-        parser.add_argument(f"--{name}", type=type(value), default=value, help=f"PrefixBenchConfig.{name}")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
-    parser.add_argument("--out", default="", help="write the figures and the environment as JSON here")
-    args = vars(parser.parse_args())
-    device, out = torch.device(args.pop("device")), args.pop("out")
-    rows = run(device, False, [PrefixBenchConfig(**args)])
-    print(common.format_table(rows))
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(
-            json.dumps({"environment": common.environment(device), "rows": rows}, indent=1, default=str)
-        )
-
-
-if __name__ == "__main__":
-    main()

@@ -14,7 +14,6 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     trl      bench/trl_grpo.py   TRL's GRPOTrainer vs our step on the same configuration (or why it was not run)
     prefix_sharing  bench/prefix_sharing.py  GRPO step on --data's TL;DR prompts, prefix sharing on vs off, per stage
     compile  bench/compiled.py   --compile vs eager on a GRPO step, compile time apart (named only)
-    floor    bench/floor.py      the TRL side-by-side's step of ours against its matrix products, per stage (named only)
     trl_stages  bench/trl_stages.py  TRL's SFT, Reward and DPO trainers vs our steps on the same weights and rows,
                                      interleaved; tiny and gpt2 shape on CPU (named only)
     train_profile  bench/train.py    torch.profiler over SFT / reward-model / DPO steps: kernel time against wall,
@@ -42,8 +41,8 @@ from utils.host import cpu_memory_settings
 
 BENCHMARKS = ("sampler", "train", "grpo", "lora", "trl", "prefix_sharing")
 # run only when --only names them: compile and the memory search take minutes and are GPU checks (bench/gpu_all.sh),
-# as is the profile; the floor repeats the TRL side-by-side's step; trl_stages takes minutes of CPU and needs trl
-NAMED_ONLY = ("compile", "floor", "trl_stages", "train_profile", "memory_fit")
+# as is the profile; trl_stages takes minutes of CPU and needs trl
+NAMED_ONLY = ("compile", "trl_stages", "train_profile", "memory_fit")
 RUNS = {  # benchmark -> (module of bench/, its function of (device, quick))
     "sampler": ("sampler", "run"),
     "train": ("train", "run"),
@@ -52,7 +51,6 @@ RUNS = {  # benchmark -> (module of bench/, its function of (device, quick))
     "trl": ("trl_grpo", "run"),
     "prefix_sharing": ("prefix_sharing", "run"),
     "compile": ("compiled", "run"),
-    "floor": ("floor", "run"),
     "trl_stages": ("trl_stages", "run"),
     "train_profile": ("train", "profile"),
     "memory_fit": ("grpo_step", "memory_fit"),

@@ -84,18 +84,9 @@ def run_ours(model, ids, mask, G: int, new_tokens: int, seed: int):
 
 def run_hf(hf, ids, mask, G: int, new_tokens: int, seed: int):
     torch.manual_seed(seed)
-    with torch.no_grad():
-        return hf.generate(
-            input_ids=ids,
-            attention_mask=mask.long(),
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=new_tokens,
-            num_return_sequences=G,
-            pad_token_id=PAD_ID,
-        )
+    kwargs = dict(attention_mask=mask.long(), max_new_tokens=new_tokens, num_return_sequences=G, pad_token_id=PAD_ID)
+    with torch.no_grad():  # the settings of run_ours
+        return hf.generate(input_ids=ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, **kwargs)
 
 
 def generated_tokens(out, prompt_width: int) -> int:
@@ -174,11 +165,9 @@ STAGE_NOTES = {
 def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> list[dict]:
     P, R, G, label = cfg.prompt_len, cfg.new_tokens, cfg.group, cfg.name
     ours, hf, logit_diff, why_no_hf = build_models(cfg, device, workdir)
-    print(
-        f"[sampler] {label}: {cfg.preset} {cfg.dtype}, prompts {cfg.min_prompt_len}-{P} tokens, {R} new tokens forced, "
-        f"G={G}, {cfg.warmup} warm-up + {cfg.repeats} interleaved repeats",
-        flush=True,
-    )
+    prompts = f"prompts {cfg.min_prompt_len}-{P} tokens, {R} new tokens forced, G={G}"
+    repeats = f"{cfg.warmup} warm-up + {cfg.repeats} interleaved repeats"
+    print(f"[sampler] {label}: {cfg.preset} {cfg.dtype}, {prompts}, {repeats}", flush=True)
 
     def row(figure: str, value: float, unit: str, note: str = "", **details) -> dict:
         return result(BENCH, f"{label}{figure}", value, unit, note=note, config=cfg, **details)
@@ -192,14 +181,8 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
     if hf is None:
         rows = [skipped(BENCH, f"{label}: transformers generate", why_no_hf, config=cfg)]
     else:
-        rows = [
-            row(
-                ": same weights, max |logit diff| ours vs transformers",
-                logit_diff,
-                "abs",
-                f"{cfg.dtype}, one 64-token prompt",
-            )
-        ]
+        same = ": same weights, max |logit diff| ours vs transformers"
+        rows = [row(same, logit_diff, "abs", f"{cfg.dtype}, one 64-token prompt")]
     ratio_note = "median of per-repeat time ratios"
 
     # 1. ours vs transformers generate, G samples per prompt, several batch sizes
@@ -239,9 +222,8 @@ def bench_config(cfg: SamplerConfig, device: torch.device, workdir: Path) -> lis
             note += full[mode].interference
             name = f" {S} prompts x {G}: ours, prefix {mode}"
             rows.append(row(name, d["tokens_per_s"], "tok/s", note, prefill=prefill[mode].to_dict(), **d))
-            print(
-                f"  {S} prompts x {G} prefix {mode:9s} {d['tokens_per_s']:12,.0f} generated tok/s ({note})", flush=True
-            )
+            rate = f"{d['tokens_per_s']:12,.0f} generated tok/s"
+            print(f"  {S} prompts x {G} prefix {mode:9s} {rate} ({note})", flush=True)
         speed_up = median_ratio(full["shared"], full["unshared"])
         rows.append(row(f" {S} prompts x {G}: prefix shared / unshared speed-up", speed_up, "x", ratio_note))
 

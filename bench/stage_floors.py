@@ -1,7 +1,6 @@
-"""The compute a GRPO step's stages cannot avoid, from the step's token counts: arithmetic, no timing. bench/floor.py
-times these products on the machine, bench/grpo_step.py sets a GPU step's stages against gpu_stage_floors and
-bench/decode_profile.py the recorded decode step against decode_floor. `bcfg` is a bench.grpo_step.GRPOBenchConfig
-(not imported: grpo_step imports this module).
+"""The compute a GRPO step's stages cannot avoid, from the step's token counts: arithmetic, no timing.
+bench/grpo_step.py sets a GPU step's stages against gpu_stage_floors and bench/decode_profile.py the recorded decode
+step against decode_floor. `bcfg` is a bench.grpo_step.GRPOBenchConfig (not imported: grpo_step imports this module).
 
 With N sampled and K trained rows: generate runs the prefill (the body over each prompt once, the head at its last
 position) and one decode step per later token (the body and an N x C x V head); score the reward model's body over
@@ -9,8 +8,6 @@ each prompt once and every response; reference the frozen body over the K rows (
 their response positions in chunks (rlhf.logprobs); update that forward and its backward (the head's dh = G W and
 dW = G^T h, the body at twice its forward). Attention's products (4 T C per token and layer) count with the body.
 """
-
-import torch
 
 from bench.common import GPU_PEAKS
 from model.gpt2 import PRESETS
@@ -45,8 +42,8 @@ def body_flops_per_token(cfg, context: float) -> float:
     return cfg.n_layer * (24 * cfg.n_embd**2 + 4 * context * cfg.n_embd)
 
 
-def stage_products(bcfg, counts: dict, device: torch.device) -> dict[str, dict]:
-    """Per stage: the head's products as {(m, k, n): count} and the body's FLOPs, from the step's token counts."""
+def stage_products(bcfg, counts: dict) -> dict[str, dict]:
+    """Per stage: the head's products as {(m, k, n): count} (a GPU run's chunks) and the body's FLOPs."""
     cfg = PRESETS[bcfg.preset]
     C, V = cfg.n_embd, cfg.vocab_size
     G, N, K = bcfg.num_samples, counts["sequences"], counts["trained_sequences"]
@@ -54,7 +51,7 @@ def stage_products(bcfg, counts: dict, device: torch.device) -> dict[str, dict]:
     generated = counts["generated_tokens"]
     trained_response = generated * K // N  # selection "all": K = N
     Tp, R = prompt_tokens / bcfg.prompts, bcfg.max_new_tokens
-    chunk = CHUNK if device.type == "cpu" else max(CHUNK, GPU_CHUNK_BYTES // (4 * V))
+    chunk = max(CHUNK, GPU_CHUNK_BYTES // (4 * V))
     decode_steps = max(0, (generated - N) // N)  # tokens after the first, per row (rows that ran to the end)
     head_chunks = {}
     full, last = divmod(trained_response, chunk)
@@ -89,7 +86,7 @@ def gpu_stage_floors(bcfg, counts: dict, gpu: str = "H100") -> dict[str, float]:
     cfg = PRESETS[bcfg.preset]
     floors = {
         stage: (sum(2 * a * b * c * n for (a, b, c), n in p["head"].items()) + p["body"]) / peak["flops_per_s"]
-        for stage, p in stage_products(bcfg, counts, torch.device("cuda")).items()
+        for stage, p in stage_products(bcfg, counts).items()
     }
     G, N = bcfg.num_samples, counts["sequences"]
     prompt_len = (counts["total_tokens"] - counts["generated_tokens"]) / G / bcfg.prompts

@@ -126,13 +126,6 @@ def flops_per_step(
     return model, executed
 
 
-def peak_for(device: torch.device) -> tuple[float, str] | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next(((v["flops_per_s"], k) for k, v in GPU_PEAKS.items() if k in name), None)
-
-
 def throughput_rows(name: str, cfg: TrainConfig, device, timing, s: "Stage", bench: str = BENCH) -> list[dict]:
     """Tokens/s, rows or pairs/s, model and executed TFLOP/s and (on a GPU with a known peak) MFU of one step."""
     seconds = timing.median
@@ -152,19 +145,13 @@ def throughput_rows(name: str, cfg: TrainConfig, device, timing, s: "Stage", ben
         row(f"{s.unit}/s", cfg.batch_rows / seconds, f"{s.unit}/s"),
         row("model TFLOP/s", model_flops / seconds / 1e12, "TFLOP/s", tflops),
     ]
-    peak = peak_for(device)
-    if peak is not None:
-        value, gpu = peak
-        mfu = f"model FLOPs / {value / 1e12:.0f} TFLOP/s ({gpu} dense bf16 datasheet); "
+    gpu = next((k for k in GPU_PEAKS if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
+    if gpu is not None:  # a GPU whose peak is known
+        peak = GPU_PEAKS[gpu]["flops_per_s"]
+        mfu = f"model FLOPs / {peak / 1e12:.0f} TFLOP/s ({gpu} dense bf16 datasheet); "
         mfu += f"{100 * model_flops / seconds / MEASURED_PEAK_H100:.1f}% of ~800 measured; "
-        rows.append(
-            row(
-                "MFU",
-                100 * model_flops / seconds / value,
-                "%",
-                mfu + f"executed FLOPs: {100 * executed / seconds / value:.1f}%",
-            )
-        )
+        mfu += f"executed FLOPs: {100 * executed / seconds / peak:.1f}%"
+        rows.append(row("MFU", 100 * model_flops / seconds / peak, "%", mfu))
     print(f"  {name}: {real / seconds:,.0f} tok/s, {model_flops / seconds / 1e12:.3g} model TFLOP/s", flush=True)
     return rows
 
@@ -179,24 +166,26 @@ def build_sharded(model: torch.nn.Module, device: torch.device, compile_blocks: 
     return model.to(device)
 
 
-def optimizer_step(model, optimizer) -> None:
-    clip_grad_norm(model, 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def optimizer_steps(model, accumulate: Callable[[], object]) -> Callable[[], object]:
+    """A step of `model` (sharded, in train mode): accumulate's gradients, clipped at 1.0, then AdamW at lr 1e-5;
+    returns what accumulate returned (the loss or the metrics)."""
+    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
+    model.train()
+
+    def step():
+        out = accumulate()
+        clip_grad_norm(model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out
+
+    return step
 
 
 def sft_step(model, micro: list[dict], world: int, device, compile_blocks: bool = False) -> Callable[[], float]:
     """One SFT optimizer step over `micro` as sft.py takes it; shards `model` first."""
     model = build_sharded(model, device, compile_blocks)
-    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
-    model.train()
-
-    def step():
-        loss = sft.accumulate_gradients(model, micro, world, device)
-        optimizer_step(model, optimizer)
-        return loss
-
-    return step
+    return optimizer_steps(model, lambda: sft.accumulate_gradients(model, micro, world, device))
 
 
 def reward_model_step(
@@ -204,15 +193,9 @@ def reward_model_step(
 ) -> Callable[[], dict]:
     """One reward-model optimizer step over `micro` (n_pairs pairs in all) as reward_model.py takes it."""
     model = build_sharded(model, device, compile_blocks)
-    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0)
-    model.train()
-
-    def step():
-        metrics = reward_model.accumulate_gradients(model, micro, world, n_pairs, device, prefix_sharing)
-        optimizer_step(model, optimizer)
-        return metrics
-
-    return step
+    return optimizer_steps(
+        model, lambda: reward_model.accumulate_gradients(model, micro, world, n_pairs, device, prefix_sharing)
+    )
 
 
 def dpo_step(
@@ -227,18 +210,9 @@ def dpo_step(
     shard_model(reference, None)
     reference.to(device)
     policy = build_sharded(policy, device, compile_blocks)
-    optimizer = build_optimizer(policy, lr=1e-5, weight_decay=0.0)
-    dpo_cfg = dpo.Config(beta=beta)
-    loss_fn = preference_loss(dpo_cfg)
-    policy.train()
-
-    def step():
-        args = (policy, reference, micro, world, n_pairs, loss_fn, dpo_cfg.beta, device, prefix_sharing)
-        metrics = dpo.accumulate_gradients(*args)
-        optimizer_step(policy, optimizer)
-        return metrics
-
-    return step
+    loss_fn = preference_loss(dpo.Config(beta=beta))
+    args = (policy, reference, micro, world, n_pairs, loss_fn, beta, device, prefix_sharing)
+    return optimizer_steps(policy, lambda: dpo.accumulate_gradients(*args))
 
 
 @dataclass
@@ -379,12 +353,8 @@ def profile_stage(
     row(f"{kernels} per step", k["kernel_ms"], "ms", f"{k['kernel_ms'] / wall_ms:.1%} of the profiled wall")
     if on_gpu:
         busy = f"union of the kernels' intervals: {k['busy_ms'] / wall_ms:.1%} of the wall; the rest "
-        row(
-            "GPU busy per step",
-            k["busy_ms"],
-            "ms",
-            busy + f"({wall_ms - k['busy_ms']:.1f} ms) the GPU waits for the host",
-        )
+        busy += f"({wall_ms - k['busy_ms']:.1f} ms) the GPU waits for the host"
+        row("GPU busy per step", k["busy_ms"], "ms", busy)
     launches = ", ".join(f"{n} {c:,.0f}" for n, c in k["launches"].items())
     row("kernel launches per step" if on_gpu else "ATen ops per step", sum(k["launches"].values()), "calls", launches)
     counted = ", ".join(f"{n} {c}" for n, c in sorted(syncs.counts.items())) or "none"

@@ -63,9 +63,8 @@ def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
     for model, folder in ((policy, work / "policy"), (reward_model, work / "reward_model")):
         save_hf(model.state_dict(), model.cfg, folder)
         tok.save_pretrained(folder)
-    prompt_ids, prompt_mask = random_prompts(
-        bcfg.prompts, bcfg.prompt_len, bcfg.min_prompt_len, policy.cfg.vocab_size, seed=0
-    )
+    vocab_size = policy.cfg.vocab_size
+    prompt_ids, prompt_mask = random_prompts(bcfg.prompts, bcfg.prompt_len, bcfg.min_prompt_len, vocab_size, seed=0)
     texts = [ids_to_text(ids[mask].tolist()) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
     assert [len(tok(t)["input_ids"]) for t in texts] == prompt_mask.sum(1).tolist(), "stand-in tokenizer lost ids"
     steps = bcfg.warmup + bcfg.repeats
@@ -124,19 +123,9 @@ def trl_child(bcfg: GRPOBenchConfig, device_name: str, out_file: Path) -> None:
     peak, peak_what = common.peak_memory(device, was_reset[0])
     step_seconds = [b - a for a, b in itertools.pairwise(ends)][bcfg.warmup :]
     lengths = [log["completions/mean_length"] for log in logged if "completions/mean_length" in log]
-    out_file.write_text(
-        json.dumps(
-            {
-                "step_seconds": step_seconds,
-                "completion_mean_length": lengths,
-                "sequences": N,
-                "peak_memory_bytes": peak,
-                "peak_memory_what": peak_what,
-                "trl": version("trl"),
-                "transformers": transformers.__version__,
-            }
-        )
-    )
+    out = dict(step_seconds=step_seconds, completion_mean_length=lengths, sequences=N)
+    out.update(peak_memory_bytes=peak, peak_memory_what=peak_what)
+    out_file.write_text(json.dumps(out | {"trl": version("trl"), "transformers": transformers.__version__}))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -172,9 +161,7 @@ def run_trl(bcfg: GRPOBenchConfig, device: torch.device, timeout_s: int = 1800) 
     return [
         result(BENCH, f"{name}: step", step, "s", note=steps, config=bcfg, measurements=m),
         result(BENCH, f"{name}: generated tokens/s per device", generated / step, "tok/s", note=tokens, config=bcfg),
-        result(
-            BENCH, f"{name}: peak memory", mib(m["peak_memory_bytes"]), "MiB", note=m["peak_memory_what"], config=bcfg
-        ),
+        result(BENCH, f"{name}: peak memory", mib(m["peak_memory_bytes"]), "MiB", m["peak_memory_what"], bcfg),
     ]
 
 

@@ -198,14 +198,8 @@ def trl_trainer(stage: str, cfg: TrainConfig, rows: dict, model_dir: str, work: 
         args = trl.RewardConfig(**common_args, center_rewards_coefficient=None, disable_dropout=True)
         trainer = trl.RewardTrainer(model_dir, args=args, train_dataset=dataset, processing_class=tok)
     else:
-        args = trl.DPOConfig(
-            **common_args,
-            loss_type=["sigmoid"],
-            beta=DPO_BETA,
-            label_smoothing=0.0,
-            precompute_ref_log_probs=False,
-            disable_dropout=True,
-        )
+        dpo_args = dict(loss_type=["sigmoid"], beta=DPO_BETA, label_smoothing=0.0, precompute_ref_log_probs=False)
+        args = trl.DPOConfig(**common_args, **dpo_args, disable_dropout=True)
         trainer = trl.DPOTrainer(model_dir, args=args, train_dataset=dataset, processing_class=tok)
     check_tokenized(stage, trainer.train_dataset, rows)
     trainer.add_callback(callback)
@@ -337,15 +331,8 @@ def bench_stage(
         if trl_missing is None:
             exported = seeded_model(stage, cfg.preset)  # the weights every side starts from
             save_hf(exported.state_dict(), exported.cfg, work / "model")
-            spec = {
-                "stage": stage,
-                "config": dataclasses.asdict(cfg),
-                "rows": rows,
-                "model_dir": str(work / "model"),
-                "work": str(work),
-                "device": str(device),
-                "threads": torch.get_num_threads(),
-            }
+            spec = dict(stage=stage, config=dataclasses.asdict(cfg), rows=rows, model_dir=str(work / "model"))
+            spec.update(work=str(work), device=str(device), threads=torch.get_num_threads())
             child = TRLChild(spec, work, timeout_s)
         try:
             sides = our_steps(stage, cfg, rows, device, world)
@@ -397,27 +384,18 @@ def bench_stage(
     return out
 
 
-def run(
-    device: torch.device,
-    quick: bool,
-    cfgs: list[TrainConfig] | None = None,
-    stages: tuple[str, ...] = STAGES,
-    timeout_s: float = 1800,
-    data: Path | None = None,
-) -> list[dict]:
-    """`data`: the folder of the TL;DR files (random rows without it)."""
+def run(device: torch.device, quick: bool, data: Path | None = None, timeout_s: float = 1800) -> list[dict]:
+    """`data`: the folder of the TL;DR files (random rows without it); `timeout_s`: a TRL child's, per message."""
     if device.type != "cpu":
         return [skipped(BENCH, "TRL stages", "a CPU benchmark (fp32 on both sides): run it with --device cpu")]
     world = setup_distributed(device.type).world_size  # a one-process group, as bench/train.py
     available, why = trl_available("TRL step")
     rows = []
-    for cfg in cfgs or configs(quick):
-        print(
-            f"[{BENCH}] {cfg.name}: {cfg.preset}, {cfg.batch_rows} rows/pairs per step in micro-batches of "
-            f"{cfg.micro_rows}; {cfg.warmup} warm-up + {cfg.repeats} interleaved steps per side",
-            flush=True,
-        )
-        for stage in stages:
+    for cfg in configs(quick):
+        rows_per_step = f"{cfg.batch_rows} rows/pairs per step in micro-batches of {cfg.micro_rows}"
+        steps = f"{cfg.warmup} warm-up + {cfg.repeats} interleaved steps per side"
+        print(f"[{BENCH}] {cfg.name}: {cfg.preset}, {rows_per_step}; {steps}", flush=True)
+        for stage in STAGES:
             rows += bench_stage(stage, cfg, device, world, None if available else why, timeout_s, data)
     return rows
 

@@ -359,7 +359,7 @@ def test_decode_floor_counts_by_hand_and_scoring_reads_each_prompt_once():
         "trained_tokens": 8 * 30,
     }
     gpt2 = __import__("model.gpt2", fromlist=["PRESETS"]).PRESETS["gpt2"]
-    score = stage_products(b, counts, torch.device("cpu"))["score"]["body"]
+    score = stage_products(b, counts)["score"]["body"]
     assert score == (4 * 20 + 320) * body_flops_per_token(gpt2, 20 + 10 / 2)
     floors = gpu_stage_floors(b, counts)
     per_step = decode_floor(gpt2, 2, 20, 8, 10)["bytes"] / 3.35e12

@@ -140,7 +140,6 @@ TOOLS = (  # every command line but the four training scripts (parse_config, as 
     "evaluation.plots",
     "evaluation.selection_signal",
     "bench.run_all",
-    "bench.prefix_sharing",
     "bench.trl_grpo",
     "bench.trl_stages",
     "model.lora",

@@ -241,14 +241,24 @@ def gold_alignment(
         corr           Pearson correlation of reward and gold over the K kept (NaN where either is constant): how
                        well the reward the update ranks by tells gold apart among the samples it trains on
         signal         mean over the K kept of A (gold - m_G), over rms * s_pool: the update's advantage-weighted
-                       gold, scale-free. Its mean over the batch's groups is mean(A (gold - m_G)) / (rms s_pool), the
-                       first-order change of the policy's mean gold (in pool standard deviations, per unit of
-                       advantage) when every kept sample's log-probability moves by its advantage, each sample an
-                       outcome of its own; with advantages centred in the group (sum_k A = 0) m_G drops out and it is
-                       the kept samples' covariance of advantage and gold
+                       gold, scale-free; rms and s_pool are the batch's, so a batch's groups share them (errors over
+                       batches, not groups). With advantages centred in the group (sum_k A = 0) m_G drops out and it
+                       is the kept samples' covariance of advantage and gold; --global_norm's whitening leaves them
+                       uncentred (a tied kept group gets the batch's constant), and then m_G counts
 
-    The means over groups (NaN left out) describe the batch; each group's value is one post's, for errors over
-    posts."""
+    What the signal assumes: every kept sample an outcome of its own and of equal weight. One step that moves each kept
+    sample's log-probability by eta * A_k (the rest renormalized) changes the policy's mean gold, to first order, by
+    eta * sum_k pi(y_k) A_k (g_k - E g): each sample weighted by its probability. The signal weighs the kept samples
+    equally (m_G standing for E g), which is that change, up to a factor, only when the kept samples' score functions
+    are orthogonal and of equal norm. It fails for kept samples the policy rarely draws (their weight is far below the
+    others'; `top` and `top_bottom` keep such samples: selection_signal's log-prob shift), for kept samples that repeat
+    (a tied kept group is often one summary drawn more than once: one outcome, not K) and for samples whose score
+    functions overlap (a gradient step moves every sample's log-probability, not only the kept ones'). It is a
+    reading of what the advantages point at, not a prediction of the gold a step gains; and selecting on any reward
+    shrinks the kept set's gold range, so the signal falls with the tilt even where the reward is gold itself
+    (selection_signal's --reward gold is that null).
+
+    The means over groups (NaN left out) describe the batch; each group's value is one post's."""
     pool, r, g, a = (t.double() for t in (gold_pool_BG, reward_BK, gold_BK, advantage_BK))
     B, K = r.shape
     pool_mean, pool_var = pool.mean(1), pool.var(1)  # (B,)
@@ -262,6 +272,31 @@ def gold_alignment(
     scale = K * (a * a).mean().sqrt() * pool_var.mean().sqrt()
     signal = (a * (g - pool_mean[:, None])).sum(1) / scale if float(scale) > 0 else nan
     return {"gold_shift": shift, "gold_var_ratio": var_ratio, "corr": corr, "signal": signal}
+
+
+def kept_slope(
+    reward_pool_BG: torch.Tensor, gold_pool_BG: torch.Tensor, reward_BK: torch.Tensor, gold_BK: torch.Tensor
+) -> torch.Tensor:
+    """The slope of gold on the training reward among the kept samples, pooled within groups over the batch, each value
+    in its pool's standard deviations: with dr, dg the kept rewards and gold less their kept means, over the pool's
+    sample standard deviations of reward and gold,
+
+        slope = sum over groups and kept samples of dr dg / sum of dr^2        fp64 scalar, NaN where no term is left
+
+    leaving out the groups whose pool's reward or gold tied. Selection on the reward restricts the kept range of the
+    reward, which lowers the kept correlation of reward and gold (gold_alignment's corr) but not the slope of gold on
+    the reward: where gold = rho * reward + independent noise in every pool (a reward of one quality everywhere, rho
+    the pool's correlation) the slope is rho for every selection, 1 when the reward is gold, and a selection whose
+    slope falls below uniform's keeps samples where the reward tells gold apart worse than over the whole pool (the
+    top end of the reward model, for `top`). Pooled rather than a mean of each group's own slope, which divides by
+    the kept reward spread of K samples and has no bounded variance where that spread is near 0."""
+    r, g, r_pool, g_pool = (t.double() for t in (reward_BK, gold_BK, reward_pool_BG, gold_pool_BG))
+    s_r, s_g = r_pool.std(1, keepdim=True), g_pool.std(1, keepdim=True)  # (B, 1)
+    spread = ((s_r > 0) & (s_g > 0)).squeeze(1)  # (B,)
+    dr = (r - r.mean(1, keepdim=True))[spread] / s_r[spread]  # (B', K)
+    dg = (g - g.mean(1, keepdim=True))[spread] / s_g[spread]  # (B', K)
+    squares = (dr * dr).sum()
+    return (dr * dg).sum() / squares if float(squares) > 0 else squares.new_tensor(float("nan"))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -486,7 +486,7 @@ def test_verdict_rows_pair_posts_and_match_kl():
     beyond = verdict_rows({"B": b}, curve[:1] + [post_point([0.5] * 3, [1.0] * 3, 2)], [("B", BEST_OF_N)])
     assert "beyond best-of-n" in beyond[0]["note"]
     table = verdict_table(rows)
-    assert "| A - best-of-n | 0.250 | +0.167 |" in table and "| A - B | 0.250 | +0.500 | 0.000 |" in table
+    assert "| A - best-of-n | 0.250 (matched) | +0.167 |" in table and "| A - B | 0.250 (matched) | +0.500 |" in table
 
 
 def interval_by_hand(d: list[list[float]]) -> dict[str, float]:
@@ -537,7 +537,12 @@ def test_verdict_rows_pair_three_seeds_by_seed():
         assert row["seeds"] == 3 and row["posts"] == 4 and row["kl"] == pytest.approx(sum(kls) / 3)
         for k, v in want.items():
             assert row[k] == pytest.approx(v, rel=1e-9), (row["pair"], k)
-        assert row["distinguishable"] == (not want["ci_low"] <= 0 <= want["ci_high"])
+        assert row["excludes_0"] == (not want["ci_low"] <= 0 <= want["ci_high"])
+        # per seed what a dose's trend reads: its matched KL, its mean difference and that difference's variance
+        assert row["seed_kls"] == pytest.approx(kls) and row["seed_differences"] == pytest.approx(
+            [sum(x) / 4 for x in d]
+        )
+        assert row["seed_variances"] == pytest.approx([sum((v - sum(x) / 4) ** 2 for v in x) / 3 for x in d])
         post_means = [sum(d[s][p] for s in range(3)) / 3 for p in range(4)]
         mean = sum(post_means) / 4
         assert row["se_posts"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in post_means) / 3 / 4))
@@ -819,7 +824,7 @@ def test_a_tiny_verdict_run(tiny_demo, tmp_path):
     pictures = ("rloo_verdict.png", "rloo_verdict_forest.png", "rloo_verdict_compute.png")  # named for the verdict
     for picture in pictures:
         assert (tmp_path / picture).stat().st_size > 10_000
-    # redrawn from the folder alone (its verdict.json and its runs' metrics), without training: the demo's pictures
+    # redrawn from the folder's record alone (verdict_record.json), without training: the demo's pictures
     replot = [sys.executable, "-m", "evaluation.plots", "--verdict", str(tiny_demo / "rloo_verdict")]
     replot += ["--out", str(tmp_path / "replot"), "--title", "embedded task"]
     done = subprocess.run(replot, cwd=ROOT, capture_output=True, text=True)
@@ -839,7 +844,16 @@ def test_a_tiny_verdict_run(tiny_demo, tmp_path):
     pairs = [row["pair"] for row in record["rows"]]
     assert pairs == ["rloo - grpo", "rloo - dpo"] + [f"{arm} - best-of-n" for arm in arms], pairs
     text = (root / "verdict.md").read_text()
-    assert text.startswith("| pair (gold, A - B at matched KL) |")
+    # final (one round of one seed), each row read at its matched KL, the pairs also at the common KL, the families
+    assert text.startswith("Final: after the last round of seeds, every arm's 1 seed.\n\n| pair (gold, A - B) |")
+    assert "| rloo - grpo | " in text and " (matched) | " in text and "(pairs) |" in text and "(best-of-n) |" in text
+    common = min(points[-1]["kl"] for seeds in record["methods"].values() for points in seeds)
+    assert f" at KL {common:.3f} |" in text  # the smallest final KL of the paired arms (all three here)
+    # the record beside it: no per-post values, and verdict.md's text rebuilt from it alone
+    from evaluation.verdict_report import RECORD, read_record, report
+
+    assert (root / RECORD).stat().st_size < 50_000 and '"posts":{' not in (root / RECORD).read_text()
+    assert report(read_record(root))[0] + "\n" == text
     kept = text[text.index("What each GRPO arm's selection kept") :].splitlines()
     assert kept[2].startswith("| arm | runs | rs/kept_mean_shift |") and [r.split(" | ")[0] for r in kept[4:]] == [
         "| rloo",
@@ -976,6 +990,64 @@ def test_the_command_line_checks_each_models_kind_in_one_line(tiny_demo, tmp_pat
         assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {option} "), done.stderr[
             -2000:
         ]
+
+
+def odd_length(prompt: str, summary: str) -> float:
+    """A gold reward of two values for the selection signal's case worked by hand ("tests.test_frontier:odd_length")."""
+    return float(len(summary) % 2)
+
+
+def test_selection_signal_by_hand_and_in_any_order(tiny_demo, tmp_path):
+    """--reward gold (the null: gold is the training reward) with a gold of two values, a pool of 2, both kept, grpo
+    advantages: a pool whose gold differs has kept gold 0, 1 about the mean 1/2 with advantages -+c, so sum A (gold -
+    m_G) = c; a tied pool has advantages 0 and adds 0. In a batch where a fraction f of the pools differ, rms = c sqrt f
+    and s_pool = sqrt(f / 2): each differing post's signal is c / (2 c sqrt f sqrt(f / 2)) = 1 / (sqrt 2 f) and the
+    batch's mean exactly 1 / sqrt 2, positive, whatever f, so its error over batches is 0 (over posts it would not be:
+    the posts' values are 0 and 1 / (sqrt 2 f)). Reward = gold: the kept correlation and slope are 1. Then each
+    selection draws from its own generator, so its row is the same whichever order --selections names them in."""
+    from evaluation.selection_signal import main
+
+    data = ["--data", str(tiny_demo / "data" / "sft" / "validation.jsonl"), "--prompts", "6", "--prompts_per_step", "4"]
+    models = ["--policy", str(tiny_demo / "sft" / "hf"), "--reward_model", str(tiny_demo / "rm" / "hf")]
+    out = tmp_path / "signal.json"
+    hand = [*models, *data, "--gold_fn", "tests.test_frontier:odd_length", "--reward", "gold", "--pool", "2"]
+    main([*hand, "--kept", "2", "--selections", "all", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    (row,) = saved["rows"]
+    assert saved["settings"]["reward"] == "gold" and row["posts"] > 0
+    assert row["signal"] == pytest.approx([1 / math.sqrt(2), 0.0], abs=1e-9), row["signal"]
+    assert row["corr"][0] == pytest.approx(1, abs=1e-12) == row["slope"][0]
+
+    args = [*models, *data, "--gold_fn", "data.synthetic:gold_reward", "--pool", "8", "--kept", "4", "--draws", "2"]
+    rows = {}
+    for order in (["uniform", "rso:2", "top"], ["top", "rso:2", "uniform"]):
+        main([*args, "--selections", *order, "--out", str(out)])
+        rows[order[0]] = {row["selection"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["uniform"] == rows["top"], (rows["uniform"], rows["top"])
+
+
+def test_selection_signal_null_on_normal_pools():
+    """The null of --reward gold on normal pools: reward = gold exactly (no reward-model error at all), 8 of 64 kept,
+    grpo advantages with global normalization over batches of 16, as the tool's defaults. The gold signal still falls
+    as selection tilts (uniform, RSO at beta_rs 0.5, top: about -0.5 for top against uniform, issue 63), by range
+    restriction alone, so a row's signal means nothing until read against this null's; the kept slope of gold on the
+    reward reads 1 for every selection (no reward-model error at the top end or anywhere)."""
+    from evaluation.selection_signal import selection_stats
+
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(1024, 64, generator=g, dtype=torch.float64)
+    logp = torch.zeros_like(pool)
+    got = {}
+    for name, beta in (("uniform", 0.0), ("rso", 2.0), ("rso", 0.5), ("top", 0.0), ("top_bottom", 0.0)):
+        gen = torch.Generator().manual_seed(1)
+        stats = selection_stats(pool, pool, logp, name, beta, 8, "grpo", True, 16, 2, gen)
+        got[name, beta] = {k: float(v.nanmean()) for k, v in stats.items()}
+        assert (stats["slope"] - 1).abs().max() < 1e-9 and (stats["corr"] - 1).abs().max() < 1e-9, name
+    signal = {k: v["signal"] for k, v in got.items()}
+    assert signal["top", 0.0] < signal["rso", 0.5] < signal["uniform", 0.0] < signal["top_bottom", 0.0], signal
+    assert -0.6 < signal["top", 0.0] - signal["uniform", 0.0] < -0.4, signal  # -0.51 on this draw
+    assert -0.3 < signal["rso", 0.5] - signal["uniform", 0.0] < -0.15, signal  # -0.23
+    assert abs(signal["rso", 2.0] - signal["uniform", 0.0]) < 0.03, signal
 
 
 def test_selection_signal_on_tiny_models(tiny_demo, tmp_path):

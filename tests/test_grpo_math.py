@@ -174,6 +174,58 @@ def test_gold_alignment_by_hand():
     assert torch.allclose(twice["signal"], got["signal"], rtol=1e-12)
 
 
+def test_gold_alignment_reads_the_pool_mean_and_the_batch_rms_by_hand():
+    """Advantages not centred within a group, and groups of different rms and pool spread (issue 63: the test above
+    passes whether the signal subtracts the pool's mean or the kept one, and whether rms and s_pool are the batch's or
+    each group's). G = 4, K = 2:
+    group 0: pool gold 0..3 (mean 3/2, s2 5/3), kept gold 2, 3 with advantages +1, +1 (not centred): the step raises
+             both, and both lie above the pool's mean: sum A (gold - m_G) = 1/2 + 3/2 = 2 (0 about the kept mean);
+    group 1: pool gold 0, 0, 4, 4 (mean 2, s2 16/3), kept gold 4, 0 with advantages +3, -1: 3 * 2 + (-1)(-2) = 8.
+    rms over the batch sqrt((1 + 1 + 9 + 1) / 4) = sqrt 3 (each group's own: 1 and sqrt 5); s_pool = sqrt((5/3 + 16/3)
+    / 2) = sqrt(7/2) (each group's own: sqrt(5/3), sqrt(16/3)): signals 2 / (2 sqrt 3 sqrt(7/2)), 8 / (the same)."""
+    pool = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 4.0, 4.0]])
+    reward = torch.tensor([[1.0, 2.0], [5.0, 0.0]])
+    gold = torch.tensor([[2.0, 3.0], [4.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0], [3.0, -1.0]])
+    got = gold_alignment(pool, reward, gold, adv)["signal"].tolist()
+    scale = 2 * math.sqrt(3) * math.sqrt(7 / 2)
+    assert got == pytest.approx([2 / scale, 8 / scale], rel=1e-12, abs=0), got
+
+
+def test_kept_slope_by_hand_and_on_normal_pools():
+    """rlhf/policy_gradient.py kept_slope: the slope of gold on the training reward among the kept samples, each
+    standardized by its pool's spread, pooled within groups over the batch. By hand, G = 4, K = 2:
+    group 0: reward pool 0..3 (s_r = sqrt(5/3)), gold pool twice it (s_g = 2 s_r); kept rewards 1, 2 with gold 2, 6:
+             standardized deviations -+1/2 / s_r and -+1 / s_r: cross 1 / s_r^2 = 3/5, squares 1/2 / s_r^2 = 3/10;
+    group 1: both pools 0, 0, 4, 4 (s = 4 / sqrt 3); kept rewards 4, 0 with gold 0, 4 (reversed): deviations +-2 / s
+             and -+2 / s: cross -8 / s^2 = -3/2, squares 3/2;
+    group 2: a pool whose reward tied: left out. Pooled (3/5 - 3/2) / (3/10 + 3/2) = -1/2 (the mean of the groups'
+    own slopes, 2 and -1, would be 1/2).
+    On normal pools with gold = rho reward + noise (correlation rho everywhere), selecting on the reward leaves the
+    slope at rho for every selection (regression on the variable selected on is not range-restricted), while the
+    correlation among the top 8 of 64 falls to about a third of it."""
+    from rlhf.policy_gradient import kept_slope, select
+
+    reward_pool = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 4.0, 4.0], [1.0] * 4])
+    gold_pool = torch.tensor([[0.0, 2.0, 4.0, 6.0], [0.0, 0.0, 4.0, 4.0], [0.0, 1.0, 2.0, 3.0]])
+    reward = torch.tensor([[1.0, 2.0], [4.0, 0.0], [1.0, 1.0]])
+    gold = torch.tensor([[2.0, 6.0], [0.0, 4.0], [0.0, 3.0]])
+    assert float(kept_slope(reward_pool, gold_pool, reward, gold)) == pytest.approx(-0.5, rel=1e-12)
+    assert math.isnan(float(kept_slope(reward_pool[2:], gold_pool[2:], reward[2:], gold[2:])))
+
+    g = torch.Generator().manual_seed(0)
+    rho = 0.5
+    reward_pool = torch.randn(4000, 64, generator=g, dtype=torch.float64)
+    gold_pool = rho * reward_pool + math.sqrt(1 - rho**2) * torch.randn(4000, 64, generator=g, dtype=torch.float64)
+    for name, beta in (("uniform", 0.0), ("rso", 0.5), ("top", 0.0), ("top_bottom", 0.0)):
+        idx, _ = select(reward_pool, name, 8, beta, g)
+        r_K, g_K = reward_pool.gather(1, idx), gold_pool.gather(1, idx)
+        assert abs(float(kept_slope(reward_pool, gold_pool, r_K, g_K)) - rho) < 0.04, name
+        if name == "top":
+            corr = gold_alignment(gold_pool, r_K, g_K, torch.zeros_like(r_K))["corr"].nanmean()
+            assert float(corr) < rho / 2, float(corr)
+
+
 def test_gold_alignment_of_selections_on_normal_rewards():
     """Gold = reward + independent noise of the same spread (correlation 1/sqrt 2 over the pool), 8 of 64 kept,
     group-normalized advantages. Uniform selection keeps the pool's correlation; RSO at beta_rs 2 tilts a normal

@@ -38,14 +38,13 @@ from experiments.runner import ExperimentRun, run_all
 from experiments.verdict import (
     check_runs,
     embedded_measurement,
-    kept_best_of_n,
     posts_reading,
     read_verdict,
-    reference_best_of_n,
     run_verdict,
     verdict_posts,
     verdict_runs,
 )
+from experiments.verdict_best_of_n import kept_best_of_n, reference_best_of_n
 
 
 def publish(demo: Demo, picture: str, folder: Path, text: str, beside: tuple[Path, ...] = ()) -> None:
@@ -79,7 +78,7 @@ def ablation(demo: Demo) -> str:
 def sft_best_of_n(demo: Demo, posts: Path, n_posts: int, n_max: int, pool: int) -> list[dict]:
     """Best-of-n from the SFT policy against the reward model on the first `n_posts` of `posts` (prompts of 192 tokens
     at most, the demo's stages'), scored by the task's gold reward: one pool of `pool` samples per post, every n up to
-    `n_max` (experiments.verdict.reference_best_of_n)."""
+    `n_max` (experiments.verdict_best_of_n.reference_best_of_n)."""
     measured = embedded_measurement(demo, posts)
     return reference_best_of_n(measured, n_posts, n_max, pool, ("validation", 192), seed=demo.args.seed)
 
@@ -347,7 +346,7 @@ def main() -> None:
         )
         assets = Path(args.assets)
         text = run_verdict(spec, verdict_grid, curve, out, assets, nproc=args.nproc, reuse=args.reuse)
-        from evaluation.plots import verdict_picture_files
+        from evaluation.verdict_plots import verdict_picture_files
 
         beside = tuple(verdict_picture_files(assets, spec.name)[1:])
         publish(demo, f"{spec.name}.png", out / spec.name, text, beside)

@@ -25,13 +25,13 @@ from pathlib import Path
 from experiments.verdict import (
     check_runs,
     check_task_models,
-    kept_best_of_n,
     posts_reading,
     read_verdict,
     run_verdict,
     task_measurement,
     task_runs,
 )
+from experiments.verdict_best_of_n import kept_best_of_n
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> str:
     import torch
 
-    from evaluation.plots import verdict_picture_files
+    from evaluation.verdict_plots import verdict_picture_files
     from utils.config import ConfigError
     from utils.guard import exit_on_error
     from utils.logging import markdown_rows, publish_picture

@@ -13,11 +13,13 @@ import torch
 
 from evaluation.frontier_declarations import LOGGED, METRICS, POSTS_TABLE
 from rlhf.stats import (
+    UNDECIDED,
     bootstrap_resamples,
     bootstrap_undefined,
     crossed_bootstrap_resamples,
     detectable_difference,
     difference_interval,
+    family_decisions,
     gao_fit,
     mean_and_se_over_posts,
     percentile_interval,
@@ -120,6 +122,7 @@ def verdict_rows(
     n_resamples: int = 2000,
     seed: int = 0,
     delta: float = 0.05,
+    common: float | None = None,
 ) -> list[dict]:
     """One row per pair (A, B) of method names (B may be BEST_OF_N): A minus B in `key` at matched KL
     (matched_difference), every run of a method measured on the same posts with per-post values (frontier_points'
@@ -135,7 +138,13 @@ def verdict_rows(
       (rlhf.stats.difference_interval: seeds the unit of the between-run part, posts paired within each seed);
       with one seed the posts' alone; seed_floor: the seeds' means agreed within their posts' noise, so the seeds'
       part is its floor (the table says so: with few seeds the interval may be too narrow);
-    - distinguishable: the interval (with seeds when there are two or more) excludes 0;
+    - excludes_0: the interval (with seeds when there are two or more) excludes 0, unadjusted (decide_rows adds the
+      family-wise decision, "distinguishable");
+    - seed_kls, seed_differences, seed_variances: per seed its matched KL, its mean per-post difference and that
+      difference's variance over posts (what a dose's trend over seeds needs: evaluation/verdict_report.py);
+    - with `common` (a KL: common_kl) and B an arm: kl_common, difference_common, se_common, df_common,
+      ci_common_low/high and seed_differences_common, the pair read at that KL on both arms' paths (read_at_kl),
+      beside its own matched KL; common_note instead when a path does not reach it;
     - detectable: the smallest true difference these seeds and posts detect (rlhf.stats.detectable_difference at 80%
       power); posts_needed: how many posts make `delta` detectable with these seeds, seeds_needed: how many seeds
       with these posts (rlhf.stats.posts_needed, seeds_needed: from the measured components, each count judged at the
@@ -185,27 +194,110 @@ def verdict_rows(
             "ci_posts_unmatched": bootstrap_undefined(resampled),
             **{k: interval[k] for k in ("se", "df", "ci_low", "ci_high", "var_seed", "var_post", "var_residual")},
             "seed_floor": interval["seed_floor"],
-            "distinguishable": interval["distinguishable"],
+            "excludes_0": interval["distinguishable"],
             "detectable": detectable_difference(interval["se"], interval["df"], confidence),
             "posts_needed": posts_needed(interval, S, delta, confidence),
             "seeds_needed": seeds_needed(interval, P, delta, confidence) if S > 1 else math.nan,
             "posts": P,
+            "seed_kls": [k for _, k in matched],
+            "seed_differences": d_SP.mean(1).tolist(),
+            "seed_variances": d_SP.var(1, correction=1).tolist() if P > 1 else [math.nan] * S,
         }
+        if common is not None and not vs_bon:
+            row |= read_at_kl(a_seeds[:S], b_seeds[:S], common, key, confidence)
         rows.append(row)
     return rows
 
 
+def final_kl(points: list[dict]) -> float:
+    """A path's last evaluation's KL, its mean over posts."""
+    return float(torch.as_tensor(points[-1]["posts"]["kl"], dtype=torch.float64).mean())
+
+
+def common_kl(methods: dict[str, list[list[dict]]], arms) -> float | None:
+    """The smallest final KL (final_kl) over every seed of the `arms`: a KL every one of their paths reaches, at which
+    their rows can be read side by side (a dose read at one KL, not each row at its own); None without runs."""
+    kls = [final_kl(points) for arm in arms for points in methods.get(arm, []) if points]
+    return min(kls) if kls else None
+
+
+def difference_at_kl(a: list[dict], b: list[dict], kl: float, key: str) -> torch.Tensor | None:
+    """Per-post difference (P,) A minus B of `key` with both paths read at KL `kl` (path_at_kl); None when one does
+    not reach it."""
+    at_a, at_b = path_at_kl(a, kl, key), path_at_kl(b, kl, key)
+    return None if at_a is None or at_b is None else at_a - at_b
+
+
+def read_at_kl(a_seeds: list[list[dict]], b_seeds: list[list[dict]], kl: float, key: str, confidence: float) -> dict:
+    """verdict_rows' columns of a pair read at the common KL `kl`, seed s of A against seed s of B."""
+    d = [difference_at_kl(a, b, kl, key) for a, b in zip(a_seeds, b_seeds, strict=True)]
+    if any(x is None for x in d):
+        return {"kl_common": kl, "common_note": "a path does not reach the common KL"}
+    d_SP = torch.stack(d)  # (S, P)
+    interval = difference_interval(d_SP, confidence)
+    return {
+        "kl_common": kl,
+        "difference_common": float(d_SP.mean()),
+        "se_common": interval["se"],
+        "df_common": interval["df"],
+        "ci_common_low": interval["ci_low"],
+        "ci_common_high": interval["ci_high"],
+        "seed_differences_common": d_SP.mean(1).tolist(),
+    }
+
+
+MARGIN = 0.05
+"""A verdict's default equivalence margin in gold (rlhf.stats.tost): a row shown within +-MARGIN is "equal"."""
+
+
+def decide_rows(
+    rows: list[dict], primary: list[tuple[str, str]] | None = None, margin: float = MARGIN, confidence: float = 0.95
+) -> list[dict]:
+    """verdict_rows' rows with their family-wise decisions (rlhf.stats.family_decisions at alpha 1 - confidence, on
+    each row's difference, se and df with seeds): t, p, p_adjusted (Holm over its family), distinguishable (adjusted
+    p < alpha: what "distinguishable" means), p_equal and ci_equal (the equivalence test within +-margin and its
+    1 - 2 alpha interval), equal, decision (rlhf.stats.decision's word), family and margin. Two families, adjusted
+    apart: the pairs between arms ("pairs"; with `primary`, the pairs named there "primary" and the rest
+    "exploratory") and the arms against best-of-n ("best-of-n": a question of its own, whether a method beats
+    selection from the reference at its KL). Rows with a note stay as they are; new dicts, the rows given unchanged."""
+    out = [dict(r) for r in rows]
+    chosen = {tuple(p) for p in primary} if primary is not None else None
+    unread = [i for i, r in enumerate(out) if "note" not in r and not math.isfinite(r["se"] + r["difference"])]
+    for i in unread:  # no error to test with (one post, one seed): nothing shown either way
+        nan = math.nan
+        out[i] |= {"t": nan, "p": nan, "p_adjusted": nan, "p_equal": nan, "ci_equal": (nan, nan), "equal": False}
+        out[i] |= {"distinguishable": False, "decision": UNDECIDED, "family": "none", "margin": margin}
+    decided = [i for i, r in enumerate(out) if "note" not in r and i not in unread]
+    pairs = [i for i in decided if out[i]["b"] != BEST_OF_N]
+    families = [("pairs", pairs), (BEST_OF_N, [i for i in decided if i not in pairs])]
+    for name, members in families:
+        first = None
+        if name == "pairs" and chosen is not None:
+            first = [k for k, i in enumerate(members) if (out[i]["a"], out[i]["b"]) in chosen]
+        estimates = [(out[i]["difference"], out[i]["se"], out[i]["df"]) for i in members]
+        for i, d in zip(members, family_decisions(estimates, 1 - confidence, first, margin), strict=True):
+            out[i] |= d | {"family": name if d["family"] == "all" else d["family"], "margin": margin}
+    return out
+
+
 def verdict_table(rows: list[dict], key: str = "gold", confidence: float = 0.95) -> str:
-    """Markdown of verdict_rows: each pair's difference at matched KL, its errors and intervals, whether it is
-    distinguishable and the smallest difference these seeds and posts detect."""
+    """Markdown of verdict_rows' rows with their decisions (decide_rows; rows without them are decided here with every
+    default): each pair at its own matched KL (the KL each row is read at), its interval with seeds, raw and
+    Holm-adjusted p (its family beside it), the equivalence test's 90% interval against the margin and the decision;
+    beside them the pair read at the common KL (pairs between arms, when verdict_rows read it); then the errors over
+    posts, the smallest difference detected and the posts or seeds needed for 0.05."""
+    if not any("decision" in r for r in rows):
+        rows = decide_rows(rows, confidence=confidence)
+    margin = next((r["margin"] for r in rows if "margin" in r), MARGIN)
+    equal = f"{1 - 2 * (1 - confidence):.0%} interval (within ±{margin:g}: equal)"
     text = (
-        f"| pair ({key}, A - B at matched KL) | KL | difference | se over posts | 95% interval over posts (bootstrap) "
-        "| se with seeds | 95% interval with seeds (t) | distinguishable | detectable | posts, seeds for 0.05 |\n"
-        "|---|---|---|---|---|---|---|---|---|---|"
+        f"| pair ({key}, A - B) | KL read at | difference | 95% interval with seeds (t) | p | p adjusted (Holm, "
+        f"family) | {equal} | decision | at the common KL | se over posts | 95% interval over posts (bootstrap) "
+        "| se with seeds | detectable | posts, seeds for 0.05 |\n" + "|---" * 14 + "|"
     )
     for r in rows:
         if "note" in r:
-            text += f"\n| {r['pair']} | {r['note']} | | | | | | | | |"
+            text += f"\n| {r['pair']} | {r['note']} |" + " |" * 12
             continue
         posts = "more seeds first" if r["posts_needed"] is None else str(r["posts_needed"])
         seeds = r["seeds_needed"]
@@ -213,12 +305,16 @@ def verdict_table(rows: list[dict], key: str = "gold", confidence: float = 0.95)
         floor = "; seeds agree: their spread at its floor" if r.get("seed_floor") else ""
         unmatched = r.get("ci_posts_unmatched", 0.0)
         unmatched = f" ({unmatched:.0%} of resamples unmatched)" if unmatched > (1 - confidence) / 2 else ""
+        common = r.get("common_note", "")
+        if "difference_common" in r:
+            low, high = r["ci_common_low"], r["ci_common_high"]
+            common = f"{r['difference_common']:+.3f} [{low:+.3f}, {high:+.3f}] at KL {r['kl_common']:.3f}"
         text += (
-            f"\n| {r['pair']} | {r['kl']:.3f} | {r['difference']:+.3f} | {r['se_posts']:.3f} | "
-            f"[{r['ci_posts_low']:+.3f}, {r['ci_posts_high']:+.3f}]{unmatched} | "
-            f"{r['se']:.3f} (df {r['df']:.1f}{floor}) | "
-            f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] | {'yes' if r['distinguishable'] else 'no'} | "
-            f"{r['detectable']:.3f} | {posts}{seeds} |"
+            f"\n| {r['pair']} | {r['kl']:.3f} (matched) | {r['difference']:+.3f} | "
+            f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] | {r['p']:.3g} | {r['p_adjusted']:.3g} ({r['family']}) | "
+            f"[{r['ci_equal'][0]:+.3f}, {r['ci_equal'][1]:+.3f}] | {r['decision']} | {common} | "
+            f"{r['se_posts']:.3f} | [{r['ci_posts_low']:+.3f}, {r['ci_posts_high']:+.3f}]{unmatched} | "
+            f"{r['se']:.3f} (df {r['df']:.1f}{floor}) | {r['detectable']:.3f} | {posts}{seeds} |"
         )
     return text
 

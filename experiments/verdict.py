@@ -5,8 +5,8 @@ the gold reward model). `read_verdict` reads and checks the file whole (ConfigEr
 line and exit 2, before any run); `verdict_runs` (the embedded task's, demo.py --verdict) and `task_runs` (a [task]
 table's, verdict.py) turn it into the runs `experiments.runner.run_all` runs; `check_runs` gives each arm's options to
 its script's own checks (its Config's validate) and `posts_reading` finds how every arm reads the posts, before any
-run; `reference_best_of_n` draws best-of-n from the reference on the same posts (`kept_best_of_n`: kept in the
-verdict's folder with its inputs, and with --reuse taken from there while they are the same), and `run_verdict` runs
+run; experiments/verdict_best_of_n.py draws best-of-n from the reference on the same posts (`kept_best_of_n`: kept in
+the verdict's folder with its inputs, and with --reuse taken from there while they are the same), and `run_verdict` runs
 the arms and writes the tables and pictures after each round of seeds. configs/verdict/embedded.toml is make verdict's,
 configs/verdict/tldr.toml the verdict on real TL;DR; docs/reporting.md describes the format.
 
@@ -19,10 +19,8 @@ boolean as true/false), so a run's FINISHED record (experiments/runner.py) reads
 wrote."""
 
 import difflib
-import hashlib
 import json
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +28,6 @@ from evaluation.frontier_declarations import check_gold_model
 from experiments.embedded import Demo, dpo_options, frontier_measured, grpo_options
 from experiments.runner import ExperimentRun, run_all
 from utils.config import ConfigError, build_parser, check_options, read_options_file, script_config
-from utils.rundir import write_text_atomic
 
 STAGE_OPTIONS = {"grpo": grpo_options, "dpo": dpo_options}
 """The stages an arm may take: the demo's options of each (its script is <stage>.py)."""
@@ -43,12 +40,14 @@ KEYS = {
     "samples": (int, "temperature-1 samples per post at each evaluation"),
     "pool": (int, "reference samples per post from which best-of-n is estimated"),
     "best_of": (int, "best-of-n's largest n, a power of 2"),
-    "pairs": (list, "the pairs [A, B] compared at matched KL"),
+    "pairs": (list, "the pairs [A, B] compared at matched KL: one family, Holm-adjusted"),
+    "primary": (list, "pairs of `pairs` adjusted among themselves; the other pairs an exploratory family"),
+    "margin": ((int, float), "the equivalence margin in gold: a row shown within +-margin is equal (default 0.05)"),
     "base": (dict, "options every arm of a stage starts from: [base.grpo], [base.dpo]"),
     "arms": (dict, "the arms: [arms.NAME] with its stage and the options it changes"),
     "task": (dict, "a task of one's own instead of the embedded one: [task], its keys TASK_KEYS"),
 }
-OPTIONAL = {"pairs": [], "base": {}, "task": {}}
+OPTIONAL = {"pairs": [], "primary": [], "margin": 0.05, "base": {}, "task": {}}
 
 # A [task] table's keys: what the demo gives a verdict on the embedded task (docs/reporting.md lists them)
 TASK_KEYS = {
@@ -59,7 +58,7 @@ TASK_KEYS = {
     "gold_model": (str, "the gold reward model scoring every run's and best-of-n's samples (--frontier_gold_model)"),
     "max_new_tokens": (int, "tokens of each measured summary and of best-of-n's (--frontier_max_new_tokens)"),
 }
-TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", dict: "a table"}
+TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", dict: "a table", (int, float): "a number"}
 
 # Options the verdict sets for every run: the measurement on the same posts (what the pairs compare, post by post),
 # the seed, the folder and the wandb names; --resume false is how every run of an experiment starts
@@ -98,6 +97,8 @@ class Verdict:
     pool: int
     best_of: int
     pairs: list[tuple[str, str]] = field(default_factory=list)
+    primary: list[tuple[str, str]] | None = None  # None: every pair in one family
+    margin: float = 0.05
     base: dict[str, dict] = field(default_factory=dict)
     arms: dict[str, tuple[str, dict]] = field(default_factory=dict)
     task: Task | None = None
@@ -140,9 +141,16 @@ def read_verdict(path: str) -> Verdict:
         raise ConfigError(f"{where}: pool: expected at least best_of = {data['best_of']}, got {data['pool']}")
     base, arms = read_stages(data, where)
     pairs = read_pairs(data["pairs"], arms, where)
+    primary = read_pairs(data["primary"], arms, f"{where}: primary") or None
+    absent = [p for p in primary or [] if p not in pairs]
+    if absent:
+        raise ConfigError(f"{where}: primary: {list(absent[0])!r} is not one of the pairs")
+    if not data["margin"] > 0:
+        raise ConfigError(f"{where}: margin: expected a positive number (gold), got {data['margin']}")
     task = read_task(data["task"], {stage for stage, _ in arms.values()}, where) if "task" in given else None
     scalars = {key: data[key] for key in ("name", "seeds", "posts", "samples", "pool", "best_of")}
-    return Verdict(path, **scalars, pairs=pairs, base=base, arms=arms, task=task)
+    margin = float(data["margin"])
+    return Verdict(path, **scalars, pairs=pairs, primary=primary, margin=margin, base=base, arms=arms, task=task)
 
 
 def read_stages(data: dict, where: str) -> tuple[dict[str, dict], dict[str, tuple[str, dict]]]:
@@ -378,116 +386,7 @@ def check_task_models(verdict: Verdict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Running a verdict: best-of-n from the reference, the arms, the tables and the pictures
-
-
-def reference_best_of_n(
-    measured: Measurement, posts: int, best_of: int, pool: int, reading: tuple[str, int], *, seed: int, device="cpu"
-) -> list[dict]:
-    """Best-of-n from the reference on the first `posts` posts (read as the arms read them: `reading`, split and
-    prompt length), ranked by the proxy, scored by the gold: one pool of `pool` samples per post, every n up to
-    `best_of` (evaluation.best_of_n.best_of_n); its samples from the stream (seed, "best-of-n")."""
-    from data.tokenizer import get_tokenizer
-    from evaluation.best_of_n import best_of_n
-    from evaluation.measure import load_frontier_prompts
-    from model.weights import build_policy, build_reward_model
-    from rlhf.rewards import load_function
-    from utils.dist import stream
-
-    t0, tok, (split, max_prompt_len) = time.time(), get_tokenizer(), reading
-    prompts = load_frontier_prompts(str(measured.data), split, posts, tok, max_prompt_len, measured.max_new_tokens)
-    gold_model = build_reward_model(str(measured.gold_model)).to(device).eval() if measured.gold_model else None
-    curve = best_of_n(
-        build_policy(str(measured.reference)).to(device).eval(),
-        prompts,
-        build_reward_model(str(measured.proxy)).to(device).eval(),
-        tok,
-        stream(seed, 0, 0, "best-of-n", device=device),
-        measured.max_new_tokens,
-        n_max=best_of,
-        gold_fn=load_function(measured.gold_fn, "--frontier_gold_fn") if measured.gold_fn else None,
-        pool=pool,
-        gold_model=gold_model,
-    )
-    print(f"best-of-n from {measured.reference}, n up to {best_of}: {time.time() - t0:.0f} s", flush=True)
-    return curve
-
-
-BEST_OF_N = "best_of_n.json"
-"""What kept_best_of_n writes in the verdict's folder: best-of-n's curve and the inputs it was drawn from."""
-
-
-def model_fingerprint(name_or_path: str | Path) -> dict:
-    """A model by its folder and, for each file in it (weights, config.json, a reward model's normalisation), its size
-    and modification time in nanoseconds: a model retrained or exported again at the same path has new files. Not a
-    digest of the safetensors header: it holds only names, dtypes, shapes and offsets, the same for a model retrained
-    at the same size; not a digest of the weights either: the gold model's would be gigabytes read at every start. A
-    name that is no folder (a hub model) is its name alone."""
-    folder = Path(name_or_path)
-    files = sorted(f for f in folder.iterdir() if f.is_file()) if folder.is_dir() else []
-    return {"path": str(name_or_path), "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
-
-
-def posts_fingerprint(source: str | Path) -> dict:
-    """The posts by their source and, for a file, the sha256 of its bytes: the embedded task writes its posts again at
-    every start (verdict_posts, the same rows), so their modification time changes when they do not; a posts file is
-    megabytes, read in milliseconds. A folder or a dataset's name is its name alone."""
-    path = Path(source)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
-    return {"path": str(source), "sha256": digest}
-
-
-def best_of_n_inputs(
-    measured: Measurement, posts: int, best_of: int, pool: int, reading: tuple[str, int], *, seed: int, device: str
-) -> dict:
-    """Everything reference_best_of_n's curve depends on, as JSON reads it back: the three models (or the gold
-    function's name), the posts and how they are read, the pool, n, the summaries' length (at temperature 1, which
-    evaluation.best_of_n.best_of_n fixes), the seed of its stream and the device it samples on (CPU and CUDA draw
-    other samples from the same seed)."""
-    split, max_prompt_len = reading
-    gold = model_fingerprint(measured.gold_model) if measured.gold_model else {"function": measured.gold_fn}
-    return {
-        "reference": model_fingerprint(measured.reference),
-        "proxy": model_fingerprint(measured.proxy),
-        "gold": gold,
-        "posts": posts_fingerprint(measured.data) | {"split": split, "count": posts, "max_prompt_len": max_prompt_len},
-        "pool": pool,
-        "best_of": best_of,
-        "max_new_tokens": measured.max_new_tokens,
-        "seed": seed,
-        "device": str(device),
-    }
-
-
-def kept_best_of_n(
-    measured: Measurement,
-    posts: int,
-    best_of: int,
-    pool: int,
-    reading: tuple[str, int],
-    folder: Path,
-    *,
-    seed: int,
-    device="cpu",
-    reuse: bool,
-) -> list[dict]:
-    """reference_best_of_n's curve, written with its inputs (best_of_n_inputs) to `folder`/BEST_OF_N at once (a run
-    killed while writing leaves the old record or none); with `reuse`, the curve written there when its inputs are
-    these, instead of drawing it again (on real TL;DR: 400 posts x 256 samples generated and scored by two models)."""
-    inputs = best_of_n_inputs(measured, posts, best_of, pool, reading, seed=seed, device=device)
-    path = folder / BEST_OF_N
-    if reuse:
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            record = {}
-        if record.get("inputs") == inputs:
-            print(f"reusing best-of-n: {path} (drawn from the same models, posts and options)", flush=True)
-            return record["best_of_n"]
-    curve = reference_best_of_n(measured, posts, best_of, pool, reading, seed=seed, device=device)
-    folder.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps({"inputs": inputs, "best_of_n": curve}) + "\n")
-    return curve
+# Running a verdict: the arms, the tables and the pictures (best-of-n: experiments/verdict_best_of_n.py)
 
 
 def run_verdict(
@@ -495,16 +394,18 @@ def run_verdict(
 ) -> str:
     """A verdict's runs (`verdict_runs` or `task_runs`), each kept when `reuse` finds it finished with the same options
     (experiments.runner run_all keep_finished), beside best-of-n's `curve` on the same posts; then in --out/<name>
-    (`out` / verdict.name): verdict.md (each of its pairs and each arm against best-of-n at matched KL, with intervals
-    over posts and with seeds; the frontier's table; what each GRPO arm's selection kept, evaluation.compare
-    step_means_table), verdict.json and in `assets` the pictures (evaluation.plots
-    verdict_pictures: verdict.png, each arm's mean path over its seeds against KL; verdict_forest.png, the rows;
-    verdict_compute.png, gold against generated tokens and seconds), rewritten after every round of seeds. Returns
-    the table."""
+    (`out` / verdict.name): verdict.md (evaluation.verdict_report report: interim or final; each of its pairs, at
+    matched KL and at the common KL, and each arm against best-of-n, with intervals over posts and with seeds and
+    family-wise decisions; a dose's trend; the frontier's table; what each GRPO arm's selection kept,
+    evaluation.compare step_means_table), verdict.json, verdict_record.json (the record the tables and pictures
+    rebuild from without the runs) and in `assets` the pictures (evaluation.verdict_plots verdict_pictures:
+    verdict.png, each arm's mean path over its seeds against KL; verdict_forest.png, the rows; verdict_compute.png,
+    gold against generated tokens and seconds), rewritten after every round of seeds. Returns the text."""
     from evaluation import matched
     from evaluation.compare import step_means_table
     from evaluation.frontier import frontier_table
-    from evaluation.plots import verdict_pictures
+    from evaluation.verdict_plots import verdict_pictures
+    from evaluation.verdict_report import report, verdict_record, write_record
 
     root, title = out / verdict.name, "embedded task" if verdict.task is None else str(verdict.task.data)
     methods: dict[str, list[list[dict]]] = {}
@@ -519,16 +420,20 @@ def run_verdict(
         if sum(map(len, methods.values())) % arms:
             return ""
         pairs = [(a, b) for a, b in verdict.pairs if a in methods and b in methods]
-        rows = matched.verdict_rows(methods, curve, pairs + [(name, matched.BEST_OF_N) for name in methods])
-        against_best_of_n = [row for row in rows if row["b"] == matched.BEST_OF_N]  # the frontier table's own rows
-        text = matched.verdict_table(rows) + "\n\n" + frontier_table(curve, methods, against_best_of_n)
+        common = matched.common_kl(methods, {arm for pair in pairs for arm in pair})
+        rows = matched.verdict_rows(methods, curve, pairs + [(n, matched.BEST_OF_N) for n in methods], common=common)
+        tables = frontier_table(curve, methods, [row for row in rows if row["b"] == matched.BEST_OF_N])
         kept = step_means_table(dirs)
         if kept:
             how = "per run the mean over its training steps, then mean ± standard deviation over seeds"
-            text += f"\n\nWhat each GRPO arm's selection kept, {how} (docs/grpo.md, Selection diagnostics):\n\n{kept}"
+            tables += f"\n\nWhat each GRPO arm's selection kept, {how} (docs/grpo.md, Selection diagnostics):\n\n{kept}"
+        rounds, primary, margin = verdict.seeds, verdict.primary, verdict.margin
+        saved = verdict_record(curve, methods, rows, dirs, rounds=rounds, primary=primary, margin=margin, tables=tables)
+        text, decided = report(saved)
         (root / "verdict.md").write_text(text + "\n")
-        (root / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": rows}))
-        verdict_pictures(curve, methods, rows, dirs, assets, title, verdict.name)
+        (root / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": decided}))
+        write_record(root, saved)
+        verdict_pictures(saved, decided, assets, title, verdict.name)
         return text
 
     root.mkdir(parents=True, exist_ok=True)

@@ -209,6 +209,11 @@ def test_a_verdict_file_reads_as_its_arms_options_as_the_command_line_writes_the
     scalars = (verdict.name, verdict.seeds, verdict.posts, verdict.samples, verdict.pool, verdict.best_of)
     assert scalars == ("small", 2, 8, 2, 8, 4)
     assert verdict.pairs == [("rloo", "grpo")] and verdict.base == {"grpo": {"selection": "all", "num_samples": 8}}
+    assert verdict.primary is None and verdict.margin == 0.05  # every pair one family; the default margin
+    path.write_text(SMALL.replace('[["rloo", "grpo"]]', '[["rloo", "grpo"]]\nprimary = [["rloo", "grpo"]]\nmargin = 1'))
+    assert (read_verdict(str(path)).primary, read_verdict(str(path)).margin) == ([("rloo", "grpo")], 1.0)
+    path.write_text(SMALL.replace('advantage = "rloo"', 'advantage = "rloo"\nglobal_norm = false') + "beta = 1\n")
+    verdict = read_verdict(str(path))
     assert verdict.arms == {
         "grpo": ("grpo", {"advantage": "grpo"}),
         "rloo": ("grpo", {"advantage": "rloo", "global_norm": "false"}),
@@ -244,6 +249,12 @@ def test_a_verdict_file_reads_as_its_arms_options_as_the_command_line_writes_the
         (('[["rloo", "grpo"]]', '[["rloo", "grpo2"]]'), "pairs: ['rloo', 'grpo2'] names 'grpo2', which is not an arm"),
         (('[["rloo", "grpo"]]', '[["rloo"]]'), "pairs: expected pairs of arm names [A, B], got ['rloo']"),
         (('[["rloo", "grpo"]]', '[["rloo", "rloo"]]'), "pairs: ['rloo', 'rloo'] compares an arm with itself"),
+        (
+            ('[["rloo", "grpo"]]', '[["rloo", "grpo"]]\nprimary = [["grpo", "rloo"]]'),
+            "primary: ['grpo', 'rloo'] is not",
+        ),
+        (('[["rloo", "grpo"]]', '[["rloo", "grpo"]]\nmargin = 0'), "margin: expected a positive number (gold), got 0"),
+        (('[["rloo", "grpo"]]', '[["rloo", "grpo"]]\nmargin = "x"'), "margin: expected a number (the equivalence"),
         (('advantage = "rloo"', 'advantag = "rloo"'), "arms.rloo: unknown option 'advantag'; did you mean advantage?"),
         (('advantage = "rloo"', 'advantage = "ppo"'), "arms.rloo: advantage: expected one of grpo, "),
         (('advantage = "rloo"', "advantage = 2"), "arms.rloo: advantage: expected a string, got 2 (int)"),
@@ -342,8 +353,9 @@ def test_best_of_n_is_kept_with_its_inputs_and_drawn_again_when_one_changes(tmp_
     is drawn at every start."""
     import os
 
-    import experiments.verdict as verdict_module
-    from experiments.verdict import BEST_OF_N, Measurement, kept_best_of_n
+    import experiments.verdict_best_of_n as verdict_module
+    from experiments.verdict import Measurement
+    from experiments.verdict_best_of_n import BEST_OF_N, kept_best_of_n
 
     models = {}
     for name in ("sft", "proxy"):
@@ -391,9 +403,10 @@ def test_best_of_n_is_kept_with_its_inputs_and_drawn_again_when_one_changes(tmp_
 def test_a_best_of_n_record_cut_short_is_never_reused(tmp_path, monkeypatch):
     """The record is written beside its place and renamed over it: a start killed while writing it leaves the record
     before it whole (here: the rename fails), and a record that is not whole JSON is drawn again, not read."""
-    import experiments.verdict as verdict_module
+    import experiments.verdict_best_of_n as verdict_module
     import utils.rundir
-    from experiments.verdict import BEST_OF_N, Measurement, kept_best_of_n
+    from experiments.verdict import Measurement
+    from experiments.verdict_best_of_n import BEST_OF_N, kept_best_of_n
 
     posts = tmp_path / "posts.jsonl"
     posts.write_text('{"prompt": "a"}\n')

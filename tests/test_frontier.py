@@ -602,7 +602,7 @@ def test_frontier_table_fits_gaos_forms_through_points_made_from_them(tmp_path):
     assert "| policy | seeds | kl | kl bound | gold |" in text
     assert "| best-of-8 (reference, pool 64) | | 1.100 ± 0.000 | 1.204 | " in text
     assert "| GRPO | 2 | 3.437 | 0.882 | 0.000 | 1.528 | 0.000 |" in text  # seeds alike: only posts differ
-    assert "| GRPO - best-of-n | 0.800 |" in text
+    assert "| GRPO - best-of-n | 0.800 (matched) |" in text
     assert "| best-of-n | d (alpha - beta d) | 1.200 [1.200, 1.200] | 0.300 [0.300, 0.300] |" in text
     assert "| GRPO | d (alpha - beta log d) | 1.200 [1.200, 1.200] | 0.300 [0.300, 0.300] |" in text
     plot_frontier(curve, methods, tmp_path / "f.png")

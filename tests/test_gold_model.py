@@ -26,14 +26,13 @@ from evaluation.measure import load_frontier_prompts
 from evaluation.samples import sample_summaries
 from experiments import runner
 from experiments.verdict import (
-    BEST_OF_N,
     check_runs,
-    kept_best_of_n,
     posts_reading,
     read_verdict,
     task_measurement,
     task_runs,
 )
+from experiments.verdict_best_of_n import BEST_OF_N, kept_best_of_n
 from model.weights import build_reward_model
 from tests.conftest import ROOT, shared_file
 from tests.helpers import end_biased_policy, read_metrics
@@ -272,7 +271,7 @@ def test_the_verdict_reads_gold_from_the_gold_model(gold_path):
     ]
     (pair,) = verdict_rows(methods, record["best_of_n"], [("beta0.1", "beta0.5")])
     assert pair["seeds"] == 2 and pair["posts"] == 3 and "note" not in pair, pair
-    assert table.startswith("| pair (gold, A - B at matched KL) |") and "beyond best-of-n" not in table
+    assert table.startswith("Final: ") and "\n| pair (gold, A - B) |" in table and "beyond best-of-n" not in table
     # the pair's row in the table: the same numbers, read from the same runs' gold values
     assert f"| beta0.1 - beta0.5 | {pair['kl']:.3f} | {pair['difference']:+.3f} | {pair['se_posts']:.3f} |" in table
     assert record["rows"][0] == pytest.approx(pair, nan_ok=True)
@@ -309,7 +308,7 @@ def test_a_second_start_keeps_best_of_n(gold_path, monkeypatch):
     the curve verdict.json holds; a proxy exported again at the same path (another modification time) draws it again."""
     import os
 
-    import experiments.verdict as verdict_module
+    import experiments.verdict_best_of_n as verdict_module
 
     spec = read_verdict(gold_path.argv[1])
     reading = posts_reading(spec, check_runs(spec, task_runs(spec, Path(gold_path.argv[3]), "disabled")))

@@ -1,9 +1,10 @@
-"""The verdict's pictures (evaluation/plots.py) on hand-made inputs: what each draws, read back from its Axes (the
-lines' data, the bands' vertices, the forest plot's rows), against means and intervals worked out by hand; and the
-command that redraws them from a verdict folder."""
+"""The verdict's pictures (evaluation/verdict_plots.py) on hand-made inputs: what each draws, read back from its Axes
+(the lines' data, the bands' vertices, the forest plot's rows), against means and intervals worked out by hand; and the
+command that redraws them from a verdict folder's record alone (evaluation/verdict_report.py), without its runs."""
 
 import json
 import math
+import shutil
 import sys
 
 import matplotlib
@@ -13,18 +14,17 @@ import pytest
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from evaluation.matched import BEST_OF_N  # noqa: E402
-from evaluation.plots import (  # noqa: E402
-    dose_points,
+from evaluation.matched import BEST_OF_N, decide_rows, verdict_rows  # noqa: E402
+from evaluation.plots import main  # noqa: E402
+from evaluation.verdict_plots import (  # noqa: E402
     draw_compute,
     draw_dose,
     draw_forest,
     draw_verdict,
-    main,
     mean_path,
-    spent,
     verdict_runs,
 )
+from evaluation.verdict_report import RECORD, arm_options, dose_points, report, spent, verdict_record  # noqa: E402
 
 # Student's t 0.975-quantiles from the tables, for 1, 2 and 4 degrees of freedom
 T_975 = {1: 12.706204736, 2: 4.302652730, 4: 2.776445105}
@@ -151,6 +151,35 @@ def test_forest_plot_draws_one_row_per_pair_in_order(ax):
     assert "-0.050 [-0.080, -0.010]  ±0.050" in [t.get_text() for t in ax.texts]
 
 
+def test_forest_plot_marks_adjusted_decisions_and_the_equivalence_margin(ax):
+    """Decided rows (decide_rows: three pairs in one family, Holm's step-down at 5%): the smallest p x3 stays under
+    0.05 (filled); the next two, raw p 0.032 and 0.036, adjusted x2 and by the running max to 0.063 (open); the row
+    against best-of-n, its own family, shown inside the margin (a diamond); the margin's band spans +-margin and the
+    legend names both."""
+    rows = [
+        forest_row("A - B", 0.40, 0.20, 0.60, 0.1) | {"se": 0.1, "df": math.inf, "seeds": 2},
+        forest_row("A - C", 0.215, 0.02, 0.41, 0.1) | {"se": 0.1, "df": math.inf, "seeds": 2},
+        forest_row("A - D", 0.21, 0.01, 0.41, 0.1) | {"se": 0.1, "df": math.inf, "seeds": 2},
+        forest_row(f"A - {BEST_OF_N}", 0.001, -0.01, 0.01, 0.01) | {"se": 0.005, "df": math.inf, "seeds": 2},
+    ]
+    decided = decide_rows(rows, margin=0.05)
+    assert [r["distinguishable"] for r in decided] == [True, False, False, False]
+    assert [r["family"] for r in decided] == ["pairs"] * 3 + [BEST_OF_N] and decided[3]["equal"]
+    p = [math.erfc(d / 0.1 / math.sqrt(2)) for d in (0.40, 0.215, 0.21)]  # two-sided normal p by hand
+    assert [r["p"] for r in decided[:3]] == pytest.approx(p)
+    assert [r["p_adjusted"] for r in decided[:3]] == pytest.approx([3 * p[0], 2 * p[1], 2 * p[1]])
+    assert max(p[1:]) < 0.05 < 2 * p[1]  # raw under 0.05, adjusted over
+    ys = draw_forest(ax, decided)
+    band = by_gid(ax, "margin")
+    assert (band.get_x(), band.get_x() + band.get_width()) == pytest.approx((-0.05, 0.05))
+    markers = {m.get_ydata()[0]: m for m in ax.lines if len(m.get_xdata()) == 1 and m.get_marker() in ("o", "D")}
+    assert [markers[y].get_markerfacecolor() != "white" for y in ys] == [True, False, False, False]
+    assert [markers[y].get_marker() for y in ys] == ["o", "o", "o", "D"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "distinguishable (Holm-adjusted p < 0.05)" in legend
+    assert "± the margin 0.05: equal when the 90% interval lies inside" in legend
+
+
 def metrics_rows(tokens_per_second: float, golds: list[float]) -> list[dict]:
     """A run's metrics.jsonl rows: an evaluation at step 0, then steps of 2 s, an evaluation after every second step.
     GRPO's steps carry reward/mean (their tokens count), DPO's (tokens_per_second 0) do not."""
@@ -208,7 +237,7 @@ def test_dose_points_keep_the_arms_that_differ_only_in_selection_and_beta_rs_in_
             ("rso_8", "rso_0.5", "top", "top_bottom", "rso_16"), (-0.01, -0.06, -0.09, 0.02, -0.02), strict=True
         )
     ] + [forest_row(f"rso_8 - {BEST_OF_N}", -0.1, -0.2, 0.0, 0.08)]
-    doses = dose_points(rows, runs)
+    doses = dose_points(rows, arm_options(runs))
     assert list(doses) == ["uniform"]
     assert [(x, r["a"]) for x, r in doses["uniform"]] == [(0.0, "top"), (0.5, "rso_0.5"), (8.0, "rso_8")]
     draw_dose(ax, doses["uniform"], "uniform")
@@ -219,40 +248,66 @@ def test_dose_points_keep_the_arms_that_differ_only_in_selection_and_beta_rs_in_
     filled = {tuple(m.get_xdata()): m.get_markerfacecolor() != "white" for m in ax.lines if m.get_marker() == "o"}
     assert filled == {(0.125,): True, (0.5,): True, (8.0,): False}  # filled where the interval excludes 0
     assert [t.get_text() for t in ax.get_xticklabels()] == ["top\n(0)", "0.5", "8", "uniform\n(inf)"]
-    assert dose_points(rows[:1] + rows[3:], runs) == {}  # one arm along beta_rs: no curve
+    assert dose_points(rows[:1] + rows[3:], arm_options(runs)) == {}  # one arm along beta_rs: no curve
 
 
-def test_the_command_redraws_the_verdicts_pictures_from_its_folder(tmp_path, monkeypatch, capsys):
-    """A verdict folder as demo.py leaves it while its third round runs: verdict.json holds two seeds of A and one of
-    B, A's seed2 folder holds a run in progress. The compute picture reads the seeds that verdict.json holds."""
+def post_point(step: int, kl: float, gold: list[float]) -> dict:
+    """An evaluation with its per-post values (as frontier_points reads it): every post at KL `kl`."""
+    return {"step": step, "kl": kl, "gold": sum(gold) / len(gold), "posts": {"kl": [kl] * len(gold), "gold": gold}}
+
+
+def test_the_command_redraws_the_verdicts_pictures_and_tables_from_its_record_alone(tmp_path, monkeypatch, capsys):
+    """A dose against uniform (rso at beta_rs 1, top), two seeds each, after round 2 of 3: redrawn first from
+    verdict.json and the runs (a folder written before the record), then from verdict_record.json alone with the runs
+    and verdict.json gone; the record holds no per-post values and rebuilds verdict.md's text (interim, the dose's
+    trend) exactly. The trend by hand: each seed's slope on the rank (top 0, rso 1) is its rso - uniform minus its
+    top - uniform: seed 0 0.2 - 0.5, seed 1 0.25 - 0.6, mean -0.325."""
     folder = tmp_path / "verdict"
-    curve = [
-        {"n": n, "kl": kl, "gold": g, "gold_se": 0.1, "pool": 4, "posts": {"gold": [g] * 3, "kl": [kl] * 3}}
-        for n, kl, g in ((1, 0.0, 1.0), (2, 0.2, 1.5), (4, 0.6, 1.7))
-    ]
+    curve = [post_point(0, 0.0, [1.0, 1.0, 1.0]) | {"n": 1, "pool": 4}, post_point(0, 1.0, [2.0] * 3) | {"n": 2}]
+    finals = {
+        "uniform": lambda s: [1.0 + 0.1 * s] * 3,
+        "rso_1": lambda s: [1.2 + 0.15 * s, 1.1 + 0.15 * s, 1.3 + 0.15 * s],
+        "top": lambda s: [1.5 + 0.2 * s, 1.4 + 0.2 * s, 1.6 + 0.2 * s],
+    }
     methods = {
-        "A": [[point(0, 0.0, 1.0), point(2, 0.2, 2.0)], [point(0, 0.0, 1.0), point(2, 0.4, 3.0)]],
-        "B": [[point(0, 0.0, 1.0), point(2, 0.5, 1.5)]],
+        arm: [[post_point(0, 0.0, [1.0] * 3), post_point(2, 0.5, f(s))] for s in (0, 1)] for arm, f in finals.items()
     }
-    rows = [forest_row("A - B", 0.5, -0.5, 1.5, 0.9), forest_row(f"A - {BEST_OF_N}", 0.6, 0.1, 1.1, 0.4)]
-    folder.mkdir()
+    base = {"selection": "uniform", "beta_rs": 2.0, "num_samples": 64}
+    changes = {"uniform": {}, "rso_1": {"selection": "rso", "beta_rs": 1.0}, "top": {"selection": "top"}}
+    runs = {arm: [folder / arm / f"seed{s}" for s in (0, 1)] for arm in methods}
+    for arm, dirs in runs.items():
+        for s, d in enumerate(dirs):
+            write_run(d, metrics_rows(100.0, [1.0, finals[arm](s)[0]]), base | changes[arm] | {"seed": s})
+    write_run(folder / "top" / "seed2", metrics_rows(100.0, [1.0])[:1])  # the third round, running
+    pairs = [("rso_1", "uniform"), ("top", "uniform")] + [(arm, BEST_OF_N) for arm in methods]
+    rows = verdict_rows(methods, curve, pairs, n_resamples=20, common=0.5)
+    assert [r["seed_differences"] for r in rows[:2]] == [pytest.approx([0.2, 0.25]), pytest.approx([0.5, 0.6])]
     (folder / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": rows}))
-    write_run(folder / "A" / "seed0", metrics_rows(100.0, [1.0, 2.0]))
-    write_run(folder / "A" / "seed1", metrics_rows(100.0, [1.0, 3.0]))
-    write_run(folder / "A" / "seed2", metrics_rows(100.0, [1.0])[:1])
-    write_run(folder / "B" / "seed0", metrics_rows(0.0, [1.0, 1.5]))
-    (folder / "data").mkdir()  # the verdict's posts, not an arm
-    assert verdict_runs(folder, methods) == {
-        "A": [folder / "A" / "seed0", folder / "A" / "seed1"],
-        "B": [folder / "B" / "seed0"],
-    }
+    assert verdict_runs(folder, methods)["top"] == runs["top"]  # the seeds verdict.json holds, not the running one
     out = tmp_path / "assets"
-    monkeypatch.setattr(sys, "argv", ["plots", "--verdict", str(folder), "--out", str(out)])
+    monkeypatch.setattr(sys, "argv", ["plots", "--verdict", str(folder), "--out", str(out / "runs")])
     main()
-    for name in ("verdict.png", "verdict_forest.png", "verdict_compute.png"):  # named for the folder
-        assert (out / name).stat().st_size > 10_000, name
-    assert not (out / "verdict_dose.png").exists()  # no selections along beta_rs
-    assert str(out / "verdict_forest.png") in capsys.readouterr().out
+    names = ("verdict.png", "verdict_forest.png", "verdict_compute.png", "verdict_dose.png")  # named for the folder
+    for name in names:
+        assert (out / "runs" / name).stat().st_size > 10_000, name
+    assert str(out / "runs" / "verdict_forest.png") in capsys.readouterr().out
+
+    record = verdict_record(curve, methods, rows, runs, rounds=3, primary=None, margin=0.05, tables="the frontier")
+    text, _ = report(record)
+    assert text.startswith("Interim: after round 2 of 3 of seeds") and text.endswith("\n\nthe frontier")
+    assert "| rso_1 - uniform | 0.500 (matched) | +0.225 |" in text and "at KL 0.500 |" in text
+    assert "rank 0" in text and "at each row's matched KL: slope -0.3250" in text
+    assert "at the common KL 0.500: slope -0.3250" in text
+    (folder / RECORD).write_text(json.dumps(record))
+    shutil.rmtree(folder / "uniform"), shutil.rmtree(folder / "rso_1"), shutil.rmtree(folder / "top")
+    (folder / "verdict.json").unlink()
+    saved = (folder / RECORD).read_text()
+    assert '"posts":{' not in saved.replace(" ", "") and len(saved) < 20_000  # no per-post values
+    assert report(json.loads(saved))[0] == text
+    monkeypatch.setattr(sys, "argv", ["plots", "--verdict", str(folder), "--out", str(out / "record")])
+    main()
+    for name in names:
+        assert (out / "record" / name).read_bytes() == (out / "runs" / name).read_bytes(), name
     monkeypatch.setattr(sys, "argv", ["plots", "--verdict", str(tmp_path / "none"), "--out", str(out)])
     with pytest.raises(SystemExit) as exit_:
         main()

@@ -364,3 +364,4 @@ def test_markdown_rows_reads_the_first_table_of_a_text_that_holds_several():
     table published beside their picture is the first (wandb.Table takes rows of one width)."""
     text = "| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n\nprose\n\n| c |\n|---|\n| 5 |\n"
     assert markdown_rows(text) == (["a", "b"], [["1", "2"], ["3", "4"]])
+    assert markdown_rows("Final: after the last round of seeds.\n\n" + text) == markdown_rows(text)  # prose first

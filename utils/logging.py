@@ -297,8 +297,9 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
 def markdown_rows(text: str) -> tuple[list[str], list[list[str]]]:
     """The columns and rows of the first markdown table in `text` as evaluation/compare.py and evaluation/frontier.py
     print it (a head line, a |---| line, a line per row; no cell holds a "|"): the frontier's and the verdict's texts
-    hold several tables and prose after it, which a table of one width (wandb's) cannot take."""
-    lines = text.strip().splitlines()
+    hold several tables and prose before and after it (the verdict's says first whether it is interim or final),
+    which a table of one width (wandb's) cannot take."""
+    lines = list(itertools.dropwhile(lambda line: not line.startswith("|"), text.strip().splitlines()))
     table = list(itertools.takewhile(lambda line: line.startswith("|"), lines))
     rows = [[cell.strip() for cell in line.strip()[1:-1].split("|")] for line in table]
     return rows[0], rows[2:]

@@ -273,8 +273,14 @@ def test_the_verdict_reads_gold_from_the_gold_model(gold_path):
     assert pair["seeds"] == 2 and pair["posts"] == 3 and "note" not in pair, pair
     assert table.startswith("Final: ") and "\n| pair (gold, A - B) |" in table and "beyond best-of-n" not in table
     # the pair's row in the table: the same numbers, read from the same runs' gold values
-    assert f"| beta0.1 - beta0.5 | {pair['kl']:.3f} | {pair['difference']:+.3f} | {pair['se_posts']:.3f} |" in table
-    assert record["rows"][0] == pytest.approx(pair, nan_ok=True)
+    low, high = pair["ci_low"], pair["ci_high"]
+    assert (
+        f"| beta0.1 - beta0.5 | {pair['kl']:.3f} (matched) | {pair['difference']:+.3f} | [{low:+.3f}, {high:+.3f}] |"
+        in table
+    )
+    scalars = {k: v for k, v in pair.items() if not isinstance(v, list)}  # verdict.json's row: decided, and more
+    assert {k: record["rows"][0][k] for k in scalars} == pytest.approx(scalars, nan_ok=True)
+    assert record["rows"][0]["seed_differences"] == pytest.approx(pair["seed_differences"])
     assert "| policy | seeds | kl | kl bound | gold | proxy | win_rate |" in table.splitlines()
     for arm, beta in ARMS.items():
         for seed, folder in enumerate(gold_path.runs[arm]):

@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> str:
         choices=("model", "gold"),
         help="what the selections rank by and the advantages are made of: the reward model's score as grpo.py scores "
         "it (model), or the gold reward itself (gold: the null, with no reward-model error, so what is left of a "
-        "row's signal is what selecting on any reward does, range restriction; RSO's beta_rs is then in gold's units, "
-        "as in a grpo.py run with rewards = gold_reward: compare rows at equal reward shift)",
+        "row's signal is what selecting on any reward does, range restriction; RSO's beta_rs is then in gold's raw "
+        "units, where a grpo.py run with rewards = gold_reward whitens gold over its batch first: compare rows at "
+        "equal reward shift)",
     )
     p.add_argument("--pool", type=int, default=64, help="samples per post (grpo.py's --num_samples, G)")
     p.add_argument("--kept", type=int, default=8, help="samples each selection keeps (--num_kept, K)")

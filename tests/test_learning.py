@@ -42,7 +42,7 @@ def demo(tmp_path_factory) -> tuple[dict, object]:
     out = tmp_path / "demo"
     run_script(
         ["demo.py", "--out", str(out), "--assets", str(tmp_path / "assets"), "--wandb_mode", "disabled"],
-        timeout=3600,  # alone ~13 minutes on the AMD EPYC Zen 4, ~20 on the AVX2-only kind (README)
+        timeout=3600,  # alone 499 s on the AMD EPYC Zen 4 (make check, 6fbf1d4); make demo ~20 min on the AVX2 kind
         # make demo's two threads, which wait for each other without spinning (OMP_WAIT_POLICY=passive): make check runs
         # this file alone, where passive threads are as fast as spinning ones; run beside other tests (pytest -n 2 over
         # the whole folder), two spinning threads would each wait for the other's core

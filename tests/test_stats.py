@@ -146,7 +146,7 @@ def test_tost_is_the_90_interval_inside_the_margin_at_the_boundary():
     assert t_quantile(0.975, df) * 0.99 * se > margin
     # an estimate off 0: the interval's upper end decides, p is the upper test's
     half = 0.99 * margin  # at se = 0.99 margin / t95
-    inside = tost(margin - half - 0.001, 0.99 * se, df, margin)
+    inside = tost(margin - half - 0.0005, 0.99 * se, df, margin)  # [-0.0495, +0.0495]: clear of both edges
     outside = tost(margin - half + 0.001, 0.99 * se, df, margin)
     assert inside["equal"] and not outside["equal"]
     assert outside["p"] == outside["p_upper"] > 0.05 > outside["p_lower"]

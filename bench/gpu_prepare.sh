@@ -3,12 +3,9 @@
 # what an offline GPU machine lacks, so that bench/gpu_all.sh runs there without network.
 #
 #     bash bench/gpu_prepare.sh           # .gpu/bpe: GPT-2's encoder.json and vocab.bpe (the tokenizer, offline)
-#     TRL=1 bash bench/gpu_prepare.sh     # also .gpu/wheels: trl, datasets and the two of their dependencies the GPU
-#                                         # image lacks (dill, multiprocess), for the TRL GRPOTrainer comparison
-#
-# Then send the repository with .gpu to the GPU machine and run `bash bench/gpu_all.sh OUT_DIR` there (the device
-# tool: carry [".gpu"]); docs/distributed.md has the whole procedure. PYTHON_TAG / PLATFORM choose the wheels' Python
-# and platform (default: CPython 3.12 on x86-64 Linux, the GPU image's).
+#     TRL=1 bash bench/gpu_prepare.sh     # also .gpu/wheels: trl, datasets, dill, multiprocess (the TRL comparison)
+# Then run `bash bench/gpu_all.sh OUT_DIR` there with .gpu (docs/distributed.md: the procedure). PYTHON_TAG /
+# PLATFORM choose the wheels' Python and platform (default: CPython 3.12 on x86-64 Linux, the GPU image's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

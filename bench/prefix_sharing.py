@@ -4,8 +4,7 @@ per group against every sample carrying its own copy, interleaved in one run, pe
 
     python -m bench.run_all --only prefix_sharing [--data DIR]   # the configurations below, for the device present
 
-Each repeat runs train_step shared, then unshared, at the same step index with the learning rate at 1e-12 (the same
-weights and samples). Per mode: step and stage seconds, the tokens each stage processes, one generate call's KV cache
+Per mode (the method: docs/benchmarks.md): step and stage seconds, tokens per stage, one generate call's KV cache
 (rollouts/memory.kv_cache_bytes) and the step's peak memory; then unshared / shared.
 """
 

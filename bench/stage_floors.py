@@ -2,11 +2,8 @@
 bench/grpo_step.py sets a GPU step's stages against gpu_stage_floors and bench/decode_profile.py the recorded decode
 step against decode_floor. `bcfg` is a bench.grpo_step.GRPOBenchConfig (not imported: grpo_step imports this module).
 
-With N sampled and K trained rows: generate runs the prefill (the body over each prompt once, the head at its last
-position) and one decode step per later token (the body and an N x C x V head); score the reward model's body over
-each prompt once and every response; reference the frozen body over the K rows (each prompt once) and the head at
-their response positions in chunks (rlhf.logprobs); update that forward and its backward (the head's dh = G W and
-dW = G^T h, the body at twice its forward). Attention's products (4 T C per token and layer) count with the body.
+What each stage counts (prefill and decode, the reward model, the reference's chunked head, the update's forward and
+backward): docs/benchmarks.md, "GRPO's step against its compute floor"; each function's docstring below.
 """
 
 from bench.common import GPU_PEAKS

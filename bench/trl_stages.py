@@ -1,11 +1,9 @@
 """TRL's SFTTrainer, RewardTrainer and DPOTrainer against our SFT, reward-model and DPO optimizer steps on the same
 weights and rows, interleaved step by step (`python -m bench.run_all --device cpu --only trl_stages [--data DIR]`).
 
-Method, settings on both sides and what differs: docs/benchmarks.md, "trl_stages". The rows are the first TL;DR rows
-of the caller's data folder (run_all --data), or random ids of the same lengths without it. TRL runs in a child
-process (`python -m bench.trl_stages --child SPEC`) whose trainer waits in on_step_end for the parent's "go", so the
-sides alternate and a change in the machine's load hits both. CPU only; without trl, datasets or accelerate our steps
-are measured and a row says why TRL's were not.
+Method, the interleaving (TRL in a child process, `--child SPEC`, waiting in on_step_end for the parent's "go"),
+settings and what differs: docs/benchmarks.md, "trl_stages". Rows: the caller's data folder (run_all --data), else
+random ids of the same lengths. CPU only; without trl, datasets or accelerate a row says why TRL's were not measured.
 """
 
 import argparse

@@ -59,12 +59,12 @@ def model_fingerprint(name_or_path: str | Path) -> dict:
 
 
 def posts_fingerprint(source: str | Path) -> dict:
-    """The posts by their source and, for a file, the sha256 of its bytes: the embedded task writes its posts again at
-    every start (verdict_posts, the same rows), so their modification time changes when they do not; a posts file is
+    """The posts: a file by the sha256 of its bytes alone, not its path (the embedded task writes its posts again at
+    every start and in each verdict's folder, the same rows, so their modification time and place change when they do
+    not: a verdict on the same posts may start from another's best_of_n.json copied into its folder); a posts file is
     megabytes, read in milliseconds. A folder or a dataset's name is its name alone."""
     path = Path(source)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
-    return {"path": str(source), "sha256": digest}
+    return {"sha256": hashlib.sha256(path.read_bytes()).hexdigest()} if path.is_file() else {"path": str(source)}
 
 
 def best_of_n_inputs(

@@ -382,6 +382,12 @@ def test_best_of_n_is_kept_with_its_inputs_and_drawn_again_when_one_changes(tmp_
     assert best_of_n() == first and len(drawn) == 1  # kept: the same inputs
     posts.write_text('{"prompt": "a"}\n')  # the same rows written again
     assert best_of_n() == first and len(drawn) == 1
+    moved = tmp_path / "other_verdict" / "posts.jsonl"  # the same rows in another verdict's folder: the same posts
+    moved.parent.mkdir()
+    moved.write_text('{"prompt": "a"}\n')
+    measured.data = moved
+    assert best_of_n() == first and len(drawn) == 1
+    measured.data = posts
     assert best_of_n(pool=16) != first and drawn == [8, 16]  # another pool: drawn again, and written
     assert best_of_n(pool=16) == best_of_n(pool=16) and len(drawn) == 2
     weights = models["proxy"] / "model.safetensors"

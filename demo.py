@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from experiments import embedded
-from experiments.embedded import ABLATION, ABLATION_METRICS, PREPARED, Demo, pipeline
+from experiments.embedded import ABLATION, ABLATION_METRICS, PREPARED, Demo, pipeline, proxy_runs
 from experiments.runner import ExperimentRun, run_all
 from experiments.verdict import (
     check_runs,
@@ -268,6 +268,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2000,
         help="training prompts whose SFT samples (8 each) are labelled into pairs (up to 4 per prompt)",
     )
+    p.add_argument(
+        "--proxies",
+        action="store_true",
+        help="also train reward models on a quarter and on four times the labelled pairs (rm_quarter/, rm_4x/ in "
+        '--out; experiments.embedded PROXIES), which a verdict\'s grpo arm names as reward_model = "{out}/rm_4x/hf"',
+    )
     p.add_argument("--dpo_steps", type=int, default=150, help="DPO optimizer steps")
     p.add_argument("--grpo_steps", type=int, default=30, help="GRPO steps")
     p.add_argument("--assets", default="assets", help="folder for the pipeline diagram and the demo's curves")
@@ -338,7 +344,7 @@ def main() -> None:
 
     # 2.-4. SFT, pairs of SFT samples labelled by the gold reward, reward model (or, with --reuse, the ones in --out)
     runs = pipeline(demo)
-    run_all(runs[:PREPARED], args.nproc, reuse=args.reuse)
+    run_all(runs[:PREPARED] + (proxy_runs(demo) if args.proxies else []), args.nproc, reuse=args.reuse)
     if spec is not None:  # best-of-n from the SFT policy on the same posts, the arms, the tables and pictures
         measured = embedded_measurement(demo, posts)
         curve = kept_best_of_n(

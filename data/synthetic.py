@@ -513,6 +513,13 @@ def write_task(
     }
 
 
+def write_more_prompts(out_file: str | Path, n: int, seed: int, taken: set[str]) -> Path:
+    """`n` RL prompts beyond the task's, in prompts/train.jsonl's layout: posts of their own stream, none of them one
+    of `taken` (every post of the task's files, so no validation post is trained on) nor repeated. Same arguments give
+    byte-identical files (the demo's reward model of four times the labelled pairs labels its samples on them)."""
+    return _write_jsonl(Path(out_file), _sft_rows(n, _stream(seed, "prompts/more"), set(taken)))
+
+
 def _read_jsonl(path: Path) -> list[dict[str, str]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -200,6 +200,69 @@ def label_policy_pairs(
 
 
 # ----------------------------------------------------------------------------------------------------
+# Reward models of other qualities (demo.py --proxies): the same labeller, the same options, other amounts of pairs
+
+PROXIES = {"rm_quarter": 0.25, "rm_4x": 4}
+"""Each proxy's folder in --out and its share of the demo's labelled training prompts: rm_quarter/ learns from the
+pairs of the first quarter of them, rm_4x/ from those pairs and the pairs of three times as many new prompts; the
+demo's rm/ (every pair) sits between them."""
+
+
+def proxy_pairs(demo: Demo, name: str) -> Path:
+    return demo.out / "data" / f"policy_pairs_{name.removeprefix('rm_')}" / "train.jsonl"
+
+
+def proxy_runs(demo: Demo) -> list[ExperimentRun]:
+    """The training pairs of each of PROXIES, then its reward model: reward_model.py with the demo's options (the
+    same steps, validation pairs and normalization) but its own pairs and folder. A verdict's grpo arm trains on one
+    with reward_model = "{out}/rm_4x/hf" (docs/reporting.md)."""
+    runs = []
+    for name, share in PROXIES.items():
+        pairs = proxy_pairs(demo, name)
+        runs.append(
+            ExperimentRun(f"the pairs of {name}", call=partial(write_proxy_pairs, demo, share, pairs), done=pairs)
+        )
+    for name in PROXIES:
+        options = reward_model_options(demo) | {"train_data": proxy_pairs(demo, name), "out_dir": demo.out / name}
+        runs.append(
+            ExperimentRun(
+                f"the reward model {name}",
+                "reward_model.py",
+                options | {"run_name": f"demo-{name}"},
+                done=demo.out / name / "hf",
+            )
+        )
+    return runs
+
+
+def write_proxy_pairs(demo: Demo, share: float, out_file: Path) -> None:
+    """The demo's labelled training pairs of the first `share` of their prompts (share < 1), or all of them and the
+    pairs of (share - 1) x --pair_prompts new prompts (data.synthetic.write_more_prompts, none a post of the task's
+    files), labelled as the demo's are (label_policy_pairs: 8 SFT samples each, the gold labeller, 10% label noise,
+    swap pairs). Written whole or not at all (the file is the run's `done`)."""
+    from utils.rundir import write_text_atomic
+
+    rows = (demo.pairs["train"]).read_text(encoding="utf-8").splitlines()
+    if share < 1:
+        prompts = list(dict.fromkeys(json.loads(line)["prompt"] for line in rows))
+        kept = set(prompts[: round(len(prompts) * share)])
+        rows = [line for line in rows if json.loads(line)["prompt"] in kept]
+    else:
+        from data.synthetic import write_more_prompts
+
+        args = demo.args
+        taken = {json.loads(line)["prompt"] for path in demo.paths.values() for line in open(path, encoding="utf-8")}
+        n_more = round(args.pair_prompts * (share - 1))
+        more = write_more_prompts(out_file.parent / "prompts.jsonl", n_more, args.seed, taken)
+        labelled = out_file.parent / "more.jsonl"
+        label_policy_pairs(demo.out / "sft" / "hf", more, n_more, labelled, args.seed, args.swap_pairs)
+        rows += labelled.read_text(encoding="utf-8").splitlines()
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_file, "".join(line + "\n" for line in rows))
+    print(f"{out_file}: {len(rows)} labelled training pairs", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
 # The ablation (make ablation)
 
 # The method's two claims, each variant against the demo's GRPO (RSO keeps 8 of 16 samples per prompt at beta_rs 2,

@@ -252,12 +252,15 @@ def read_task(table: dict, stages: set[str], where: str) -> Task:
 
 def arm_runs(verdict: Verdict, starts: dict[str, dict], measured: dict, out: Path) -> list[ExperimentRun]:
     """Every arm, `seeds` seeds each (every arm's seed 0 first, then seed 1, ...: a verdict cut short has every arm at
-    its first seeds): its stage's `starts` options, [base.<stage>], the arm's own, then `measured` (the measurement on
-    the posts), the seed, the folder --out/<name>/<arm>/seed<s> and the wandb names. Each run's name is its arm."""
+    its first seeds): its stage's `starts` options, [base.<stage>], the arm's own (in a string, {out} reads as `out`),
+    then `measured` (the measurement on the posts), the seed, the folder --out/<name>/<arm>/seed<s> and the wandb
+    names. Each run's name is its arm."""
     runs = []
     for seed in range(verdict.seeds):
         for arm, (stage, changes) in verdict.arms.items():
-            options = starts[stage] | verdict.base.get(stage, {}) | changes | measured
+            given = verdict.base.get(stage, {}) | changes  # a string's {out} is --out (the demo's proxies)
+            given = {k: v.replace("{out}", str(out)) if isinstance(v, str) else v for k, v in given.items()}
+            options = starts[stage] | given | measured
             options |= {"seed": seed, "out_dir": out / verdict.name / arm / f"seed{seed}"}
             options |= {"run_name": f"{verdict.name}-{arm}-{seed}", "wandb_group": f"{verdict.name}-{arm}"}
             runs.append(ExperimentRun(arm, f"{stage}.py", options | {"wandb_tags": arm}))

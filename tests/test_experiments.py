@@ -332,7 +332,7 @@ def test_each_command_refuses_the_other_kind_of_verdict_in_one_line(tmp_path, ca
     )
 
 
-@pytest.mark.parametrize("name", ["embedded", "dose_response", "budget", "gold_dose"])
+@pytest.mark.parametrize("name", ["embedded", "dose_response", "budget", "gold_dose", "estimator", "rm_quality"])
 def test_each_embedded_verdict_file_is_read_and_its_arms_pass_their_scripts_checks(name):
     """The checked-in verdicts of the embedded task as demo.py --verdict reads them: every arm's first run through its
     script's parser and validate, each pair naming two arms, every arm's options as the file says (an option a script
@@ -343,7 +343,69 @@ def test_each_embedded_verdict_file_is_read_and_its_arms_pass_their_scripts_chec
     for arm, (_, options) in verdict.arms.items():
         config = configs[arm]
         for key, value in {**verdict.base.get(verdict.arms[arm][0], {}), **options}.items():
-            assert str(getattr(config, key)).lower() == str(value).lower(), (name, arm, key)
+            value = str(value).replace("{out}", "runs/demo")  # a proxy of demo.py --proxies, in make verdict's --out
+            assert str(getattr(config, key)).lower() == value.lower(), (name, arm, key)
+
+
+def test_the_proxies_are_reward_model_runs_on_a_quarter_and_four_times_the_pairs(tmp_path, monkeypatch):
+    """demo.py --proxies: the pairs of the first quarter of the labelled prompts (whole prompts, in order), and every
+    pair with those of three times as many new prompts (labelled as the demo's: here a stand-in labeller), each file
+    written whole; then reward_model.py with the demo's options but those pairs and its own folder. A verdict's arm
+    names one as {out}/rm_4x/hf."""
+    import experiments.embedded as embedded
+    from experiments.embedded import PROXIES, proxy_runs
+
+    demo = demo_for(tmp_path, "--pair_prompts", "4")
+    for path in demo.paths.values():
+        path.write_text(
+            "".join(json.dumps({"prompt": f"{path.stem} {i}", "completion": " x"}) + "\n" for i in range(3))
+        )
+    demo.pairs["train"].parent.mkdir(parents=True)
+    posts = [0, 0, 1, 1, 1, 1, 1, 2, 2, 3, 3, 3]  # pairs per prompt vary: a quarter of the rows is not of the prompts
+    rows = [{"prompt": f"post {p}", "chosen": f"a{i}", "rejected": "b", "swap": False} for i, p in enumerate(posts)]
+    demo.pairs["train"].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    labelled = []
+
+    def label(policy, prompts_file, n_prompts, out_file, seed, swap_pairs):
+        prompts = [json.loads(line)["prompt"] for line in open(prompts_file)]
+        labelled.append((n_prompts, len(prompts), swap_pairs))
+        out_file.write_text("".join(json.dumps({"prompt": p, "chosen": "c", "rejected": "r"}) + "\n" for p in prompts))
+        return len(prompts), 0
+
+    monkeypatch.setattr(embedded, "label_policy_pairs", label)
+    runs = proxy_runs(demo)
+    assert [run.name for run in runs] == [f"the pairs of {n}" for n in PROXIES] + [
+        f"the reward model {n}" for n in PROXIES
+    ]
+    for run in runs[:2]:
+        run.call()
+    quarter, four = (runs[i].done.read_text().splitlines() for i in (0, 1))
+    assert [json.loads(line)["prompt"] for line in quarter] == ["post 0"] * 2  # 1 of 4 prompts: its 2 pairs
+    assert four[:12] == demo.pairs["train"].read_text().splitlines() and len(four) == 12 + 12
+    assert labelled == [(12, 12, True)]  # 3 x --pair_prompts new prompts
+    new = {json.loads(line)["prompt"] for line in four[12:]}
+    taken = {json.loads(line)["prompt"] for path in demo.paths.values() for line in open(path)}
+    assert len(new) == 12 and not new & taken
+    for run, name in zip(runs[2:], PROXIES, strict=True):
+        cfg = script_config(run)
+        assert Path(cfg.out_dir) == tmp_path / "demo" / name and run.done == tmp_path / "demo" / name / "hf"
+        assert Path(cfg.train_data) == runs[list(PROXIES).index(name)].done
+        assert cfg.steps == demo.args.rm_steps and Path(cfg.val_data) == demo.pairs["validation"]
+    verdict = read_verdict(str(ROOT / "configs" / "verdict" / "rm_quality.toml"))
+    arms = {run.name: script_config(run) for run in verdict_runs(demo, verdict, tmp_path / "posts.jsonl")}
+    assert Path(arms["rso_4x"].reward_model) == runs[3].done and Path(arms["rso_quarter"].reward_model) == runs[2].done
+    assert Path(arms["rso_beta2"].reward_model) == tmp_path / "demo" / "rm" / "hf"  # the demo's
+
+
+def test_more_prompts_are_new_posts_and_the_same_for_the_same_arguments(tmp_path):
+    from data.synthetic import write_more_prompts, write_task
+
+    paths = write_task(tmp_path / "task", n_sft_train=20, n_sft_val=5, n_pref_train=20, n_pref_val=5, n_prompts=20)
+    taken = {json.loads(line)["prompt"] for path in paths.values() for line in open(path)}
+    first = write_more_prompts(tmp_path / "a.jsonl", 30, 0, taken).read_bytes()
+    assert first == write_more_prompts(tmp_path / "b.jsonl", 30, 0, taken).read_bytes()
+    prompts = [json.loads(line)["prompt"] for line in first.decode().splitlines()]
+    assert len(set(prompts)) == 30 and not set(prompts) & taken
 
 
 def test_best_of_n_is_kept_with_its_inputs_and_drawn_again_when_one_changes(tmp_path, monkeypatch):

@@ -99,8 +99,25 @@ def trend_text(
         "dose, seeds as blocks (rlhf.stats.dose_trend: each seed's least-squares slope on the rank, their mean, t on "
         f"S - 1 df; sign-flip p exact over the seeds), in {key} per rank step:"
     )
+    return text + trend_lines(points, trend, confidence)
+
+
+def order_trend_text(points: list[tuple[int, dict]], trend: dict, key: str = "gold", confidence: float = 0.95) -> str:
+    """verdict.md's lines for one of the file's trends (`trends`): its pairs and ranks, and the trend at each KL."""
+    pairs = ", ".join(f"{r['a']} - {r['b']} rank {k}" for k, r in points)
+    text = (
+        f"Trend over the file's order: {pairs}. One trend, seeds as blocks (rlhf.stats.dose_trend: each seed's "
+        f"least-squares slope of its differences on the rank, their mean, t on S - 1 df; sign-flip p exact over the "
+        f"seeds), in {key} per rank step:"
+    )
+    return text + trend_lines(points, trend, confidence)
+
+
+def trend_lines(points: list[tuple[float, dict]], trend: dict, confidence: float) -> str:
+    """A trend's lines (dose_trends), at each row's matched KL and at the common KL."""
     if "why" in trend:
-        return text + f" not read, {trend['why']}."
+        return f" not read, {trend['why']}."
+    text = ""
     for name, where in (("matched", "at each row's matched KL"), ("common", "at the common KL")):
         t = trend[name]
         if t is None:
@@ -123,6 +140,7 @@ def verdict_record(
     rounds: int,
     primary: list[tuple[str, str]] | None,
     margin: float,
+    trends: list[list[tuple[str, str]]] = (),
     key: str = "gold",
     confidence: float = 0.95,
     tables: str = "",
@@ -131,7 +149,8 @@ def verdict_record(
     gold and their errors: everything but the per-post values), each arm's compute at every evaluation (spent, from
     its runs' metrics), its options (arm_options: what dose_points compares), the rows undecided (verdict_rows: per
     pair its difference, se and df with seeds, and per seed the matched KL, the mean difference over posts and its
-    variance over posts, at the common KL too), the primary pairs, the margin, the round of seeds it was written after
+    variance over posts, at the common KL too), the primary pairs, the margin, the file's trends (each an ordered
+    list of pairs), the round of seeds it was written after
     (`rounds` in all) and the tables that need the runs (the frontier's, the selection's diagnostics) as text."""
 
     def strip(points: list[dict]) -> list[dict]:
@@ -144,6 +163,7 @@ def verdict_record(
         "confidence": confidence,
         "margin": margin,
         "primary": [list(p) for p in primary] if primary is not None else None,
+        "trends": [[list(p) for p in trend] for trend in trends],
         "round": min((len(seeds) for seeds in methods.values()), default=0),
         "rounds": rounds,
         "posts": posts,
@@ -202,4 +222,8 @@ def report(record: dict) -> tuple[str, list[dict]]:
     text = f"{status}\n\n{verdict_table(rows, key, confidence)}\n\n{families}"
     for against, points in dose_points(rows, record["options"]).items():
         text += "\n\n" + trend_text(against, points, dose_trends(points, confidence), key, confidence)
+    for trend in record.get("trends", []):
+        points = [(k, r) for k, (a, b) in enumerate(trend) for r in rows if (r["a"], r["b"]) == (a, b)]
+        if len(points) == len(trend):  # every pair read (a verdict cut short may lack an arm)
+            text += "\n\n" + order_trend_text(points, dose_trends(points, confidence), key, confidence)
     return text + (f"\n\n{record['tables']}" if record["tables"] else ""), rows

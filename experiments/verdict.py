@@ -43,11 +43,12 @@ KEYS = {
     "pairs": (list, "the pairs [A, B] compared at matched KL: one family, Holm-adjusted"),
     "primary": (list, "pairs of `pairs` adjusted among themselves; the other pairs an exploratory family"),
     "margin": ((int, float), "the equivalence margin in gold: a row shown within +-margin is equal (default 0.05)"),
+    "trends": (list, "ordered lists of pairs of `pairs`, each read as one trend over its order, seeds as blocks"),
     "base": (dict, "options every arm of a stage starts from: [base.grpo], [base.dpo]"),
     "arms": (dict, "the arms: [arms.NAME] with its stage and the options it changes"),
     "task": (dict, "a task of one's own instead of the embedded one: [task], its keys TASK_KEYS"),
 }
-OPTIONAL = {"pairs": [], "primary": [], "margin": 0.05, "base": {}, "task": {}}
+OPTIONAL = {"pairs": [], "primary": [], "margin": 0.05, "trends": [], "base": {}, "task": {}}
 
 # A [task] table's keys: what the demo gives a verdict on the embedded task (docs/reporting.md lists them)
 TASK_KEYS = {
@@ -99,6 +100,7 @@ class Verdict:
     pairs: list[tuple[str, str]] = field(default_factory=list)
     primary: list[tuple[str, str]] | None = None  # None: every pair in one family
     margin: float = 0.05
+    trends: list[list[tuple[str, str]]] = field(default_factory=list)
     base: dict[str, dict] = field(default_factory=dict)
     arms: dict[str, tuple[str, dict]] = field(default_factory=dict)
     task: Task | None = None
@@ -145,12 +147,28 @@ def read_verdict(path: str) -> Verdict:
     absent = [p for p in primary or [] if p not in pairs]
     if absent:
         raise ConfigError(f"{where}: primary: {list(absent[0])!r} is not one of the pairs")
+    trends = [read_trend(trend, pairs, arms, f"{where}: trends") for trend in data["trends"]]
     if not data["margin"] > 0:
         raise ConfigError(f"{where}: margin: expected a positive number (gold), got {data['margin']}")
     task = read_task(data["task"], {stage for stage, _ in arms.values()}, where) if "task" in given else None
     scalars = {key: data[key] for key in ("name", "seeds", "posts", "samples", "pool", "best_of")}
     margin = float(data["margin"])
-    return Verdict(path, **scalars, pairs=pairs, primary=primary, margin=margin, base=base, arms=arms, task=task)
+    return Verdict(
+        path, **scalars, pairs=pairs, primary=primary, margin=margin, trends=trends, base=base, arms=arms, task=task
+    )
+
+
+def read_trend(given, pairs: list[tuple[str, str]], arms: dict, where: str) -> list[tuple[str, str]]:
+    """One of the file's trends: two or more of its pairs, in the order the trend reads them (rank 0, 1, ...)."""
+    if not isinstance(given, list):
+        raise ConfigError(f"{where}: expected lists of pairs [[A, B], [C, D], ...] in the trend's order, got {given!r}")
+    trend = read_pairs(given, arms, where)
+    if len(trend) < 2:
+        raise ConfigError(f"{where}: {given!r}: a trend needs two or more pairs")
+    absent = [p for p in trend if p not in pairs]
+    if absent:
+        raise ConfigError(f"{where}: {list(absent[0])!r} is not one of the pairs")
+    return trend
 
 
 def read_stages(data: dict, where: str) -> tuple[dict[str, dict], dict[str, tuple[str, dict]]]:
@@ -430,8 +448,10 @@ def run_verdict(
         if kept:
             how = "per run the mean over its training steps, then mean ± standard deviation over seeds"
             tables += f"\n\nWhat each GRPO arm's selection kept, {how} (docs/grpo.md, Selection diagnostics):\n\n{kept}"
-        rounds, primary, margin = verdict.seeds, verdict.primary, verdict.margin
-        saved = verdict_record(curve, methods, rows, dirs, rounds=rounds, primary=primary, margin=margin, tables=tables)
+        rounds, primary, margin, trends = verdict.seeds, verdict.primary, verdict.margin, verdict.trends
+        saved = verdict_record(
+            curve, methods, rows, dirs, rounds=rounds, primary=primary, margin=margin, trends=trends, tables=tables
+        )
         text, decided = report(saved)
         (root / "verdict.md").write_text(text + "\n")
         (root / "verdict.json").write_text(json.dumps({"best_of_n": curve, "methods": methods, "rows": decided}))

@@ -212,6 +212,9 @@ def test_a_verdict_file_reads_as_its_arms_options_as_the_command_line_writes_the
     assert verdict.primary is None and verdict.margin == 0.05  # every pair one family; the default margin
     path.write_text(SMALL.replace('[["rloo", "grpo"]]', '[["rloo", "grpo"]]\nprimary = [["rloo", "grpo"]]\nmargin = 1'))
     assert (read_verdict(str(path)).primary, read_verdict(str(path)).margin) == ([("rloo", "grpo")], 1.0)
+    trend = '[["rloo", "grpo"], ["dpo", "grpo"]]\ntrends = [[["dpo", "grpo"], ["rloo", "grpo"]]]'
+    path.write_text(SMALL.replace('[["rloo", "grpo"]]', trend))
+    assert read_verdict(str(path)).trends == [[("dpo", "grpo"), ("rloo", "grpo")]]  # the file's order, not pairs'
     path.write_text(SMALL.replace('advantage = "rloo"', 'advantage = "rloo"\nglobal_norm = false') + "beta = 1\n")
     verdict = read_verdict(str(path))
     assert verdict.arms == {
@@ -254,6 +257,18 @@ def test_a_verdict_file_reads_as_its_arms_options_as_the_command_line_writes_the
             "primary: ['grpo', 'rloo'] is not",
         ),
         (('[["rloo", "grpo"]]', '[["rloo", "grpo"]]\nmargin = 0'), "margin: expected a positive number (gold), got 0"),
+        (
+            ('[["rloo", "grpo"]]', '[["rloo", "grpo"], ["dpo", "grpo"]]\ntrends = [[["rloo", "grpo"]]]'),
+            "trends: [['rloo', 'grpo']]: a trend needs two or more pairs",
+        ),
+        (
+            ('[["rloo", "grpo"]]', '[["rloo", "grpo"]]\ntrends = [[["rloo", "grpo"], ["dpo", "grpo"]]]'),
+            "trends: ['dpo', 'grpo'] is not one of the pairs",
+        ),
+        (
+            ('[["rloo", "grpo"]]', '[["rloo", "grpo"]]\ntrends = [["rloo", "grpo"]]'),
+            "trends: pairs: expected pairs of arm names [A, B], got 'rloo'",
+        ),
         (('[["rloo", "grpo"]]', '[["rloo", "grpo"]]\nmargin = "x"'), "margin: expected a number (the equivalence"),
         (('advantage = "rloo"', 'advantag = "rloo"'), "arms.rloo: unknown option 'advantag'; did you mean advantage?"),
         (('advantage = "rloo"', 'advantage = "ppo"'), "arms.rloo: advantage: expected one of grpo, "),

@@ -132,6 +132,38 @@ def test_a_dose_is_one_trend_over_its_ranks_with_seeds_as_blocks():
     assert dose_trends(one_seed)["matched"] is None and "two" in dose_trends(one_seed)["why"]
 
 
+def test_a_trend_the_file_names_is_read_over_its_pairs_in_the_files_order():
+    """A verdict's `trends`: the rows of its pairs in the order the file gives (not the rows' order), each seed's slope
+    on the ranks 0, 1, 2 (numpy's polyfit), reported with dose_trends' numbers; a trend with a pair not yet read (an arm
+    of a verdict cut short) is left out."""
+    differences = np.array([[-0.06, -0.05, -0.01], [-0.08, -0.02, 0.00], [-0.03, -0.06, -0.02]])  # seeds x ranks
+    names = [("rso_q", "uniform_q"), ("rso", "uniform"), ("rso_4x", "uniform_4x")]
+    rows = [
+        row(f"{a} - {b}", float(differences[:, k].mean()), 0.02) | EXTRA | dose_row(a, differences[:, k].tolist(), [])
+        for k, (a, b) in enumerate(names)
+    ]
+    for r, (_, b) in zip(rows, names, strict=True):
+        r["b"] = b
+        del r["seed_differences_common"]
+    record = {"key": "gold", "confidence": 0.95, "margin": 0.05, "primary": None, "round": 3, "rounds": 3}
+    record |= {"rows": rows[::-1], "options": {}, "tables": "", "trends": [[list(p) for p in names]]}
+    text, _ = report(record)
+    slopes = [np.polyfit([0, 1, 2], seed, 1)[0] for seed in differences]
+    half = t_quantile(0.975, 2) * np.std(slopes, ddof=1) / math.sqrt(3)
+    mean = float(np.mean(slopes))
+    assert (
+        "Trend over the file's order: rso_q - uniform_q rank 0, rso - uniform rank 1, rso_4x - uniform_4x rank 2."
+        in text
+    )
+    assert (
+        f"at each row's matched KL: slope {mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (95% t interval, 3 "
+        "seeds)" in text
+    )
+    assert "at the common KL: not read" in text
+    cut_short = record | {"rows": rows[:2], "trends": [[list(p) for p in names]]}
+    assert "Trend over the file's order" not in report(cut_short)[0]
+
+
 def test_the_report_says_interim_until_the_last_round_and_names_the_families():
     """The same record after round 2 of 3 and after round 3: only the last says final; with primary pairs the text
     names them."""

@@ -59,9 +59,10 @@ FINISHED = "experiment_run.json"
 """What run_script writes in a run's out_dir once its script has exited 0: the script and its options."""
 
 
-NOT_RESULTS = ("wandb_mode",)
-"""Options that change where a run is logged, not what it computes: a run that finished with other values of them is
-still the same run (a verdict run with --wandb_mode disabled is kept by one started with the default, auto)."""
+NOT_RESULTS = ("wandb_mode", "run_name", "wandb_group", "wandb_tags", "out_dir")
+"""Options that change where a run is logged or kept, not what it computes: a run that finished with other values of
+them is still the same run (a verdict run with --wandb_mode disabled is kept by one started with the default, auto; a
+run whose arm was renamed, its folder moved to the new name, is kept under it)."""
 
 
 def finished(run: ExperimentRun) -> bool:

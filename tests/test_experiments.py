@@ -71,6 +71,13 @@ def test_keep_finished_keeps_each_grid_run_that_finished_with_the_same_options(t
     for run in grid(lr=0.2):  # where a run is logged is not what it computes: another --wandb_mode keeps it
         run.options["wandb_mode"] = "online"
         assert finished(run), run.name
+    for run in grid(lr=0.2):  # an arm renamed: its folder moved, its names changed, the same run
+        moved = run.out_dir.with_name(run.out_dir.name + "_renamed")
+        run.out_dir.rename(moved)
+        run.options |= {"out_dir": moved, "run_name": "renamed", "wandb_group": "renamed", "wandb_tags": "renamed"}
+        assert finished(run), run.name
+        run.options["lr"] = 0.3
+        assert not finished(run), run.name  # what it computes still decides
 
 
 def demo_for(tmp_path: Path, *argv: str) -> Demo:
@@ -160,14 +167,19 @@ def records(runs: list[ExperimentRun]) -> list[dict]:
 
 def test_the_embedded_verdict_file_runs_what_make_verdict_ran_at_ddecd20():
     """configs/verdict/embedded.toml gives make verdict's 42 runs with the options and folders the code before it gave
-    (tests/embedded_verdict_runs.json: their FINISHED records), so --reuse keeps the runs that code finished."""
+    (tests/embedded_verdict_runs.json: their FINISHED records), two arms renamed for what they vary (rso_beta2: the KL
+    coefficient 0.1; dpo_beta2: DPO's beta 0.3), so --reuse keeps the runs that code finished once their folders move
+    to the new names (experiments.runner NOT_RESULTS: the names and folder are not what a run computes)."""
     frozen = json.loads((ROOT / "tests" / "embedded_verdict_runs.json").read_text())["seed0"]
+    renamed = {"rso_beta2": "rso_kl0.1", "dpo_beta2": "dpo_beta0.3"}
     expected = []
     for seed in range(6):
         for record in frozen:
-            options = record["options"] | {"seed": str(seed), "run_name": f"verdict-{record['name']}-{seed}"}
-            options["out_dir"] = str(Path(options["out_dir"]).parent / f"seed{seed}")
-            expected.append({"name": record["name"], "out_dir": options["out_dir"]} | record | {"options": options})
+            name = renamed.get(record["name"], record["name"])
+            options = record["options"] | {"seed": str(seed), "run_name": f"verdict-{name}-{seed}"}
+            options |= {"wandb_group": f"verdict-{name}", "wandb_tags": name}
+            options["out_dir"] = str(Path(options["out_dir"]).parent.with_name(name) / f"seed{seed}")
+            expected.append(record | {"name": name, "out_dir": options["out_dir"], "options": options})
     verdict = read_verdict(str(VERDICT))
     posts = Path("runs/demo/verdict/data/sft/validation.jsonl")  # verdict_posts(demo, verdict), not written here
     runs = verdict_runs(make_verdict_demo(), verdict, posts)

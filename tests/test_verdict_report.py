@@ -5,14 +5,17 @@ fitted by numpy and a sign-flip p counted over every arrangement."""
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from evaluation.matched import BEST_OF_N, common_kl, decide_rows, verdict_rows
-from evaluation.verdict_report import dose_trends, report
+from evaluation.verdict_report import dose_trends, read_record, report
 from rlhf.stats import DIFFERENT, EQUAL, UNDECIDED, difference_interval, t_quantile
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def path(final_kl: float, start: list[float], end: list[float]) -> list[dict]:
@@ -192,3 +195,13 @@ EXTRA = {
     "posts_needed": None,
     "seeds_needed": math.nan,
 }
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in (ROOT / "docs" / "verdicts").iterdir()))
+def test_each_committed_record_rebuilds_its_verdict_md(folder):
+    """docs/verdicts/<name>/verdict_record.json, read by today's code, gives its verdict.md to the character: the
+    committed verdicts stay re-readable without their runs (a change to the report's words rewrites them, said in its
+    commit)."""
+    path = ROOT / "docs" / "verdicts" / folder
+    text, _ = report(read_record(path))
+    assert text + "\n" == (path / "verdict.md").read_text()

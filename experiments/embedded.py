@@ -242,11 +242,11 @@ def write_proxy_pairs(demo: Demo, share: float, out_file: Path) -> None:
     swap pairs). Written whole or not at all (the file is the run's `done`)."""
     from utils.rundir import write_text_atomic
 
-    rows = (demo.pairs["train"]).read_text(encoding="utf-8").splitlines()
+    rows = demo.pairs["train"].read_text(encoding="utf-8").splitlines()
     if share < 1:
-        prompts = list(dict.fromkeys(json.loads(line)["prompt"] for line in rows))
-        kept = set(prompts[: round(len(prompts) * share)])
-        rows = [line for line in rows if json.loads(line)["prompt"] in kept]
+        prompt = [json.loads(line)["prompt"] for line in rows]  # each row parsed once
+        kept = set(list(dict.fromkeys(prompt))[: round(len(set(prompt)) * share)])
+        rows = [line for line, p in zip(rows, prompt, strict=True) if p in kept]
     else:
         from data.synthetic import write_more_prompts
 

@@ -12,7 +12,7 @@ import torch
 from evaluation.measure import FrontierPrompts, score_samples, summarize_posts
 from evaluation.samples import sample_summaries
 from model.sampler import SampleOutput
-from rlhf.stats import best_of_n_kl, best_of_n_pool_kl, best_of_n_weights
+from rlhf.frontier import best_of_n_kl, best_of_n_pool_kl, best_of_n_weights
 
 
 def first_occurrence(samples: SampleOutput, group: int) -> torch.Tensor:
@@ -49,9 +49,9 @@ def best_of_n(
     occurrence's score, so that it is one outcome):
 
     - every value (gold: gold_fn's or gold_model's, proxy, win rate, length) by the all-subsets estimator over the pool
-      (rlhf.stats.best_of_n_weights: the expected value of best-of-n over every n-subset, ties broken at random);
-    - kl: KL(best-of-n || pi_ref) of the pool's empirical distribution (rlhf.stats.best_of_n_pool_kl: repeats one
-      outcome), and kl_bound = log n - (n - 1)/n (rlhf.stats.best_of_n_kl, the formula, an upper bound);
+      (rlhf.frontier.best_of_n_weights: the expected value of best-of-n over every n-subset, ties broken at random);
+    - kl: KL(best-of-n || pi_ref) of the pool's empirical distribution (rlhf.frontier.best_of_n_pool_kl: repeats one
+      outcome), and kl_bound = log n - (n - 1)/n (rlhf.frontier.best_of_n_kl, the formula, an upper bound);
 
     each a mean over prompts with its standard error over prompts, and in "posts" the per-prompt values (lists) for
     the paired comparisons (evaluation/matched.py verdict_rows). "repeats": the share of the pool's samples that repeat

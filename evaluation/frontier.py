@@ -21,8 +21,8 @@ from evaluation.frontier_declarations import check_gold_model
 from evaluation.matched import BEST_OF_N, fit_curves, frontier_points, point_components, verdict_rows, verdict_table
 from evaluation.measure import load_frontier_prompts
 from model.weights import build_reward_model, model_config
+from rlhf.frontier import gao_curve
 from rlhf.rewards import load_function
-from rlhf.stats import gao_curve
 from utils.dist import stream
 
 # ----------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ post the unit of every error. `frontier_points` reads a run's evaluations back (
 of frontier_posts.jsonl); `verdict_rows` compares methods, and a method with best-of-n, at matched KL by per-post
 differences on the same posts, with intervals over posts and with the seeds' spread, and `verdict_table` writes them;
 `fit_curves` fits Gao et al.'s two forms (Gao, Schulman and Hilton 2022, arXiv 2210.10760). The statistics are
-rlhf/stats.py's; the frontier's own table and picture are evaluation/frontier.py's.
+rlhf/stats.py's and rlhf/frontier.py's; the frontier's own table and picture are evaluation/frontier.py's.
 """
 
 import math
@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from evaluation.frontier_declarations import LOGGED, METRICS, POSTS_TABLE
+from rlhf.frontier import gao_fit
 from rlhf.stats import (
     UNDECIDED,
     bootstrap_resamples,
@@ -20,7 +21,6 @@ from rlhf.stats import (
     detectable_difference,
     difference_interval,
     family_decisions,
-    gao_fit,
     mean_and_se_over_posts,
     percentile_interval,
     posts_needed,
@@ -333,7 +333,7 @@ def fit_curves(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> dict[str, dict]:
-    """Gao et al. 2022's forms (rlhf.stats.gao_fit) through the points, gold gained over the reference (best-of-1 on
+    """Gao et al. 2022's forms (rlhf.frontier.gao_fit) through the points, gold gained over the reference (best-of-1 on
     the same posts) against d = sqrt(KL): best-of-n by R_bon(d) = d (alpha - beta d) through its n, each method by
     R_RL(d) = d (alpha - beta log d) through every evaluation of every seed. alpha, beta and their percentile bootstrap
     intervals over seeds and posts (rlhf.stats.crossed_bootstrap_resamples: each resample draws the method's seeds

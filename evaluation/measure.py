@@ -197,7 +197,7 @@ def summarize_posts(posts: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def measure(*args, **kwargs) -> dict[str, float]:
     """One point on the frontier: summarize_posts of measure_posts (same arguments), the KL to the reference
-    (rlhf.stats.kl_estimate's estimate, with its error over posts) and every value of score_samples, each a mean with
+    (rlhf.frontier.kl_estimate's estimate, with its error over posts) and every value of score_samples, each a mean with
     its standard error over the posts."""
     return summarize_posts(measure_posts(*args, **kwargs))
 

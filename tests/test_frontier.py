@@ -1,6 +1,6 @@
-"""The reward-KL frontier (evaluation/measure.py, best_of_n.py, matched.py, frontier.py; rlhf/stats.py): the KL
-estimate against the exact KL of one-token responses, best-of-n's selection and its KL formula on known rewards, and a
-tiny `demo.py --frontier_seeds` run."""
+"""The reward-KL frontier (evaluation/measure.py, best_of_n.py, matched.py, frontier.py; rlhf/frontier.py, stats.py):
+the KL estimate against the exact KL of one-token responses, best-of-n's selection and its KL formula on known rewards,
+and a tiny `demo.py --frontier_seeds` run."""
 
 import itertools
 import json
@@ -26,18 +26,20 @@ from evaluation.samples import sample_summaries
 from model.gpt2 import PRESETS, GPT2LMHeadModel
 from model.heads import RewardModel
 from model.weights import save_hf
-from rlhf.stats import (
+from rlhf.frontier import (
     best_of_n_expected,
     best_of_n_index,
     best_of_n_kl,
     best_of_n_pool_bias,
     best_of_n_pool_kl,
     best_of_n_weights,
-    detectable_difference,
-    difference_interval,
     gao_curve,
     gao_fit,
     kl_estimate,
+)
+from rlhf.stats import (
+    detectable_difference,
+    difference_interval,
     mean_and_se,
     mean_and_se_over_posts,
     paired_difference,

@@ -45,7 +45,7 @@ from evaluation.summaries import (
 )
 from model.lora import LoRAConfig, trainable_summary
 from model.weights import save_export
-from rlhf.policy_gradient import ADVANTAGES
+from rlhf.advantages import ADVANTAGES
 from rollouts.batches import per_rank_sizes
 from rollouts.metrics import gold_metrics, step_metrics
 from rollouts.models import Models, build_models, check_models, check_step_fits, refresh_reference

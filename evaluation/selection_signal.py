@@ -2,7 +2,7 @@
 each held-out post from a policy at temperature 1, scored by the training reward (the reward model's normalized score
 of the raw score minus --missing_end_penalty without an end token, as grpo.py scores) and by the gold reward; then
 each selection keeps K of every pool, the advantage estimator turns the kept rewards into advantages (with
---global_norm over batches of --prompts_per_step posts, as a step does), and rlhf.policy_gradient.gold_alignment says
+--global_norm over batches of --prompts_per_step posts, as a step does), and rlhf.selection.gold_alignment says
 how the kept samples and their advantages line up with gold (the training reward's own shift beside it). Random
 selections are drawn --draws times on the same pools, from a generator of their own (seeded from --seed and the
 selection's name, so a row does not depend on --selections' order), and averaged per post; every selection sees the
@@ -32,16 +32,10 @@ import torch
 
 from evaluation.measure import load_frontier_prompts, score_samples
 from evaluation.samples import sample_summaries
-from rlhf.policy_gradient import (
-    ADVANTAGES,
-    SELECTIONS,
-    advantages,
-    gold_alignment,
-    kept_slope,
-    penalize_missing_end,
-    select,
-)
+from rlhf.advantages import ADVANTAGES, advantages
+from rlhf.policy_gradient import penalize_missing_end
 from rlhf.rewards import load_function
+from rlhf.selection import SELECTIONS, gold_alignment, kept_slope, select
 from utils.config import ConfigError
 from utils.dist import stream
 from utils.logging import EvalProgress

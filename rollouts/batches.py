@@ -7,7 +7,7 @@ import torch
 
 from model.gpt2 import SharedPrefix
 from model.sampler import SampleOutput
-from rlhf.policy_gradient import advantages
+from rlhf.advantages import advantages
 from rollouts.sampling import micro_batch_rows, model_rows
 from utils.config import ConfigError
 from utils.dist import all_reduce_max, all_reduce_sum

@@ -8,8 +8,8 @@ import torch
 
 from data.tldr import decode_responses
 from model.sampler import SampleOutput
-from rlhf.policy_gradient import selection_diagnostics
 from rlhf.rewards import source_stats
+from rlhf.selection import selection_diagnostics
 from rollouts.batches import MicroBatch
 from rollouts.prompts import PromptSet
 from rollouts.sampling import RewardSpec, Scores
@@ -26,7 +26,7 @@ class StepResult:
     scores: Scores  # every reward source's values and the training reward
     idx_BK: torch.Tensor  # (B, K) kept columns of each prompt's group
     rows_BK: torch.Tensor  # (B, K) kept rows of the samples
-    selection_stats: dict  # per prompt (B,): candidates visited and rounds (rlhf/policy_gradient.py select)
+    selection_stats: dict  # per prompt (B,): candidates visited and rounds (rlhf/selection.py select)
     rewards_BK: torch.Tensor  # (B, K) the kept samples' rewards
     advantages: torch.Tensor  # (B*K,), 0 in the groups --min_group_std dropped
     batches: list[MicroBatch]  # the update's micro-batches
@@ -80,7 +80,7 @@ metric("reward/{source}_fraction", "max", "share of the samples that source appl
 metric("rs/acceptance_rate", "max", "kept samples over candidates visited by the selection")
 metric("rs/rounds_mean", None, "the selection's mean rounds per prompt")
 metric("rs/rounds_max", None, "the selection's most rounds of a prompt")
-# what the selection kept against its pool (rlhf/policy_gradient.py selection_diagnostics): no best, a description
+# what the selection kept against its pool (rlhf/selection.py selection_diagnostics): no best, a description
 metric("rs/kept_mean_shift", None, "mean over groups of (kept mean - pool mean) reward, in pool standard deviations")
 metric("rs/kept_std_ratio", None, "kept within-group reward std against the pool's: sqrt(mean of s2_K / s2_G)")
 metric("rs/pool_group_std", None, "the pool's within-group reward std: sqrt(mean over groups of s2_G)")

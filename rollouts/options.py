@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from data.synthetic import gold_reward as synthetic_gold_reward
-from rlhf.policy_gradient import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, SELECTIONS, Objective
+from rlhf.advantages import ADVANTAGES
+from rlhf.policy_gradient import AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, Objective
 from rlhf.rewards import RewardSource, load_function, parse_rewards
+from rlhf.selection import SELECTIONS
 from utils.config import ConfigError, declared, option, require_non_negative, require_nonempty, require_positive
 
 TASK_REWARDS = {"gold_reward": synthetic_gold_reward}  # --rewards gold_reward: the embedded task's gold reward
@@ -109,7 +111,7 @@ class SelectionConfig:
 
     # --- rewards and selection
     selection: str = option("rso", choices=SELECTIONS)
-    """How K of the G samples are kept (rlhf/policy_gradient.py SELECTIONS)."""
+    """How K of the G samples are kept (rlhf/selection.py SELECTIONS)."""
     num_kept: int = 8
     """K: samples kept per prompt for the update (ignored by --selection all)."""
     beta_rs: float = 2.0
@@ -147,7 +149,7 @@ class SelectionConfig:
 class ObjectiveConfig:
     # --- objective
     advantage: str = option("grpo", choices=ADVANTAGES)
-    """Advantage estimator over each group's K kept samples (rlhf/policy_gradient.py ADVANTAGES); the estimators that
+    """Advantage estimator over each group's K kept samples (rlhf/advantages.py ADVANTAGES); the estimators that
     use batch statistics take them over every kept sample of every rank."""
     global_norm: bool = True
     """After the advantage estimator, whiten the advantages over the whole batch across all ranks."""

@@ -25,8 +25,10 @@ from dataclasses import replace
 import torch
 
 from model.sampler import SampleOutput
-from rlhf.policy_gradient import informative_groups, penalize_missing_end, select, sequence_kl
+from rlhf.advantages import informative_groups
+from rlhf.policy_gradient import penalize_missing_end, sequence_kl
 from rlhf.rewards import combine_sources, normalize_sources
+from rlhf.selection import select
 from rollouts.batches import MicroBatch, build_training_batches, kept_advantages, pad_micro_batches, with_advantages
 from rollouts.metrics import StepResult
 from rollouts.models import Models

@@ -14,7 +14,9 @@ from grpo import Config
 from model.gpt2 import GPT2LMHeadModel, GPTConfig
 from model.sampler import END_ID, SampleOutput
 from model.weights import build_policy, freeze
-from rlhf.policy_gradient import AGGREGATIONS, global_normalize, select_top, selection_diagnostics
+from rlhf.advantages import global_normalize
+from rlhf.policy_gradient import AGGREGATIONS
+from rlhf.selection import select_top, selection_diagnostics
 from rollouts.batches import build_training_batches
 from rollouts.models import Models
 from rollouts.sampling import RewardSpec

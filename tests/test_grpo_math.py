@@ -1,5 +1,6 @@
-"""rlhf/policy_gradient.py: selection, advantages, the per-token loss and the aggregation variants, against values
-worked by hand, an independent loop implementation of RSO Algorithm 1, and invariances."""
+"""rlhf/selection.py, advantages.py and policy_gradient.py: selection, advantages, the per-token loss and the
+aggregation variants, against values worked by hand, an independent loop implementation of RSO Algorithm 1, and
+invariances."""
 
 import math
 import random
@@ -7,31 +8,35 @@ import random
 import pytest
 import torch
 
-from rlhf.policy_gradient import (
+from rlhf.advantages import (
     ADVANTAGES,
-    AGGREGATIONS,
-    Objective,
     advantages,
     batch_whitened_reward,
-    clipped_surrogate,
-    dr_grpo_weights,
     global_normalize,
-    gold_alignment,
     group_center,
     group_normalize,
+    leave_one_out,
+    pool_normalize,
+)
+from rlhf.policy_gradient import (
+    AGGREGATIONS,
+    Objective,
+    clipped_surrogate,
+    dr_grpo_weights,
     grpo_weights,
     k3_kl,
-    leave_one_out,
     penalize_missing_end,
-    pool_normalize,
+    token_entropy,
+    token_mean_weights,
+)
+from rlhf.selection import (
+    gold_alignment,
     select_all,
     select_rso,
     select_top,
     select_top_bottom,
     select_uniform,
     selection_diagnostics,
-    token_entropy,
-    token_mean_weights,
 )
 
 
@@ -83,7 +88,7 @@ def test_top_keeps_the_k_best_ties_to_the_lower_column_and_is_rsos_tiny_beta_lim
 
 
 def test_selection_diagnostics_by_hand_and_summed_over_ranks():
-    """Three groups of G = 5 scored samples, K = 3 kept (rlhf/policy_gradient.py selection_diagnostics):
+    """Three groups of G = 5 scored samples, K = 3 kept (rlhf/selection.py selection_diagnostics):
     group 0: pool 0..4 (mean 2, s2 2.5), kept 2, 3, 4 (mean 3, s2 1): shift 1 / sqrt(2.5), variance ratio 0.4,
              |deviations| 1, 0, 1: ESS 2^2 / 2 = 2
     group 1: pool 0, 0, 0, 0, 5 (mean 1, s2 5), kept 0, 0, 5 (mean 5/3, s2 25/3): shift (2/3) / sqrt(5), ratio 5/3,
@@ -125,7 +130,7 @@ def test_selection_diagnostics_of_each_selection_on_normal_rewards():
     its mean by sigma^2 / beta_rs and keeps its variance, until the pool's top is reached; uniform selection keeps the
     pool's mean and (in expectation of the variance) spread; top_bottom keeps the extremes, all about equally far from
     their mean."""
-    from rlhf.policy_gradient import select
+    from rlhf.selection import select
 
     g = torch.Generator().manual_seed(0)
     pool = torch.randn(4000, 64, generator=g)
@@ -147,7 +152,7 @@ def test_selection_diagnostics_of_each_selection_on_normal_rewards():
 
 
 def test_gold_alignment_by_hand():
-    """Two groups of G = 4 scored samples, K = 2 kept (rlhf/policy_gradient.py gold_alignment):
+    """Two groups of G = 4 scored samples, K = 2 kept (rlhf/selection.py gold_alignment):
     group 0: pool gold 0..3 (mean 1.5, s2 5/3), kept gold 2, 3 (s2 1/2), rewards 1, 2, advantages -1, +1:
              gold shift 1 / sqrt(5/3), variance ratio 0.3, corr +1;
     group 1: pool gold all 1 (tied), kept rewards 0, 4 with advantages +1, -1: shift, ratio and corr undefined.
@@ -193,7 +198,7 @@ def test_gold_alignment_reads_the_pool_mean_and_the_batch_rms_by_hand():
 
 
 def test_kept_slope_by_hand_and_on_normal_pools():
-    """rlhf/policy_gradient.py kept_slope: the slope of gold on the training reward among the kept samples, each
+    """rlhf/selection.py kept_slope: the slope of gold on the training reward among the kept samples, each
     standardized by its pool's spread, pooled within groups over the batch. By hand, G = 4, K = 2:
     group 0: reward pool 0..3 (s_r = sqrt(5/3)), gold pool twice it (s_g = 2 s_r); kept rewards 1, 2 with gold 2, 6:
              standardized deviations -+1/2 / s_r and -+1 / s_r: cross 1 / s_r^2 = 3/5, squares 1/2 / s_r^2 = 3/10;
@@ -204,7 +209,7 @@ def test_kept_slope_by_hand_and_on_normal_pools():
     On normal pools with gold = rho reward + noise (correlation rho everywhere), selecting on the reward leaves the
     slope at rho for every selection (regression on the variable selected on is not range-restricted), while the
     correlation among the top 8 of 64 falls to about a third of it."""
-    from rlhf.policy_gradient import kept_slope, select
+    from rlhf.selection import kept_slope, select
 
     reward_pool = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 4.0, 4.0], [1.0] * 4])
     gold_pool = torch.tensor([[0.0, 2.0, 4.0, 6.0], [0.0, 0.0, 4.0, 4.0], [0.0, 1.0, 2.0, 3.0]])
@@ -232,7 +237,7 @@ def test_gold_alignment_of_selections_on_normal_rewards():
     without changing its shape, so the signal stays uniform's (0.640 against 0.647 on this draw); the pool's top end
     bends the tilt at beta_rs 0.5 and cuts it off for the top 8, which shrink the spread, the correlation and the
     signal (range restriction); keeping the extremes raises all three; gold independent of the reward: signal 0."""
-    from rlhf.policy_gradient import select
+    from rlhf.selection import select
 
     g = torch.Generator().manual_seed(0)
     reward = torch.randn(4000, 64, generator=g)

@@ -3,6 +3,7 @@ mismatch and its rollout correction, the KL estimators and where the KL goes, dy
 worked by hand or exact expectations on a toy categorical policy, then each end to end in a two-process gloo run of
 grpo.py on the embedded task."""
 
+import importlib
 import json
 import math
 
@@ -10,12 +11,12 @@ import pytest
 import torch
 
 from grpo import Config
+from rlhf.advantages import informative_groups
 from rlhf.policy_gradient import (
     AGGREGATIONS,
     Objective,
     dr_grpo_weights,
     grpo_weights,
-    informative_groups,
     mismatch_stats,
     rollout_correction,
     sequence_clipped_surrogate,
@@ -463,7 +464,7 @@ def test_top_selection_and_pool_statistics_run_in_grpos_step_from_the_command_li
     from grpo import Config
     from model.gpt2 import GPT2LMHeadModel, GPTConfig
     from model.weights import freeze
-    from rlhf.policy_gradient import global_normalize, pool_normalize
+    from rlhf.advantages import global_normalize, pool_normalize
     from rollouts.metrics import step_metrics
     from rollouts.models import Models
     from rollouts.step import train_step
@@ -507,11 +508,11 @@ def test_pool_statistics_need_a_pool_and_the_kl_in_the_loss(capsys):
 
 
 REGISTRIES = {
-    "selection": "SELECTIONS",
-    "advantage": "ADVANTAGES",
-    "loss_type": "AGGREGATIONS",
-    "kl_estimator": "KL_ESTIMATORS",
-    "rollout_correction": "ROLLOUT_CORRECTIONS",
+    "selection": ("rlhf.selection", "SELECTIONS"),
+    "advantage": ("rlhf.advantages", "ADVANTAGES"),
+    "loss_type": ("rlhf.policy_gradient", "AGGREGATIONS"),
+    "kl_estimator": ("rlhf.policy_gradient", "KL_ESTIMATORS"),
+    "rollout_correction": ("rlhf.policy_gradient", "ROLLOUT_CORRECTIONS"),
 }
 
 
@@ -519,10 +520,10 @@ REGISTRIES = {
 def test_each_choice_option_takes_and_lists_every_registered_name(option, capsys):
     """--help and the generated docs list each registered name with its phrase; every name parses; any other is one
     line naming the option."""
-    import rlhf.policy_gradient
     from utils.config import build_parser, options_markdown
 
-    registry = getattr(rlhf.policy_gradient, REGISTRIES[option])
+    module, name = REGISTRIES[option]
+    registry = getattr(importlib.import_module(module), name)
     action = next(a for a in build_parser(Config)._actions if a.dest == option)
     assert action.choices == list(registry) and len(registry) >= 3
     table = options_markdown(Config)
@@ -536,8 +537,8 @@ def test_each_choice_option_takes_and_lists_every_registered_name(option, capsys
 
 def test_a_registered_estimator_is_an_option_value_with_no_other_edit():
     """The proof of the registry: a function under the decorator is selectable by --advantage, listed by --help, and
-    reached by rlhf.policy_gradient.advantages; a name registered twice or looked up unregistered is a ValueError."""
-    from rlhf.policy_gradient import ADVANTAGES, advantages
+    reached by rlhf.advantages.advantages; a name registered twice or looked up unregistered is a ValueError."""
+    from rlhf.advantages import ADVANTAGES, advantages
     from utils.config import build_parser
 
     @ADVANTAGES.register("test_sign", help="the sign of r", min_kept=3)

@@ -26,7 +26,8 @@ from grpo import Config  # noqa: E402
 from model.gpt2 import GPT2LMHeadModel, GPTConfig  # noqa: E402
 from model.sampler import SampleOutput  # noqa: E402
 from model.weights import freeze  # noqa: E402
-from rlhf.policy_gradient import global_normalize, group_normalize, select_top, selection_diagnostics  # noqa: E402
+from rlhf.advantages import global_normalize, group_normalize
+from rlhf.selection import select_top, selection_diagnostics  # noqa: E402
 from rollouts.batches import build_training_batches  # noqa: E402
 from rollouts.update import batch_logprobs, policy_update  # noqa: E402
 from utils.dist import all_reduce_sum, cleanup_distributed, setup_distributed  # noqa: E402

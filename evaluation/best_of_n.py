@@ -2,7 +2,7 @@
 2210.10760): `best_of_n` samples a pool of 64 (`pool`) summaries of each post from the reference once and estimates,
 for every n in 1, 2, 4, ..., `n_max`, the expected values of best-of-n over every n-subset of the pool at once, and its
 KL from the pool's empirical distribution (repeated summaries one outcome), beside the formula's bound
-log n - (n - 1)/n (rlhf.stats: best_of_n_weights, best_of_n_pool_kl, best_of_n_kl). Its samples are scored as a
+log n - (n - 1)/n (rlhf.frontier: best_of_n_weights, best_of_n_pool_kl, best_of_n_kl). Its samples are scored as a
 policy's are (evaluation/measure.py score_samples), on the same posts, so that the comparisons at matched KL
 (evaluation/matched.py) pair them post by post.
 """

@@ -30,7 +30,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
 # own order. One process (JOBS=0) keeps the files' own order.
 SLOWEST_FIRST = (
     "test_learning.py",
-    "test_frontier.py",
+    "test_frontier_runs.py",
     "test_golden.py",
     "test_distributed.py",
     "test_grpo.py",
@@ -41,6 +41,7 @@ SLOWEST_FIRST = (
     "test_sampler.py",
     "test_grpo_options.py",
     "test_lora.py",
+    "test_frontier.py",
 )
 IN_A_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 if IN_A_WORKER:

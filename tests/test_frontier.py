@@ -20,6 +20,7 @@ from evaluation.matched import BEST_OF_N, frontier_points, verdict_rows, verdict
 from evaluation.measure import FrontierPrompts, measure, sequence_logprobs
 from evaluation.samples import sample_summaries
 from model.gpt2 import PRESETS, GPT2LMHeadModel
+from model.heads import RewardModel
 from rlhf.frontier import (
     best_of_n_expected,
     best_of_n_index,
@@ -712,3 +713,22 @@ def test_best_of_n_curve_on_known_rewards():
     assert curve[-1]["proxy"] >= curve[0]["proxy"]
     with pytest.raises(ValueError, match="pool"):
         best_of_n(policy, prompts, TableReward(table), tok, gen, 1, n_max=8, pool=4)
+
+
+def test_metric_names_are_the_ones_evaluate_logs(tmp_path):
+    # the stages check --best_metric against Frontier.metric_names before their first step, without evaluating
+    from types import SimpleNamespace
+
+    from evaluation.frontier_declarations import FrontierConfig
+    from evaluation.measure import Frontier
+
+    paths = write_task(tmp_path / "data", seed=0)
+    policy, reference = two_policies()
+    torch.manual_seed(0)
+    reward_model = RewardModel(PRESETS["tiny"]).eval()
+    cfg = SimpleNamespace(**vars(FrontierConfig(frontier_prompts=2, frontier_samples=2)), seed=0)
+    run = SimpleNamespace(dtype=None, device=torch.device("cpu"))
+    for rm, gold in ((None, None), (reward_model, None), (reward_model, lambda prompt, response: 1.0)):
+        for source in (paths["sft_validation"], paths["preference_validation"]):  # with and without references
+            frontier = Frontier(cfg, str(source), "", get_tokenizer(), 64, 4, run, reward_model=rm, gold_fn=gold)
+            assert set(frontier.evaluate(policy, reference, 0)) == frontier.metric_names()

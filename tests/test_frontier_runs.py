@@ -1,5 +1,5 @@
 """The reward-KL frontier end to end on random tiny models: a tiny `demo.py --frontier_seeds` run and a tiny verdict
-run, what the frontier's command lines draw and check, the metric names evaluate logs, and the selection signal
+run, what the frontier's command lines draw and check, and the selection signal
 (evaluation/selection_signal.py) by hand, on normal pools and on tiny models. The estimators' own tests:
 tests/test_frontier.py."""
 
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from data.synthetic import write_task
-from data.tokenizer import get_tokenizer
 from evaluation.frontier import frontier_table
 from evaluation.matched import frontier_points
 from model.gpt2 import PRESETS, GPT2LMHeadModel
@@ -22,15 +21,6 @@ from model.heads import RewardModel
 from model.weights import save_hf
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def two_policies():
-    """Two tiny random GPT-2s (different seeds): a policy and a reference whose next-token distributions differ."""
-    torch.manual_seed(0)
-    policy = GPT2LMHeadModel(PRESETS["tiny"]).eval()
-    torch.manual_seed(1)
-    reference = GPT2LMHeadModel(PRESETS["tiny"]).eval()
-    return policy, reference
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -258,25 +248,6 @@ def test_the_command_line_draws_runs_without_a_gold_reward(tiny_demo, tmp_path, 
     Logger(tmp_path / "plain", {"seed": 0}, "test", "run", "disabled", enabled=True).finish()
     with pytest.raises(CompareError, match="plain: no eval/kl in its metrics.jsonl"):
         frontier.main([str(tmp_path / "plain"), *common, "--out", ""])
-
-
-def test_metric_names_are_the_ones_evaluate_logs(tmp_path):
-    # the stages check --best_metric against Frontier.metric_names before their first step, without evaluating
-    from types import SimpleNamespace
-
-    from evaluation.frontier_declarations import FrontierConfig
-    from evaluation.measure import Frontier
-
-    paths = write_task(tmp_path / "data", seed=0)
-    policy, reference = two_policies()
-    torch.manual_seed(0)
-    reward_model = RewardModel(PRESETS["tiny"]).eval()
-    cfg = SimpleNamespace(**vars(FrontierConfig(frontier_prompts=2, frontier_samples=2)), seed=0)
-    run = SimpleNamespace(dtype=None, device=torch.device("cpu"))
-    for rm, gold in ((None, None), (reward_model, None), (reward_model, lambda prompt, response: 1.0)):
-        for source in (paths["sft_validation"], paths["preference_validation"]):  # with and without references
-            frontier = Frontier(cfg, str(source), "", get_tokenizer(), 64, 4, run, reward_model=rm, gold_fn=gold)
-            assert set(frontier.evaluate(policy, reference, 0)) == frontier.metric_names()
 
 
 def test_frontier_points_read_a_torn_last_line_and_a_missing_standard_error(tmp_path):

@@ -77,6 +77,45 @@ def pool_normalize(
     return ((r - pool.mean(1, keepdim=True)) / (pool.std(1, keepdim=True) + eps)).float()
 
 
+# The two halves of pool_normalized, which changes GRPO's centre and scale at once: each takes one statistic from the
+# pool and the other from the kept set, so an experiment can tell which of the two a change of estimator moves.
+
+
+@ADVANTAGES.register(
+    "pool_centered",
+    help="(r - mean) / (std + eps), the mean of all G scored samples, the std of the K kept",
+    pool=True,
+    min_kept=2,
+)
+def pool_center(
+    rewards_BK: torch.Tensor, reduce_sum=None, pool_BG: torch.Tensor | None = None, eps: float = 1e-4
+) -> torch.Tensor:
+    """GRPO's advantage with the pool's centre and the kept set's scale: (r - mean_G) / (std_K + eps), the mean over
+    all G scored samples of the group (B, G), the sample std (Bessel-corrected) over its K kept (B, K). Against
+    `grpo` it moves the centre only, against `pool_normalized` the scale only. When selection keeps all G it is
+    `grpo` bit for bit. Statistics in float64, result fp32; K >= 2."""
+    if pool_BG is None:
+        raise ValueError("pool_centered needs the rewards of every scored sample of each group (pool_BG)")
+    r, pool = rewards_BK.double(), pool_BG.double()
+    return ((r - pool.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).float()
+
+
+@ADVANTAGES.register(
+    "pool_scaled", help="(r - mean) / (std + eps), the mean of the K kept, the std of all G scored samples", pool=True
+)
+def pool_scale(
+    rewards_BK: torch.Tensor, reduce_sum=None, pool_BG: torch.Tensor | None = None, eps: float = 1e-4
+) -> torch.Tensor:
+    """GRPO's advantage with the kept set's centre and the pool's scale: (r - mean_K) / (std_G + eps), the mean over
+    the group's K kept (B, K), the sample std (Bessel-corrected) over all G scored samples (B, G). Against `grpo` it
+    moves the scale only, against `pool_normalized` the centre only. When selection keeps all G it is `grpo` bit for
+    bit. Statistics in float64, result fp32; needs G >= 2, any K >= 1 (one kept sample gets 0)."""
+    if pool_BG is None:
+        raise ValueError("pool_scaled needs the rewards of every scored sample of each group (pool_BG)")
+    r, pool = rewards_BK.double(), pool_BG.double()
+    return ((r - r.mean(1, keepdim=True)) / (pool.std(1, keepdim=True) + eps)).float()
+
+
 def informative_groups(rewards_BK: torch.Tensor, min_std: float) -> torch.Tensor:
     """DAPO's dynamic sampling filter (arXiv 2503.14476, eq. 11), as a threshold: True (B,) for the groups whose kept
     rewards have a sample std (float64) of at least `min_std`. A group that scored all alike has advantage 0 and only

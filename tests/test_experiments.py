@@ -359,7 +359,11 @@ def test_each_command_refuses_the_other_kind_of_verdict_in_one_line(tmp_path, ca
     )
 
 
-@pytest.mark.parametrize("name", ["embedded", "dose_response", "budget", "gold_dose", "estimator", "rm_quality"])
+EMBEDDED_VERDICTS = sorted(p.stem for p in (ROOT / "configs" / "verdict").glob("*.toml") if p.stem != "tldr")
+"""Every checked-in verdict of the embedded task (tldr.toml has a [task] of its own: tested apart)."""
+
+
+@pytest.mark.parametrize("name", EMBEDDED_VERDICTS)
 def test_each_embedded_verdict_file_is_read_and_its_arms_pass_their_scripts_checks(name):
     """The checked-in verdicts of the embedded task as demo.py --verdict reads them: every arm's first run through its
     script's parser and validate, each pair naming two arms, every arm's options as the file says (an option a script

@@ -16,7 +16,9 @@ from rlhf.advantages import (
     group_center,
     group_normalize,
     leave_one_out,
+    pool_center,
     pool_normalize,
+    pool_scale,
 )
 from rlhf.policy_gradient import (
     AGGREGATIONS,
@@ -386,6 +388,32 @@ def test_pool_normalized_by_hand_and_with_global_normalization():
     assert torch.equal(pool_normalize(r, pool_BG=r), group_normalize(r))
     with pytest.raises(ValueError, match="pool_BG"):
         advantages(kept, "pool_normalized", False)
+
+
+def test_pool_centered_and_pool_scaled_by_hand():
+    """The two halves of pool_normalized on its case: pool 0, 2, 4, 6 (mean 3, sample std s = sqrt(20 / 3)), kept 4, 6
+    (mean 5, sample std sqrt(2)) and 0, 6 (mean 3, sample std sqrt(18)). pool_centered, (r - 3) / (std_K + 1e-4):
+    (1, 3) / sqrt(2) and (-3, 3) / sqrt(18); pool_scaled, (r - mean_K) / (s + 1e-4): (-1, 1) / s and (-3, 3) / s.
+    Each is grpo when every sample is kept; pool_centered times (std_K + eps) / (std_G + eps) is pool_normalized."""
+    pool = torch.tensor([[0.0, 2.0, 4.0, 6.0], [0.0, 2.0, 4.0, 6.0]])
+    kept = torch.tensor([[4.0, 6.0], [0.0, 6.0]])
+    s = math.sqrt(20 / 3) + 1e-4
+    centered = torch.tensor([[1.0 / (math.sqrt(2) + 1e-4), 3.0 / (math.sqrt(2) + 1e-4)], [-3.0, 3.0]])
+    centered[1] /= math.sqrt(18) + 1e-4
+    assert torch.allclose(pool_center(kept, pool_BG=pool), centered, atol=1e-6)
+    assert torch.allclose(pool_scale(kept, pool_BG=pool), torch.tensor([[-1.0, 1.0], [-3.0, 3.0]]) / s, atol=1e-6)
+    for name, estimator in (("pool_centered", pool_center), ("pool_scaled", pool_scale)):
+        assert torch.equal(advantages(kept, name, False, pool_BG=pool), estimator(kept, pool_BG=pool).flatten())
+    rescale = (kept.double().std(1, keepdim=True) + 1e-4) / (pool.double().std(1, keepdim=True) + 1e-4)
+    assert torch.allclose(
+        pool_center(kept, pool_BG=pool) * rescale.float(), pool_normalize(kept, pool_BG=pool), atol=1e-6
+    )
+    r = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(pool_center(r, pool_BG=r), group_normalize(r))
+    assert torch.equal(pool_scale(r, pool_BG=r), group_normalize(r))
+    for name in ("pool_centered", "pool_scaled"):
+        with pytest.raises(ValueError, match="pool_BG"):
+            advantages(kept, name, False)
 
 
 def test_rloo_gradient_is_unbiased_for_independent_samples():

@@ -58,6 +58,14 @@ def leave_one_out(rewards_BK: torch.Tensor, reduce_sum=None) -> torch.Tensor:
     return (r - (r.sum(1, keepdim=True) - r) / (K - 1)).float()
 
 
+def kept_and_pool(name: str, rewards_BK: torch.Tensor, pool_BG: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The kept rewards (B, K) and the pool's (B, G) in float64, for the estimators registered with pool=True (`name`
+    is the estimator's, for the error when the pool is missing)."""
+    if pool_BG is None:
+        raise ValueError(f"{name} needs the rewards of every scored sample of each group (pool_BG)")
+    return rewards_BK.double(), pool_BG.double()
+
+
 @ADVANTAGES.register(
     "pool_normalized", help="GRPO's (r - mean) / (std + eps) with the mean and std of all G scored samples", pool=True
 )
@@ -71,9 +79,7 @@ def pool_normalize(
     statistics would centre them (about half negative). With --global_norm the batch's mean advantage is then
     subtracted, one baseline for every group. When selection keeps all G, the kept are the pool in its order and
     this is `grpo` bit for bit. Statistics in float64, result fp32; needs G >= 2, any K >= 1."""
-    if pool_BG is None:
-        raise ValueError("pool_normalized needs the rewards of every scored sample of each group (pool_BG)")
-    r, pool = rewards_BK.double(), pool_BG.double()
+    r, pool = kept_and_pool("pool_normalized", rewards_BK, pool_BG)
     return ((r - pool.mean(1, keepdim=True)) / (pool.std(1, keepdim=True) + eps)).float()
 
 
@@ -94,9 +100,7 @@ def pool_center(
     all G scored samples of the group (B, G), the sample std (Bessel-corrected) over its K kept (B, K). Against
     `grpo` it moves the centre only, against `pool_normalized` the scale only. When selection keeps all G it is
     `grpo` bit for bit. Statistics in float64, result fp32; K >= 2."""
-    if pool_BG is None:
-        raise ValueError("pool_centered needs the rewards of every scored sample of each group (pool_BG)")
-    r, pool = rewards_BK.double(), pool_BG.double()
+    r, pool = kept_and_pool("pool_centered", rewards_BK, pool_BG)
     return ((r - pool.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).float()
 
 
@@ -110,9 +114,7 @@ def pool_scale(
     the group's K kept (B, K), the sample std (Bessel-corrected) over all G scored samples (B, G). Against `grpo` it
     moves the scale only, against `pool_normalized` the centre only. When selection keeps all G it is `grpo` bit for
     bit. Statistics in float64, result fp32; needs G >= 2, any K >= 1 (one kept sample gets 0)."""
-    if pool_BG is None:
-        raise ValueError("pool_scaled needs the rewards of every scored sample of each group (pool_BG)")
-    r, pool = rewards_BK.double(), pool_BG.double()
+    r, pool = kept_and_pool("pool_scaled", rewards_BK, pool_BG)
     return ((r - r.mean(1, keepdim=True)) / (pool.std(1, keepdim=True) + eps)).float()
 
 
